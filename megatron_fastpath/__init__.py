@@ -1,0 +1,29 @@
+"""megatron_fastpath: remove the glue-code overhead (host syncs, per-layer rebuilds, copies)
+around Megatron-Core's math kernels so per-layer CUDA graphs, FP8 and LoRA run sync-free.
+
+Public API (lazy: importing the package does not import Megatron):
+    SyncSentinel, HostSyncError          -- count / forbid host syncs in a region
+    PackedSeqCache, PackedSeqConfig      -- per-batch packed-sequence metadata in static buffers
+    get_fastpath_layer_spec              -- Megatron TransformerLayer ModuleSpec reading the cache
+"""
+
+from megatron_fastpath.sync import HostSyncError, SyncEvent, SyncSentinel
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PackedSeqCache": "megatron_fastpath.packed_seq.cache",
+    "PackedSeqConfig": "megatron_fastpath.packed_seq.cache",
+    "get_fastpath_layer_spec": "megatron_fastpath.layer_spec",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_fastpath' has no attribute {name!r}")
+
+
+__all__ = ["HostSyncError", "SyncEvent", "SyncSentinel", *_LAZY]

@@ -1,0 +1,32 @@
+"""megatron_fastpath: sync-free glue around Megatron-Core's math kernels."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_fastpath",
+    version="0.1.0",
+    description=(
+        "Packed-sequence params cache, TE-aware double-buffered activation offload and a "
+        "sort/count MoE token dispatcher for Megatron-Core, free of CPU-GPU syncs."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_fastpath", "megatron_fastpath.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "hydra-core>=1.3.2,<1.4",
+        "omegaconf",
+        "numpy",
+    ],
+    extras_require={
+        # GPU-only packages: they do not install or run on CPU machines.
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "flash": ["flash-attn>=2.6"],
+        # NeMo 2 recipes (nemo.collections.llm) live in 2.x; 3.0 dropped them.
+        "nemo": ["nemo-toolkit[llm]>=2.7,<2.8", "pyarrow==21.*", "leptonai==0.26.*"],
+        "test": ["pytest>=8"],
+    },
+    entry_points={"console_scripts": ["megatron-fastpath-train=megatron_fastpath.train:main"]},
+)
