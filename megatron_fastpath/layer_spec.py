@@ -1,0 +1,89 @@
+"""Megatron ``TransformerLayer`` specs whose attention reads the packed-sequence cache.
+
+Drop-in for ``GPTModel(transformer_layer_spec=...)``: the spec is Megatron's own local (or
+Transformer Engine) GPT layer spec with two entries swapped, as data:
+
+* ``self_attention.module`` -> :class:`CachedRopeSelfAttention` (RoPE from the cache), and
+* ``self_attention.submodules.core_attention`` -> :class:`PackedCoreAttention` bound to the cache.
+
+Build the model with ``position_embedding_type="none"`` (RoPE is applied from the cache; on CPU
+Megatron 0.16.1's ``RotaryEmbedding`` would move itself to CUDA) or ``"rope"`` on GPU (its
+per-model embedding is then computed but not used), and call it with
+``attention_mask=None, packed_seq_params=batch.packed_seq_params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_fastpath.attention.core_attention import resolve_backend
+
+__all__ = ["get_fastpath_layer_spec"]
+
+
+def get_fastpath_layer_spec(
+    cache,
+    backend: str = "auto",
+    normalization: str = "RMSNorm",
+    qk_layernorm: bool = False,
+    num_experts: Optional[int] = None,
+    linear_impl: Optional[str] = None,
+    moe_spec_kwargs: Optional[dict] = None,
+):
+    """Return a ``ModuleSpec`` for a Megatron ``TransformerLayer`` reading ``cache``.
+
+    Args:
+        cache: the :class:`PackedSeqCache` shared by all layers (one per device).
+        backend: core attention backend: "sdpa" (CPU default), "flex", "flash", "te", "auto".
+            A backend whose package is missing is refused here, before any model is built.
+        normalization: "RMSNorm" (Llama) or "LayerNorm".
+        qk_layernorm: normalise q and k per head.
+        num_experts: None for a dense SwiGLU/GELU MLP (per TransformerConfig); an int selects the
+            sort/count MoE layer (:mod:`megatron_fastpath.moe`).
+        linear_impl: "local" (Megatron's own linears, CPU-capable) or "te" (Transformer Engine
+            linears, needed for FP8); default "te" when backend resolves to "te", else "local".
+        moe_spec_kwargs: extra keyword arguments for :func:`megatron_fastpath.moe.get_moe_mlp_spec`.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+    from megatron_fastpath.attention.self_attention import CachedRopeSelfAttention
+
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm'; got {normalization!r}")
+    resolved = resolve_backend(
+        backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens
+    )
+    linear_impl = linear_impl or ("te" if resolved == "te" else "local")
+    if linear_impl not in ("local", "te"):
+        raise ValueError(f"linear_impl must be 'local' or 'te'; got {linear_impl!r}")
+
+    if linear_impl == "te":
+        from megatron_fastpath._optional import require
+
+        require("transformer_engine.pytorch", "linear_impl='te'", "linear_impl='local'")
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+
+    attn = base.submodules.self_attention
+    core = ModuleSpec(module=PackedCoreAttention, params={"cache": cache, "backend": resolved})
+    self_attention = ModuleSpec(
+        module=CachedRopeSelfAttention,
+        params=dict(attn.params),
+        submodules=dataclasses.replace(attn.submodules, core_attention=core),
+    )
+    mlp = base.submodules.mlp
+    if num_experts is not None:
+        from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+        mlp = get_moe_mlp_spec(num_experts=num_experts, **(moe_spec_kwargs or {}))
+    submodules = dataclasses.replace(base.submodules, self_attention=self_attention, mlp=mlp)
+    return ModuleSpec(module=base.module, params=dict(base.params), submodules=submodules)
