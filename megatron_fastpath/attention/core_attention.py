@@ -50,7 +50,9 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
             return "te"
         if device.type == "cuda" and have("flash_attn"):
             return "flash"
-        return "sdpa" if max_tokens <= sdpa_limit else "flex"
+        if device.type == "cuda" and max_tokens > sdpa_limit:
+            return "flex"
+        return "sdpa"  # on CPU above the mask limit this raises with the alternatives
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
     if backend == "flash":
@@ -211,6 +213,11 @@ class PackedCoreAttention(_megatron_module_base()):
     def _forward_flex(self, q, k, v, params):
         if self._dropout() > 0:
             raise ValueError("the 'flex' backend does not support attention dropout; use 'sdpa'")
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise ValueError(
+                "the 'flex' backend has no backward on CPU (torch FlexAttention limitation); "
+                "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"
+            )
         block_mask = self.cache.flex_block_mask(params)
         out_1HTd = self._flex(
             q.transpose(0, 1).unsqueeze(0),

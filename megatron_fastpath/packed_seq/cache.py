@@ -261,7 +261,7 @@ class PackedSeqCache:
             # The previous batch's copy out of this staging buffer is still queued (rare: a
             # whole forward+backward ran since). Waiting on that event is not a D2H transfer.
             slot.copy_done.synchronize()
-        slot.staging_R.numpy()[:] = host.record_R
+        slot.staging_R.copy_(torch.from_numpy(host.record_R))  # host -> pinned host
         slot.record_R.copy_(slot.staging_R, non_blocking=True)
         if slot.copy_done is not None:
             slot.copy_done.record()

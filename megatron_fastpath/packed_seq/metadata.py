@@ -89,7 +89,13 @@ def _as_host_int_array(values: LengthsLike, what: str) -> np.ndarray:
             raise TypeError(f"{what} must be integers; got a tensor of dtype {values.dtype}")
         arr = values.detach().numpy()
     else:
+        if isinstance(values, (list, tuple)) and any(
+            isinstance(v, (bool, np.bool_)) for v in values
+        ):
+            raise TypeError(f"{what} must be integers; got booleans in {list(values)[:8]!r}")
         arr = np.asarray(values)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
         if arr.dtype == object:
             bad = [v for v in arr.ravel() if not isinstance(v, numbers.Integral)]
             raise TypeError(f"{what} must be integers; got {bad[:3]!r}")
@@ -97,7 +103,7 @@ def _as_host_int_array(values: LengthsLike, what: str) -> np.ndarray:
             if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
                 raise TypeError(f"{what} must be integers; got non-integer values {arr[:8]!r}")
             raise TypeError(f"{what} must have an integer dtype; got {arr.dtype} (values {arr[:8]!r})")
-        if arr.dtype.kind not in "iu":
+        if arr.dtype.kind not in "iu":  # bool ('b'), strings, ...
             raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D; got shape {tuple(arr.shape)}")

@@ -11,6 +11,8 @@ On the CPU nothing actually stalls, so the sentinel *observes* the same points:
 * ``TorchFunctionMode`` sees the Python-level reads (``Tensor.tolist`` and friends);
 * ``TorchDispatchMode`` sees every aten op: data-dependent-shape ops are counted as syncs and
   every op is counted as a proxy for kernel launches (``aten_ops``);
+  (inside autograd backward only the dispatch level is active: a scalar read there shows up as
+  ``aten._local_scalar_dense``);
 * on CUDA, ``torch.cuda.set_sync_debug_mode`` is also armed ("warn", or "error" in strict mode),
   so syncs inside C++ kernels that Python never sees are reported too.
 
@@ -107,8 +109,15 @@ def _user_location() -> str:
     return "<unknown>"
 
 
+def _op_name(func) -> str:
+    packet = getattr(func, "overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(func, "name", lambda: str(func))()
+
+
 def _is_data_dependent(func, args, kwargs) -> bool:
-    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if not hasattr(func, "overloadpacket"):
+        return False  # higher-order op: its inner aten ops are dispatched (and seen) separately
+    name = func.overloadpacket.__name__
     if name in DATA_DEPENDENT_OPS:
         return True
     if name == "repeat_interleave":
@@ -148,6 +157,10 @@ class _FunctionWatcher(TorchFunctionMode):
 
 
 class _DispatchWatcher(TorchDispatchMode):
+    # Higher-order ops (flex_attention, cond, ...) pass through here too; they are counted as
+    # one op each and run unchanged.
+    supports_higher_order_operators = True
+
     def __init__(self, sentinel: "SyncSentinel", function_watcher: _FunctionWatcher):
         super().__init__()
         self.sentinel = sentinel
@@ -156,11 +169,12 @@ class _DispatchWatcher(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.sentinel
+        name = _op_name(func)
         if s.count_ops and s._active:
             s.aten_ops += 1
-            s.op_counts[str(func.overloadpacket.__name__)] += 1
+            s.op_counts[name] += 1
         if self.function_watcher.depth == 0 and _is_data_dependent(func, args, kwargs):
-            s._record("data_dependent_op", f"aten.{func.overloadpacket.__name__}")
+            s._record("data_dependent_op", f"aten.{name}")
         return func(*args, **kwargs)
 
 

@@ -1,0 +1,94 @@
+"""Llama-style Megatron ``GPTModel`` construction on our layer spec (CPU or GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+__all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "rope_config_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder (the `model` config group).
+
+    num_query_groups: GQA groups (== num_attention_heads for MHA).
+    num_experts / moe_router_topk / moe_ffn_hidden_size: MoE layers when num_experts is set.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 352
+    vocab_size: int = 256
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    normalization: str = "RMSNorm"
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    init_method_std: float = 0.02
+
+
+def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **overrides):
+    """Megatron TransformerConfig of a Llama-style model (RMSNorm, SwiGLU, no biases, RoPE via
+    the packed cache), CPU-initialised so it builds without CUDA."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization=model.normalization,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        init_method_std=model.init_method_std,
+    )
+    if model.num_experts is not None:
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def rope_config_for(model: ModelConfig):
+    from megatron_fastpath.packed_seq.cache import RopeConfig
+
+    head_dim = model.hidden_size // model.num_attention_heads
+    return RopeConfig(dim=int(head_dim * model.rotary_percent), base=model.rotary_base)
+
+
+def build_gpt_model(config, layer_spec, vocab_size: int, max_sequence_length: int, **kwargs):
+    """``GPTModel`` with ``position_embedding_type="none"``: RoPE comes from the packed cache."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    kwargs.setdefault("share_embeddings_and_output_weights", False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        position_embedding_type="none",
+        **kwargs,
+    )
