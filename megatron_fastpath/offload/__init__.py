@@ -1,0 +1,59 @@
+"""TE-aware double-buffered activation offload for checkpointed Megatron TransformerLayers.
+
+Public API::
+
+    OffloadConfig, BufferMode, OffloadStepStats        -- config.py
+    ActivationOffloadManager                           -- manager.py
+    OffloadDevice, CudaOffloadDevice, RecordingDevice,
+    TraceEvent, MemoryInfo, default_offload_device     -- device.py
+    OffloadedTransformerLayer, OffloadedMoETransformerLayer, offloaded_layer_class -- layer.py
+    with_activation_offload, get_offload_manager       -- spec.py
+    simulate_two_streams, hidden_fraction              -- timing.py
+
+Importing this package imports Megatron-Core (layer.py / spec.py are loaded lazily).
+"""
+
+from megatron_fastpath.offload.config import BufferMode, OffloadConfig, OffloadStepStats
+from megatron_fastpath.offload.device import (
+    CudaOffloadDevice,
+    MemoryInfo,
+    OffloadDevice,
+    RecordingDevice,
+    TraceEvent,
+    default_offload_device,
+)
+from megatron_fastpath.offload.manager import ActivationOffloadManager
+
+_LAZY = {
+    "OffloadedTransformerLayer": "megatron_fastpath.offload.layer",
+    "OffloadedMoETransformerLayer": "megatron_fastpath.offload.layer",
+    "offloaded_layer_class": "megatron_fastpath.offload.layer",
+    "with_activation_offload": "megatron_fastpath.offload.spec",
+    "get_offload_manager": "megatron_fastpath.offload.spec",
+    "simulate_two_streams": "megatron_fastpath.offload.timing",
+    "hidden_fraction": "megatron_fastpath.offload.timing",
+    "StreamTimeline": "megatron_fastpath.offload.timing",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_fastpath.offload' has no attribute {name!r}")
+
+
+__all__ = [
+    "ActivationOffloadManager",
+    "BufferMode",
+    "CudaOffloadDevice",
+    "MemoryInfo",
+    "OffloadConfig",
+    "OffloadDevice",
+    "OffloadStepStats",
+    "RecordingDevice",
+    "TraceEvent",
+    "default_offload_device",
+    *_LAZY,
+]

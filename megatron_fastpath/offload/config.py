@@ -1,0 +1,113 @@
+"""Configuration and per-step telemetry of the activation offload manager."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["BufferMode", "OffloadConfig", "OffloadStepStats"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class BufferMode(str, enum.Enum):
+    """How many fixed-address device reload buffers a step uses.
+
+    DOUBLE: reload of layer i-1 overlaps layer i's backward (two buffers, A/B).
+    SINGLE: reload just in time into one buffer (copy and compute serialise).
+    OFF: nothing is offloaded; activations stay on the device (plain checkpointing).
+    """
+
+    DOUBLE = "double"
+    SINGLE = "single"
+    OFF = "off"
+
+    @property
+    def num_buffers(self) -> int:
+        return {"double": 2, "single": 1, "off": 0}[self.value]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Knobs of :class:`~megatron_fastpath.offload.ActivationOffloadManager`.
+
+    Args:
+        enabled: offload at all. False keeps every activation on the device (the layers are
+            still recomputed when ``recompute`` is True), numerics are identical either way.
+        recompute: True (default): each wrapped TransformerLayer is fully recomputed in
+            backward and only its input hidden states [s, b, h] are offloaded. False: the layer
+            is not recomputed; every tensor it saves for backward of at least
+            ``min_offload_bytes`` (parameters and do-not-offload marks excluded, TE quantized
+            tensors split into their data tensors) is offloaded as one group per layer.
+        min_offload_bytes: tensors (and layer inputs) smaller than this stay on the device.
+        headroom_margin_bytes: device memory that must stay free after the reload buffers are
+            accounted for; checked every step against the allocator's statistics.
+        allow_double_buffer: False forces the single-buffer schedule.
+        pinned: allocate the host pool in page-locked memory (falls back to pageable memory,
+            once, with a log line, when pinning fails).
+        alignment_bytes: byte alignment of each tensor inside a group's flat buffers.
+        copy_bandwidth_bytes_per_s: host<->device bandwidth used for the telemetry's estimate
+            of exposed copy time (no timing events are read back, so no host sync).
+    """
+
+    enabled: bool = True
+    recompute: bool = True
+    min_offload_bytes: int = 1 * MiB
+    headroom_margin_bytes: int = 1 * GiB
+    allow_double_buffer: bool = True
+    pinned: bool = True
+    alignment_bytes: int = 512
+    copy_bandwidth_bytes_per_s: float = 25e9
+
+    def __post_init__(self):
+        for name in ("min_offload_bytes", "headroom_margin_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}")
+        a = self.alignment_bytes
+        if not isinstance(a, int) or a < 16 or a & (a - 1):
+            raise ValueError(
+                f"OffloadConfig.alignment_bytes must be a power of two >= 16, got {a!r}"
+            )
+        if not self.copy_bandwidth_bytes_per_s > 0:
+            raise ValueError(
+                "OffloadConfig.copy_bandwidth_bytes_per_s must be > 0, "
+                f"got {self.copy_bandwidth_bytes_per_s!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStepStats:
+    """Telemetry of one step (all micro-batches between ``begin_step`` and ``end_step``).
+
+    bytes_offloaded / bytes_reloaded: device->host / host->device bytes issued.
+    mode: buffer mode of the step; mode_reason: why (headroom figures when it fell back).
+    layers_offloaded: offloaded layer groups; layers_kept: groups kept on the device
+        (last layer, too small, too large for the buffers, host pool failure).
+    prefetched_reloads / just_in_time_reloads: reloads issued one layer ahead vs. issued when
+        their own layer's backward started (the latter are exposed).
+    est_exposed_copy_s: exposed reload time estimated from just-in-time bytes and
+        ``copy_bandwidth_bytes_per_s`` (an estimate: no timing is read back from the device).
+    device_buffer_bytes: bytes held by the reload buffers; host_pool_bytes: host pool size;
+    host_pinned: False once the pool fell back to pageable memory.
+    """
+
+    step: int
+    mode: BufferMode
+    mode_reason: str
+    bytes_offloaded: int
+    bytes_reloaded: int
+    layers_offloaded: int
+    layers_kept: int
+    prefetched_reloads: int
+    just_in_time_reloads: int
+    est_exposed_copy_s: float
+    device_buffer_bytes: int
+    host_pool_bytes: int
+    host_pinned: bool
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mode"] = self.mode.value
+        return d
