@@ -1,0 +1,184 @@
+"""Experts that consume device group sizes: one grouped GEMM per projection, no host sync.
+
+:class:`GroupedSwiGLUExperts` runs all local experts with ``torch._grouped_mm(x, w, offs=)``
+(offsets stay on the device; CPU fp32/bf16 and Hopper bf16 are supported by torch >= 2.8).
+:class:`TEGroupedSwiGLUExperts` uses Transformer Engine's ``GroupedLinear`` (needed for FP8
+recipes); TE takes host ``m_splits``, so it costs exactly ONE counted host sync per forward
+(``HOST_SYNCS_PER_FORWARD``), reused by its backward.
+
+Both follow Megatron's expert interface: ``forward(permuted_x [R, H], tokens_per_expert [E_l],
+permuted_probs [R] or None) -> (y [R, H], None)``. When ``permuted_probs`` is given (Megatron's
+convention, ``MoEDispatchConfig.probs_in_combine=False``) it scales the activation before the
+second projection like Megatron's ``GroupedMLP``; with our dispatcher's default the probs are
+applied in the combine instead and ``None`` is passed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_fastpath._optional import require
+
+__all__ = ["GroupedSwiGLUExperts", "TEGroupedSwiGLUExperts", "grouped_mlp_reference"]
+
+
+def _check_expert_config(config, num_local_experts: int) -> None:
+    if num_local_experts < 1:
+        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+    if config.add_bias_linear:
+        raise ValueError("fastpath grouped experts have no bias: set add_bias_linear=False")
+    if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
+        raise ValueError("fastpath grouped experts do not support expert_tensor_parallel_size > 1")
+
+
+def _activation(config, h_RF: torch.Tensor) -> torch.Tensor:
+    if config.gated_linear_unit:
+        gate, up = torch.chunk(h_RF, 2, dim=-1)
+        return config.activation_func(gate) * up
+    return config.activation_func(h_RF)
+
+
+class GroupedSwiGLUExperts(MegatronModule):
+    """All local experts as two grouped GEMMs on device offsets.
+
+    Weights (torchtitan layout, one tensor per projection):
+        weight1: [E_l, H, F * (2 if gated_linear_unit else 1)] (gate | up halves for SwiGLU)
+        weight2: [E_l, F, H]
+    with H = hidden_size, F = moe_ffn_hidden_size. ``torch._grouped_mm`` needs 16-byte aligned
+    row strides: H and F must be multiples of 8 (bf16) / 4 (fp32); checked at construction.
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None):
+        super().__init__(config=config)
+        _check_expert_config(config, num_local_experts)
+        self.num_local_experts = num_local_experts
+        H, F = config.hidden_size, config.moe_ffn_hidden_size
+        F1 = 2 * F if config.gated_linear_unit else F
+        dtype = config.params_dtype
+        align = 16 // torch.empty((), dtype=dtype).element_size()
+        for name, v in (("hidden_size", H), ("moe_ffn_hidden_size", F)):
+            if v % align:
+                raise ValueError(
+                    f"torch._grouped_mm needs 16-byte aligned rows: {name}={v} must be a multiple "
+                    f"of {align} for {dtype}"
+                )
+        device = None if config.use_cpu_initialization or not torch.cuda.is_available() else (
+            torch.cuda.current_device()
+        )
+        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, H, F1, dtype=dtype, device=device))
+        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, F, H, dtype=dtype, device=device))
+        for p in (self.weight1, self.weight2):
+            setattr(p, "allreduce", False)  # expert params: reduced over the expert-DP group
+        if config.perform_initialization:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Megatron's init functions act on a [out, in] matrix: initialise each expert's
+        # transposed slice so the std matches Megatron's GroupedMLP.
+        with torch.no_grad():
+            for e in range(self.num_local_experts):
+                w1 = torch.empty_like(self.weight1[e].t())
+                self.config.init_method(w1)
+                self.weight1[e].copy_(w1.t())
+                w2 = torch.empty_like(self.weight2[e].t())
+                self.config.output_layer_init_method(w2)
+                self.weight2[e].copy_(w2.t())
+
+    def forward(
+        self,
+        permuted_x_RH: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        permuted_probs_R: Optional[torch.Tensor] = None,
+    ):
+        """[R, H] grouped by expert (group sizes on device, summing to R) -> ([R, H], None)."""
+        if permuted_x_RH.dtype != self.weight1.dtype:
+            raise TypeError(
+                f"expert input dtype {permuted_x_RH.dtype} != expert weight dtype "
+                f"{self.weight1.dtype}; cast the hidden states or set params_dtype"
+            )
+        if tokens_per_expert_E.shape != (self.num_local_experts,):
+            raise ValueError(
+                f"tokens_per_expert has shape {tuple(tokens_per_expert_E.shape)}, expected "
+                f"[{self.num_local_experts}] (one entry per local expert)"
+            )
+        offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
+        h_RF = torch._grouped_mm(permuted_x_RH, self.weight1, offs=offs_E)
+        a_RF = _activation(self.config, h_RF)
+        if permuted_probs_R is not None:
+            a_RF = (a_RF * permuted_probs_R.unsqueeze(-1)).to(a_RF.dtype)
+        y_RH = torch._grouped_mm(a_RF, self.weight2, offs=offs_E)
+        return y_RH, None
+
+    def backward_dw(self):  # Megatron's delayed-wgrad hook: nothing is deferred here
+        pass
+
+
+def grouped_mlp_reference(
+    x_RH: torch.Tensor,
+    group_sizes: list[int],
+    weight1: torch.Tensor,
+    weight2: torch.Tensor,
+    config,
+    probs_R: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-group Python loop with host group sizes: the plain reference used in tests."""
+    outs, start = [], 0
+    for e, n in enumerate(group_sizes):
+        a = _activation(config, x_RH[start : start + n] @ weight1[e])
+        if probs_R is not None:
+            a = a * probs_R[start : start + n].unsqueeze(-1)
+        outs.append(a @ weight2[e])
+        start += n
+    return torch.cat(outs, 0)
+
+
+class TEGroupedSwiGLUExperts(MegatronModule):
+    """Transformer Engine ``GroupedLinear`` experts (GPU only, FP8-capable).
+
+    TE's ``GroupedLinear.forward(x, m_splits)`` takes a Python list of group sizes, so this
+    backend reads ``tokens_per_expert`` to the host once per forward: exactly
+    ``HOST_SYNCS_PER_FORWARD = 1`` counted sync per layer (the backward reuses the list). With
+    FP8, use ``pad_multiple=16`` so every split is aligned. Weights are TE's per-expert
+    ``weight{i}`` of shape [out, in].
+    """
+
+    HOST_SYNCS_PER_FORWARD = 1
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None):
+        super().__init__(config=config)
+        _check_expert_config(config, num_local_experts)
+        te = require(
+            "transformer_engine.pytorch",
+            "the te_grouped_linear MoE expert backend",
+            alternatives="expert_backend='grouped_mm' (torch._grouped_mm)",
+        )
+        self.num_local_experts = num_local_experts
+        H, F = config.hidden_size, config.moe_ffn_hidden_size
+        F1 = 2 * F if config.gated_linear_unit else F
+        self.linear_fc1 = te.GroupedLinear(
+            num_local_experts, H, F1, bias=False, params_dtype=config.params_dtype,
+            device="cuda", init_method=config.init_method,
+        )
+        self.linear_fc2 = te.GroupedLinear(
+            num_local_experts, F, H, bias=False, params_dtype=config.params_dtype,
+            device="cuda", init_method=config.output_layer_init_method,
+        )
+        self.host_syncs = 0  # running count of the m_splits reads, for reporting
+
+    def forward(self, permuted_x_RH, tokens_per_expert_E, permuted_probs_R=None):
+        # THE one host sync of this backend: TE needs host m_splits.
+        m_splits = tokens_per_expert_E.tolist()
+        self.host_syncs += 1
+        h_RF = self.linear_fc1(permuted_x_RH, m_splits)
+        a_RF = _activation(self.config, h_RF)
+        if permuted_probs_R is not None:
+            a_RF = (a_RF * permuted_probs_R.unsqueeze(-1)).to(a_RF.dtype)
+        return self.linear_fc2(a_RF, m_splits), None
+
+    def backward_dw(self):
+        pass

@@ -1,0 +1,133 @@
+"""``FastpathMoELayer``: Megatron's ``MoELayer`` with the sort/count dispatcher, the CPU-safe
+router and grouped experts on device offsets.
+
+Only construction differs from ``MoELayer``; ``forward`` (route -> preprocess -> dispatch ->
+experts -> combine -> postprocess), shared experts, recompute and ``isinstance(mlp, MoELayer)``
+checks in ``TransformerLayer`` are Megatron's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import (
+    MoECudaGraphTensorStore,
+    get_default_pg_collection,
+)
+from megatron.core.transformer.spec_utils import build_module
+
+from megatron_fastpath.moe.config import MoEDispatchConfig
+from megatron_fastpath.moe.experts import GroupedSwiGLUExperts, TEGroupedSwiGLUExperts
+from megatron_fastpath.moe.router import FastpathRouter
+from megatron_fastpath.moe.token_dispatcher import SortCountTokenDispatcher
+
+__all__ = ["FastpathMoELayer", "FastpathMoESubmodules"]
+
+
+@dataclasses.dataclass
+class FastpathMoESubmodules(MoESubmodules):
+    """``MoESubmodules`` whose defaults are the fastpath router and grouped experts
+    (``experts=None`` picks the backend named by ``MoEDispatchConfig.expert_backend``)."""
+
+    experts: object = None
+    shared_experts: object = None
+    router: object = FastpathRouter
+
+
+class FastpathMoELayer(MoELayer):
+    """Mixture-of-experts layer: sort/count dispatch, 0 host syncs per layer at EP=1.
+
+    Args:
+        config: Megatron ``TransformerConfig`` with ``num_moe_experts`` etc.
+        submodules: :class:`FastpathMoESubmodules` (router / experts / shared experts specs).
+        layer_number: set by ``TransformerLayer``.
+        pg_collection: process groups; default: Megatron's global parallel state.
+        dispatch_config: overrides ``MoEDispatchConfig.from_transformer_config(config)``.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: Optional[MoESubmodules] = None,
+        layer_number: Optional[int] = None,
+        pg_collection=None,
+        dispatch_config: Optional[MoEDispatchConfig] = None,
+    ):
+        submodules = submodules if submodules is not None else FastpathMoESubmodules()
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        if config.moe_latent_size:
+            raise ValueError("FastpathMoELayer: moe_latent_size (TE latent projections) unsupported")
+        if config.moe_shared_expert_intermediate_size is not None and config.moe_shared_expert_overlap:
+            raise ValueError(
+                "FastpathMoELayer: moe_shared_expert_overlap is tied to Megatron's alltoall "
+                "dispatcher; set moe_shared_expert_overlap=False"
+            )
+        cfg = dispatch_config or MoEDispatchConfig.from_transformer_config(config)
+        # MoELayer.__init__ unconditionally builds one of Megatron's dispatchers from
+        # config.moe_token_dispatcher_type; the "alltoall" one allocates torch.cuda.Stream() and
+        # fails on a CPU machine (and would be discarded anyway). So initialise BaseMoELayer
+        # (process groups, local expert indices: CUDA-free) and build the same attributes as
+        # MoELayer.__init__ with our router, dispatcher and experts. MoELayer's forward and
+        # helper methods are inherited unchanged.
+        BaseMoELayer.__init__(
+            self, config=config, layer_number=layer_number, pg_collection=pg_collection
+        )
+        self.dispatch_config = cfg
+        self.submodules = submodules
+        self.moe_layer_recompute = (
+            config.recompute_granularity == "selective"
+            and "moe" in config.recompute_modules
+            and config.cuda_graph_impl != "local"
+        )
+        self.shared_experts_recompute = (
+            config.recompute_granularity == "selective"
+            and "shared_experts" in config.recompute_modules
+        )
+        self.tp_group = pg_collection.tp
+
+        router = submodules.router or FastpathRouter
+        if isinstance(router, type) and issubclass(router, FastpathRouter):
+            self.router = router(config=config, pg_collection=pg_collection, dispatch_config=cfg)
+        else:
+            self.router = router(config=config, pg_collection=pg_collection)
+
+        self.token_dispatcher = SortCountTokenDispatcher(
+            self.num_local_experts,
+            self.local_expert_indices,
+            config=config,
+            pg_collection=pg_collection,
+            dispatch_config=cfg,
+        )
+
+        experts = submodules.experts
+        if experts is None:
+            experts = (
+                GroupedSwiGLUExperts if cfg.expert_backend == "grouped_mm" else TEGroupedSwiGLUExperts
+            )
+        self.experts = build_module(
+            experts, self.num_local_experts, config, pg_collection=pg_collection
+        )
+
+        if self.use_shared_expert:
+            if submodules.shared_experts is None:
+                raise ValueError(
+                    "moe_shared_expert_intermediate_size is set but no shared_experts spec given"
+                )
+            self.shared_experts = build_module(
+                submodules.shared_experts,
+                config=config,
+                pg_collection=pg_collection,
+                gate=config.moe_shared_expert_gate,
+            )
+
+        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
+        self.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+
+    @property
+    def expected_host_syncs_per_layer(self) -> int:
+        """Host syncs per forward+backward of this layer (dispatcher + expert backend)."""
+        n = self.token_dispatcher.expected_host_syncs_per_layer
+        return n + getattr(self.experts, "HOST_SYNCS_PER_FORWARD", 0)
