@@ -1,0 +1,109 @@
+"""Deterministic synthetic SFT data and a packing collator (first-fit-decreasing).
+
+Each sample is a short "prompt + response" token sequence: an arithmetic progression modulo
+the vocabulary (start and stride drawn per sample), so the continuation is learnable only by
+attending to the previous tokens *of the same sequence* -- a packing bug (attention leaking
+across boundaries, positions not reset) shows up as a loss that does not fall. The loss is
+taken on the response tokens only, as in SFT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from megatron_fastpath.packed_seq.packing import first_fit_decreasing
+
+__all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """num_samples: samples per epoch; lengths uniform in [min_len, max_len];
+    prompt_len: tokens per sample excluded from the loss; max_tokens / max_seqs: bin capacity
+    (the packed cache's static capacities); max_strides: strides drawn from 1..max_strides."""
+
+    num_samples: int = 2048
+    min_len: int = 8
+    max_len: int = 96
+    prompt_len: int = 3
+    max_tokens: int = 512
+    max_seqs: int = 32
+    max_strides: int = 3
+    seed: int = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedMicrobatch:
+    """One packed bin, padded to max_tokens (T).
+
+    tokens_1T / labels_1T: int64 [1, T]; loss_mask_1T: float32 [1, T] (1 on response tokens);
+    lengths: host int64 [N] per-sequence lengths (input of PackedSeqCache.set_batch);
+    num_loss_tokens: host int, sum of loss_mask (normaliser known without a device read).
+    """
+
+    tokens_1T: torch.Tensor
+    labels_1T: torch.Tensor
+    loss_mask_1T: torch.Tensor
+    lengths: np.ndarray
+    num_loss_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+class SyntheticSFTDataset:
+    """Deterministic list of samples: (tokens int64 [n], loss_mask float32 [n])."""
+
+    def __init__(self, cfg: DataConfig, vocab_size: int):
+        if cfg.min_len <= cfg.prompt_len:
+            raise ValueError(f"min_len={cfg.min_len} must exceed prompt_len={cfg.prompt_len}")
+        if cfg.max_len > cfg.max_tokens:
+            raise ValueError(f"max_len={cfg.max_len} must be <= max_tokens={cfg.max_tokens}")
+        rng = np.random.default_rng(cfg.seed)
+        self.lengths = rng.integers(cfg.min_len, cfg.max_len + 1, size=cfg.num_samples)
+        starts = rng.integers(0, vocab_size, size=cfg.num_samples)
+        strides = rng.integers(1, cfg.max_strides + 1, size=cfg.num_samples)
+        self.samples = []
+        for n, a, d in zip(self.lengths, starts, strides):
+            tokens = (a + d * np.arange(n)) % vocab_size
+            mask = np.zeros(n, dtype=np.float32)
+            mask[cfg.prompt_len - 1 : n - 1] = 1.0  # predict response tokens; last has no label
+            self.samples.append((tokens.astype(np.int64), mask))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def pack_microbatches(
+    dataset: SyntheticSFTDataset, cfg: DataConfig, rank: int = 0, world: int = 1
+) -> list[PackedMicrobatch]:
+    """First-fit-decreasing packing of the whole dataset into bins; bins are dealt round-robin
+    to data-parallel ranks (every rank gets the same number of bins)."""
+    bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs)
+    usable = len(bins) - len(bins) % world
+    out = []
+    for b in bins[rank:usable:world]:
+        tokens = torch.zeros(1, cfg.max_tokens, dtype=torch.long)
+        labels = torch.zeros(1, cfg.max_tokens, dtype=torch.long)
+        mask = torch.zeros(1, cfg.max_tokens, dtype=torch.float32)
+        pos = 0
+        for i in b:
+            tok, m = dataset.samples[i]
+            n = len(tok)
+            tokens[0, pos : pos + n] = torch.from_numpy(tok)
+            labels[0, pos : pos + n - 1] = torch.from_numpy(tok[1:])
+            mask[0, pos : pos + n] = torch.from_numpy(m)
+            pos += n
+        lengths = dataset.lengths[b].astype(np.int64)
+        out.append(PackedMicrobatch(tokens, labels, mask, lengths, int(mask.sum())))
+    return out
+
+
+def iterate_forever(microbatches: list[PackedMicrobatch]) -> Iterator[PackedMicrobatch]:
+    while True:
+        yield from microbatches
