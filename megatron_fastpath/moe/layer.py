@@ -131,3 +131,18 @@ class FastpathMoELayer(MoELayer):
         """Host syncs per forward+backward of this layer (dispatcher + expert backend)."""
         n = self.token_dispatcher.expected_host_syncs_per_layer
         return n + getattr(self.experts, "HOST_SYNCS_PER_FORWARD", 0)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        """Megatron's MoELayer.forward after static input checks (no device work on error)."""
+        if hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size "
+                f"{self.config.hidden_size}"
+            )
+        expert_dtype = next(self.experts.parameters()).dtype
+        if hidden_states.dtype != expert_dtype:
+            raise TypeError(
+                f"hidden_states dtype {hidden_states.dtype} != expert weight dtype {expert_dtype}: "
+                "cast the input (or wrap the model in Megatron's Float16Module for bf16/fp16)"
+            )
+        return super().forward(hidden_states, intermediate_tensors, padding_mask)

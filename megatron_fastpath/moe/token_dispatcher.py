@@ -183,8 +183,8 @@ class SortCountTokenDispatcher(MoETokenDispatcher):
         if probs_TK is None:
             raise ValueError("probs must be given (routing weights of the top-k experts)")
         if self.cfg.check_expert_ids or self.cfg.strict_capacity:
+            self.host_syncs += 1  # counted even when the check raises
             check_routing_values(ids_TK, self.cfg)
-            self.host_syncs += 1
         self.plan = build_dispatch_plan(ids_TK, self._send_cfg, probs_TK)
         self._probs_TK = probs_TK
         x_RD = permute_tokens(x_TD, self.plan)
