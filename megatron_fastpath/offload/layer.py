@@ -190,6 +190,15 @@ class ActivationOffloadMixin:
                 f"(got {type(offload_manager).__name__}); build the layer spec with "
                 "megatron_fastpath.offload.with_activation_offload(spec, config_or_manager)"
             )
+        config = kwargs.get("config", args[0] if args else None)
+        if getattr(config, "recompute_granularity", None) == "full":
+            raise ValueError(
+                "TransformerConfig.recompute_granularity='full' makes TransformerBlock checkpoint "
+                "the layers with Megatron's CheckpointFunction around this layer's own "
+                "recompute; set recompute_granularity=None (OffloadConfig.recompute=True "
+                "recomputes every offloaded layer) or 'selective' with "
+                "OffloadConfig(recompute=False)"
+            )
         super().__init__(*args, **kwargs)
         self.offload_manager = offload_manager
         self.offload_key = offload_manager.register_layer(self.layer_number)

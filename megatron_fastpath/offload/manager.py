@@ -373,20 +373,22 @@ class ActivationOffloadManager:
         candidates = [BufferMode.DOUBLE, BufferMode.SINGLE] if cfg.allow_double_buffer else [
             BufferMode.SINGLE]
         for mode in candidates:
-            extra = max(0, mode.num_buffers * need - held)
+            # bytes the mode adds (negative: releasing held buffers gives memory back)
+            extra = mode.num_buffers * need - held
             if headroom - extra >= cfg.headroom_margin_bytes:
                 if self._resize_buffers(mode, need):
                     reason = (f"headroom {headroom} B - {extra} B new buffers >= margin "
                               f"{cfg.headroom_margin_bytes} B")
                     if mode is BufferMode.SINGLE and cfg.allow_double_buffer:
                         reason = (f"second buffer does not fit: headroom {headroom} B - "
-                                  f"{2 * need - held} B < margin {cfg.headroom_margin_bytes} B")
+                                  f"{2 * need - held} B < margin {cfg.headroom_margin_bytes} B; "
+                                  f"one buffer fits")
                     self._set_mode(mode, reason)
                     return
         self._resize_buffers(BufferMode.OFF, need)
         self._set_mode(
             BufferMode.OFF,
-            f"no reload buffer fits: headroom {headroom} B - {max(0, need - held)} B < margin "
+            f"no reload buffer fits: headroom {headroom} B - {need - held} B < margin "
             f"{cfg.headroom_margin_bytes} B",
         )
 
