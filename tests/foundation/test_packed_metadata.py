@@ -136,3 +136,28 @@ def test_first_fit_decreasing_packs_within_capacity_and_keeps_every_sample():
 def test_first_fit_decreasing_rejects_oversized_samples():
     with pytest.raises(ValueError, match="more than a bin holds"):
         first_fit_decreasing([10, 600], 512, 4)
+
+
+@pytest.mark.gpu
+def test_cuda_cache_one_pinned_copy_no_sync_static_buffers():
+    """On CUDA: staging is pinned, one H2D copy per batch, strict sync-free set_batch and
+    derived builds, and the buffers keep their addresses across batches."""
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=256, max_seqs=16, rope=RopeConfig(dim=32)),
+                           device=torch.device("cuda"))
+    cache.register("sdpa_mask")
+    cache.register("rope_cos_sin:bfloat16")
+    assert cache.slots[0].staging_R.is_pinned()
+    ptrs = None
+    for step in range(5):
+        with SyncSentinel(strict=True):
+            pb = cache.set_batch([10 + step, 30, 1, 100])
+        slot = cache.slots[pb.slot]
+        now = (slot.record_R.data_ptr(), cache.sdpa_mask(pb.packed_seq_params).data_ptr())
+        ptrs = ptrs or now
+        assert now == ptrs
+        torch.cuda.synchronize()
+        expected = reference_metadata([10 + step, 30, 1, 100], 256, 16)
+        assert slot.cu_seqlens_S1.tolist() == expected[0]
+        assert slot.seq_ids_T.tolist() == expected[3]
+        cache.release(pb)
+    assert cache.stats.host_to_device_copies == 5

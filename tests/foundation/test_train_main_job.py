@@ -53,3 +53,13 @@ def test_bad_config_errors_before_training(mcore_parallel, override, match, caps
     with pytest.raises((ValueError, ImportError), match=match):
         run(cfg(FAST + [override]))
     assert "| loss " not in capsys.readouterr().out  # no step ran
+
+
+def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
+    import runpy
+
+    from tests.paths import REPO
+
+    runpy.run_path(f"{REPO}/examples/packed_gpt_minimal.py", run_name="__main__")
+    out = capsys.readouterr().out
+    assert "host syncs: 0" in out and "1 host->device copy" in out
