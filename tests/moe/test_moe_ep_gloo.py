@@ -1,0 +1,131 @@
+"""Expert parallelism on 2 CPU processes (gloo): the EP=2 layer equals the EP=1 computation,
+with 0 host syncs in capacity mode and exactly 1 in dropless mode (forward + backward)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+MODES = {
+    # name: (dispatch overrides, expected host syncs per layer fwd+bwd)
+    "capacity_static": (dict(capacity_factor=1.0, pad_to_capacity=True), 0),
+    "capacity_no_drop": (dict(capacity_factor=4.0), 0),
+    "dropless": (dict(), 1),
+    "dropless_pad16": (dict(pad_multiple=16), 1),
+}
+H, FF, E, K, S, B = 16, 32, 8, 2, 6, 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tc():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FF,
+        moe_ffn_hidden_size=FF, num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+        expert_model_parallel_size=2,
+    )
+
+
+def _reference(tc, cfg, router_w, w1, w2, x_TH, g_TH):
+    """EP=1: the same router + plan + combine with all experts in one process."""
+    from megatron_fastpath.moe.dispatch import build_dispatch_plan, combine_tokens, permute_tokens
+    from megatron_fastpath.moe.experts import GroupedSwiGLUExperts
+    from megatron_fastpath.moe.router import topk_routing
+
+    full = GroupedSwiGLUExperts(E, tc)
+    rw = router_w.clone().requires_grad_()
+    with torch.no_grad():
+        full.weight1.copy_(w1)
+        full.weight2.copy_(w2)
+    x = x_TH.clone().requires_grad_()
+    probs, ids = topk_routing(x @ rw.t(), cfg)
+    plan = build_dispatch_plan(ids, cfg, probs)
+    y, _ = full(permute_tokens(x, plan), plan.group_sizes_E)
+    out = combine_tokens(y, plan, probs, out_dtype=x.dtype)
+    (out * g_TH).sum().backward()
+    return out.detach(), x.grad, rw.grad, full.weight1.grad, full.weight2.grad
+
+
+def _worker(rank, world, port, result_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_fastpath.distributed import destroy_distributed, init_distributed
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+    from megatron_fastpath.sync import SyncSentinel
+
+    init_distributed(backend="gloo", expert_model_parallel_size=world)
+    results = {}
+    try:
+        tc = _tc()
+        gen = torch.Generator().manual_seed(0)
+        router_w = torch.randn(E, H, generator=gen) / H**0.5
+        w1 = torch.randn(E, H, 2 * FF, generator=gen) / H**0.5
+        w2 = torch.randn(E, FF, H, generator=gen) / FF**0.5
+        xs = [torch.randn(S * B, H, generator=gen) for _ in range(world)]
+        gs = [torch.randn(S * B, H, generator=gen) for _ in range(world)]
+        E_l = E // world
+        local = slice(rank * E_l, (rank + 1) * E_l)
+        for name, (overrides, expected_syncs) in MODES.items():
+            cfg = MoEDispatchConfig.from_transformer_config(tc, **overrides)
+            spec = get_moe_mlp_spec(num_experts=E)
+            spec.params = {"dispatch_config": cfg}
+            layer = build_module(spec, config=tc, layer_number=1)
+            with torch.no_grad():
+                layer.router.weight.copy_(router_w)
+                layer.experts.weight1.copy_(w1[local])
+                layer.experts.weight2.copy_(w2[local])
+            x = xs[rank].view(S, B, H).clone().requires_grad_()
+            with SyncSentinel(name=f"EP=2 {name}") as s:
+                out, _ = layer(x)
+                (out * gs[rank].view(S, B, H)).sum().backward()
+            # reference: EP=1 on every rank's tokens, all experts in this process
+            ref = [_reference(tc, cfg, router_w, w1, w2,
+                              xs[r], gs[r]) for r in range(world)]
+            ref_out, ref_gx = ref[rank][0], ref[rank][1]
+            ref_grw = sum(r[2] for r in ref)
+            ref_gw1, ref_gw2 = sum(r[3] for r in ref), sum(r[4] for r in ref)
+            grw = layer.router.weight.grad.clone()
+            dist.all_reduce(grw)  # data-parallel router grads: sum over ranks
+            err = lambda a, b: float((a.reshape(b.shape) - b).abs().max())  # noqa: E731
+            results[name] = dict(
+                syncs=s.num_syncs, expected=expected_syncs,
+                reported=layer.expected_host_syncs_per_layer,
+                sync_ops=[str(e) for e in s.events],
+                out=err(out.detach(), ref_out), gx=err(x.grad, ref_gx), grouter=err(grw, ref_grw),
+                gw1=err(layer.experts.weight1.grad, ref_gw1[local]),
+                gw2=err(layer.experts.weight2.grad, ref_gw2[local]),
+                ref_scale=float(ref_out.abs().max()),
+            )
+    finally:
+        torch.save(results, f"{result_path}.{rank}")
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
+    path = str(tmp_path / "ep_results")
+    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(f"{path}.{rank}")
+        assert set(results) == set(MODES), results.keys()
+        for name, r in results.items():
+            where = f"rank {rank}, {name}: {r}"
+            assert r["syncs"] == r["expected"] == r["reported"], where
+            assert r["ref_scale"] > 0.1, where  # the comparison is not against zeros
+            for key in ("out", "gx", "grouter", "gw1", "gw2"):
+                assert r[key] < 1e-5, f"{key} differs; {where}"
