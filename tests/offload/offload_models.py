@@ -2,13 +2,13 @@
 
 Megatron's local DotProductAttention needs CUDA, so the layer spec's core attention is replaced
 by :class:`CpuCausalAttention` (Megatron's core_attention call signature, torch SDPA, causal).
-``moe=True`` replaces the dense MLP by :class:`TinyMoE`, a top-k routed mixture of experts with
-Megatron's MLP call signature (the repository's own MoE layer is not committed yet).
+``moe=True`` uses the repository's MoE layer (``megatron_fastpath.moe.get_moe_mlp_spec``:
+FastpathRouter + SortCountTokenDispatcher + grouped experts) as the MLP; :class:`TinyMoE` (a
+top-k routed mixture with Megatron's MLP call signature) remains for ``moe="tiny"``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Optional
 
@@ -71,8 +71,14 @@ class TinyMoE(torch.nn.Module):
 
 def make_config(num_layers: int = 4, hidden: int = 64, heads: int = 4,
                 dtype: torch.dtype = torch.float32, hidden_dropout: float = 0.0,
-                attention_dropout: float = 0.0) -> TransformerConfig:
+                attention_dropout: float = 0.0, moe: bool = False) -> TransformerConfig:
+    moe_kw = {}
+    if moe:
+        moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=hidden,
+                      moe_router_dtype="fp32", add_bias_linear=False,
+                      gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     return TransformerConfig(
+        **moe_kw,
         num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=2 * hidden,
@@ -90,16 +96,21 @@ def make_config(num_layers: int = 4, hidden: int = 64, heads: int = 4,
     )
 
 
-def cpu_layer_spec(moe: bool = False) -> ModuleSpec:
-    """Megatron's local GPT layer spec with the CPU core attention (and TinyMoE if asked)."""
+def cpu_layer_spec(moe=False) -> ModuleSpec:
+    """Megatron's local GPT layer spec with the CPU core attention; ``moe=True``: the
+    repository's MoE layer as MLP (needs ``make_config(moe=True)``); ``moe="tiny"``: TinyMoE."""
     spec = get_gpt_layer_local_spec()
     attn = spec.submodules.self_attention
     attn = dataclasses.replace(
         attn, submodules=dataclasses.replace(attn.submodules, core_attention=CpuCausalAttention)
     )
     subs = dataclasses.replace(spec.submodules, self_attention=attn)
-    if moe:
+    if moe == "tiny":
         subs = dataclasses.replace(subs, mlp=ModuleSpec(module=TinyMoE))
+    elif moe:
+        from megatron_fastpath.moe import get_moe_mlp_spec
+
+        subs = dataclasses.replace(subs, mlp=get_moe_mlp_spec())
     return dataclasses.replace(spec, submodules=subs)
 
 
@@ -139,6 +150,3 @@ def run_step(model: torch.nn.Module, x: torch.Tensor, seed: int = 7,
     (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-
-def clone_model(model):
-    return copy.deepcopy(model)

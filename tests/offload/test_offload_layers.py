@@ -32,7 +32,8 @@ ACT_BYTES_FP32 = S * B * H * 4
 
 def _offload_stack(offload_cfg: OffloadConfig, device: RecordingDevice, *, dtype=torch.float32,
                    moe=False, num_layers=4, hidden_dropout=0.1):
-    config = make_config(num_layers=num_layers, dtype=dtype, hidden_dropout=hidden_dropout)
+    config = make_config(num_layers=num_layers, dtype=dtype, hidden_dropout=hidden_dropout,
+                         moe=moe is True)
     spec = cpu_layer_spec(moe=moe)
     ospec = with_activation_offload(spec, offload_cfg, device=device)
     ref, off = build_pair(spec, ospec, config)
@@ -63,7 +64,7 @@ CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved_tensors"])
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [False, True, "tiny"], ids=["dense", "moe", "tiny_moe"])
 def test_gradients_bit_identical(dtype, recompute, moe):
     dev = RecordingDevice()
     ref, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, **CFG), dev, dtype=dtype,
@@ -288,12 +289,13 @@ def test_saved_tensor_groups_memory_bound():
     assert mgr.device_buffer_bytes == 2 * mgr._buffer_bytes
 
 
-def test_no_host_syncs_added():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_no_host_syncs_added(moe):
     x = torch.randn(S, B, H)
     counts = {}
     for enabled in (False, True):
         dev = RecordingDevice()
-        _, off, mgr = _offload_stack(OffloadConfig(enabled=enabled, **CFG), dev)
+        _, off, mgr = _offload_stack(OffloadConfig(enabled=enabled, **CFG), dev, moe=moe)
         _step(mgr, off, x)  # warm-up (allocations)
         with SyncSentinel(count_ops=False) as sentinel:
             _, stats = _step(mgr, off, x)
