@@ -27,6 +27,9 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     normalization: str = "RMSNorm"
+    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
+    qk_layernorm: bool = False
+    seq_length: int = 4096  # the model's context (documentation / real-shape configs)
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -44,6 +47,8 @@ def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **o
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.kv_channels,
+        qk_layernorm=model.qk_layernorm,
         normalization=model.normalization,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
@@ -75,7 +80,7 @@ def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **o
 def rope_config_for(model: ModelConfig):
     from megatron_fastpath.packed_seq.cache import RopeConfig
 
-    head_dim = model.hidden_size // model.num_attention_heads
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     return RopeConfig(dim=int(head_dim * model.rotary_percent), base=model.rotary_base)
 
 

@@ -200,6 +200,14 @@ def run(cfg) -> TrainSummary:
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
             "megatron-core 0.16.1; use parallel.pipeline_model_parallel_size=1 on CPU"
         )
+    if par_cfg.context_parallel_size > 1:
+        raise ValueError(
+            "context parallelism is not supported with the packed cache (its attention reads "
+            "whole sequences); use parallel.context_parallel_size=1, or Megatron's own TE spec "
+            "for CP without the cache"
+        )
+    if model_cfg.num_experts is None and par_cfg.expert_model_parallel_size > 1:
+        raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
     dtype = getattr(torch, train_cfg.dtype)
 
     init_distributed(
@@ -237,7 +245,11 @@ def run(cfg) -> TrainSummary:
         device=device,
     )
     spec = get_fastpath_layer_spec(
-        cache, backend=fast_cfg.attention_backend, num_experts=model_cfg.num_experts
+        cache,
+        backend=fast_cfg.attention_backend,
+        num_experts=model_cfg.num_experts,
+        qk_layernorm=model_cfg.qk_layernorm,
+        normalization=model_cfg.normalization,
     )
     model = build_gpt_model(tcfg, spec, model_cfg.vocab_size, data_cfg.max_tokens).to(device)
 
@@ -357,6 +369,11 @@ def _loss_of(model, mb, pb, device):
     return (per_tok.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
 
 
+def _warmup(train_cfg: TrainingConfig) -> int:
+    """Megatron's scheduler needs warmup < decay steps: short runs get a shorter warmup."""
+    return min(train_cfg.warmup_steps, train_cfg.steps - 1)
+
+
 def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache, dp_group):
     """Our own microbatch loop + torch AdamW (Megatron's optimizer and DDP need CUDA)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -373,7 +390,7 @@ def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache, dp_group):
     )
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-        lr_warmup_steps=train_cfg.warmup_steps, lr_decay_steps=train_cfg.steps,
+        lr_warmup_steps=_warmup(train_cfg), lr_decay_steps=train_cfg.steps,
         lr_decay_style="cosine", start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
         wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
     )
@@ -420,7 +437,7 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-        lr_warmup_steps=train_cfg.warmup_steps, lr_decay_steps=train_cfg.steps,
+        lr_warmup_steps=_warmup(train_cfg), lr_decay_steps=train_cfg.steps,
         lr_decay_style="cosine", start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
         wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
     )

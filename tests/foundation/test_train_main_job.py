@@ -45,6 +45,8 @@ def test_misspelled_override_rejected():
         ("parallel.pipeline_model_parallel_size=2", "pipeline parallelism needs"),
         ("training.device=tpu", "training.device must be auto, cpu or cuda"),
         ("data.max_len=1000", "max_len=1000 must be <= max_tokens"),
+        ("parallel=llama2_70b_lora", "context parallelism is not supported"),
+        ("parallel.expert_model_parallel_size=2", "needs an MoE model"),
     ],
 )
 def test_bad_config_errors_before_training(mcore_parallel, override, match, capsys):
@@ -63,3 +65,41 @@ def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
     runpy.run_path(f"{REPO}/examples/packed_gpt_minimal.py", run_name="__main__")
     out = capsys.readouterr().out
     assert "host syncs: 0" in out and "1 host->device copy" in out
+
+
+@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe", "llama2_70b", "llama3_8b",
+                                   "mixtral_8x7b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("parallel", ["single", "ep2", "tp2_pp2", "llama2_70b_lora"])
+def test_every_shipped_config_composes_into_typed_sections(model, parallel):
+    from megatron_fastpath.data import DataConfig
+    from megatron_fastpath.model import ModelConfig, build_transformer_config
+    from megatron_fastpath.train import FastpathConfig, ParallelConfig, TrainingConfig, _section
+
+    c = cfg([f"model={model}", f"parallel={parallel}"])
+    m = _section(c, "model", ModelConfig)
+    for name, cls in [("data", DataConfig), ("training", TrainingConfig),
+                      ("fastpath", FastpathConfig), ("parallel", ParallelConfig)]:
+        _section(c, name, cls)
+    tc = build_transformer_config(m)  # Megatron validates head/group/expert shapes
+    assert tc.num_layers == m.num_layers and tc.num_moe_experts == m.num_experts
+
+
+def test_real_shape_parameter_counts():
+    """The real-shape configs describe the published models (parameter count from shapes)."""
+    from megatron_fastpath.model import ModelConfig
+
+    def params(m):
+        head = m.kv_channels or m.hidden_size // m.num_attention_heads
+        attn = m.hidden_size * head * (m.num_attention_heads * 2 + m.num_query_groups * 2)
+        ffn = m.moe_ffn_hidden_size if m.num_experts else m.ffn_hidden_size
+        mlp = 3 * m.hidden_size * ffn * (m.num_experts or 1)
+        router = m.hidden_size * (m.num_experts or 0)
+        return m.num_layers * (attn + mlp + router) + 2 * m.vocab_size * m.hidden_size
+
+    expected_billions = {"llama2_70b": 69.0, "llama3_8b": 8.0, "mixtral_8x7b": 46.7,
+                         "qwen3_30b_a3b": 30.5}
+    for name, billions in expected_billions.items():
+        from megatron_fastpath.train import _section
+
+        m = _section(cfg([f"model={name}"]), "model", ModelConfig)
+        assert abs(params(m) / 1e9 - billions) / billions < 0.03, (name, params(m) / 1e9)
