@@ -379,7 +379,9 @@ class ActivationOffloadManager:
                 if self._resize_buffers(mode, need):
                     reason = (f"headroom {headroom} B - {extra} B new buffers >= margin "
                               f"{cfg.headroom_margin_bytes} B")
-                    if mode is BufferMode.SINGLE and cfg.allow_double_buffer:
+                    if not cfg.allow_double_buffer:
+                        reason = "double buffering disabled (allow_double_buffer=False)"
+                    elif mode is BufferMode.SINGLE:
                         reason = (f"second buffer does not fit: headroom {headroom} B - "
                                   f"{2 * need - held} B < margin {cfg.headroom_margin_bytes} B; "
                                   f"one buffer fits")
@@ -396,7 +398,8 @@ class ActivationOffloadManager:
         self._mode, self._mode_reason = mode, reason
         if mode is not self._last_mode and (mode is not BufferMode.DOUBLE
                                             or self._last_mode is not None):
-            level = logging.INFO if mode is BufferMode.DOUBLE else logging.WARNING
+            explicit = not self.config.enabled or not self.config.allow_double_buffer
+            level = logging.INFO if mode is BufferMode.DOUBLE or explicit else logging.WARNING
             logger.log(level, "activation offload: %s buffer mode (%s)", mode.value, reason)
         self._last_mode = mode
 
