@@ -63,6 +63,7 @@ def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **o
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         init_method_std=model.init_method_std,
+        cuda_graph_scope=[],  # whole layer (the 0.16.1 default "full" is deprecated)
     )
     if model.num_experts is not None:
         kwargs.update(

@@ -1,0 +1,169 @@
+"""LoRA adapters as ordinary submodules of Megatron's linear layers.
+
+``LoRALinear`` wraps one Megatron linear (``ColumnParallelLinear``, ``RowParallelLinear`` or a
+Transformer Engine linear) and adds ``scale * B(A(dropout(x)))`` to its output. The adapters
+are plain ``nn.Parameter``s of the layer, so Megatron's ``CudaGraphManager`` sees them among
+the layer's connected parameters, and their matmuls are plain torch ops: under TE's FP8
+autocast they stay in the parameter dtype (bf16).
+
+Tensor parallelism (as NeMo's ``ParallelLinearAdapter``):
+
+* column-parallel base (input full, output sharded): A is replicated (in -> r); its output
+  enters the TP region with ``copy_to_tensor_model_parallel_region`` (all-reduce of the
+  gradient); B is sharded (r -> out / tp).
+* row-parallel base (input sharded, output reduced): A is sharded (in / tp -> r), its partial
+  output is summed with ``reduce_from_tensor_model_parallel_region``; B is replicated.
+
+Dropout draws from Megatron's CUDA RNG tracker on CUDA (the Transformer Engine tracker when
+``use_te_rng_tracker``), which is what CUDA graphs can replay; on CPU from the default generator.
+
+Shapes: x [S, B, in_local] -> delta [S, B, out_local].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+from megatron_fastpath.lora.config import LoRAConfig
+
+__all__ = ["LoRALinear", "AdaptersLockedError"]
+
+
+class AdaptersLockedError(RuntimeError):
+    """Adapters were toggled or merged after CUDA-graph capture froze the layer."""
+
+
+def _tp_world(base) -> int:
+    group = getattr(base, "tp_group", None)
+    if group is not None:
+        return torch.distributed.get_world_size(group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+class LoRALinear(torch.nn.Module):
+    """A Megatron linear plus a LoRA adapter (built from a ModuleSpec, see ``with_lora``).
+
+    Args:
+        *args, **kwargs: the base linear's constructor arguments (Megatron passes them).
+        base: the linear class to build (e.g. ``ColumnParallelLinear``).
+        lora: :class:`LoRAConfig`.
+        parallel: "column" or "row" -- how the base shards its weight.
+    """
+
+    def __init__(self, *args, base: type, lora: LoRAConfig, parallel: str, **kwargs):
+        super().__init__()
+        if parallel not in ("column", "row"):
+            raise ValueError(f"parallel must be 'column' or 'row'; got {parallel!r}")
+        self.base = base(*args, **kwargs)
+        self.lora_config = lora
+        self.parallel = parallel
+        self.scale = lora.alpha / lora.rank
+        self._enabled = True
+        self._locked = False
+        weight = self.base.weight
+        out_local, in_local = weight.shape
+        tp = _tp_world(self.base)
+        in_a = in_local  # column: full input; row: this rank's input shard
+        out_b = out_local  # column: this rank's output shard; row: full output
+        dtype = lora.dtype_or(weight.dtype)
+        self.lora_A = torch.nn.Parameter(torch.empty(lora.rank, in_a, device=weight.device, dtype=dtype))
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_b, lora.rank, device=weight.device, dtype=dtype))
+        # Kaiming-uniform A (as PEFT / NeMo), zero B: the adapter starts as an exact no-op.
+        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.tp_size = tp
+        self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else None
+        self._fused_layernorm = hasattr(self.base, "layer_norm_weight")
+        if self._fused_layernorm:
+            # TE LayerNormLinear: the adapter must see the *normalised* input.
+            self.base.return_layernorm_output = True
+
+    # ------------------------------------------------------------------ state
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, enabled: bool) -> None:
+        if self._locked and enabled != self._enabled:
+            raise AdaptersLockedError(
+                "LoRA adapters cannot be toggled after CUDA-graph capture: the captured graphs "
+                "would keep running the old branch. Toggle before the first captured step or "
+                "rebuild the model."
+            )
+        self._enabled = enabled
+
+    def lock(self) -> None:
+        """Freeze the adapter's on/off state (called when CUDA graphs are captured)."""
+        self._locked = True
+
+    # ------------------------------------------------------------------ compute
+    def _dropout_rng(self):
+        if self.dropout is None or not self.training or self.lora_A.device.type != "cuda":
+            return contextlib.nullcontext()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return get_cuda_rng_tracker().fork()
+
+    def adapter(self, x: torch.Tensor) -> torch.Tensor:
+        """delta = scale * B(A(dropout(x))): [..., in_local] -> [..., out_local]."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        if self.dropout is not None:
+            with self._dropout_rng():
+                x = self.dropout(x)
+        h = torch.nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
+        if self.tp_size > 1:
+            h = (
+                copy_to_tensor_model_parallel_region(h)
+                if self.parallel == "column"
+                else reduce_from_tensor_model_parallel_region(h)
+            )
+        return torch.nn.functional.linear(h, self.lora_B) * self.scale
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out = self.base(x, *args, **kwargs)
+        if self._fused_layernorm:
+            (output, bias), ln_out = out
+            adapter_in = ln_out
+        else:
+            output, bias = out
+            adapter_in = x
+        if self._enabled:
+            output = output + self.adapter(adapter_in).to(output.dtype)
+        return output, bias
+
+    # ------------------------------------------------------------------ merge
+    @torch.no_grad()
+    def merged_weight_delta(self) -> torch.Tensor:
+        """scale * B @ A in the base weight's local shape ([out_local, in_local])."""
+        return (self.lora_B.float() @ self.lora_A.float() * self.scale).to(self.base.weight.dtype)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapter into the base weight and disable it (outputs unchanged)."""
+        if self._locked:
+            raise AdaptersLockedError("cannot merge LoRA adapters after CUDA-graph capture")
+        self.base.weight.add_(self.merged_weight_delta())
+        self._enabled = False
+
+    # Megatron code reads attributes of its linears (weight, bias, backward_dw, ...).
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+    def backward_dw(self) -> None:  # delayed weight-grad hook used by Megatron's overlap path
+        if hasattr(self.base, "backward_dw"):
+            self.base.backward_dw()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return self.base.sharded_state_dict(f"{prefix}base.", sharded_offsets, metadata)

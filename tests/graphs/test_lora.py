@@ -1,0 +1,189 @@
+"""LoRA adapters inside the fastpath layer spec: exact no-op at init, only adapters train,
+merging preserves outputs, parameter counts match r*(in+out), and locked adapters refuse
+toggling (what CUDA-graph capture requires)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_fastpath.lora import (
+    AdaptersLockedError,
+    LoRAConfig,
+    LoRALinear,
+    freeze_base_parameters,
+    lock_lora,
+    lora_modules,
+    lora_parameter_count,
+    merge_lora,
+    set_lora_enabled,
+    with_lora,
+)
+from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
+from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+SHAPE = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=96, vocab_size=97)
+T = 32
+LENGTHS = [9, 1, 14, 8]
+
+
+def build(lora=None, seed=0):
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(SHAPE)))
+    spec = get_fastpath_layer_spec(cache, backend="sdpa")
+    if lora is not None:
+        spec = with_lora(spec, lora)
+    torch.manual_seed(seed)
+    model = build_gpt_model(build_transformer_config(SHAPE), spec, SHAPE.vocab_size, T)
+    return model, cache
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 97, (1, T), generator=g)
+    labels = torch.randint(0, 97, (1, T), generator=g)
+    mask = torch.zeros(1, T)
+    mask[0, : sum(LENGTHS)] = 1
+    return tokens, labels, mask
+
+
+def loss_of(model, cache, seed=0):
+    tokens, labels, mask = batch(seed)
+    with cache.batch(LENGTHS) as pb:
+        out = model(tokens, pb.position_ids_1T, None, labels=labels,
+                    packed_seq_params=pb.packed_seq_params)
+    return (out * mask).sum() / mask.sum(), out
+
+
+def base_state(model):
+    """State dict of the LoRA model in the plain model's names (drop adapters, unwrap base)."""
+    return {k.replace(".base.", "."): v for k, v in model.state_dict().items()
+            if "lora_" not in k}
+
+
+def test_outputs_equal_base_model_at_init(mcore_parallel):
+    lora_model, c1 = build(LoRAConfig(rank=4, alpha=8, dropout=0.0))
+    plain, c2 = build()
+    plain.load_state_dict(base_state(lora_model), strict=False)
+    _, a = loss_of(lora_model, c1)
+    _, b = loss_of(plain, c2)
+    assert torch.equal(a, b)  # B = 0: exactly the base model
+    assert sum(1 for _ in lora_modules(lora_model)) == 2 * SHAPE.num_layers
+
+
+def test_only_adapters_change_and_merge_preserves_outputs(mcore_parallel):
+    model, cache = build(LoRAConfig(rank=4, alpha=8, dropout=0.1))
+    trainable = freeze_base_parameters(model)
+    before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    for step in range(5):
+        loss, _ = loss_of(model, cache, seed=step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(after[k], before[k])}
+    assert changed and all(k.endswith(("lora_A", "lora_B")) for k in changed), changed
+    assert trainable == lora_parameter_count(2, 64, 4, 2, rank=4)
+
+    model.eval()
+    with torch.no_grad():
+        _, with_adapters = loss_of(model, cache)
+        merge_lora(model)
+        _, merged = loss_of(model, cache)
+    assert not all(m.enabled for m in lora_modules(model))
+    torch.testing.assert_close(merged, with_adapters, rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_count_matches_formula_for_all_targets(mcore_parallel):
+    cfg = LoRAConfig(rank=8, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    model, _ = build(cfg)
+    counted = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(model))
+    assert counted == lora_parameter_count(2, 64, 4, 2, rank=8, targets=cfg.targets,
+                                           ffn_hidden_size=96)
+    for m in lora_modules(model):  # r * (in + out) per adapted linear
+        out_f, in_f = m.base.weight.shape
+        assert m.lora_A.numel() + m.lora_B.numel() == 8 * (in_f + out_f)
+
+
+def test_llama2_70b_lora_count_reconciled_with_mlperf(mcore_parallel, capsys):
+    """MLPerf's Llama-2-70B LoRA (r=16 on QKV and output projection) quotes '~55M (0.08%)'."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    cfg70 = build_transformer_config(ModelConfig(num_layers=80, hidden_size=8192,
+                                                 num_attention_heads=64, num_query_groups=8,
+                                                 ffn_hidden_size=28672, vocab_size=32000))
+    lora = LoRAConfig(rank=16, alpha=32, dropout=0.1)
+    with torch.device("meta"):  # real Megatron linears of the 70B shape, no memory
+        kw = dict(config=cfg70, init_method=cfg70.init_method, bias=False, skip_bias_add=True,
+                  is_expert=False)
+        qkv = LoRALinear(8192, 10240, gather_output=False, base=ColumnParallelLinear, lora=lora,
+                         parallel="column", **kw)
+        proj = LoRALinear(8192, 8192, input_is_parallel=True, base=RowParallelLinear, lora=lora,
+                          parallel="row", **kw)
+    per_layer = sum(p.numel() for m in (qkv, proj) for p in (m.lora_A, m.lora_B))
+    fused = 80 * per_layer
+    assert fused == lora_parameter_count(80, 8192, 64, 8, rank=16) == 44_564_480
+    # HF PEFT (the MLPerf reference) adapts q, k, v, o separately: A and B per projection.
+    per_projection = 80 * 16 * ((8192 + 8192) + 2 * (8192 + 1024) + (8192 + 8192))
+    assert per_projection == 65_536_000
+    base = 68_976_648_192  # Llama-2-70B parameters
+    print(f"Llama-2-70B LoRA r=16: fused QKV+proj {fused:,} ({fused / base:.3%}); "
+          f"per-projection q,k,v,o {per_projection:,} ({per_projection / base:.3%}); "
+          f"MLPerf quotes ~55M (0.08%), between the two")
+    assert fused / base < 0.0008 < per_projection / base
+
+
+def test_toggle_and_merge_refused_after_lock(mcore_parallel):
+    model, _ = build(LoRAConfig(rank=2, dropout=0.0))
+    set_lora_enabled(model, False)
+    set_lora_enabled(model, True)
+    lock_lora(model)
+    set_lora_enabled(model, True)  # no change: allowed
+    with pytest.raises(AdaptersLockedError, match="after CUDA-graph capture"):
+        set_lora_enabled(model, False)
+    with pytest.raises(AdaptersLockedError):
+        merge_lora(model)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=0), "positive int"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(targets=("linear_q",)), "unknown LoRA target"),
+        (dict(dtype="int8"), "LoRA dtype"),
+    ],
+)
+def test_bad_lora_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LoRAConfig(**kwargs)
+
+
+def test_freeze_without_adapters_is_an_error(mcore_parallel):
+    model, _ = build()
+    with pytest.raises(ValueError, match="no LoRA parameters"):
+        freeze_base_parameters(model)
+
+
+@pytest.mark.gpu
+def test_lora_dropout_uses_megatron_rng_tracker_and_stays_bf16_under_fp8(mcore_parallel):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    model_parallel_cuda_manual_seed(123)
+    cfg = build_transformer_config(SHAPE, params_dtype=torch.bfloat16)
+    cfg.use_cpu_initialization = False
+    m = LoRALinear(64, 64, config=cfg, init_method=cfg.init_method, bias=False, gather_output=False,
+                   skip_bias_add=True, is_expert=False, base=ColumnParallelLinear,
+                   lora=LoRAConfig(rank=4, dropout=0.5), parallel="column").cuda()
+    torch.nn.init.normal_(m.lora_B)
+    x = torch.randn(8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    state = get_cuda_rng_tracker().get_states()
+    a = m.adapter(x)
+    get_cuda_rng_tracker().set_states(state)
+    b = m.adapter(x)
+    assert torch.equal(a, b)  # the dropout mask came from the tracker's state
+    assert m.lora_A.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
