@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -144,7 +144,6 @@ class ActivationOffloadManager:
         self._max_group_bytes = 0  # largest offloadable group seen (sizes the buffers)
         # per-pass state
         self._pending: list[OffloadGroup] = []  # offloaded groups not yet reloaded
-        self._open_keys: dict[str, OffloadGroup] = {}
         self._seq = 0
         # per-step state
         self._step = -1
@@ -218,7 +217,6 @@ class ActivationOffloadManager:
         the step's first offload, reset the counters."""
         self._release_all_buffers()
         self._pending.clear()
-        self._open_keys.clear()
         self._step += 1
         self._in_step = True
         self._mode = None
@@ -272,7 +270,6 @@ class ActivationOffloadManager:
             self.begin_step()
         self._seq += 1
         group = OffloadGroup(key, self._seq, is_last=(key == self._layer_keys[-1]))
-        self._open_keys[key] = group
         return group
 
     def _wants(self, group: OffloadGroup, t: torch.Tensor) -> bool:
@@ -567,5 +564,3 @@ class ActivationOffloadManager:
                     host_pool_bytes=self.host_pool_bytes, host_pinned=self._host_pinned,
                     layers=list(self._layer_keys))
 
-
-OffloadTarget = Union[ActivationOffloadManager, OffloadConfig]
