@@ -78,7 +78,13 @@ DATA_DEPENDENT_OPS: frozenset[str] = frozenset(
 )
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
+# Files whose frames are instrumentation, not user code (the audit adds itself).
+_INTERNAL_FILES = {os.path.abspath(__file__)}
+
+
+def register_internal_file(path: str) -> None:
+    """Frames from ``path`` are skipped when locating the user code behind a sync."""
+    _INTERNAL_FILES.add(os.path.abspath(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,21 +95,24 @@ class SyncEvent:
         shape), "cuda_sync" (reported by torch.cuda sync debug mode).
     op: the method or aten op name, e.g. "tolist", "aten.nonzero".
     location: "file:line in function" of the first frame outside torch (and outside this file).
+    region: the sentinel's ``region`` label when it happened (e.g. "layer 3 backward"), if set.
     """
 
     kind: str
     op: str
     location: str
+    region: Optional[str] = None
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.op} at {self.location}"
+        where = f" [{self.region}]" if self.region else ""
+        return f"{self.kind}:{self.op} at {self.location}{where}"
 
 
 def _user_location() -> str:
     """First stack frame outside torch and this module: where the user code triggered the op."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         path = os.path.abspath(frame.filename)
-        if path == _THIS_FILE or path.startswith(_TORCH_DIR):
+        if path in _INTERNAL_FILES or path.startswith(_TORCH_DIR):
             continue
         return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "<unknown>"
@@ -213,12 +222,15 @@ class SyncSentinel:
         self._dispatch_mode: Optional[_DispatchWatcher] = None
         self._prev_cuda_mode: Optional[int] = None
         self._active = False
+        # Optional label of the code region running now; instrumentation (e.g. the graph-safety
+        # audit's layer hooks) sets it so each event says which layer/phase it came from.
+        self.region: Optional[str] = None
 
     # -- recording -----------------------------------------------------------------------
     def _record(self, kind: str, op: str) -> None:
         if not self._active:
             return
-        event = SyncEvent(kind, op, _user_location())
+        event = SyncEvent(kind, op, _user_location(), self.region)
         self.events.append(event)
         if self.strict:
             raise HostSyncError(f"host sync inside strict SyncSentinel '{self.name}': {event}")

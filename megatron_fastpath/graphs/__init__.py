@@ -1,0 +1,11 @@
+"""Per-layer CUDA graphs: the CPU graph-safety audit and the enable_cuda_graph configuration."""
+
+from megatron_fastpath.graphs.audit import (
+    AuditFinding,
+    AuditReport,
+    GraphSafetyAudit,
+    GraphSafetyError,
+    LayerAudit,
+)
+
+__all__ = ["AuditFinding", "AuditReport", "GraphSafetyAudit", "GraphSafetyError", "LayerAudit"]

@@ -1,0 +1,365 @@
+"""Graph-safety audit: can each TransformerLayer be captured by Megatron's CudaGraphManager?
+
+Runs on CPU over ordinary training steps (no capture) and checks, per layer, what per-layer
+CUDA graphs (``cuda_graph_impl="local"``, ``enable_cuda_graph=True``) rely on:
+
+(a) **no host sync** inside the layer's forward or backward (a sync aborts capture);
+(b) **static buffers**: every tensor the layer reads that is not one of its inputs (weights,
+    LoRA adapters, packed-cache buffers, offload buffers) is read at the same address every
+    step -- a graph replays the addresses it captured;
+(c) **argument matching**: the arguments each layer receives satisfy CudaGraphManager's rules
+    (tensors keep shape/dtype/device, non-tensors keep their value, dataclasses field by field)
+    -- checked with Megatron's own ``ArgMetadata`` and ``_CudaGraphRunner.get_mismatch_errors``;
+(d) **no Python branch on tensor values** (``if tensor:`` inside a layer): the captured graph
+    would freeze one branch.
+
+Usage::
+
+    audit = GraphSafetyAudit(model, strict=False)
+    with audit:
+        for step in range(3):
+            with audit.step():
+                train_step()
+    print(audit.report().summary())    # per-layer table; report().ok
+
+``strict=True`` raises :class:`GraphSafetyError` at the first violation, naming the layer, the
+phase and the source location.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from megatron_fastpath.sync.sentinel import (
+    SyncSentinel,
+    _op_name,
+    _user_location,
+    register_internal_file,
+)
+
+register_internal_file(__file__)
+
+__all__ = ["GraphSafetyAudit", "GraphSafetyError", "AuditFinding", "LayerAudit", "AuditReport"]
+
+_BRANCH_OPS = {"__bool__", "aten.is_nonzero"}
+
+
+class GraphSafetyError(RuntimeError):
+    """A layer would not survive CUDA-graph capture (strict audit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditFinding:
+    """One violation. check: "sync" | "branch" | "buffer" | "args"."""
+
+    layer: int
+    phase: str
+    step: int
+    check: str
+    message: str
+    location: str = ""
+
+    def __str__(self) -> str:
+        at = f" at {self.location}" if self.location else ""
+        return f"layer {self.layer} {self.phase} (step {self.step}) [{self.check}] {self.message}{at}"
+
+
+@dataclasses.dataclass
+class LayerAudit:
+    layer: int
+    forward_calls: int = 0
+    syncs_forward: int = 0
+    syncs_backward: int = 0
+    value_branches: int = 0
+    external_reads: int = 0
+    moved_buffers: int = 0
+    arg_mismatches: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.syncs_forward or self.syncs_backward or self.value_branches
+                    or self.moved_buffers or self.arg_mismatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    steps: int
+    layers: tuple
+    findings: tuple
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers) and not self.findings
+
+    def summary(self) -> str:
+        head = (f"graph-safety audit over {self.steps} steps: "
+                f"{'PASS' if self.ok else 'FAIL'} ({len(self.findings)} findings)")
+        rows = [head, "  layer  fwd-calls  syncs(fwd/bwd)  branches  static-reads  moved  arg-mismatch"]
+        for l in self.layers:
+            rows.append(
+                f"  {l.layer:5d}  {l.forward_calls:9d}  {l.syncs_forward:6d}/{l.syncs_backward:<6d}  "
+                f"{l.value_branches:8d}  {l.external_reads:12d}  {l.moved_buffers:5d}  "
+                f"{l.arg_mismatches:12d}"
+            )
+        rows += [f"  - {f}" for f in self.findings[:20]]
+        return "\n".join(rows)
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _ExternalReads(TorchDispatchMode):
+    """Records, in op order, every tensor an op reads that was neither produced inside the
+    region nor one of the region's inputs; compares against a reference sequence."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, input_ptrs: set, reference: Optional[list], on_moved):
+        super().__init__()
+        self.inputs = input_ptrs
+        self.produced: set = set()
+        self.reads: list = []
+        self.reference = reference
+        self.on_moved = on_moved
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        for i, t in enumerate(tree_leaves((args, kwargs))):
+            if isinstance(t, torch.Tensor):
+                p = _storage_ptr(t)
+                if p is None or p in self.produced or p in self.inputs:
+                    continue
+                k = len(self.reads)
+                self.reads.append((name, i, p, tuple(t.shape)))
+                if self.reference is not None:
+                    ref = self.reference[k] if k < len(self.reference) else None
+                    if ref is None or ref[:2] != (name, i) or ref[2] != p:
+                        self.on_moved(name, i, ref, (name, i, p, tuple(t.shape)))
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                p = _storage_ptr(t)
+                if p is not None:
+                    self.produced.add(p)
+        return out
+
+
+def _in_autograd_backward() -> bool:
+    """True while the autograd engine executes a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Marker(torch.autograd.Function):
+    """Identity whose backward calls ``callback`` (marks where a layer's backward starts/ends)."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+class _AuditSentinel(SyncSentinel):
+    def __init__(self, audit: "GraphSafetyAudit"):
+        super().__init__(name="graph-safety audit")
+        self.audit = audit
+
+    def _record(self, kind, op):
+        region = self.region
+        super()._record(kind, op)
+        if region is not None and self._active:
+            self.audit._on_sync(self.events[-1])
+
+
+class GraphSafetyAudit:
+    """Per-layer graph-safety checks over real training steps (see module docstring).
+
+    Args:
+        model: module containing the layers (e.g. a GPTModel).
+        strict: raise GraphSafetyError at the first violation.
+        layer_types: which submodules are audited (default: Megatron ``TransformerLayer``).
+    """
+
+    def __init__(self, model: torch.nn.Module, strict: bool = False, layer_types=None):
+        if layer_types is None:
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            layer_types = (TransformerLayer,)
+        self.model = model
+        self.strict = strict
+        self.layers = [m for m in model.modules() if isinstance(m, layer_types)]
+        if not self.layers:
+            raise ValueError(f"no {layer_types} found in the model to audit")
+        self.index = {id(m): i + 1 for i, m in enumerate(self.layers)}
+        self.stats = {i + 1: LayerAudit(i + 1) for i in range(len(self.layers))}
+        self.findings: list[AuditFinding] = []
+        self.steps = 0
+        self._handles: list = []
+        self._sentinel: Optional[_AuditSentinel] = None
+        self._ref_reads: dict = {}
+        self._ref_args: dict = {}
+        self._calls: dict = {}
+        self._tracker: Optional[_ExternalReads] = None
+        self._current: tuple = (None, "")
+
+    # ------------------------------------------------------------------ hooks
+    def __enter__(self) -> "GraphSafetyAudit":
+        for layer in self.layers:
+            self._handles.append(layer.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(self._post_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def step(self):
+        """Audit one training step (forward + backward of all its microbatches)."""
+        self.steps += 1
+        self._calls = {}
+        self._sentinel = _AuditSentinel(self)
+        with self._sentinel:
+            yield self
+        self._sentinel = None
+
+    def _finding(self, layer: int, phase: str, check: str, message: str, location: str = "") -> None:
+        f = AuditFinding(layer, phase, self.steps, check, message, location)
+        self.findings.append(f)
+        if self.strict:
+            raise GraphSafetyError(str(f))
+
+    def _on_sync(self, event) -> None:
+        layer, phase = self._current
+        s = self.stats[layer]
+        if event.op in _BRANCH_OPS:
+            s.value_branches += 1
+            self._finding(layer, phase, "branch", f"Python branch on a tensor value ({event.op})", event.location)
+            return
+        if phase == "forward":
+            s.syncs_forward += 1
+        else:
+            s.syncs_backward += 1
+        self._finding(layer, phase, "sync", f"host sync {event.kind}:{event.op}", event.location)
+
+    def _set_region(self, layer: Optional[int], phase: str = "") -> None:
+        self._current = (layer, phase)
+        if self._sentinel is not None:
+            self._sentinel.region = None if layer is None else f"layer {layer} {phase}"
+
+    def _pre_hook(self, module, args, kwargs):
+        if self._sentinel is None:
+            return None
+        i = self.index[id(module)]
+        recompute = _in_autograd_backward()  # activation recompute runs inside backward
+        self._set_region(i, "recompute" if recompute else "forward")
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if recompute:
+            return None
+        s = self.stats[i]
+        s.forward_calls += 1
+        call = self._calls[i] = self._calls.get(i, 0) + 1
+        key = (i, call)
+        self._check_args(i, key, args, kwargs)
+
+        input_ptrs = {_storage_ptr(t) for t in tree_leaves((args, self._tensors_of(kwargs)))
+                      if isinstance(t, torch.Tensor)}
+
+        def moved(name, idx, ref, now):
+            s.moved_buffers += 1
+            was = f"{ref[2]:#x}" if ref else "nothing"
+            self._finding(i, "forward", "buffer",
+                          f"{name} arg {idx} read a tensor at {now[2]:#x} (shape {now[3]}), step 1 "
+                          f"read {was} there: a buffer was reallocated between steps",
+                          _user_location())
+
+        self._tracker = _ExternalReads(input_ptrs, self._ref_reads.get(key), moved)
+        self._tracker.__enter__()
+        self._tracker_key = key
+        # Mark the end of this layer's backward: gradient reaching its input.
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            marked = _Marker.apply(hidden, lambda: self._leave_backward(i))
+            if args:
+                return (marked, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": marked}
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        if self._sentinel is None:
+            return None
+        i = self.index[id(module)]
+        if _in_autograd_backward():  # recompute inside backward
+            self._set_region(i, "backward")
+            return None
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            key = self._tracker_key
+            self.stats[i].external_reads = len(tracker.reads)
+            self._ref_reads.setdefault(key, tracker.reads)
+        self._set_region(None)
+        first = output[0] if isinstance(output, tuple) else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            marked = _Marker.apply(first, lambda: self._enter_backward(i))
+            return (marked, *output[1:]) if isinstance(output, tuple) else marked
+        return None
+
+    def _enter_backward(self, i: int) -> None:
+        self._set_region(i, "backward")
+
+    def _leave_backward(self, i: int) -> None:
+        self._set_region(None)
+
+    @staticmethod
+    def _tensors_of(kwargs):
+        out = []
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                out += [getattr(v, f.name) for f in dataclasses.fields(v)
+                        if isinstance(getattr(v, f.name), torch.Tensor)]
+        return out
+
+    # (c) Megatron's own argument matching
+    def _check_args(self, i: int, key, args, kwargs) -> None:
+        from megatron.core.transformer.cuda_graphs import ArgMetadata, _CudaGraphRunner
+
+        try:
+            if key not in self._ref_args:
+                self._ref_args[key] = types.SimpleNamespace(
+                    fwd_graph_input_arg_metas=[ArgMetadata(a) for a in args],
+                    fwd_graph_input_kwarg_metas={k: ArgMetadata(v) for k, v in kwargs.items()},
+                )
+                # validate types against CudaGraphManager's supported set on the first step
+                _CudaGraphRunner.get_mismatch_errors(self._ref_args[key], args, kwargs)
+                return
+            errors = _CudaGraphRunner.get_mismatch_errors(self._ref_args[key], args, kwargs)
+        except AssertionError as exc:  # _check_supported_type: e.g. a ProcessGroup argument
+            errors = [f"unsupported argument type for CUDA graphs: {exc}"]
+        if errors:
+            self.stats[i].arg_mismatches += len(errors)
+            self._finding(i, "forward", "args",
+                          "CudaGraphManager would not replay: " + "; ".join(e.strip() for e in errors))
+
+    # ------------------------------------------------------------------ results
+    def report(self) -> AuditReport:
+        return AuditReport(self.steps, tuple(self.stats[i] for i in sorted(self.stats)),
+                           tuple(self.findings))

@@ -1,0 +1,153 @@
+"""The CPU graph-safety audit passes (strict) on our spec and fails, naming the place, on an
+injected host sync, a Python branch on a value, a buffer reallocated between steps and a
+layer argument CudaGraphManager would not match."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_fastpath.graphs import GraphSafetyAudit, GraphSafetyError
+from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters, lora_modules
+from tests.graphs.test_lora import LENGTHS, batch, build
+
+
+def train_steps(model, cache, audit, steps=3, before_step=None, params_hook=None):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    for step in range(steps):
+        if before_step:
+            before_step(step)
+        with audit.step():
+            tokens, labels, mask = batch(step)
+            with cache.batch(LENGTHS) as pb:
+                params = params_hook(step, pb.packed_seq_params) if params_hook else pb.packed_seq_params
+                out = model(tokens, pb.position_ids_1T, None, labels=labels, packed_seq_params=params)
+                (out * mask).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture
+def lora_model(mcore_parallel):
+    model, cache = build(LoRAConfig(rank=4, dropout=0.1))
+    freeze_base_parameters(model)
+    return model, cache
+
+
+def test_strict_audit_passes_on_dense_packed_lora(lora_model):
+    model, cache = lora_model
+    with GraphSafetyAudit(model, strict=True) as audit:
+        train_steps(model, cache, audit, steps=3)
+    report = audit.report()
+    assert report.ok and report.steps == 3
+    assert [l.forward_calls for l in report.layers] == [3, 3]
+    assert all(l.external_reads > 0 for l in report.layers)  # weights, adapters, cache buffers
+    assert "PASS" in report.summary()
+
+
+def inject(module, fn):
+    """Run fn(output) after module's forward (an instance-level patch, test only)."""
+    original = module.forward
+
+    def patched(*a, **k):
+        out = original(*a, **k)
+        fn(out)
+        return out
+
+    module.forward = patched
+
+
+def test_injected_item_fails_naming_layer_and_line(lora_model):
+    model, cache = lora_model
+    layer2 = model.decoder.layers[1]
+    inject(layer2.mlp, lambda out: out[0].sum().item())
+    with GraphSafetyAudit(model, strict=True) as audit:
+        with pytest.raises(GraphSafetyError, match=r"layer 2 forward .*\[sync\] host sync host_read:item at .*test_graph_audit.py"):
+            train_steps(model, cache, audit, steps=1)
+    with GraphSafetyAudit(model) as audit:
+        train_steps(model, cache, audit, steps=2)
+    rep = audit.report()
+    assert not rep.ok
+    assert [l.syncs_forward for l in rep.layers] == [0, 2]  # one per step, in layer 2 only
+
+
+def test_value_branch_reported_as_branch(lora_model):
+    model, cache = lora_model
+
+    def branch(out):
+        if out[0].sum() > 0:  # data-dependent Python control flow
+            pass
+
+    inject(model.decoder.layers[0].self_attention, branch)
+    with GraphSafetyAudit(model) as audit:
+        train_steps(model, cache, audit, steps=1)
+    rep = audit.report()
+    assert rep.layers[0].value_branches == 1 and rep.layers[1].ok
+    assert rep.findings[0].check == "branch" and "test_graph_audit.py" in rep.findings[0].location
+
+
+def test_sync_in_backward_is_attributed_to_the_layer(lora_model):
+    model, cache = lora_model
+
+    class SyncInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g.abs().max().item()
+            return g
+
+    mlp = model.decoder.layers[1].mlp
+    original = mlp.forward
+    mlp.forward = lambda *a, **k: (lambda o: (SyncInBackward.apply(o[0]), o[1]))(original(*a, **k))
+    with GraphSafetyAudit(model) as audit:
+        train_steps(model, cache, audit, steps=1)
+    rep = audit.report()
+    assert [(l.syncs_forward, l.syncs_backward) for l in rep.layers] == [(0, 0), (0, 1)]
+    assert rep.findings[0].phase == "backward"
+
+
+def test_buffer_reallocated_between_steps_is_found(lora_model):
+    model, cache = lora_model
+
+    def realloc(step):
+        if step == 1:
+            slot = cache.slots[0]
+            slot.derived["sdpa_mask"] = slot.derived["sdpa_mask"].clone()  # new address
+            # the cache rebuilds into the buffer it holds: the layers now read a moved mask
+
+    with GraphSafetyAudit(model) as audit:
+        train_steps(model, cache, audit, steps=3, before_step=realloc)
+    rep = audit.report()
+    # a graph captured at step 1 would replay the old address: steps 2 and 3 both differ
+    assert [l.moved_buffers for l in rep.layers] == [2, 2]
+    assert all(f.check == "buffer" for f in rep.findings)
+    assert sorted({f.step for f in rep.findings}) == [2, 3]
+
+
+def test_reallocated_lora_parameter_fails_strict(lora_model):
+    model, cache = lora_model
+    adapter = next(lora_modules(model))
+
+    def realloc(step):
+        if step == 1:
+            adapter.lora_A.data = adapter.lora_A.data.clone()
+
+    with GraphSafetyAudit(model, strict=True) as audit:
+        with pytest.raises(GraphSafetyError, match=r"layer 1 forward \(step 2\) \[buffer\].*reallocated"):
+            train_steps(model, cache, audit, steps=2, before_step=realloc)
+
+
+def test_changing_non_tensor_argument_is_a_cudagraph_mismatch(lora_model):
+    model, cache = lora_model
+
+    def vary(step, params):
+        return dataclasses.replace(params, max_seqlen_q=16) if step == 1 else params
+
+    with GraphSafetyAudit(model) as audit:
+        train_steps(model, cache, audit, steps=2, params_hook=vary)
+    rep = audit.report()
+    assert [l.arg_mismatches for l in rep.layers] == [1, 1]
+    assert "Value mismatch at kwargs['packed_seq_params'].max_seqlen_q" in str(rep.findings[0])
