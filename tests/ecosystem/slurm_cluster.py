@@ -112,8 +112,11 @@ def apt_install(packages: Sequence[str], timeout_s: float = 900) -> InstallResul
         raise SlurmUnavailable(f"{' '.join(packages)} not installed and no apt-get on this machine")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     t0 = time.perf_counter()
-    for cmd in ([apt, "update", "-q"],
-                [apt, "install", "-y", "-q", "--no-install-recommends", *packages]):
+    # Short network timeouts: a machine without a reachable mirror skips fast instead of hanging.
+    net = ["-o", "Acquire::Retries=1", "-o", "Acquire::http::Timeout=30",
+           "-o", "Acquire::https::Timeout=30"]
+    for cmd in ([apt, *net, "update", "-q"],
+                [apt, *net, "install", "-y", "-q", "--no-install-recommends", *packages]):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
