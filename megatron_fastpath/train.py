@@ -20,6 +20,7 @@ step late, so printing never stalls the step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_fastpath.data import DataConfig, SyntheticSFTDataset, iterate_forever, pack_microbatches
+from megatron_fastpath.data import DataConfig, SyntheticSFTDataset, pack_microbatches
 from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
 from megatron_fastpath.sync import SyncSentinel
 
@@ -57,8 +58,26 @@ class TrainingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FastpathConfig:
+    """Feature switches (each on/off); their settings live in the groups of the same name.
+
+    packed_cache: attention reads the per-batch packed-sequence cache (required here).
+    attention_backend: auto | sdpa | flex | flash | te.
+    linear_impl: auto | local | te (te: Transformer Engine linears, needed for FP8).
+    offload: double-buffered activation offload of layer inputs (group ``offload``).
+    lora: LoRA adapters, base weights frozen (group ``lora``).
+    cuda_graphs: per-layer CUDA graphs; on CPU the graph-safety audit (group ``cuda_graphs``).
+    fp8: Transformer Engine FP8 (group ``fp8``).
+    moe_capacity_factor: None = dropless MoE dispatch; a float = capacity mode (static shapes).
+    """
+
     packed_cache: bool = True
     attention_backend: str = "auto"
+    linear_impl: str = "auto"
+    offload: bool = False
+    lora: bool = False
+    cuda_graphs: bool = False
+    fp8: bool = False
+    moe_capacity_factor: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +101,8 @@ class StepRecord:
     sync_sites: tuple
     cache_hits: int
     cache_misses: int
+    offload_bytes: int = 0
+    offload_mode: str = "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +118,11 @@ class TrainSummary:
     cache_hits: int
     cache_misses: int
     records: tuple
+    trainable_params: int = 0
+    total_params: int = 0
+    audit: Optional[str] = None
+    audit_ok: Optional[bool] = None
+    notes: tuple = ()
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -151,16 +177,25 @@ class LaggedReadback:
         return {k: v.tolist() for k, v in host.items()}, extra
 
 
-def _all_reduce_grads(model: torch.nn.Module, group) -> None:
-    """Average gradients over the data-parallel group (CPU path; one flat bucket)."""
-    if group is None or torch.distributed.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=group)
-    flat.div_(torch.distributed.get_world_size(group))
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+def _all_reduce_grads(model: torch.nn.Module) -> None:
+    """Sum gradients over data-parallel replicas (CPU path): dense parameters over the DP group,
+    expert parameters (Megatron marks them ``allreduce=False``) over the expert-DP group. The
+    loss is normalised by the *global* token count, so the sum equals one big batch."""
+    from megatron.core import parallel_state as ps
+
+    buckets = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        expert = getattr(p, "allreduce", True) is False
+        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            buckets.setdefault(expert, (group, []))[1].append(p.grad)
+    for group, grads in buckets.values():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=group)
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -175,16 +210,32 @@ def _resolve_device(name: str) -> torch.device:
     return default_device() if name == "cuda" else torch.device("cpu")
 
 
+def _feature_section(cfg: Any, name: str, cls, enabled: bool):
+    """Settings group of a feature switched on in ``fastpath`` (None when off)."""
+    return _section(cfg, name, cls) if enabled else None
+
+
 def run(cfg) -> TrainSummary:
     """Train per ``cfg`` (an OmegaConf/dict tree with groups model, data, training, fastpath,
-    parallel) and return the summary. All config validation happens before any model is built."""
+    parallel, and the feature groups lora, offload, cuda_graphs, fp8) and return the summary.
+    All configuration is validated before any model is built or step runs."""
     from megatron_fastpath.distributed import init_distributed
+    from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, apply_env, plan_graphs_and_fp8
+    from megatron_fastpath.lora import LoRAConfig
+    from megatron_fastpath.offload import OffloadConfig
 
     model_cfg = _section(cfg, "model", ModelConfig)
     data_cfg = _section(cfg, "data", DataConfig)
     train_cfg = _section(cfg, "training", TrainingConfig)
     fast_cfg = _section(cfg, "fastpath", FastpathConfig)
     par_cfg = _section(cfg, "parallel", ParallelConfig)
+    lora_cfg = _feature_section(cfg, "lora", LoRAConfig, fast_cfg.lora)
+    offload_cfg = _feature_section(cfg, "offload", OffloadConfig, fast_cfg.offload)
+    graph_cfg = _section(cfg, "cuda_graphs", CudaGraphConfig) if fast_cfg.cuda_graphs else CudaGraphConfig()
+    graph_cfg = dataclasses.replace(graph_cfg, enabled=fast_cfg.cuda_graphs)
+    fp8_cfg = _section(cfg, "fp8", FP8Config) if fast_cfg.fp8 else FP8Config()
+    fp8_cfg = dataclasses.replace(fp8_cfg, enabled=fast_cfg.fp8)
+
     if not fast_cfg.packed_cache:
         raise ValueError(
             "fastpath.packed_cache=false is not a supported training mode of this job: its "
@@ -206,9 +257,31 @@ def run(cfg) -> TrainSummary:
             "whole sequences); use parallel.context_parallel_size=1, or Megatron's own TE spec "
             "for CP without the cache"
         )
-    if model_cfg.num_experts is None and par_cfg.expert_model_parallel_size > 1:
+    is_moe = model_cfg.num_experts is not None
+    if not is_moe and par_cfg.expert_model_parallel_size > 1:
         raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
+    if fast_cfg.moe_capacity_factor is not None and not is_moe:
+        raise ValueError("fastpath.moe_capacity_factor is set but the model has no experts")
+    if offload_cfg is not None and par_cfg.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
+            "per offload manager); use parallel.pipeline_model_parallel_size=1"
+        )
+    from megatron_fastpath.attention.core_attention import resolve_backend
+
+    backend = resolve_backend(fast_cfg.attention_backend, device, data_cfg.max_tokens, 16384)
+    linear_impl = fast_cfg.linear_impl if fast_cfg.linear_impl != "auto" else (
+        "te" if backend == "te" else "local")
+    plan = plan_graphs_and_fp8(
+        graph_cfg, fp8_cfg, device,
+        dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0
+        lora_dropout=lora_cfg.dropout if lora_cfg else 0.0,
+        linear_impl=linear_impl,
+        moe_dropless_ep=is_moe and par_cfg.expert_model_parallel_size > 1
+        and fast_cfg.moe_capacity_factor is None,
+    )
     dtype = getattr(torch, train_cfg.dtype)
+    env_set = apply_env(plan.env)
 
     init_distributed(
         tensor_model_parallel_size=par_cfg.tensor_model_parallel_size,
@@ -220,19 +293,27 @@ def run(cfg) -> TrainSummary:
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
-    dp_group = ps.get_data_parallel_group()
     dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     torch.manual_seed(train_cfg.seed)
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
+    moe_overrides = {}
+    if is_moe and fast_cfg.moe_capacity_factor is not None:
+        moe_overrides = dict(
+            moe_expert_capacity_factor=fast_cfg.moe_capacity_factor,
+            moe_pad_expert_input_to_capacity=True,
+            moe_token_drop_policy="probs",
+        )
     tcfg = build_transformer_config(
         model_cfg,
         params_dtype=dtype,
         tensor_model_parallel_size=par_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=par_cfg.pipeline_model_parallel_size,
         expert_model_parallel_size=par_cfg.expert_model_parallel_size,
+        **moe_overrides,
+        **plan.transformer_config,
     )
     in_flight = train_cfg.micro_batches if device.type == "cuda" else 1
     cache = PackedSeqCache(
@@ -246,38 +327,73 @@ def run(cfg) -> TrainSummary:
     )
     spec = get_fastpath_layer_spec(
         cache,
-        backend=fast_cfg.attention_backend,
+        backend=backend,
         num_experts=model_cfg.num_experts,
         qk_layernorm=model_cfg.qk_layernorm,
         normalization=model_cfg.normalization,
+        linear_impl=linear_impl,
     )
+    if lora_cfg is not None:
+        from megatron_fastpath.lora import with_lora
+
+        spec = with_lora(spec, lora_cfg)
+    if offload_cfg is not None:
+        from megatron_fastpath.offload import with_activation_offload
+
+        spec = with_activation_offload(spec, offload_cfg)
     model = build_gpt_model(tcfg, spec, model_cfg.vocab_size, data_cfg.max_tokens).to(device)
+    total_params = sum(p.numel() for p in model.parameters())
+    trainable = total_params
+    if lora_cfg is not None:
+        from megatron_fastpath.lora import freeze_base_parameters, lock_lora
+
+        trainable = freeze_base_parameters(model)
+        if plan.capture:
+            lock_lora(model)  # captured graphs freeze the adapter branch
+    offload_mgr = None
+    if offload_cfg is not None:
+        from megatron_fastpath.offload import get_offload_manager
+
+        offload_mgr = get_offload_manager(model)
 
     dataset = SyntheticSFTDataset(data_cfg, model_cfg.vocab_size)
-    microbatches = pack_microbatches(dataset, data_cfg, rank=dp_rank, world=dp_world)
-    if len(microbatches) < train_cfg.micro_batches:
+    bins = pack_microbatches(dataset, data_cfg)
+    per_step = train_cfg.micro_batches * dp_world
+    if len(bins) < per_step:
         raise ValueError(
-            f"only {len(microbatches)} packed microbatches per rank; raise data.num_samples"
+            f"only {len(bins)} packed microbatches for {per_step} per step; raise data.num_samples"
         )
-    batches = iterate_forever(microbatches)
+
+    def step_batches(step: int):
+        """Global microbatches of a step (identical on every rank), and this rank's share."""
+        first = ((step - 1) * per_step) % (len(bins) - per_step + 1)
+        global_mbs = bins[first : first + per_step]
+        mine = global_mbs[dp_rank * train_cfg.micro_batches : (dp_rank + 1) * train_cfg.micro_batches]
+        return global_mbs, mine
 
     if device.type == "cuda":  # pragma: no cover - GPU path
         step_fn, optimizer, scheduler = _gpu_step(model, tcfg, train_cfg, cache)
     else:
-        step_fn, optimizer, scheduler = _cpu_step(model, tcfg, train_cfg, cache, dp_group)
+        step_fn, optimizer, scheduler = _cpu_step(model, tcfg, train_cfg, cache)
 
     readback = LaggedReadback(device)
     records: list[StepRecord] = []
     show = rank == 0 or train_cfg.log_all_ranks
     prefix = f"[rank {rank}] " if train_cfg.log_all_ranks else ""
+    features = [f for f in ("lora", "offload", "cuda_graphs", "fp8") if getattr(fast_cfg, f)]
     if show:
         print(
-            f"{prefix}megatron_fastpath: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
-            f"{sum(p.numel() for p in model.parameters()):,} params on {device} "
-            f"(world {world}, dp {dp_world}), {len(microbatches)} packed microbatches/rank, "
-            f"attention backend {spec.submodules.self_attention.submodules.core_attention.params['backend']}",
+            f"{prefix}megatron_fastpath: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}"
+            f"{f', {model_cfg.num_experts} experts top-{model_cfg.moe_router_topk}' if is_moe else ''}, "
+            f"{total_params:,} params ({trainable:,} trainable) on {device} (world {world}, dp "
+            f"{dp_world}, ep {par_cfg.expert_model_parallel_size}), {len(bins)} packed "
+            f"microbatches, attention {backend}, features: {', '.join(features) or 'none'}",
             flush=True,
         )
+        for note in plan.notes:
+            print(f"{prefix}  {note}", flush=True)
+        if env_set:
+            print(f"{prefix}  environment: {env_set}", flush=True)
 
     def emit(prev):
         if prev is None:
@@ -289,42 +405,66 @@ def run(cfg) -> TrainSummary:
             step_ms=extra["step_ms"], tokens_per_s=extra["tokens"] / (extra["step_ms"] / 1e3),
             syncs_fwd_bwd=extra["syncs_fwd_bwd"], syncs_step=extra["syncs_step"],
             sync_sites=extra["sync_sites"], cache_hits=extra["hits"], cache_misses=extra["misses"],
+            offload_bytes=extra["offload_bytes"], offload_mode=extra["offload_mode"],
         )
         records.append(rec)
         if show:
+            off = (f" | offload {rec.offload_mode} {rec.offload_bytes / 2**20:.1f} MiB"
+                   if offload_mgr is not None else "")
             print(
                 f"{prefix}step {rec.step:4d}/{train_cfg.steps} | loss {rec.loss:.4f} | lr {rec.lr:.2e} | "
                 f"{rec.tokens_per_s:9.0f} tok/s | host syncs: fwd+bwd {rec.syncs_fwd_bwd}, "
-                f"step {rec.syncs_step} | cache hits {rec.cache_hits} misses {rec.cache_misses}",
+                f"step {rec.syncs_step} | cache hits {rec.cache_hits} misses {rec.cache_misses}{off}",
                 flush=True,
             )
 
-    for step in range(1, train_cfg.steps + 1):
-        mbs = [next(batches) for _ in range(train_cfg.micro_batches)]
-        stats_before = cache.stats.snapshot()
-        t0 = time.perf_counter()
-        with SyncSentinel(name=f"step {step}") as step_sentinel:
-            loss_sum, fwd_bwd_sentinel = step_fn(mbs)
-        step_ms = (time.perf_counter() - t0) * 1e3
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step(increment=1)
-        d = cache.stats.since(stats_before)
-        emit(
-            readback.push(
-                {"loss_sum": loss_sum},
-                dict(
-                    step=step, lr=lr, step_ms=step_ms,
-                    tokens=sum(mb.num_tokens for mb in mbs),
-                    loss_tokens=sum(mb.num_loss_tokens for mb in mbs),
-                    syncs_fwd_bwd=fwd_bwd_sentinel.num_syncs,
-                    syncs_step=step_sentinel.num_syncs,
-                    sync_sites=tuple(sorted(step_sentinel.by_location())),
-                    hits=d.hits, misses=d.misses,
-                ),
-            )
-        )
-    emit(readback.pop())
+    audit = None
+    if plan.audit:
+        from megatron_fastpath.graphs import GraphSafetyAudit
 
+        audit = GraphSafetyAudit(model, strict=graph_cfg.strict_audit)
+        audit.__enter__()
+    try:
+        for step in range(1, train_cfg.steps + 1):
+            global_mbs, mbs = step_batches(step)
+            global_loss_tokens = sum(mb.num_loss_tokens for mb in global_mbs)  # host ints
+            stats_before = cache.stats.snapshot()
+            if offload_mgr is not None:
+                offload_mgr.begin_step()
+            auditing = audit is not None and step <= graph_cfg.audit_steps
+            t0 = time.perf_counter()
+            with audit.step() if auditing else contextlib.nullcontext():
+                with SyncSentinel(name=f"step {step}") as step_sentinel:
+                    loss_sum, fwd_bwd_sentinel = step_fn(mbs, global_loss_tokens)
+            step_ms = (time.perf_counter() - t0) * 1e3
+            if audit is not None and step == graph_cfg.audit_steps:
+                audit.__exit__(None, None, None)
+            off_stats = offload_mgr.end_step() if offload_mgr is not None else None
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step(increment=1)
+            d = cache.stats.since(stats_before)
+            emit(
+                readback.push(
+                    {"loss_sum": loss_sum},
+                    dict(
+                        step=step, lr=lr, step_ms=step_ms,
+                        tokens=sum(mb.num_tokens for mb in global_mbs),
+                        loss_tokens=global_loss_tokens,
+                        syncs_fwd_bwd=fwd_bwd_sentinel.num_syncs,
+                        syncs_step=step_sentinel.num_syncs,
+                        sync_sites=tuple(sorted(step_sentinel.by_location())),
+                        hits=d.hits, misses=d.misses,
+                        offload_bytes=off_stats.bytes_offloaded if off_stats else 0,
+                        offload_mode=off_stats.mode.value if off_stats else "off",
+                    ),
+                )
+            )
+        emit(readback.pop())
+    finally:
+        if audit is not None and audit._handles:
+            audit.__exit__(None, None, None)
+
+    audit_report = audit.report() if audit is not None else None
     k = min(3, len(records))
     summary = TrainSummary(
         steps=len(records),
@@ -338,6 +478,11 @@ def run(cfg) -> TrainSummary:
         cache_hits=sum(r.cache_hits for r in records),
         cache_misses=sum(r.cache_misses for r in records),
         records=tuple(records),
+        trainable_params=trainable,
+        total_params=total_params,
+        audit=audit_report.summary() if audit_report else None,
+        audit_ok=audit_report.ok if audit_report else None,
+        notes=plan.notes,
     )
     if show:
         sites = sorted({s for r in records for s in r.sync_sites})
@@ -352,6 +497,19 @@ def run(cfg) -> TrainSummary:
         )
         for s in sites:
             print(f"{prefix}  sync site: {s}", flush=True)
+        if offload_mgr is not None and offload_mgr.history:
+            last = offload_mgr.history[-1]
+            print(
+                f"{prefix}  offload: mode {last.mode.value} ({last.mode_reason}), "
+                f"{last.bytes_offloaded:,} B offloaded/{last.bytes_reloaded:,} B reloaded per step, "
+                f"{last.prefetched_reloads} prefetched / {last.just_in_time_reloads} just-in-time "
+                f"reloads, device buffers {last.device_buffer_bytes:,} B, host pool "
+                f"{last.host_pool_bytes:,} B",
+                flush=True,
+            )
+        if audit_report is not None:
+            print("\n".join(f"{prefix}  {line}" for line in audit_report.summary().splitlines()),
+                  flush=True)
     if train_cfg.summary_json and rank == 0:
         with open(train_cfg.summary_json, "w") as f:
             json.dump(summary.to_json(), f, indent=1)
@@ -374,37 +532,35 @@ def _warmup(train_cfg: TrainingConfig) -> int:
     return min(train_cfg.warmup_steps, train_cfg.steps - 1)
 
 
-def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache, dp_group):
-    """Our own microbatch loop + torch AdamW (Megatron's optimizer and DDP need CUDA)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
+def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache):
+    """Our own microbatch loop + fused torch AdamW (Megatron's optimizer and DDP need CUDA)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() > 1]
     no_decay = [p for p in params if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train_cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
         # fused AdamW keeps its step counters on the device: no per-parameter .item()
         # (foreach AdamW on CPU reads each step count back: one host sync per parameter).
-        lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True,
+        groups, lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True,
     )
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-        lr_warmup_steps=_warmup(train_cfg), lr_decay_steps=train_cfg.steps,
-        lr_decay_style="cosine", start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
-        wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
-    )
+    scheduler = _scheduler(optimizer, train_cfg)
 
-    def step(mbs):
-        total_loss_tokens = sum(mb.num_loss_tokens for mb in mbs)  # host ints: no sync
+    def step(mbs, global_loss_tokens: int):
+        from megatron.core import parallel_state as ps
+
         loss_sum = torch.zeros((), dtype=torch.float32)
         with SyncSentinel(name="fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
                     loss = _loss_of(model, mb, pb, torch.device("cpu"))
-                    (loss / total_loss_tokens).backward()
+                    (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
-        _all_reduce_grads(model, dp_group)
+        _all_reduce_grads(model)
+        dp_group = ps.get_data_parallel_group()
+        if torch.distributed.get_world_size(dp_group) > 1:
+            torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log
         if train_cfg.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, train_cfg.clip_grad, foreach=True)
         optimizer.step()
@@ -414,13 +570,26 @@ def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache, dp_group):
     return step, optimizer, scheduler
 
 
-def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cover - CUDA only
-    """Megatron's schedule (PP included), DDP and optimizer."""
-    from functools import partial
-
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def _scheduler(optimizer, train_cfg: TrainingConfig):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+        lr_warmup_steps=_warmup(train_cfg), lr_decay_steps=train_cfg.steps,
+        lr_decay_style="cosine", start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
+        wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
+    )
+
+
+def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cover - CUDA only
+    """Megatron's schedule (PP included), DDP, gradient finalisation and optimizer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddp = DistributedDataParallel(
@@ -435,19 +604,19 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
         use_distributed_optimizer=False,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-        lr_warmup_steps=_warmup(train_cfg), lr_decay_steps=train_cfg.steps,
-        lr_decay_style="cosine", start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
-        wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
-    )
+    scheduler = _scheduler(optimizer, train_cfg)
+    # What Megatron's training loop wires into the model config for its schedules.
+    tcfg.grad_scale_func = optimizer.scale_loss
+    tcfg.no_sync_func = ddp.no_sync
+    tcfg.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
     device = cache.device
+    dp_world = ps.get_data_parallel_world_size()
 
-    def step(mbs):
-        total_loss_tokens = sum(mb.num_loss_tokens for mb in mbs)
+    def step(mbs, global_loss_tokens: int):
         handles = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        n = len(mbs)
 
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
@@ -457,7 +626,9 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
 
             def loss_func(output):
                 loss_sum.add_(output.detach())
-                return output / total_loss_tokens, {}
+                # The schedule divides by the microbatch count and DDP averages over DP: undo
+                # both so gradients are those of the global token-normalised loss.
+                return output * (n * dp_world / global_loss_tokens), {}
 
             return loss, loss_func
 
@@ -466,12 +637,14 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
         with SyncSentinel(name="fwd+bwd") as fwd_bwd:
             forward_backward(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
-                num_microbatches=len(mbs), seq_length=cache.config.max_tokens,
+                num_microbatches=n, seq_length=cache.config.max_tokens,
                 micro_batch_size=1, forward_only=False,
             )
         for pb in handles:
             cache.release(pb)
         optimizer.step()
+        if dp_world > 1:
+            torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
         return loss_sum, fwd_bwd
 
     return step, optimizer, scheduler

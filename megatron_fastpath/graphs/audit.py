@@ -5,8 +5,10 @@ CUDA graphs (``cuda_graph_impl="local"``, ``enable_cuda_graph=True``) rely on:
 
 (a) **no host sync** inside the layer's forward or backward (a sync aborts capture);
 (b) **static buffers**: every tensor the layer reads that is not one of its inputs (weights,
-    LoRA adapters, packed-cache buffers, offload buffers) is read at the same address every
-    step -- a graph replays the addresses it captured;
+    LoRA adapters, packed-cache buffers, offload buffers) lives at an address the layer already
+    read at the reference step -- a graph replays the addresses it captured. The first
+    ``warmup_steps`` steps may allocate lazily (Megatron captures after warmup too); the step
+    after them is the reference;
 (c) **argument matching**: the arguments each layer receives satisfy CudaGraphManager's rules
     (tensors keep shape/dtype/device, non-tensors keep their value, dataclasses field by field)
     -- checked with Megatron's own ``ArgMetadata`` and ``_CudaGraphRunner.get_mismatch_errors``;
@@ -120,33 +122,30 @@ def _storage_ptr(t: torch.Tensor) -> Optional[int]:
 
 
 class _ExternalReads(TorchDispatchMode):
-    """Records, in op order, every tensor an op reads that was neither produced inside the
-    region nor one of the region's inputs; compares against a reference sequence."""
+    """Records every tensor an op reads that was neither produced inside the region nor one of
+    the region's inputs (weights, adapters, cache and offload buffers), and reports a read
+    whose storage is not among the reference step's external storages."""
 
     supports_higher_order_operators = True
 
-    def __init__(self, input_ptrs: set, reference: Optional[list], on_moved):
+    def __init__(self, input_ptrs: set, reference: Optional[set], on_moved):
         super().__init__()
         self.inputs = input_ptrs
         self.produced: set = set()
-        self.reads: list = []
+        self.reads: set = set()
         self.reference = reference
         self.on_moved = on_moved
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _op_name(func)
         for i, t in enumerate(tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):
                 p = _storage_ptr(t)
-                if p is None or p in self.produced or p in self.inputs:
+                if p is None or p in self.produced or p in self.inputs or p in self.reads:
                     continue
-                k = len(self.reads)
-                self.reads.append((name, i, p, tuple(t.shape)))
-                if self.reference is not None:
-                    ref = self.reference[k] if k < len(self.reference) else None
-                    if ref is None or ref[:2] != (name, i) or ref[2] != p:
-                        self.on_moved(name, i, ref, (name, i, p, tuple(t.shape)))
+                self.reads.add(p)
+                if self.reference is not None and p not in self.reference:
+                    self.on_moved(_op_name(func), i, p, tuple(t.shape))
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -194,15 +193,18 @@ class GraphSafetyAudit:
         model: module containing the layers (e.g. a GPTModel).
         strict: raise GraphSafetyError at the first violation.
         layer_types: which submodules are audited (default: Megatron ``TransformerLayer``).
+        warmup_steps: steps before the reference step for check (b) (lazy allocation allowed).
     """
 
-    def __init__(self, model: torch.nn.Module, strict: bool = False, layer_types=None):
+    def __init__(self, model: torch.nn.Module, strict: bool = False, layer_types=None,
+                 warmup_steps: int = 1):
         if layer_types is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
             layer_types = (TransformerLayer,)
         self.model = model
         self.strict = strict
+        self.warmup_steps = warmup_steps
         self.layers = [m for m in model.modules() if isinstance(m, layer_types)]
         if not self.layers:
             raise ValueError(f"no {layer_types} found in the model to audit")
@@ -282,15 +284,18 @@ class GraphSafetyAudit:
         input_ptrs = {_storage_ptr(t) for t in tree_leaves((args, self._tensors_of(kwargs)))
                       if isinstance(t, torch.Tensor)}
 
-        def moved(name, idx, ref, now):
+        ref_step = self.warmup_steps + 1
+
+        def moved(name, idx, ptr, shape):
             s.moved_buffers += 1
-            was = f"{ref[2]:#x}" if ref else "nothing"
             self._finding(i, "forward", "buffer",
-                          f"{name} arg {idx} read a tensor at {now[2]:#x} (shape {now[3]}), step 1 "
-                          f"read {was} there: a buffer was reallocated between steps",
+                          f"{name} arg {idx} read a tensor at {ptr:#x} (shape {shape}) that the "
+                          f"layer did not read at step {ref_step}: a buffer was reallocated "
+                          "between steps (a captured graph would read the old address)",
                           _user_location())
 
-        self._tracker = _ExternalReads(input_ptrs, self._ref_reads.get(key), moved)
+        reference = self._ref_reads.get(key) if self.steps > ref_step else None
+        self._tracker = _ExternalReads(input_ptrs, reference, moved)
         self._tracker.__enter__()
         self._tracker_key = key
         # Mark the end of this layer's backward: gradient reaching its input.
@@ -313,7 +318,8 @@ class GraphSafetyAudit:
             tracker.__exit__(None, None, None)
             key = self._tracker_key
             self.stats[i].external_reads = len(tracker.reads)
-            self._ref_reads.setdefault(key, tracker.reads)
+            if self.steps == self.warmup_steps + 1:
+                self._ref_reads[key] = tracker.reads
         self._set_region(None)
         first = output[0] if isinstance(output, tuple) else output
         if isinstance(first, torch.Tensor) and first.requires_grad:

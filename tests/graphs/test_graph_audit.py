@@ -113,18 +113,18 @@ def test_buffer_reallocated_between_steps_is_found(lora_model):
     model, cache = lora_model
 
     def realloc(step):
-        if step == 1:
+        if step == 2:
             slot = cache.slots[0]
             slot.derived["sdpa_mask"] = slot.derived["sdpa_mask"].clone()  # new address
             # the cache rebuilds into the buffer it holds: the layers now read a moved mask
 
-    with GraphSafetyAudit(model) as audit:
-        train_steps(model, cache, audit, steps=3, before_step=realloc)
+    with GraphSafetyAudit(model) as audit:  # step 1 warmup, step 2 reference
+        train_steps(model, cache, audit, steps=4, before_step=realloc)
     rep = audit.report()
-    # a graph captured at step 1 would replay the old address: steps 2 and 3 both differ
+    # a graph captured at step 2 would replay the old address: steps 3 and 4 both differ
     assert [l.moved_buffers for l in rep.layers] == [2, 2]
     assert all(f.check == "buffer" for f in rep.findings)
-    assert sorted({f.step for f in rep.findings}) == [2, 3]
+    assert sorted({f.step for f in rep.findings}) == [3, 4]
 
 
 def test_reallocated_lora_parameter_fails_strict(lora_model):
@@ -132,12 +132,12 @@ def test_reallocated_lora_parameter_fails_strict(lora_model):
     adapter = next(lora_modules(model))
 
     def realloc(step):
-        if step == 1:
+        if step == 2:
             adapter.lora_A.data = adapter.lora_A.data.clone()
 
     with GraphSafetyAudit(model, strict=True) as audit:
-        with pytest.raises(GraphSafetyError, match=r"layer 1 forward \(step 2\) \[buffer\].*reallocated"):
-            train_steps(model, cache, audit, steps=2, before_step=realloc)
+        with pytest.raises(GraphSafetyError, match=r"layer 1 forward \(step 3\) \[buffer\].*reallocated"):
+            train_steps(model, cache, audit, steps=3, before_step=realloc)
 
 
 def test_changing_non_tensor_argument_is_a_cudagraph_mismatch(lora_model):

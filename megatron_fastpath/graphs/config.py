@@ -1,0 +1,192 @@
+"""One flag for per-layer CUDA graphs (and FP8): the TransformerConfig fields, environment and
+the combinations that cannot work, refused before any step runs.
+
+``CudaGraphConfig(enabled=True)`` gives what the MLPerf Llama-2-70B LoRA submissions run
+(Megatron-Core 0.16.1 ``cuda_graph_impl="local"``, i.e. the deprecated ``enable_cuda_graph=True``):
+a ``CudaGraphManager`` per ``TransformerLayer`` capturing the whole layer after warmup steps,
+Transformer Engine's RNG tracker (dropout inside graphs), and the environment graph runs need.
+On a CPU there is nothing to capture: the graph-safety audit runs in its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["CudaGraphConfig", "FP8Config", "GraphPlan", "plan_graphs_and_fp8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaGraphConfig:
+    """enabled: capture every TransformerLayer (cuda_graph_impl="local").
+    warmup_steps: eager steps before capture (Megatron's ``cuda_graph_warmup_steps``).
+    use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
+    audit_steps / strict_audit: the CPU graph-safety audit run in place of capture."""
+
+    enabled: bool = False
+    warmup_steps: int = 3
+    use_te_rng_tracker: bool = True
+    audit_steps: int = 3
+    strict_audit: bool = True
+
+    def __post_init__(self):
+        if self.warmup_steps < 1:
+            raise ValueError("cuda_graphs.warmup_steps must be >= 1 (Megatron records after warmup)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """Transformer Engine FP8 (TransformerConfig fp8* fields).
+
+    format: "hybrid" (E4M3 forward, E5M2 backward) or "e4m3".
+    recipe: "delayed" (amax history), "tensorwise", "mxfp8" or "blockwise".
+    amax_history_len / amax_compute_algo: delayed scaling's history ("max" or "most_recent").
+    dot_product_attention: FP8 attention (TE fused attention).
+    """
+
+    enabled: bool = False
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    dot_product_attention: bool = False
+
+    def __post_init__(self):
+        if self.format not in ("hybrid", "e4m3"):
+            raise ValueError(f"fp8.format must be 'hybrid' or 'e4m3'; got {self.format!r}")
+        if self.recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+            raise ValueError(f"fp8.recipe must be delayed|tensorwise|mxfp8|blockwise; got {self.recipe!r}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError("fp8.amax_compute_algo must be 'max' or 'most_recent'")
+        if self.amax_history_len < 1:
+            raise ValueError("fp8.amax_history_len must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    """What :func:`plan_graphs_and_fp8` decided.
+
+    transformer_config: TransformerConfig keyword overrides.
+    env: environment variables to set before torch.distributed / CUDA initialise.
+    capture: layers are captured (CUDA); False on CPU, where ``audit`` replaces capture.
+    audit: run the graph-safety audit.
+    moe_group_alignment: pad MoE expert groups to this multiple (16 under FP8, else 1).
+    notes: human-readable decisions, printed by the main job.
+    """
+
+    transformer_config: dict
+    env: dict
+    capture: bool
+    audit: bool
+    moe_group_alignment: int
+    notes: tuple
+
+
+def plan_graphs_and_fp8(
+    graphs: CudaGraphConfig,
+    fp8: FP8Config,
+    device: torch.device,
+    *,
+    dropout: float = 0.0,
+    lora_dropout: float = 0.0,
+    megatron_cpu_offloading: bool = False,
+    linear_impl: str = "local",
+    moe_dropless_ep: bool = False,
+) -> GraphPlan:
+    """Validate the combination and return the TransformerConfig fields and env to use.
+
+    Raises ValueError / MissingDependencyError for combinations that cannot work, naming what
+    to use instead -- before any model is built or step runs.
+    """
+    from megatron_fastpath._optional import require
+
+    tc: dict = {}
+    env: dict = {}
+    notes = []
+    cuda = device.type == "cuda"
+    if fp8.enabled:
+        require("transformer_engine.pytorch", "FP8 training (fp8.enabled=true)",
+                "fp8.enabled=false (bf16)")
+        if linear_impl != "te":
+            raise ValueError(
+                "FP8 needs Transformer Engine linears: use the 'te' linear implementation "
+                "(fastpath.attention_backend=te or linear_impl='te')"
+            )
+        tc.update(
+            fp8=fp8.format,
+            fp8_recipe=fp8.recipe,
+            fp8_margin=fp8.margin,
+            fp8_amax_history_len=fp8.amax_history_len,
+            fp8_amax_compute_algo=fp8.amax_compute_algo,
+            fp8_dot_product_attention=fp8.dot_product_attention,
+        )
+        notes.append(
+            f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
+            "the outermost fp8_autocast, which Megatron opens once around the layer block)"
+        )
+    if graphs.enabled:
+        if megatron_cpu_offloading:
+            raise ValueError(
+                "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs; use "
+                "fastpath.offload.enabled=true (fixed A/B reload buffers between layer graphs)"
+            )
+        if moe_dropless_ep:
+            raise ValueError(
+                "dropless expert parallelism reads split sizes back to the host (one sync per "
+                "layer), which aborts graph capture; set fastpath.moe.capacity_factor for a "
+                "static-shape all-to-all"
+            )
+        needs_rng = dropout > 0 or lora_dropout > 0
+        if needs_rng and not graphs.use_te_rng_tracker:
+            raise ValueError(
+                f"CUDA graphs with dropout (hidden/attention {dropout}, LoRA {lora_dropout}) need a "
+                "graph-safe RNG tracker: set cuda_graphs.use_te_rng_tracker=true (Transformer "
+                "Engine) or set the dropouts to 0"
+            )
+        if cuda:
+            if graphs.use_te_rng_tracker:
+                require("transformer_engine.pytorch", "cuda_graphs.use_te_rng_tracker",
+                        "cuda_graphs.use_te_rng_tracker=false with all dropouts 0")
+            tc.update(
+                cuda_graph_impl="local",
+                cuda_graph_warmup_steps=graphs.warmup_steps,
+                use_te_rng_tracker=graphs.use_te_rng_tracker,
+                cuda_graph_scope=[],
+            )
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+            env["NCCL_GRAPH_REGISTER"] = "0"  # with expandable segments, graphs + NCCL UB clash
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+            if (major, minor) < (2, 8):
+                env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+            notes.append(
+                f"per-layer CUDA graphs: cuda_graph_impl=local, {graphs.warmup_steps} warmup "
+                f"steps, TE RNG tracker={graphs.use_te_rng_tracker}"
+            )
+        else:
+            notes.append(
+                "CUDA graphs requested on CPU: nothing to capture; the graph-safety audit runs "
+                f"over {graphs.audit_steps} steps in its place"
+            )
+    return GraphPlan(
+        transformer_config=tc,
+        env=env,
+        capture=graphs.enabled and cuda,
+        audit=graphs.enabled and not cuda,
+        moe_group_alignment=16 if fp8.enabled else 1,
+        notes=tuple(notes),
+    )
+
+
+def apply_env(env: dict) -> dict:
+    """Set ``env`` where the user has not set the variable; return what was set."""
+    applied = {}
+    for k, v in env.items():
+        if k not in os.environ:
+            os.environ[k] = v
+            applied[k] = v
+    return applied
