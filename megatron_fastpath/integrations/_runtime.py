@@ -1,0 +1,300 @@
+"""Runtime pieces shared by the NeMo 2 and Megatron-Bridge hooks (imports neither framework).
+
+A framework recipe is a serialised tree of configs: it cannot hold a live ``PackedSeqCache``.
+What it holds instead are three small, serialisable values built from one frozen
+:class:`FastpathSettings`:
+
+* :class:`FastpathLayerSpec` -- the model config's ``transformer_layer_spec`` callable. When the
+  framework builds the model (``config -> ModuleSpec``) it creates this process's cache for the
+  settings (RoPE read from the config) and returns :func:`get_fastpath_layer_spec` over it.
+* a data step (framework specific) that looks the same cache up by the same settings and loads
+  each packed microbatch with ``cache.set_batch(cu_seqlens=<host cu_seqlens>)``;
+* a forward step that passes the cache's static ``PackedSeqParams`` to the model.
+
+:class:`InFlightBatches` releases cache slots in call order (the newest ``num_slots`` batches
+stay reserved), which is exactly right for Megatron's non-interleaved schedules: with pipeline
+size P, microbatch m's forward starts after microbatch m-P's backward finished.
+"""
+
+# No `from __future__ import annotations`: NeMo-Run's YAML loader parses FastpathSettings
+# values by their field types, which must be real types, not strings.
+import collections
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FastpathSettings",
+    "FastpathLayerSpec",
+    "InFlightBatches",
+    "cache_for",
+    "clear_caches",
+    "host_cu_seqlens",
+    "rope_config_of",
+]
+
+_LINEAR_IMPLS = (None, "local", "te")
+_EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
+_ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "te")
+
+
+@dataclasses.dataclass(frozen=True)
+class FastpathSettings:
+    """Everything a process needs to rebuild the fastpath pieces of one model (serialisable).
+
+    max_tokens: T, tokens per packed microbatch (the framework's packed sequence size).
+    max_seqs: S, sequences per packed microbatch (the static ``cu_seqlens`` capacity is S + 1).
+    num_slots: microbatches in flight at once (the pipeline size for 1F1B, 1 without PP).
+    attention_backend: "auto" | "sdpa" | "flex" | "flash" | "te" (see ``PackedCoreAttention``).
+    linear_impl: None (per backend), "local" or "te" (Transformer Engine linears; FP8 needs it).
+    moe_expert_backend: "grouped_mm" or "te_grouped_linear" (FP8 experts); MoE models only.
+    rope: apply RoPE from the cache (the model itself is built without a rotary embedding).
+    packed_cache: False = keep Megatron's attention, only swap the MoE layer.
+    """
+
+    max_tokens: int
+    max_seqs: int
+    num_slots: int = 1
+    attention_backend: str = "auto"
+    linear_impl: Optional[str] = None
+    moe_expert_backend: str = "grouped_mm"
+    rope: bool = True
+    packed_cache: bool = True
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_seqs", "num_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"FastpathSettings.{name} must be a positive int; got {v!r}")
+        if self.max_seqs > self.max_tokens:
+            raise ValueError(
+                f"FastpathSettings.max_seqs={self.max_seqs} > max_tokens={self.max_tokens}: "
+                "every sequence has at least one token"
+            )
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {_ATTENTION_BACKENDS}; got {self.attention_backend!r}"
+            )
+        if self.linear_impl not in _LINEAR_IMPLS:
+            raise ValueError(f"linear_impl must be one of {_LINEAR_IMPLS}; got {self.linear_impl!r}")
+        if self.moe_expert_backend not in _EXPERT_BACKENDS:
+            raise ValueError(
+                f"moe_expert_backend must be one of {_EXPERT_BACKENDS}; got {self.moe_expert_backend!r}"
+            )
+
+
+def rope_config_of(config) -> "RopeConfig":
+    """The cache's RoPE settings from a Megatron ``TransformerConfig`` (NeMo ``GPTConfig`` /
+    Bridge ``GPTModelProvider``): dim = kv_channels * rotary_percent, as Megatron's
+    ``RotaryEmbedding`` computes it."""
+    from megatron_fastpath.packed_seq.cache import RopeConfig
+
+    kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
+    return RopeConfig(
+        dim=int(kv_channels * getattr(config, "rotary_percent", 1.0)),
+        base=float(getattr(config, "rotary_base", 10000)),
+        interleaved=bool(getattr(config, "rotary_interleaved", False)),
+        seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
+    )
+
+
+class InFlightBatches:
+    """Cache slots of the newest ``num_slots`` packed microbatches of one cache.
+
+    ``load(cu_seqlens)`` releases the oldest batch when all slots are held, then loads the new
+    one. Release in call order is safe when a microbatch's backward has finished before the
+    forward ``num_slots`` calls later starts (Megatron's no-pipelining and 1F1B schedules with
+    ``num_slots`` = pipeline size; interleaved schedules reorder backwards and are refused)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.held: collections.deque = collections.deque()
+
+    def load(self, cu_seqlens) -> "PackedBatch":
+        if len(self.held) >= len(self.cache.slots):
+            self.cache.release(self.held.popleft())
+        pb = self.cache.set_batch(cu_seqlens=cu_seqlens)
+        self.held.append(pb)
+        return pb
+
+    def release_all(self) -> None:
+        while self.held:
+            self.cache.release(self.held.popleft())
+
+
+@dataclasses.dataclass
+class _Entry:
+    cache: Any
+    in_flight: InFlightBatches
+
+
+# One cache per FastpathSettings per process: the layer spec creates it while the framework
+# builds the model, the data step finds it by the same (equal, hashable) settings.
+_CACHES: dict[FastpathSettings, _Entry] = {}
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.device] = None):
+    """This process's ``(PackedSeqCache, InFlightBatches)`` for ``settings``.
+
+    With ``config`` (a Megatron TransformerConfig) the cache is created on first use (RoPE from
+    the config when ``settings.rope``); without it the cache must already exist (the data step
+    runs after the model was built)."""
+    from megatron_fastpath.packed_seq.cache import PackedSeqCache, PackedSeqConfig
+
+    entry = _CACHES.get(settings)
+    if config is None:
+        if entry is None:
+            raise RuntimeError(
+                "no PackedSeqCache exists for these FastpathSettings in this process: the model "
+                "must be built from the hooked config (its transformer_layer_spec is a "
+                f"FastpathLayerSpec with the same settings) before the data step runs; {settings}"
+            )
+        return entry.cache, entry.in_flight
+    rope = rope_config_of(config) if settings.rope else None
+    device = torch.device(device) if device is not None else _default_device()
+    if entry is not None:
+        if entry.cache.config.rope != rope or entry.cache.device != device:
+            raise ValueError(
+                "a model with the same FastpathSettings but different RoPE/device was already "
+                f"built in this process (cache rope={entry.cache.config.rope}, device="
+                f"{entry.cache.device}; now rope={rope}, device={device}); call "
+                "megatron_fastpath.integrations.clear_caches() between unrelated models"
+            )
+        return entry.cache, entry.in_flight
+    cache = PackedSeqCache(
+        PackedSeqConfig(
+            max_tokens=settings.max_tokens,
+            max_seqs=settings.max_seqs,
+            num_slots=settings.num_slots,
+            rope=rope,
+        ),
+        device=device,
+    )
+    _CACHES[settings] = _Entry(cache, InFlightBatches(cache))
+    return cache, _CACHES[settings].in_flight
+
+
+def clear_caches() -> None:
+    """Forget every cache of this process (tests; rebuilding a different model)."""
+    _CACHES.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class FastpathLayerSpec:
+    """``transformer_layer_spec`` callable for NeMo ``GPTConfig`` / Bridge ``GPTModelProvider``.
+
+    ``FastpathLayerSpec(settings)(config) -> ModuleSpec``: creates (or reuses) this process's
+    cache and returns :func:`megatron_fastpath.get_fastpath_layer_spec` over it, with the
+    config's normalisation, qk-layernorm and expert count. With ``settings.packed_cache=False``
+    it returns Megatron's own GPT layer spec with only the MLP swapped for the fastpath MoE
+    layer. A frozen dataclass, so frameworks serialise it as a config of this class."""
+
+    settings: FastpathSettings
+
+    def __call__(self, config):
+        s = self.settings
+        num_experts = getattr(config, "num_moe_experts", None)
+        moe_kwargs = {"expert_backend": s.moe_expert_backend} if num_experts else None
+        if s.packed_cache:
+            from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+
+            cache, _ = cache_for(s, config)
+            return get_fastpath_layer_spec(
+                cache,
+                backend=s.attention_backend,
+                normalization=config.normalization,
+                qk_layernorm=bool(config.qk_layernorm),
+                num_experts=num_experts,
+                linear_impl=s.linear_impl,
+                moe_spec_kwargs=moe_kwargs,
+            )
+        if not num_experts:
+            raise ValueError(
+                "FastpathLayerSpec(packed_cache=False) only swaps the MoE layer; this config has "
+                "no experts (num_moe_experts is unset)"
+            )
+        return _megatron_spec_with_fastpath_moe(config, s, moe_kwargs)
+
+
+def _megatron_spec_with_fastpath_moe(config, settings: FastpathSettings, moe_kwargs: dict):
+    """Megatron's GPT layer spec (built for MoE: pre-MLP norm included) with the MLP slot
+    replaced by :func:`megatron_fastpath.moe.get_moe_mlp_spec`."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+    if settings.linear_impl == "te":
+        from megatron_fastpath._optional import require
+
+        require("transformer_engine.pytorch", "linear_impl='te'", "linear_impl='local'")
+        base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, qk_layernorm=bool(config.qk_layernorm)
+        )
+    else:
+        base = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            qk_layernorm=bool(config.qk_layernorm),
+            normalization=config.normalization,
+        )
+    mlp = get_moe_mlp_spec(num_experts=config.num_moe_experts, **moe_kwargs)
+    submodules = dataclasses.replace(base.submodules, mlp=mlp)
+    return ModuleSpec(module=base.module, params=dict(base.params), submodules=submodules)
+
+
+def host_cu_seqlens(batch: Mapping[str, Any]) -> np.ndarray:
+    """The packed microbatch's boundaries as a host int array, from a framework batch dict.
+
+    Accepts NeMo 2 / Megatron-Bridge <= 0.5 collate output (``cu_seqlens`` [1, K] int32 padded
+    with -1, ``cu_seqlens_argmin`` [1, 1] = index of the first -1, both on the host; trailing
+    repeats of the total from ``pad_cu_seqlens`` are dropped later by
+    ``lengths_from_cu_seqlens``) and Bridge >= 0.6 keys (``cu_seqlens_q_padded`` or
+    ``cu_seqlens_q``: exact boundaries, physical offsets preferred). Reads host values only;
+    a device tensor is refused (reading it would be a device-to-host sync)."""
+    if batch.get("cu_seqlens_q") is not None:
+        cu = batch.get("cu_seqlens_q_padded")
+        cu = cu if cu is not None else batch["cu_seqlens_q"]
+        return _host_row(cu, "cu_seqlens_q")
+    if batch.get("cu_seqlens") is None:
+        raise ValueError(
+            "the batch has no cu_seqlens: megatron_fastpath's packed cache needs packed-sequence "
+            "batches (NeMo: data.packed_sequence_specs.packed_sequence_size > 0)"
+        )
+    cu = _host_row(batch["cu_seqlens"], "cu_seqlens")
+    argmin = batch.get("cu_seqlens_argmin")
+    if argmin is not None:
+        end = int(_host_row(argmin, "cu_seqlens_argmin")[0])
+    else:  # no precomputed argmin: the first -1 sentinel, found on the host
+        neg = np.flatnonzero(cu < 0)
+        end = int(neg[0]) if neg.size else cu.size
+    return cu[:end]
+
+
+def _host_row(t, what: str) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        if t.device.type != "cpu":
+            raise TypeError(
+                f"batch[{what!r}] is on {t.device}; the packed cache reads boundaries on the host "
+                "(reading a device tensor is a device-to-host sync): keep the collate's "
+                f"{what} on the CPU"
+            )
+        t = t.numpy()
+    arr = np.asarray(t)
+    if arr.ndim == 2:
+        if arr.shape[0] != 1:
+            raise ValueError(
+                f"batch[{what!r}] has shape {arr.shape}: packed microbatches hold one row "
+                "(micro_batch_size must be 1)"
+            )
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"batch[{what!r}] must be 1-D or [1, K]; got shape {arr.shape}")
+    return arr
