@@ -1,0 +1,422 @@
+"""NeMo 2 recipe hook on real ``nemo-toolkit[llm]`` 2.7 recipes: the hooked config values, its
+NeMo-Run / NeMo-io serialised forms, refusals with reasons, the layers NeMo builds from it, and
+NeMo's own packed-sequence collate feeding the cache (per-sequence equality, 0 host syncs).
+
+Needs NeMo 2 (``pip install 'megatron_fastpath[nemo]'``): skipped, with the reason, without it.
+"""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+llm = pytest.importorskip(
+    "nemo.collections.llm",
+    reason="NeMo 2 is not installed (pip install torch==2.13.0 'megatron_fastpath[nemo]': "
+    "nemo-toolkit[llm] 2.7 + nemo_run); the NeMo recipe hook tests need it",
+)
+run = pytest.importorskip("nemo_run", reason="nemo_run (NeMo-Run recipes) is not installed")
+import fiddle as fdl  # noqa: E402  (installed with nemo_run)
+
+from megatron_fastpath.integrations import FastpathLayerSpec, FastpathSettings, cache_for, clear_caches  # noqa: E402
+from megatron_fastpath.integrations.nemo import (  # noqa: E402
+    FastpathDataStep,
+    FastpathForwardStep,
+    RecipeNotSupportedError,
+    apply_fastpath,
+    max_seqs_from_pack_metadata,
+)
+from megatron_fastpath.sync import SyncSentinel  # noqa: E402
+
+T = 64  # packed_sequence_size of the tiny models
+VOCAB = 128
+EOS = 0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    clear_caches()
+    yield
+    clear_caches()
+
+
+def recipe(kind="llama3_8b", tmp="/tmp/mf_nemo_recipes", gpus=1, **kwargs):
+    kwargs.setdefault("peft_scheme", "lora")
+    kwargs.setdefault("packed_sequence", True)
+    return getattr(llm, kind).finetune_recipe(
+        name=f"t_{kind}", dir=tmp, num_nodes=1, num_gpus_per_node=gpus, **kwargs
+    )
+
+
+def make_tiny(r, **extra):
+    """Shrink a recipe's model to a CPU-buildable size (fp32, no TE fusions), packs of T."""
+    r.data.packed_sequence_specs.packed_sequence_size = T
+    r.data.seq_length = T
+    fields = dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, vocab_size=VOCAB, seq_length=T, apply_rope_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False, use_cpu_initialization=True,
+        params_dtype=torch.float32, bf16=False, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    fields.update(extra)
+    for k, v in fields.items():
+        setattr(r.model.config, k, v)
+    return r
+
+
+def build_model(r):
+    model = fdl.build(r.model)
+    model.configure_model()
+    return model
+
+
+# --------------------------------------------------------------------------- config values
+def test_llama3_lora_packed_recipe_is_hooked():
+    r = recipe()
+    before = copy.deepcopy(r)
+    out = apply_fastpath(r, cuda_graphs=True, max_seqs=96)
+    assert out is r
+    cfg = r.model.config
+    settings = fdl.build(cfg.transformer_layer_spec.settings)
+    assert fdl.get_callable(cfg.transformer_layer_spec) is FastpathLayerSpec
+    assert settings == FastpathSettings(
+        max_tokens=4096, max_seqs=96, num_slots=1, attention_backend="auto", linear_impl=None,
+        moe_expert_backend="grouped_mm", rope=True, packed_cache=True,
+    )
+    assert fdl.get_callable(cfg.data_step_fn) is FastpathDataStep
+    assert fdl.build(cfg.data_step_fn.settings) == settings
+    assert fdl.get_callable(cfg.forward_step_fn) is FastpathForwardStep
+    assert cfg.position_embedding_type == "none"  # RoPE from the cache
+    assert cfg.enable_cuda_graph is True and cfg.use_te_rng_tracker is True
+    assert r.data.packed_sequence_specs.pad_cu_seqlens is False
+    assert r.data.dataset_kwargs == {"pad_to_max_length": True}
+    # Exactly these model-config fields changed; rotary settings the cache reads stay put.
+    changed = {
+        k for k in set(cfg.__arguments__) | set(before.model.config.__arguments__)
+        if cfg.__arguments__.get(k, "<unset>") != before.model.config.__arguments__.get(k, "<unset>")
+    }
+    assert changed == {
+        "transformer_layer_spec", "data_step_fn", "forward_step_fn", "position_embedding_type",
+        "enable_cuda_graph", "use_te_rng_tracker",
+    }
+    assert cfg.rotary_base == 500_000 and cfg.seq_length == 4096
+    # LoRA, trainer and optimiser untouched.
+    assert r.peft == before.peft and r.trainer == before.trainer and r.optim == before.optim
+
+
+def test_hooked_recipe_serialises_and_round_trips():
+    from nemo_run.core.serialization.yaml import YamlSerializer
+    from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
+
+    r = apply_fastpath(recipe(), cuda_graphs=True, max_seqs=96)
+    # ZlibJSON is what NeMo-Run ships to an executor: the whole recipe round-trips exactly.
+    z = ZlibJSONSerializer()
+    back = z.deserialize(z.serialize(r))
+    assert back == r
+    assert fdl.build(back.model.config.transformer_layer_spec) == FastpathLayerSpec(
+        fdl.build(r.model.config.transformer_layer_spec.settings)
+    )
+    # The YAML form names our classes by import path and loads back to the same model config.
+    y = YamlSerializer()
+    text = y.serialize(r.model)
+    assert "_target_: megatron_fastpath.integrations._runtime.FastpathLayerSpec" in text
+    assert "_target_: megatron_fastpath.integrations.nemo.FastpathDataStep" in text
+    assert "_target_: megatron_fastpath.integrations.nemo.FastpathForwardStep" in text
+    assert "max_seqs: 96" in text and "position_embedding_type: none" in text
+    assert y.deserialize(text) == r.model
+
+
+def test_mixtral_moe_recipe_lora_and_fp8():
+    r = recipe("mixtral_8x7b", gpus=8)
+    assert r.peft.target_modules == ["linear_qkv", "linear_proj"]  # NeMo's MoE LoRA default
+    apply_fastpath(r, fp8="hybrid", fp8_recipe="tensorwise")
+    settings = fdl.build(r.model.config.transformer_layer_spec.settings)
+    assert settings.max_tokens == 2048 and settings.max_seqs == 2048
+    assert settings.linear_impl == "te" and settings.moe_expert_backend == "te_grouped_linear"
+    assert r.trainer.plugins.fp8 == "hybrid" and r.trainer.plugins.fp8_recipe == "tensorwise"
+    assert r.model.config.fp8 == "hybrid"
+    assert r.model.config.__arguments__.get("enable_cuda_graph") is None  # cuda_graphs=None keeps it
+
+    r2 = apply_fastpath(recipe("mixtral_8x7b", gpus=8), lora=["linear_qkv"])
+    assert r2.peft.target_modules == ["linear_qkv"]
+    assert fdl.build(r2.model.config.transformer_layer_spec.settings).moe_expert_backend == "grouped_mm"
+
+    with pytest.raises(RecipeNotSupportedError, match=r"LoRA on \['linear_fc1'\] in an MoE model"):
+        apply_fastpath(recipe("mixtral_8x7b", gpus=8), lora=["linear_qkv", "linear_fc1"])
+
+
+def _cp2():
+    r = recipe()
+    r.trainer.strategy.context_parallel_size = 2
+    return r
+
+
+def _vpp():
+    r = recipe()
+    r.trainer.strategy.pipeline_model_parallel_size = 2
+    r.trainer.strategy.virtual_pipeline_model_parallel_size = 2
+    return r
+
+
+def _canonical_lora():
+    r = recipe()
+    r.peft = run.Config(llm.peft.CanonicalLoRA)
+    return r
+
+
+def _local_attention():
+    from megatron.core.transformer.enums import AttnBackend
+
+    r = recipe()
+    r.model.config.attention_backend = AttnBackend.local
+    return r
+
+
+def _full_iteration_graph():
+    r = recipe()
+    r.model.config.cuda_graph_scope = "full_iteration"
+    return r
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, match",
+    [
+        (lambda: recipe("llama31_8b"), {}, r"Llama 3\.1-style RoPE scaling \(scale_factor=8\.0\)"),
+        (lambda: recipe("deepseek_v2_lite"), {}, r"multi-latent attention \(MLA"),
+        (lambda: recipe("gemma2_2b"), {}, r"sliding-window attention"),
+        (lambda: llm.t5_220m.finetune_recipe(name="t5", dir="/tmp/mf_nemo_recipes", num_nodes=1,
+                                             num_gpus_per_node=1), {}, r"T5Model is not a NeMo GPTModel"),
+        (lambda: recipe(packed_sequence=False), {}, r"packed_cache=True needs packed sequences"),
+        (lambda: recipe(packed_sequence=False, peft_scheme=None), {"packed_cache": False},
+         r"packed_cache=False on a dense model leaves nothing"),
+        (_cp2, {}, r"context_parallel_size=2"),
+        (_vpp, {}, r"virtual \(interleaved\) pipeline parallelism"),
+        (_canonical_lora, {}, r"PEFT scheme CanonicalLoRA is not supported"),
+        (lambda: recipe(peft_scheme=None), {"lora": ["linear_qkv"]}, r"the recipe has no PEFT"),
+        (recipe, {"lora": ["linear_q"]}, r"LoRA target modules \['linear_q'\]"),
+        (_local_attention, {}, r"attention_backend=local"),
+        (_full_iteration_graph, {"cuda_graphs": True}, r"full_iteration"),
+        (recipe, {"fp8": "e5m2"}, r"fp8 must be None, False, 'hybrid' or 'e4m3'"),
+        (recipe, {"max_seqs": 5000}, r"max_seqs=5000 must be in \[1, packed_sequence_size=4096\]"),
+        (recipe, {"attention_backend": "xformers"}, None),
+    ],
+    ids=["llama31", "deepseek_mla", "gemma2", "t5", "unpacked", "nothing_to_do", "cp2", "vpp",
+         "canonical_lora", "lora_no_peft", "lora_target", "local_attn", "full_iter_graph",
+         "fp8_format", "max_seqs", "backend"],
+)
+def test_refused_recipes_with_reason_and_unchanged(make, kwargs, match):
+    r = make()
+    before = copy.deepcopy(r)
+    if match is None:  # a bad setting value: refused by FastpathSettings before any change
+        with pytest.raises(ValueError, match="attention_backend must be one of"):
+            apply_fastpath(r, **kwargs)
+    else:
+        with pytest.raises(RecipeNotSupportedError, match=match) as info:
+            apply_fastpath(r, **kwargs)
+        assert info.value.reasons and all(isinstance(s, str) for s in info.value.reasons)
+    assert r == before
+
+
+def test_refusal_lists_every_reason_and_double_application():
+    from megatron.core.transformer.enums import AttnBackend
+
+    r = _cp2()
+    r.model.config.attention_backend = AttnBackend.local
+    with pytest.raises(RecipeNotSupportedError) as info:
+        apply_fastpath(r)
+    assert len(info.value.reasons) == 2
+    hooked = apply_fastpath(recipe())
+    with pytest.raises(RecipeNotSupportedError, match="already applied"):
+        apply_fastpath(hooked)
+    with pytest.raises(TypeError, match="expects a NeMo-Run recipe"):
+        apply_fastpath(run.Config(llm.Llama3Config8B))
+
+
+def test_pipeline_parallel_sets_slots():
+    r = recipe()
+    r.trainer.strategy.pipeline_model_parallel_size = 4
+    apply_fastpath(r)
+    assert fdl.build(r.model.config.transformer_layer_spec.settings).num_slots == 4
+
+
+# --------------------------------------------------------------------------- built models
+def test_hooked_tiny_llama_builds_fastpath_layers_and_nemo_io(mcore_parallel, tmp_path):
+    from nemo.lightning import io
+
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+    from megatron_fastpath.attention.self_attention import CachedRopeSelfAttention
+
+    r = apply_fastpath(make_tiny(recipe()), max_seqs=16)
+    model = build_model(r)
+    layers = model.module.decoder.layers
+    assert len(layers) == 2
+    for layer in layers:
+        assert type(layer.self_attention) is CachedRopeSelfAttention
+        assert type(layer.self_attention.core_attention) is PackedCoreAttention
+        assert layer.self_attention.core_attention.backend == "sdpa"  # auto on CPU
+    assert not hasattr(model.module, "rotary_pos_emb")  # RoPE comes from the cache
+    settings = fdl.build(r.model.config.transformer_layer_spec.settings)
+    cache, _ = cache_for(settings)
+    assert layers[0].self_attention.core_attention.cache is cache
+    assert cache.config.rope.dim == 16 and cache.config.rope.base == 500_000.0
+    assert (cache.config.max_tokens, cache.config.max_seqs) == (T, 16)
+
+    # NeMo's checkpoint context (io.json) of the built model loads back with our callables.
+    model.io_dump(tmp_path, yaml_attrs=["config"])
+    loaded = io.load_context(tmp_path, subpath=None)
+    assert loaded.config.transformer_layer_spec == FastpathLayerSpec(settings)
+    assert loaded.config.data_step_fn == FastpathDataStep(settings)
+    assert loaded.config.forward_step_fn == FastpathForwardStep()
+    assert "FastpathLayerSpec" in (tmp_path / "config.yaml").read_text()
+
+
+def test_hooked_tiny_mixtral_builds_fastpath_moe(mcore_parallel):
+    from megatron_fastpath._optional import MissingDependencyError, have
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+    from megatron_fastpath.moe.experts import GroupedSwiGLUExperts
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64)
+    r = apply_fastpath(make_tiny(recipe("mixtral_8x7b"), **moe), max_seqs=16)
+    model = build_model(r)
+    for layer in model.module.decoder.layers:
+        assert type(layer.mlp) is FastpathMoELayer and type(layer.mlp.experts) is GroupedSwiGLUExperts
+        assert type(layer.self_attention.core_attention) is PackedCoreAttention
+
+    clear_caches()
+    r8 = apply_fastpath(make_tiny(recipe("mixtral_8x7b"), **moe), fp8="hybrid")
+    if have("transformer_engine.pytorch"):  # pragma: no cover - GPU machines
+        pytest.skip("Transformer Engine is installed: the FP8 spec builds")
+    with pytest.raises(MissingDependencyError, match="transformer-engine"):
+        fdl.build(r8.model.config.transformer_layer_spec)(model.config)  # same shapes, FP8 settings
+
+
+# --------------------------------------------------------------------------- NeMo's packed data
+@pytest.fixture(scope="module")
+def nemo_packed(tmp_path_factory):
+    """A packed dataset made by NeMo's own packing (create_hist / create_packing_strategy /
+    fill_packing_strategy), its metadata file, and the expected sequence lengths per pack."""
+    from nemo.utils.sequence_packing_utils import (
+        create_hist,
+        create_packing_strategy,
+        fill_packing_strategy,
+    )
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(14):
+        n = int(rng.integers(5, 30))
+        samples.append({"input_ids": rng.integers(1, VOCAB, n).tolist(), "answer_start_idx": int(rng.integers(1, n))})
+    sequences, histogram = create_hist(np.array(samples), T)
+    assignments, metadata = create_packing_strategy(histogram, T)
+    packed = fill_packing_strategy(assignments, sequences, T, EOS)
+    d = tmp_path_factory.mktemp("nemo_packed")
+    np.save(d / "packed.npy", packed)
+    (d / "metadata.json").write_text(json.dumps([metadata]))
+    expected = []
+    for item in packed:  # NeMo drops the last token of every sequence (input/label shift)
+        lengths = list(np.diff(item["seq_start_id"] + [len(item["input_ids"])]) - 1)
+        if sum(lengths) < T:
+            lengths.append(T - sum(lengths))  # the collate's trailing padding chunk
+        expected.append(lengths)
+    return d, metadata, expected
+
+
+def packed_dataset(path, pad_cu_seqlens):
+    from nemo.collections.llm.gpt.data.core import GPTSFTPackedDataset
+
+    class Tokenizer:  # the packed collate only reads eos_id
+        eos_id = EOS
+
+    return GPTSFTPackedDataset(
+        str(path / "packed.npy"), Tokenizer(), max_seq_length=T, pad_to_max_length=True,
+        pad_cu_seqlens=pad_cu_seqlens, pack_metadata_file_path=str(path / "metadata.json"),
+        prompt_template="{input} {output}", label_key="output", truncation_field="input",
+    )
+
+
+@pytest.mark.parametrize("pad_cu_seqlens", [False, True], ids=["plain", "pad_cu_seqlens"])
+def test_data_step_loads_nemo_collate_from_host(mcore_parallel, nemo_packed, pad_cu_seqlens):
+    path, metadata, expected = nemo_packed
+    assert max_seqs_from_pack_metadata(path / "metadata.json") == metadata["max_samples_per_bin"] + 1
+    r = apply_fastpath(make_tiny(recipe()), max_seqs=max_seqs_from_pack_metadata(path / "metadata.json"))
+    build_model(r)
+    step = fdl.build(r.model.config.data_step_fn)
+    cache, _ = cache_for(step.settings)
+    ds = packed_dataset(path, pad_cu_seqlens)
+    batches = [ds.collate_fn([ds[i]]) for i in range(len(ds))]
+    if pad_cu_seqlens:  # NeMo padded the boundaries with repeats of T up to a constant width
+        assert {b["cu_seqlens"].shape for b in batches} == {(1, metadata["max_samples_per_bin"] + 3)}
+    static_ptr = None
+    for b, lengths in zip(batches, expected):
+        with SyncSentinel() as s:
+            out = step(iter([b]))
+        # The only value reads are of the collate's CPU tensors, in _host_row.
+        assert [e.op for e in s.events] == ["numpy", "numpy"]
+        assert all("_runtime.py" in e.location for e in s.events)
+        assert cache.current.lengths_N.tolist() == lengths
+        assert "cu_seqlens" not in out and "cu_seqlens_argmin" not in out and out["attention_mask"] is None
+        params = out["packed_seq_params"]
+        assert params.qkv_format == "thd" and params.max_seqlen_q == T
+        assert params.cu_seqlens_q.shape == (cache.config.max_seqs + 1,)
+        ptr = params.cu_seqlens_q.data_ptr()
+        assert static_ptr in (None, ptr)  # one slot: the same static buffer every batch
+        static_ptr = ptr
+        assert out["position_ids"] is cache.slots[0].position_ids_1T
+        assert torch.equal(out["tokens"], b["tokens"]) and torch.equal(out["loss_mask"], b["loss_mask"])
+
+
+def test_data_step_refuses_wrong_pack_width_and_device_boundaries(mcore_parallel, nemo_packed):
+    path, _, _ = nemo_packed
+    r = apply_fastpath(make_tiny(recipe()), max_seqs=16)
+    build_model(r)
+    step = fdl.build(r.model.config.data_step_fn)
+    ds = packed_dataset(path, False)
+    b = ds.collate_fn([ds[0]])
+    short = dict(b, tokens=b["tokens"][:, : T // 2])
+    with pytest.raises(ValueError, match=r"the cache needs \[1, 64\]"):
+        step(iter([short]))
+    meta = dict(b, cu_seqlens=b["cu_seqlens"].to("meta"))
+    with pytest.raises(TypeError, match="device-to-host sync"):
+        step(iter([meta]))
+    clear_caches()
+    with pytest.raises(RuntimeError, match="no PackedSeqCache exists"):
+        step(iter([b]))
+
+
+def test_hooked_model_packed_equals_per_sequence_with_zero_syncs(mcore_parallel, nemo_packed):
+    path, _, expected = nemo_packed
+    r = apply_fastpath(make_tiny(recipe()), max_seqs=16)
+    torch.manual_seed(0)
+    model = build_model(r)
+    step = fdl.build(r.model.config.data_step_fn)
+    forward = fdl.build(r.model.config.forward_step_fn)
+    ds = packed_dataset(path, False)
+    b = ds.collate_fn([ds[0]])
+
+    out = step(iter([b]))
+    with SyncSentinel() as s:
+        loss_1T = forward(model, out)
+        (loss_1T * out["loss_mask"]).sum().backward()
+    assert s.num_syncs == 0, s.summary()
+    assert loss_1T.shape == (1, T) and torch.isfinite(loss_1T).all()
+
+    # Each sequence alone (padded to T, its own cu_seqlens) gives the same per-token loss.
+    starts = np.cumsum([0] + expected[0][:-1])
+    for start, n in zip(starts, expected[0]):
+        single = {
+            "tokens": torch.zeros(1, T, dtype=torch.long),
+            "labels": torch.zeros(1, T, dtype=torch.long),
+            "loss_mask": torch.zeros(1, T, dtype=torch.long),
+            "cu_seqlens": torch.tensor([[0, n, T, -1]] if n < T else [[0, T, -1]], dtype=torch.int32),
+        }
+        single["cu_seqlens_argmin"] = torch.tensor([[single["cu_seqlens"].shape[1] - 1]])
+        for key in ("tokens", "labels", "loss_mask"):
+            single[key][0, :n] = b[key][0, start : start + n]
+        with torch.no_grad():
+            alone_1T = forward(model, step(iter([single])))
+        torch.testing.assert_close(alone_1T[0, :n], loss_1T.detach()[0, start : start + n], rtol=1e-5, atol=1e-5)
