@@ -134,6 +134,8 @@ class FastpathMoELayer(MoELayer):
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         """Megatron's MoELayer.forward after static input checks (no device work on error)."""
+        if hidden_states is None:  # Megatron's partial-CUDA-graph resume path
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size "
