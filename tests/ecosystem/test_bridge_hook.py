@@ -1,0 +1,221 @@
+"""Megatron-Bridge hook and the framework-independent runtime both hooks share.
+
+The runtime tests (host ``cu_seqlens`` of NeMo / Bridge batch formats, the in-flight slot ring,
+the serialisable layer-spec callable) need only Megatron-Core and run everywhere. The Bridge
+``ConfigContainer`` test needs Megatron-Bridge (Python >= 3.12 + Transformer Engine: NVIDIA GPU
+containers) and is skipped, with the reason, elsewhere.
+"""
+
+import types
+
+import pytest
+import torch
+
+from megatron_fastpath._optional import MissingDependencyError, have
+from megatron_fastpath.integrations import (
+    FastpathLayerSpec,
+    FastpathSettings,
+    InFlightBatches,
+    cache_for,
+    clear_caches,
+    host_cu_seqlens,
+)
+
+T = 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    clear_caches()
+    yield
+    clear_caches()
+
+
+def tiny_config(rotary_base=None, **overrides):
+    """A Megatron TransformerConfig; ``rotary_base`` is set as an attribute, as NeMo's GPTConfig
+    and Bridge's GPTModelProvider carry it (TransformerConfig itself has no such field)."""
+    from megatron_fastpath.model import ModelConfig, build_transformer_config
+
+    config = build_transformer_config(ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128), **overrides)
+    if rotary_base is not None:
+        config.rotary_base = rotary_base
+    return config
+
+
+# --------------------------------------------------------------------------- host cu_seqlens
+@pytest.mark.parametrize(
+    "batch, lengths",
+    [
+        # NeMo 2 / Bridge <= 0.5 collate: -1 padded, argmin precomputed on the host.
+        ({"cu_seqlens": torch.tensor([[0, 5, 12, 32, -1, -1]], dtype=torch.int32),
+          "cu_seqlens_argmin": torch.tensor([[4]])}, [5, 7, 20]),
+        # pad_cu_seqlens=True: repeats of the total before the -1 sentinels.
+        ({"cu_seqlens": torch.tensor([[0, 5, 12, 32, 32, 32, -1]], dtype=torch.int32),
+          "cu_seqlens_argmin": torch.tensor([[6]])}, [5, 7, 20]),
+        # No argmin: the first -1 is found on the host.
+        ({"cu_seqlens": torch.tensor([[0, 9, 32, -1]], dtype=torch.int32)}, [9, 23]),
+        # Bridge >= 0.6: exact boundaries edge-padded with repeats; physical offsets preferred.
+        ({"cu_seqlens_q": torch.tensor([[0, 4, 10, 10]], dtype=torch.int32),
+          "cu_seqlens_q_padded": torch.tensor([[0, 8, 16, 16]], dtype=torch.int32)}, [8, 8]),
+        ({"cu_seqlens_q": torch.tensor([0, 4, 10], dtype=torch.int32)}, [4, 6]),
+    ],
+    ids=["nemo", "nemo_pad_cu_seqlens", "no_argmin", "bridge_padded", "bridge_exact"],
+)
+def test_host_cu_seqlens_formats_load_into_the_cache(batch, lengths):
+    settings = FastpathSettings(max_tokens=T, max_seqs=8)
+    cache, ring = cache_for(settings, tiny_config(), device="cpu")
+    pb = ring.load(host_cu_seqlens(batch))
+    assert pb.lengths_N.tolist() == lengths
+    assert cache.current.num_tokens == sum(lengths)
+
+
+@pytest.mark.parametrize(
+    "batch, error, match",
+    [
+        ({"cu_seqlens": torch.tensor([[0, 4, -1]], device="meta")}, TypeError, "device-to-host sync"),
+        ({"cu_seqlens": torch.tensor([[0, 4, -1], [0, 3, -1]])}, ValueError, "micro_batch_size must be 1"),
+        ({"tokens": torch.zeros(1, T)}, ValueError, "no cu_seqlens"),
+    ],
+    ids=["device", "mbs2", "unpacked"],
+)
+def test_host_cu_seqlens_refusals(batch, error, match):
+    with pytest.raises(error, match=match):
+        host_cu_seqlens(batch)
+
+
+def test_in_flight_ring_releases_in_call_order():
+    settings = FastpathSettings(max_tokens=T, max_seqs=4, num_slots=2)
+    cache, ring = cache_for(settings, tiny_config(), device="cpu")
+    a = ring.load([0, 10, 32])
+    b = ring.load([0, 16, 32])
+    assert (a.slot, b.slot) == (0, 1) and cache.slots[0].busy and cache.slots[1].busy
+    c = ring.load([0, 32])  # releases a (the oldest), reuses its slot
+    assert c.slot == 0 and [h.version for h in ring.held] == [b.version, c.version]
+    assert cache.slot_for(b.packed_seq_params).index == 1  # b is still held
+    ring.release_all()
+    with pytest.raises(RuntimeError, match="used after the batch was released"):
+        cache.slot_for(b.packed_seq_params)
+    with pytest.raises(RuntimeError, match="no PackedSeqCache exists"):
+        cache_for(FastpathSettings(max_tokens=T, max_seqs=3))
+
+
+def test_cache_registry_refuses_a_different_model_with_the_same_settings():
+    settings = FastpathSettings(max_tokens=T, max_seqs=4)
+    first, _ = cache_for(settings, tiny_config(), device="cpu")
+    again, _ = cache_for(settings, tiny_config(), device="cpu")
+    assert again is first
+    with pytest.raises(ValueError, match="different RoPE/device"):
+        cache_for(settings, tiny_config(rotary_base=500000.0), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=8, max_seqs=9), "max_seqs=9 > max_tokens=8"),
+        (dict(max_tokens=8, max_seqs=0), "max_seqs must be a positive int"),
+        (dict(max_tokens=8, max_seqs=2, linear_impl="fp8"), "linear_impl must be one of"),
+        (dict(max_tokens=8, max_seqs=2, moe_expert_backend="x"), "moe_expert_backend must be one of"),
+    ],
+)
+def test_settings_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FastpathSettings(**kwargs)
+
+
+# --------------------------------------------------------------------------- layer-spec callable
+def test_layer_spec_callable_on_a_plain_transformer_config():
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+    from megatron_fastpath.attention.self_attention import CachedRopeSelfAttention
+
+    config = tiny_config(rotary_base=500000.0)
+    settings = FastpathSettings(max_tokens=T, max_seqs=4)
+    spec = FastpathLayerSpec(settings)(config)
+    attn = spec.submodules.self_attention
+    assert attn.module is CachedRopeSelfAttention
+    assert attn.submodules.core_attention.module is PackedCoreAttention
+    cache = attn.submodules.core_attention.params["cache"]
+    assert cache is cache_for(settings)[0]
+    assert cache.config.rope.dim == 16 and cache.config.rope.base == 500000.0
+    assert FastpathLayerSpec(FastpathSettings(max_tokens=T, max_seqs=4, rope=False))(config) is not None
+    assert cache_for(FastpathSettings(max_tokens=T, max_seqs=4, rope=False))[0].config.rope is None
+
+
+def test_layer_spec_without_cache_swaps_only_the_moe_layer(mcore_parallel):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+    from megatron_fastpath.model import ModelConfig, build_transformer_config
+
+    moe = build_transformer_config(
+        ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_experts=4, moe_ffn_hidden_size=64)
+    )
+    settings = FastpathSettings(max_tokens=T, max_seqs=4, packed_cache=False)
+    spec = FastpathLayerSpec(settings)(moe)
+    assert spec.submodules.self_attention.module is SelfAttention
+    assert spec.submodules.mlp.module is FastpathMoELayer
+    assert spec.submodules.pre_mlp_layernorm is not IdentityOp  # MoE needs its own pre-MLP norm
+    model = GPTModel(moe, spec, vocab_size=64, max_sequence_length=T, position_embedding_type="none")
+    assert all(type(layer.mlp) is FastpathMoELayer for layer in model.decoder.layers)
+    with pytest.raises(ValueError, match="only swaps the MoE layer"):
+        FastpathLayerSpec(settings)(tiny_config())
+
+
+# --------------------------------------------------------------------------- Bridge itself
+def test_bridge_module_imports_without_bridge_and_says_why():
+    from megatron_fastpath.integrations import bridge
+
+    if have("megatron.bridge"):  # pragma: no cover - Bridge containers
+        pytest.skip("Megatron-Bridge is installed here")
+    with pytest.raises(MissingDependencyError, match=r"'megatron-bridge' \(Python >= 3\.12 and Transformer Engine"):
+        bridge.apply_fastpath_to_config(types.SimpleNamespace())
+
+
+def test_bridge_config_container_hook():  # pragma: no cover - needs Megatron-Bridge
+    pytest.importorskip(
+        "megatron.bridge",
+        reason="Megatron-Bridge is not installed (it needs Python >= 3.12 and Transformer Engine: "
+        "NVIDIA's GPU containers); the ConfigContainer hook is exercised there",
+    )
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+
+    try:  # Bridge <= 0.5
+        from megatron.bridge.data.datasets.packed_sequence import PackedSequenceSpecs
+    except ImportError:  # Bridge >= 0.6
+        from megatron.bridge.data.packing.config import PackedSequenceSpecs
+
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+    from megatron_fastpath.integrations.bridge import (
+        BridgeConfigNotSupportedError,
+        FastpathForwardStep,
+        apply_fastpath_to_config,
+    )
+
+    def make_cfg(**model_overrides):
+        model = GPTModelProvider(
+            num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+            num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
+            add_bias_linear=False, position_embedding_type="rope", rotary_base=500000,
+            vocab_size=128, seq_length=64, **model_overrides,
+        )
+        specs = PackedSequenceSpecs(packed_sequence_size=64, pad_cu_seqlens=True)
+        dataset = types.SimpleNamespace(packed_sequence_specs=specs, dataset_kwargs=None)
+        return types.SimpleNamespace(
+            model=model, dataset=dataset, train=types.SimpleNamespace(micro_batch_size=1),
+            mixed_precision=MixedPrecisionConfig(), peft=LoRA(target_modules=["linear_qkv", "linear_proj"]),
+        )
+
+    cfg, step = apply_fastpath_to_config(make_cfg(), cuda_graphs=True, max_seqs=8)
+    assert isinstance(step, FastpathForwardStep) and step.settings.max_tokens == 64
+    assert isinstance(cfg.model.transformer_layer_spec, FastpathLayerSpec)
+    assert cfg.model.position_embedding_type == "none"
+    assert cfg.model.cuda_graph_impl == "local" and cfg.model.use_te_rng_tracker is True
+    assert cfg.dataset.packed_sequence_specs.pad_cu_seqlens is False
+    assert cfg.dataset.dataset_kwargs == {"pad_to_max_length": True}
+    spec = cfg.model.transformer_layer_spec(cfg.model)
+    assert spec.submodules.self_attention.submodules.core_attention.module is PackedCoreAttention
+    with pytest.raises(BridgeConfigNotSupportedError, match="context_parallel_size=2"):
+        apply_fastpath_to_config(make_cfg(context_parallel_size=2))
