@@ -12,6 +12,7 @@ start, the cluster tests are skipped with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -32,8 +33,11 @@ from slurm_cluster import (
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "train.sbatch"
+LORA_SBATCH = REPO / "slurm" / "train_cuda_graphs_lora.sbatch"
 SHELL_SCRIPTS = sorted(p for p in (REPO / "slurm").rglob("*") if p.suffix in (".sbatch", ".sh"))
 TINY_MOE = REPO / "configs" / "model" / "tiny_moe.yaml"
+LORA_PRESET = ("model=llama3_8b", "fastpath.lora=true", "fastpath.cuda_graphs=true",
+               "training.dtype=bfloat16")
 
 STEPS = 8
 FAST = [f"training.steps={STEPS}", "model.num_layers=2", "data.num_samples=256",
@@ -187,6 +191,33 @@ def test_torchrun_needs_processes_per_node(tmp_path):
     assert not (tmp_path / "srun.calls").exists()
 
 
+def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    fake_bin = _fake_slurm_bin(tmp_path)
+    env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-lora-graphs", FASTPATH_HOME=str(REPO))
+    proc = subprocess.run(["bash", str(LORA_SBATCH), "training.steps=3"], capture_output=True,
+                          text=True, timeout=60,
+                          env=dict(clean_submit_env(**env), PATH=f"{fake_bin}:{os.environ['PATH']}"))
+    assert proc.returncode == 0, proc.stderr
+    argv, _ = _calls(tmp_path)
+    tail = argv[argv.index("megatron_fastpath.train") + 1:]
+    run_dir = f"{tmp_path}/logs/fastpath-lora-graphs-123456"
+    assert tail == ["training.device=cuda", f"hydra.run.dir={run_dir}", *LORA_PRESET, "training.steps=3"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*LORA_PRESET, "training.device=cuda"])
+    assert cfg.fastpath.lora and cfg.fastpath.cuda_graphs and cfg.training.dtype == "bfloat16"
+    assert cfg.model.num_layers == 32  # Llama-3-8B
+
+
+def test_lora_graphs_preset_needs_the_repository(tmp_path):
+    env = _job_env(tmp_path, FASTPATH_HOME=str(tmp_path / "nowhere"))
+    proc = subprocess.run(["bash", str(LORA_SBATCH)], env=clean_submit_env(**env),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"{tmp_path}/nowhere/slurm/train.sbatch not found" in proc.stderr
+
+
 def test_missing_slurm_gives_a_skip_reason_not_a_pass(monkeypatch):
     import slurm_cluster
 
@@ -235,58 +266,79 @@ def local_slurm():
     cluster.stop(remove=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Case:
+    script: Path
+    job_name: str  # the script's --job-name: names the output file and the run directory
+    launcher: str
+    tasks_per_node: int
+    procs_per_node: int  # processes per task (torchrun); 1 with srun
+    overrides: tuple = ()
+    min_loss_drop: float = 0.5  # step-1 loss minus step-8 loss must exceed this
+    preset: tuple = ()  # overrides the script itself adds
+
+    @property
+    def world(self) -> int:
+        return 2 * self.tasks_per_node * self.procs_per_node
+
+
+CASES = [
+    pytest.param(Case(SBATCH, "fastpath-train", "srun", 2, 1), id="srun-2x2-dp4"),
+    pytest.param(
+        Case(SBATCH, "fastpath-train", "srun", 2, 1,
+             ("model=tiny_moe", "parallel.expert_model_parallel_size=2")),
+        id="srun-2x2-ep2-moe",
+        marks=pytest.mark.skipif(not TINY_MOE.exists(),
+                                 reason=f"{TINY_MOE.relative_to(REPO)} does not exist yet"),
+    ),
+    pytest.param(Case(SBATCH, "fastpath-train", "torchrun", 1, 2), id="torchrun-2x1x2-dp4"),
+    # The preset wrapper (LoRA + CUDA graphs; on CPU the graph-safety audit) with a tiny model:
+    # only the adapters train, so the loss falls slowly.
+    pytest.param(Case(LORA_SBATCH, "fastpath-lora-graphs", "srun", 1, 1, ("model=tiny_dense",),
+                      min_loss_drop=0.0, preset=LORA_PRESET), id="lora-graphs-preset-srun-2x1"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "launcher, tasks_per_node, procs_per_node, overrides",
-    [
-        pytest.param("srun", 2, 1, [], id="srun-2x2-dp4"),
-        pytest.param(
-            "srun", 2, 1, ["model=tiny_moe", "parallel.expert_model_parallel_size=2"],
-            id="srun-2x2-ep2-moe",
-            marks=pytest.mark.skipif(
-                not TINY_MOE.exists(), reason=f"{TINY_MOE.relative_to(REPO)} does not exist yet"
-            ),
-        ),
-        pytest.param("torchrun", 1, 1, [], id="torchrun-2x1-dp2"),
-    ],
-)
-def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, launcher, tasks_per_node,
-                                               procs_per_node, overrides):
+@pytest.mark.parametrize("case", CASES)
+def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, case: Case):
     work = tmp_path / "submit"
     (work / "logs").mkdir(parents=True)  # the script's default --output=logs/%x-%j.out
     env = clean_submit_env(
-        PYTHON=sys.executable, DEVICE="cpu", LAUNCHER=launcher, NPROC_PER_NODE=str(procs_per_node),
+        PYTHON=sys.executable, DEVICE="cpu", LAUNCHER=case.launcher,
+        NPROC_PER_NODE=str(case.procs_per_node), FASTPATH_HOME=str(REPO),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    world = 2 * tasks_per_node * procs_per_node
+    world, overrides = case.world, list(case.overrides)
     t0 = time.perf_counter()
     job_id = local_slurm.sbatch(
-        [f"--chdir={work}", "--nodes=2", f"--ntasks-per-node={tasks_per_node}", "--gpus-per-node=0",
-         "--time=00:15:00", str(SBATCH), *FAST, *overrides],
+        [f"--chdir={work}", "--nodes=2", f"--ntasks-per-node={case.tasks_per_node}",
+         "--gpus-per-node=0", "--time=00:08:00", str(case.script), *FAST, *overrides],
         env=env,
     )
-    job = local_slurm.wait(job_id, timeout_s=900)
+    job = local_slurm.wait(job_id, timeout_s=600)  # Slurm's --time ends a hung job first
     elapsed = time.perf_counter() - t0
-    out_file = work / "logs" / f"fastpath-train-{job_id}.out"
+    out_file = work / "logs" / f"{case.job_name}-{job_id}.out"
     out = out_file.read_text() if out_file.exists() else ""
-    print(f"\njob {job_id} ({launcher}, world {world}): {job.state} {job.exit_code} in {elapsed:.1f} s")
+    print(f"\njob {job_id} ({case.script.name}, {case.launcher}, world {world}): {job.state} "
+          f"{job.exit_code} in {elapsed:.1f} s")
     assert job.ok, f"job {job_id}: {job.state} exit {job.exit_code}\n{out[-4000:]}\n{local_slurm.log_tails()}"
 
     # Slurm's view: both nodes, the requested number of tasks.
     assert job.fields["NumNodes"] == "2" and job.fields["NodeList"] == "node[1-2]", job.fields
-    assert job.fields["NumTasks"] == str(2 * tasks_per_node), job.fields
+    assert job.fields["NumTasks"] == str(2 * case.tasks_per_node), job.fields
 
     # The script's banner: rendezvous at node1's NodeAddr, port from the job id.
     banner = BANNER_RE.search(out)
     assert banner, out[:2000]
-    assert banner.groups()[:6] == (str(job_id), "2", "node[1-2]", launcher, "cpu", "127.0.0.1")
+    assert banner.groups()[:6] == (str(job_id), "2", "node[1-2]", case.launcher, "cpu", "127.0.0.1")
     assert int(banner.group(7)) == 20000 + job_id % 20000
 
     # Hydra overrides reached every rank: world size, 2 layers, 8 steps.
     headers = {int(m.group(1)): m.groups()[1:] for m in HEADER_RE.finditer(out)}
     assert sorted(headers) == list(range(world)), out[-3000:]
     assert all(h[0] == "2" and h[1] == str(world) for h in headers.values()), headers
-    if not overrides:
+    if not any(o.startswith("parallel.") for o in overrides):
         assert all(h[2] == str(world) for h in headers.values()), headers  # pure data parallel
     expected_ep = "2" if "parallel.expert_model_parallel_size=2" in overrides else "1"
     assert all(h[3] in (None, expected_ep) for h in headers.values()), headers  # ep, when printed
@@ -299,11 +351,11 @@ def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, launcher, 
     assert sorted(losses) == list(range(world)), f"ranks that logged steps: {sorted(losses)}"
     for rank, by_step in losses.items():
         assert sorted(by_step) == list(range(1, STEPS + 1)), (rank, sorted(by_step))
-        assert by_step[STEPS] < by_step[1] - 0.5, (rank, by_step)
+        assert by_step[STEPS] < by_step[1] - case.min_loss_drop, (rank, by_step)
         assert f"[rank {rank}] summary: {STEPS} steps" in out
 
     # One Hydra run directory per job, holding the overrides the job ran with.
-    hydra_overrides = work / "logs" / f"fastpath-train-{job_id}" / ".hydra" / "overrides.yaml"
+    hydra_overrides = work / "logs" / f"{case.job_name}-{job_id}" / ".hydra" / "overrides.yaml"
     text = hydra_overrides.read_text()
-    for o in ["training.device=cpu", *FAST, *overrides]:
-        assert o in text, (o, text)
+    for o in ["training.device=cpu", *case.preset, *FAST, *overrides]:
+        assert f"- {o}\n" in text, (o, text)
