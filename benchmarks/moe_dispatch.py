@@ -42,9 +42,9 @@ from megatron_fastpath.sync import SyncSentinel
 
 # -- variants ------------------------------------------------------------------------------
 def hf_where_loop(inp) -> torch.Tensor:
-    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1"], inp["W2"]
+    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1_list"], inp["W2_list"]
     out = torch.zeros_like(x)
-    for e in range(W1.shape[0]):
+    for e in range(len(W1)):
         tok, pos = torch.where(ids == e)  # nonzero: one host sync per expert
         if tok.numel() == 0:
             continue
@@ -55,11 +55,11 @@ def hf_where_loop(inp) -> torch.Tensor:
 
 
 def unsloth_bincount(inp) -> torch.Tensor:
-    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1"], inp["W2"]
+    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1_list"], inp["W2_list"]
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=W1.shape[0]).tolist()  # bincount + tolist: 2 syncs
+    counts = torch.bincount(flat, minlength=len(W1)).tolist()  # bincount + tolist: 2 syncs
     tok = order // k
     xs = x.index_select(0, tok)
     outs = []
@@ -75,7 +75,8 @@ def unsloth_bincount(inp) -> torch.Tensor:
 def megatron_permute(inp) -> torch.Tensor:
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-    x, probs_TE, map_TE, W1, W2 = inp["x"], inp["probs_TE"], inp["map_TE"], inp["W1"], inp["W2"]
+    x, probs_TE, map_TE = inp["x"], inp["probs_TE"], inp["map_TE"]
+    W1, W2 = inp["W1_list"], inp["W2_list"]
     T, k = inp["ids"].shape
     permuted, permuted_probs, sorted_idx = permute(
         x, map_TE, probs=probs_TE, num_out_tokens=T * k
@@ -112,21 +113,28 @@ def make_inputs(T, H, E, k, ffn, seed=0):
     probs = torch.softmax(top, dim=-1)
     probs_TE = torch.zeros(T, E).scatter(1, ids, probs)
     map_TE = torch.zeros(T, E, dtype=torch.bool).scatter(1, ids, True)
+    W1 = torch.randn(E, H, ffn, generator=g) / H**0.5
+    W2 = torch.randn(E, ffn, H, generator=g) / ffn**0.5
     return dict(
         x=torch.randn(T, H, generator=g).requires_grad_(),
         ids=ids,
         probs=probs.requires_grad_(),
         probs_TE=probs_TE.requires_grad_(),
         map_TE=map_TE,
-        W1=(torch.randn(E, H, ffn, generator=g) / H**0.5).requires_grad_(),
-        W2=(torch.randn(E, ffn, H, generator=g) / ffn**0.5).requires_grad_(),
+        # ours: stacked [E, ...] weights; loops: one leaf per expert (HF ModuleList / Megatron
+        # SequentialMLP). Indexing a stacked leaf per expert would make each loop's backward
+        # allocate E full-size zero tensors (select backward) and unfairly slow the baselines.
+        W1=W1.clone().requires_grad_(),
+        W2=W2.clone().requires_grad_(),
+        W1_list=[W1[e].clone().requires_grad_() for e in range(E)],
+        W2_list=[W2[e].clone().requires_grad_() for e in range(E)],
         cfg=MoEDispatchConfig(num_experts=E, topk=k),
         grad_out=torch.randn(T, H, generator=g),
     )
 
 
 def _leaves(inp):
-    return [inp[n] for n in ("x", "probs", "probs_TE", "W1", "W2")]
+    return [inp[n] for n in ("x", "probs", "probs_TE", "W1", "W2")] + inp["W1_list"] + inp["W2_list"]
 
 
 def _zero_grads(inp):
