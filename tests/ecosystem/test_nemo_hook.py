@@ -2,7 +2,9 @@
 NeMo-Run / NeMo-io serialised forms, refusals with reasons, the layers NeMo builds from it, and
 NeMo's own packed-sequence collate feeding the cache (per-sequence equality, 0 host syncs).
 
-Needs NeMo 2 (``pip install 'megatron_fastpath[nemo]'``): skipped, with the reason, without it.
+Needs NeMo 2 + NeMo-Run (``pip install torch==2.13.0 megatron-core==0.16.1
+'nemo-toolkit[llm]==2.7.*' 'nemo_run==0.11.*' 'pyarrow==21.*' 'leptonai==0.26.*'``): skipped, with
+the reason, without them.
 """
 
 import copy
@@ -14,8 +16,9 @@ import torch
 
 llm = pytest.importorskip(
     "nemo.collections.llm",
-    reason="NeMo 2 is not installed (pip install torch==2.13.0 'megatron_fastpath[nemo]': "
-    "nemo-toolkit[llm] 2.7 + nemo_run); the NeMo recipe hook tests need it",
+    reason="NeMo 2 is not installed (pip install torch==2.13.0 megatron-core==0.16.1 "
+    "'nemo-toolkit[llm]==2.7.*' 'nemo_run==0.11.*' 'pyarrow==21.*' 'leptonai==0.26.*'); "
+    "the NeMo recipe hook tests need it",
 )
 run = pytest.importorskip("nemo_run", reason="nemo_run (NeMo-Run recipes) is not installed")
 import fiddle as fdl  # noqa: E402  (installed with nemo_run)
@@ -144,6 +147,13 @@ def test_mixtral_moe_recipe_lora_and_fp8():
     r2 = apply_fastpath(recipe("mixtral_8x7b", gpus=8), lora=["linear_qkv"])
     assert r2.peft.target_modules == ["linear_qkv"]
     assert fdl.build(r2.model.config.transformer_layer_spec.settings).moe_expert_backend == "grouped_mm"
+
+    # packed_cache=False: only the MoE layer is swapped; NeMo's data/forward steps and RoPE stay.
+    r3 = recipe("mixtral_8x7b", gpus=8, packed_sequence=False)
+    apply_fastpath(r3, packed_cache=False)
+    s3 = fdl.build(r3.model.config.transformer_layer_spec.settings)
+    assert s3.packed_cache is False and s3.rope is False
+    assert {"data_step_fn", "forward_step_fn", "position_embedding_type"}.isdisjoint(r3.model.config.__arguments__)
 
     with pytest.raises(RecipeNotSupportedError, match=r"LoRA on \['linear_fc1'\] in an MoE model"):
         apply_fastpath(recipe("mixtral_8x7b", gpus=8), lora=["linear_qkv", "linear_fc1"])
