@@ -25,7 +25,12 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.0"],
         "flash": ["flash-attn>=2.6"],
         # NeMo 2 recipes (nemo.collections.llm) live in 2.x; 3.0 dropped them.
-        "nemo": ["nemo-toolkit[llm]>=2.7,<2.8", "pyarrow==21.*", "leptonai==0.26.*"],
+        "nemo": [
+            "nemo-toolkit[llm]>=2.7,<2.8",
+            "nemo_run==0.11.*",
+            "pyarrow==21.*",
+            "leptonai==0.26.*",
+        ],
         "test": ["pytest>=8"],
     },
     entry_points={"console_scripts": ["megatron-fastpath-train=megatron_fastpath.train:main"]},

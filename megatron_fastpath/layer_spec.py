@@ -67,7 +67,12 @@ def get_fastpath_layer_spec(
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        # num_experts makes Megatron put a TENorm before the MLP (its dense MLP fuses the norm
+        # into linear_fc1); the MoE MLP itself is replaced by ours below.
+        base = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm,
+        )
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
