@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import re
 import shutil
 import signal
@@ -284,6 +285,9 @@ class LocalSlurmCluster:
             "JobCompType=jobcomp/filetxt",  # ... but a record of every finished job
             f"JobCompLoc={self.jobcomp}",
             "MinJobAge=3600",  # keep finished jobs visible to `scontrol show job`
+            # Job ids (hence the sbatch scripts' MASTER_PORT = 20000 + id % 20000) differ from
+            # one cluster to the next, so a port left busy by an earlier run is not reused.
+            f"FirstJobId={random.randrange(1000, 19000)}",
             "KillWait=5",
             "InactiveLimit=0",
             "SlurmdTimeout=120",
