@@ -18,9 +18,12 @@ def _free_port() -> int:
 
 
 def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when a GPU is present, else cpu."""
+    """cuda:<local rank> when a GPU is present, else cpu. The local rank comes from torchrun
+    (LOCAL_RANK) or Slurm (SLURM_LOCALID) -- known before the process group exists -- modulo
+    the visible devices (Slurm may give each task a single GPU)."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+        return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -35,7 +38,7 @@ def init_distributed(
     Megatron's parallel state. Idempotent for the same sizes."""
     from megatron.core import parallel_state
 
-    device = default_device()
+    device = default_device() if backend != "gloo" else torch.device("cpu")
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not torch.distributed.is_initialized():
@@ -46,11 +49,15 @@ def init_distributed(
             os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        multi = os.environ["WORLD_SIZE"] != "1"
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if multi and var not in os.environ:
+                raise RuntimeError(
+                    f"{var} must be set for a multi-process run (torchrun sets it; under srun use "
+                    "slurm/train.sbatch, which derives it from the allocation)"
+                )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if os.environ["WORLD_SIZE"] != "1":
-                raise RuntimeError("MASTER_PORT must be set for a multi-process run")
-            os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.distributed.init_process_group(backend=backend)

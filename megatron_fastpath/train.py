@@ -284,6 +284,7 @@ def run(cfg) -> TrainSummary:
     env_set = apply_env(plan.env)
 
     init_distributed(
+        backend="nccl" if device.type == "cuda" else "gloo",
         tensor_model_parallel_size=par_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=par_cfg.pipeline_model_parallel_size,
         expert_model_parallel_size=par_cfg.expert_model_parallel_size,
@@ -650,16 +651,19 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
     return step, optimizer, scheduler
 
 
-def main() -> None:
-    import hydra
-    from omegaconf import DictConfig
-
-    config_dir = os.environ.get(
+def config_dir() -> str:
+    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the repository's configs/."""
+    return os.environ.get(
         "MEGATRON_FASTPATH_CONFIGS",
         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"),
     )
 
-    @hydra.main(config_path=config_dir, config_name="config", version_base="1.3")
+
+def main() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         run(cfg)
         from megatron_fastpath.distributed import destroy_distributed

@@ -341,7 +341,7 @@ def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, case: Case
     if not any(o.startswith("parallel.") for o in overrides):
         assert all(h[2] == str(world) for h in headers.values()), headers  # pure data parallel
     expected_ep = "2" if "parallel.expert_model_parallel_size=2" in overrides else "1"
-    assert all(h[3] in (None, expected_ep) for h in headers.values()), headers  # ep, when printed
+    assert all(h[3] == expected_ep for h in headers.values()), headers
 
     losses: dict[int, dict[int, float]] = {}
     for m in STEP_RE.finditer(out):

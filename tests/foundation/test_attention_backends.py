@@ -6,7 +6,7 @@ import torch
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.sync import SyncSentinel
-from tests.foundation.test_packed_gpt_equivalence import grads, packed_inputs
+from test_packed_gpt_equivalence import grads, packed_inputs
 
 
 def run(model, cache, lengths, inputs):
@@ -93,7 +93,7 @@ def test_gpu_backends_match_cpu_reference_and_are_sync_free(mcore_parallel, back
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from tests.foundation.conftest import TINY
+    from packed_reference import TINY
 
     if backend == "flash" and not have("flash_attn"):
         pytest.skip("flash-attn not installed")

@@ -5,7 +5,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from tests.paths import CONFIG_DIR
+from megatron_fastpath.train import config_dir
+
+CONFIG_DIR = config_dir()
 
 FAST = ["training.steps=12", "data.num_samples=256", "model.num_layers=2", "model.hidden_size=64",
         "model.ffn_hidden_size=160", "data.max_tokens=256", "training.lr=5e-3"]
@@ -60,7 +62,9 @@ def test_bad_config_errors_before_training(mcore_parallel, override, match, caps
 def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
     import runpy
 
-    from tests.paths import REPO
+    from megatron_fastpath.train import config_dir
+
+REPO = os.path.dirname(config_dir())
 
     runpy.run_path(f"{REPO}/examples/packed_gpt_minimal.py", run_name="__main__")
     out = capsys.readouterr().out

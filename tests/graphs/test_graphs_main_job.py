@@ -8,7 +8,9 @@ from hydra import compose, initialize_config_dir
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
-from tests.paths import CONFIG_DIR
+from megatron_fastpath.train import config_dir
+
+CONFIG_DIR = config_dir()
 
 SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
          "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8", "model.num_layers=2",
