@@ -60,13 +60,13 @@ def test_bad_config_errors_before_training(mcore_parallel, override, match, caps
 
 
 def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
+    import os
     import runpy
 
     from megatron_fastpath.train import config_dir
 
-REPO = os.path.dirname(config_dir())
-
-    runpy.run_path(f"{REPO}/examples/packed_gpt_minimal.py", run_name="__main__")
+    repo = os.path.dirname(config_dir())
+    runpy.run_path(f"{repo}/examples/packed_gpt_minimal.py", run_name="__main__")
     out = capsys.readouterr().out
     assert "host syncs: 0" in out and "1 host->device copy" in out
 
