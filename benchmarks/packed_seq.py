@@ -88,6 +88,12 @@ Usage::
     python benchmarks/packed_seq.py                       # default: L in 4,16,28, 2048 tokens
     python benchmarks/packed_seq.py --quick --json /tmp/packed_seq.json
     python benchmarks/packed_seq.py --layers 4 16 --tokens 1024 --repeats 3 --threads 2
+    python benchmarks/packed_seq.py --threads 1   # machine shared with other jobs: read the cpu columns
+
+On a machine whose cores other processes also use, wall times (and, with 2+ threads, CPU
+times inflated by OpenMP spin-waits) swing by several x between repeats; the run prints a
+warning when the load average exceeds the core count. ``--threads 1`` and the ``cpu`` columns
+then still give comparable numbers. Host syncs, op counts and numerics are exact either way.
 """
 
 from __future__ import annotations
@@ -590,6 +596,9 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
         f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; rebuild mask style: {mask_style}; load average "
         f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        log("WARNING: other processes are using the cores (load average above the core count): "
+            "wall times will be noisy; prefer --threads 1 and compare the cpu columns")
 
     results, ratios, checks, locations = [], [], [], {}
     for num_layers in cfg.layers:
