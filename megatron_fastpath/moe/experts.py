@@ -27,6 +27,15 @@ from megatron_fastpath._optional import require
 __all__ = ["GroupedSwiGLUExperts", "TEGroupedSwiGLUExperts", "grouped_mlp_reference"]
 
 
+def _ep_rank(pg_collection) -> int:
+    group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+    if group is not None:
+        return torch.distributed.get_rank(group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
 def _check_expert_config(config, num_local_experts: int) -> None:
     if num_local_experts < 1:
         raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
@@ -57,6 +66,7 @@ class GroupedSwiGLUExperts(MegatronModule):
         super().__init__(config=config)
         _check_expert_config(config, num_local_experts)
         self.num_local_experts = num_local_experts
+        self.ep_rank = _ep_rank(pg_collection)
         H, F = config.hidden_size, config.moe_ffn_hidden_size
         F1 = 2 * F if config.gated_linear_unit else F
         dtype = config.params_dtype
@@ -80,14 +90,25 @@ class GroupedSwiGLUExperts(MegatronModule):
     def reset_parameters(self) -> None:
         # Megatron's init functions act on a [out, in] matrix: initialise each expert's
         # transposed slice so the std matches Megatron's GroupedMLP.
+        # With use_cpu_initialization (like Megatron's CPU init of sharded weights) every rank
+        # draws the weights of ALL experts in global order and keeps its own: the model is the
+        # same for every expert-parallel size, and RNG consumption does not depend on EP.
+        first = self.ep_rank * self.num_local_experts
+        experts = (
+            range(self.config.num_moe_experts)
+            if self.config.use_cpu_initialization
+            else range(first, first + self.num_local_experts)
+        )
         with torch.no_grad():
-            for e in range(self.num_local_experts):
-                w1 = torch.empty_like(self.weight1[e].t())
+            for e in experts:
+                w1 = torch.empty_like(self.weight1[0].t())
                 self.config.init_method(w1)
-                self.weight1[e].copy_(w1.t())
-                w2 = torch.empty_like(self.weight2[e].t())
+                w2 = torch.empty_like(self.weight2[0].t())
                 self.config.output_layer_init_method(w2)
-                self.weight2[e].copy_(w2.t())
+                local = e - first
+                if 0 <= local < self.num_local_experts:
+                    self.weight1[local].copy_(w1.t())
+                    self.weight2[local].copy_(w2.t())
 
     def forward(
         self,
