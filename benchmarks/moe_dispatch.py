@@ -1,7 +1,10 @@
 """MoE token dispatch: host syncs, aten ops and time of four ways to route T tokens to E experts.
 
 Variants (same inputs, same experts, one process):
-  (a) hf_where_loop     per-expert ``torch.where(ids == e)`` loop (HF eager MoE)
+  (a) hf_where_loop     HF transformers' eager MoE loop (MixtralSparseMoeBlock): one-hot mask,
+                        ``torch.where`` per expert, advanced indexing, ``index_add_``
+  (a2) where_loop_index_select  the same loop made cheaper (index_select, no one-hot): a
+                        tighter lower bound for per-expert loops; same host syncs
   (b) unsloth_bincount  flatten, stable argsort, ``bincount`` + ``.tolist()``, slice per expert
   (c) megatron_permute  Megatron-Core 0.16.1 ``moe_utils.permute`` / ``unpermute`` (unfused, dense
                         routing map as Megatron's router emits it), tokens-per-expert to the host
@@ -36,19 +39,40 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fastpath.moe.config import MoEDispatchConfig
-from megatron_fastpath.moe.dispatch import build_dispatch_plan, combine_tokens, permute_tokens
+from megatron_fastpath.moe.dispatch import (
+    build_dispatch_plan,
+    combine_tokens,
+    permute_probs,
+    permute_tokens,
+)
 from megatron_fastpath.sync import SyncSentinel
 
 
 # -- variants ------------------------------------------------------------------------------
 def hf_where_loop(inp) -> torch.Tensor:
+    """HF transformers' eager MoE loop, as written in MixtralSparseMoeBlock.forward: a one-hot
+    expert mask, ``torch.where`` per expert (nonzero: one host sync each), advanced indexing
+    ``hidden[None, top_x]`` and an in-place ``index_add_``."""
+    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1_list"], inp["W2_list"]
+    out = torch.zeros_like(x)
+    expert_mask = F.one_hot(ids, num_classes=len(W1)).permute(2, 1, 0)
+    for e in range(len(W1)):
+        idx, top_x = torch.where(expert_mask[e])
+        current = x[None, top_x].reshape(-1, x.shape[-1])
+        y = (F.silu(current @ W1[e]) @ W2[e]) * probs[top_x, idx, None]
+        out.index_add_(0, top_x, y)
+    return out
+
+
+def hf_where_loop_index_select(inp) -> torch.Tensor:
+    """(a) made cheaper: ``index_select`` instead of advanced indexing (whose backward is an
+    accumulating index_put), out-of-place ``index_add``, skip empty experts. Same syncs."""
     x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1_list"], inp["W2_list"]
     out = torch.zeros_like(x)
     for e in range(len(W1)):
         tok, pos = torch.where(ids == e)  # nonzero: one host sync per expert
         if tok.numel() == 0:
             continue
-        # index_select rather than HF's x[tok]: same forward, cheaper backward (conservative)
         y = F.silu(x.index_select(0, tok) @ W1[e]) @ W2[e]
         out = out.index_add(0, tok, y * probs[tok, pos, None])
     return out
@@ -93,12 +117,16 @@ def fastpath_sortcount(inp) -> torch.Tensor:
     x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1"], inp["W2"]
     plan = build_dispatch_plan(ids, inp["cfg"])
     h = torch._grouped_mm(permute_tokens(x, plan), W1, offs=plan.offsets_E)
-    y = torch._grouped_mm(F.silu(h), W2, offs=plan.offsets_E)
-    return combine_tokens(y, plan, probs, out_dtype=x.dtype)
+    # probs scale the F-wide activation (Megatron's convention, FastpathMoELayer's default),
+    # not the H-wide output: the same product, 1/ (H/F) of the multiply traffic
+    a = F.silu(h) * permute_probs(probs, plan).unsqueeze(-1)
+    y = torch._grouped_mm(a, W2, offs=plan.offsets_E)
+    return combine_tokens(y, plan, None, out_dtype=x.dtype)
 
 
 VARIANTS: Dict[str, Callable] = {
     "a_hf_where_loop": hf_where_loop,
+    "a2_where_loop_index_select": hf_where_loop_index_select,
     "b_unsloth_bincount": unsloth_bincount,
     "c_megatron_permute": megatron_permute,
     "d_fastpath_sortcount": fastpath_sortcount,

@@ -63,7 +63,7 @@ class MoEDispatchConfig:
     strict_capacity: bool = False
     check_expert_ids: bool = False
     expert_backend: ExpertBackend = "grouped_mm"
-    probs_in_combine: bool = True
+    probs_in_combine: bool = False
     # router
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     pre_softmax: bool = False
