@@ -233,7 +233,7 @@ class PackedSeqCache:
         }
         self._eager: set[str] = set()
         self._causal_TT: Optional[torch.Tensor] = None
-        self._eye_TT: Optional[torch.Tensor] = None
+        self._arange_T: Optional[torch.Tensor] = None
         self._inv_freq = config.rope.inv_freq(self.device) if config.rope is not None else None
 
     # ------------------------------------------------------------------ batch lifecycle
@@ -465,17 +465,20 @@ class PackedSeqCache:
             )
 
     def _build_sdpa_mask(self, slot: _Slot, out, _arg):
+        """mask[i, j] = start(i) <= j <= i, with start(i) = i - position(i) the first token of
+        i's sequence. Sequences are contiguous, so this is "same sequence and causal"; a padding
+        token has position 0, so its row is the diagonal alone (no fully masked row). Two T x T
+        ops per batch (compare against the constant causal mask)."""
         self._check_sdpa_size()
-        sid_T = slot.seq_ids_T
-        t = sid_T.shape[0]
+        t = slot.position_ids_T.shape[0]
         if out is None:
             out = torch.empty((t, t), dtype=torch.bool, device=self.device)
-        if self._causal_TT is None:  # constant, shared by all slots
+        if self._causal_TT is None:  # constants, shared by all slots
             self._causal_TT = torch.ones((t, t), dtype=torch.bool, device=self.device).tril_()
-            self._eye_TT = torch.eye(t, dtype=torch.bool, device=self.device)
-        torch.eq(sid_T.unsqueeze(1), sid_T.unsqueeze(0), out=out)
-        out.logical_and_(self._causal_TT).logical_or_(self._eye_TT)
-        return out
+            self._arange_T = torch.arange(t, dtype=torch.int32, device=self.device)
+        start_T1 = (self._arange_T - slot.position_ids_T).unsqueeze(1)
+        torch.ge(self._arange_T.unsqueeze(0), start_T1, out=out)
+        return out.logical_and_(self._causal_TT)
 
     def _build_flex_block_mask(self, slot: _Slot, out, _arg):
         from torch.nn.attention.flex_attention import create_block_mask

@@ -161,3 +161,15 @@ def test_cuda_cache_one_pinned_copy_no_sync_static_buffers():
         assert slot.seq_ids_T.tolist() == expected[3]
         cache.release(pb)
     assert cache.stats.host_to_device_copies == 5
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 7], [16], [1] * 8, [3, 9]])
+def test_sdpa_mask_is_block_diagonal_causal_with_padding_on_the_diagonal(lengths):
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=8))
+    with cache.batch(lengths) as pb:
+        mask = cache.sdpa_mask(pb.packed_seq_params)
+    sid = torch.tensor(reference_metadata(lengths, 16, 8)[3])
+    i = torch.arange(16)
+    expected = ((sid[:, None] == sid[None, :]) & (i[None, :] <= i[:, None])) | torch.eye(16, dtype=torch.bool)
+    expected &= ~((sid[:, None] == -1) & ~torch.eye(16, dtype=torch.bool))  # pads: self only
+    assert torch.equal(mask, expected)
