@@ -342,7 +342,10 @@ def run(cfg) -> TrainSummary:
         from megatron_fastpath.offload import with_activation_offload
 
         spec = with_activation_offload(spec, offload_cfg)
-    model = build_gpt_model(tcfg, spec, model_cfg.vocab_size, data_cfg.max_tokens).to(device)
+    model = build_gpt_model(
+        tcfg, spec, model_cfg.vocab_size, data_cfg.max_tokens,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    ).to(device)
     total_params = sum(p.numel() for p in model.parameters())
     trainable = total_params
     if lora_cfg is not None:
@@ -504,8 +507,8 @@ def run(cfg) -> TrainSummary:
                 f"{prefix}  offload: mode {last.mode.value} ({last.mode_reason}), "
                 f"{last.bytes_offloaded:,} B offloaded/{last.bytes_reloaded:,} B reloaded per step, "
                 f"{last.prefetched_reloads} prefetched / {last.just_in_time_reloads} just-in-time "
-                f"reloads, device buffers {last.device_buffer_bytes:,} B, host pool "
-                f"{last.host_pool_bytes:,} B",
+                f"reloads (est. exposed copy {last.est_exposed_copy_s * 1e3:.3f} ms), device "
+                f"buffers {last.device_buffer_bytes:,} B, host pool {last.host_pool_bytes:,} B",
                 flush=True,
             )
         if audit_report is not None:
@@ -623,15 +626,22 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
             mb = next(data_iterator)
             pb = cache.set_batch(mb.lengths)  # slot held until the schedule's backward is done
             handles.append(pb)
-            loss = _loss_of(module, mb, pb, device)
+            # First stage reads tokens, last stage labels; middle stages get hidden states.
+            output = module(
+                mb.tokens_1T.to(device, non_blocking=True), pb.position_ids_1T, None,
+                labels=mb.labels_1T.to(device, non_blocking=True),
+                packed_seq_params=pb.packed_seq_params,
+            )
+            mask = mb.loss_mask_1T.to(device, non_blocking=True)
 
-            def loss_func(output):
-                loss_sum.add_(output.detach())
+            def loss_func(per_token):  # last pipeline stage only
+                loss = (per_token.float() * mask).sum()
+                loss_sum.add_(loss.detach())
                 # The schedule divides by the microbatch count and DDP averages over DP: undo
                 # both so gradients are those of the global token-normalised loss.
-                return output * (n * dp_world / global_loss_tokens), {}
+                return loss * (n * dp_world / global_loss_tokens), {}
 
-            return loss, loss_func
+            return output, loss_func
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -644,6 +654,8 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
         for pb in handles:
             cache.release(pb)
         optimizer.step()
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
+            torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
         if dp_world > 1:
             torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
         return loss_sum, fwd_bwd
