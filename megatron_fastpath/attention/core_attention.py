@@ -194,15 +194,18 @@ class PackedCoreAttention(_megatron_module_base()):
         return out.unsqueeze(1) if sbhd else out
 
     # Each backend: q [T, np, hn], k/v [T, ng, hn] -> [T, np, hn].
+    @staticmethod
+    def _as_1HTd(*xs_THd):
+        """[T, heads, d] -> [1, heads, T, d] (SDPA / flex layout)."""
+        return tuple(x.transpose(0, 1).unsqueeze(0) for x in xs_THd)
+
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
 
     def _forward_sdpa(self, q, k, v, params):
         mask_TT = self.cache.sdpa_mask(params)
         out_1HTd = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            *self._as_1HTd(q, k, v),
             attn_mask=mask_TT,
             dropout_p=self._dropout(),
             scale=self.softmax_scale,
@@ -220,9 +223,7 @@ class PackedCoreAttention(_megatron_module_base()):
             )
         block_mask = self.cache.flex_block_mask(params)
         out_1HTd = self._flex(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            *self._as_1HTd(q, k, v),
             block_mask=block_mask,
             scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],

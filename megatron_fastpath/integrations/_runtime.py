@@ -40,6 +40,20 @@ _EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "te")
 
 
+class NotSupportedError(ValueError):
+    """A framework config needs something megatron_fastpath does not provide; ``reasons``
+    lists every reason (the config is left unchanged)."""
+
+    what = "this config"
+
+    def __init__(self, reasons):
+        self.reasons = tuple(reasons)
+        super().__init__(
+            f"megatron_fastpath cannot serve {self.what}:\n"
+            + "\n".join(f"  - {r}" for r in self.reasons)
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class FastpathSettings:
     """Everything a process needs to rebuild the fastpath pieces of one model (serialisable).

@@ -39,26 +39,24 @@ from functools import partial
 from typing import Optional, Sequence
 
 from megatron_fastpath._optional import MissingDependencyError
+from megatron_fastpath.lora.config import LORA_TARGETS
 from megatron_fastpath.integrations._runtime import (
     FastpathLayerSpec,
     FastpathSettings,
+    NotSupportedError,
     cache_for,
     host_cu_seqlens,
 )
 
 __all__ = ["BridgeConfigNotSupportedError", "FastpathForwardStep", "apply_fastpath_to_config", "require_bridge"]
 
-_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_LORA_TARGETS = tuple(LORA_TARGETS)
 
 
-class BridgeConfigNotSupportedError(ValueError):
+class BridgeConfigNotSupportedError(NotSupportedError):
     """The ConfigContainer needs something megatron_fastpath does not provide."""
 
-    def __init__(self, reasons: Sequence[str]):
-        self.reasons = tuple(reasons)
-        super().__init__(
-            "megatron_fastpath cannot serve this Bridge config:\n" + "\n".join(f"  - {r}" for r in self.reasons)
-        )
+    what = "this Bridge config"
 
 
 def require_bridge():

@@ -41,9 +41,11 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
+from megatron_fastpath.lora.config import LORA_TARGETS
 from megatron_fastpath.integrations._runtime import (
     FastpathLayerSpec,
     FastpathSettings,
+    NotSupportedError,
     cache_for,
     host_cu_seqlens,
 )
@@ -64,17 +66,13 @@ _PACKED_KEYS = (
     "cu_seqlens_unpadded",
     "cu_seqlens_unpadded_argmin",
 )
-_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_LORA_TARGETS = tuple(LORA_TARGETS)
 
 
-class RecipeNotSupportedError(ValueError):
+class RecipeNotSupportedError(NotSupportedError):
     """The recipe needs something megatron_fastpath does not provide; ``reasons`` lists why."""
 
-    def __init__(self, reasons: Sequence[str]):
-        self.reasons = tuple(reasons)
-        super().__init__(
-            "megatron_fastpath cannot serve this recipe:\n" + "\n".join(f"  - {r}" for r in self.reasons)
-        )
+    what = "this recipe"
 
 
 @dataclasses.dataclass(frozen=True)
