@@ -226,6 +226,11 @@ def test_missing_slurm_gives_a_skip_reason_not_a_pass(monkeypatch):
     with pytest.raises(SlurmUnavailable, match="not installed and FASTPATH_SLURM_NO_INSTALL=1"):
         ensure_installed()
     monkeypatch.delenv("FASTPATH_SLURM_NO_INSTALL")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("FASTPATH_SLURM_INSTALL", raising=False)
+    with pytest.raises(SlurmUnavailable, match="set FASTPATH_SLURM_INSTALL=1"):
+        ensure_installed()
+    monkeypatch.setenv("FASTPATH_SLURM_INSTALL", "1")
     monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
     with pytest.raises(SlurmUnavailable, match="not root"):
         ensure_installed()
