@@ -74,7 +74,6 @@ class GraphPlan:
     env: environment variables to set before torch.distributed / CUDA initialise.
     capture: layers are captured (CUDA); False on CPU, where ``audit`` replaces capture.
     audit: run the graph-safety audit.
-    moe_group_alignment: pad MoE expert groups to this multiple (16 under FP8, else 1).
     notes: human-readable decisions, printed by the main job.
     """
 
@@ -82,7 +81,6 @@ class GraphPlan:
     env: dict
     capture: bool
     audit: bool
-    moe_group_alignment: int
     notes: tuple
 
 
@@ -126,7 +124,8 @@ def plan_graphs_and_fp8(
         )
         notes.append(
             f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
-            "the outermost fp8_autocast, which Megatron opens once around the layer block)"
+            "the outermost fp8_autocast, which Megatron opens once around the layer block); MoE "
+            "expert groups padded to multiples of 16 (MoEDispatchConfig reads config.fp8)"
         )
     if graphs.enabled:
         if megatron_cpu_offloading:
@@ -177,7 +176,6 @@ def plan_graphs_and_fp8(
         env=env,
         capture=graphs.enabled and cuda,
         audit=graphs.enabled and not cuda,
-        moe_group_alignment=16 if fp8.enabled else 1,
         notes=tuple(notes),
     )
 
