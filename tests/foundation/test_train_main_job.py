@@ -130,6 +130,10 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    import os
+
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     losses = {}
     for pp, nproc in ((1, 1), (2, 2)):
         out = tmp_path / f"pp{pp}.json"
@@ -137,7 +141,7 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
              "-m", "megatron_fastpath.train", "training.device=cuda", "training.steps=6",
              f"parallel.pipeline_model_parallel_size={pp}", f"training.summary_json={out}"],
-            check=True, timeout=900,
+            check=True, timeout=900, env=env,
         )
         losses[pp] = [r["loss"] for r in json.loads(out.read_text())["records"]]
     assert losses[2][-1] < losses[2][0]
