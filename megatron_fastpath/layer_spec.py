@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath import compat  # noqa: F401  (refuses megatron-core < 0.16.1 at import)
 from megatron_fastpath.attention.core_attention import resolve_backend
 
 __all__ = ["get_fastpath_layer_spec"]

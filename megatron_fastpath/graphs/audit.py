@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 from typing import Optional
 
 import torch
@@ -346,18 +345,16 @@ class GraphSafetyAudit:
 
     # (c) Megatron's own argument matching
     def _check_args(self, i: int, key, args, kwargs) -> None:
-        from megatron.core.transformer.cuda_graphs import ArgMetadata, _CudaGraphRunner
+        from megatron_fastpath.compat import cudagraph_arg_tools
 
+        reference, mismatch_errors = cudagraph_arg_tools()
         try:
             if key not in self._ref_args:
-                self._ref_args[key] = types.SimpleNamespace(
-                    fwd_graph_input_arg_metas=[ArgMetadata(a) for a in args],
-                    fwd_graph_input_kwarg_metas={k: ArgMetadata(v) for k, v in kwargs.items()},
-                )
+                self._ref_args[key] = reference(args, kwargs)
                 # validate types against CudaGraphManager's supported set on the first step
-                _CudaGraphRunner.get_mismatch_errors(self._ref_args[key], args, kwargs)
+                mismatch_errors(self._ref_args[key], args, kwargs)
                 return
-            errors = _CudaGraphRunner.get_mismatch_errors(self._ref_args[key], args, kwargs)
+            errors = mismatch_errors(self._ref_args[key], args, kwargs)
         except AssertionError as exc:  # _check_supported_type: e.g. a ProcessGroup argument
             errors = [f"unsupported argument type for CUDA graphs: {exc}"]
         if errors:
