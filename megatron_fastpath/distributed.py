@@ -33,9 +33,11 @@ def init_distributed(
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    timeout_s: Optional[float] = None,
 ) -> None:
     """Initialise the default process group from torchrun/Slurm env (or a 1-process group) and
-    Megatron's parallel state. Idempotent for the same sizes."""
+    Megatron's parallel state. Idempotent for the same sizes. ``timeout_s``: collective and
+    rendezvous timeout (torch's default when None)."""
     from megatron.core import parallel_state
 
     device = default_device() if backend != "gloo" else torch.device("cpu")
@@ -60,7 +62,12 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        torch.distributed.init_process_group(backend=backend)
+        kwargs = {}
+        if timeout_s is not None:
+            import datetime
+
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        torch.distributed.init_process_group(backend=backend, **kwargs)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size

@@ -35,7 +35,7 @@ from megatron_fastpath.data import DataConfig, SyntheticSFTDataset, pack_microba
 from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
 from megatron_fastpath.sync import SyncSentinel
 
-__all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "StepRecord", "TrainSummary", "run", "main"]
+__all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "StepRecord", "TrainSummary", "run", "main"]
 
 log = logging.getLogger("megatron_fastpath.train")
 
@@ -86,6 +86,22 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Where the job runs (the `cluster` group).
+
+    name: label printed in the header. backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl.
+    expected_world_size: refuse to train when the launcher started a different number of
+        processes (catches a mis-sized srun/torchrun before any step). timeout_s: collective
+        and rendezvous timeout.
+    """
+
+    name: str = "local"
+    backend: str = "auto"
+    expected_world_size: Optional[int] = None
+    timeout_s: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +245,7 @@ def run(cfg) -> TrainSummary:
     train_cfg = _section(cfg, "training", TrainingConfig)
     fast_cfg = _section(cfg, "fastpath", FastpathConfig)
     par_cfg = _section(cfg, "parallel", ParallelConfig)
+    cluster_cfg = _section(cfg, "cluster", ClusterConfig)
     lora_cfg = _feature_section(cfg, "lora", LoRAConfig, fast_cfg.lora)
     offload_cfg = _feature_section(cfg, "offload", OffloadConfig, fast_cfg.offload)
     graph_cfg = _section(cfg, "cuda_graphs", CudaGraphConfig) if fast_cfg.cuda_graphs else CudaGraphConfig()
@@ -246,6 +263,16 @@ def run(cfg) -> TrainSummary:
     if train_cfg.steps <= 0 or train_cfg.micro_batches <= 0:
         raise ValueError("training.steps and training.micro_batches must be positive")
     device = _resolve_device(train_cfg.device)
+    if cluster_cfg.backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster_cfg.backend!r}")
+    if cluster_cfg.backend == "nccl" and device.type != "cuda":
+        raise ValueError("cluster.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
+    launched = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    if cluster_cfg.expected_world_size is not None and launched != cluster_cfg.expected_world_size:
+        raise ValueError(
+            f"cluster '{cluster_cfg.name}' expects {cluster_cfg.expected_world_size} processes but "
+            f"the launcher started {launched}"
+        )
     if device.type == "cpu" and par_cfg.pipeline_model_parallel_size > 1:
         raise ValueError(
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
@@ -284,7 +311,9 @@ def run(cfg) -> TrainSummary:
     env_set = apply_env(plan.env)
 
     init_distributed(
-        backend="nccl" if device.type == "cuda" else "gloo",
+        backend=cluster_cfg.backend if cluster_cfg.backend != "auto" else (
+            "nccl" if device.type == "cuda" else "gloo"),
+        timeout_s=cluster_cfg.timeout_s,
         tensor_model_parallel_size=par_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=par_cfg.pipeline_model_parallel_size,
         expert_model_parallel_size=par_cfg.expert_model_parallel_size,

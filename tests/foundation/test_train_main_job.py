@@ -58,6 +58,9 @@ def test_misspelled_override_rejected():
         ("data.max_len=1000", "max_len=1000 must be <= max_tokens"),
         ("parallel=llama2_70b_lora", "context parallelism is not supported"),
         ("parallel.expert_model_parallel_size=2", "needs an MoE model"),
+        ("cluster.expected_world_size=4", "expects 4 processes but the launcher started 1"),
+        ("cluster.backend=nccl", "cluster.backend=nccl needs CUDA"),
+        ("cluster.backend=mpi", "cluster.backend must be auto, gloo or nccl"),
     ],
 )
 def test_bad_config_errors_before_training(mcore_parallel, override, match, capsys):
@@ -83,15 +86,19 @@ def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe", "llama2_70b", "llama3_8b",
                                    "mixtral_8x7b", "qwen3_30b_a3b"])
 @pytest.mark.parametrize("parallel", ["single", "ep2", "tp2_pp2", "llama2_70b_lora"])
-def test_every_shipped_config_composes_into_typed_sections(model, parallel):
+@pytest.mark.parametrize("cluster", ["local", "slurm"])
+def test_every_shipped_config_composes_into_typed_sections(model, parallel, cluster):
     from megatron_fastpath.data import DataConfig
     from megatron_fastpath.model import ModelConfig, build_transformer_config
     from megatron_fastpath.train import FastpathConfig, ParallelConfig, TrainingConfig, _section
 
-    c = cfg([f"model={model}", f"parallel={parallel}"])
+    c = cfg([f"model={model}", f"parallel={parallel}", f"cluster={cluster}"])
     m = _section(c, "model", ModelConfig)
+    from megatron_fastpath.train import ClusterConfig
+
     for name, cls in [("data", DataConfig), ("training", TrainingConfig),
-                      ("fastpath", FastpathConfig), ("parallel", ParallelConfig)]:
+                      ("fastpath", FastpathConfig), ("parallel", ParallelConfig),
+                      ("cluster", ClusterConfig)]:
         _section(c, name, cls)
     tc = build_transformer_config(m)  # Megatron validates head/group/expert shapes
     assert tc.num_layers == m.num_layers and tc.num_moe_experts == m.num_experts
