@@ -26,6 +26,7 @@ class ModelConfig:
     vocab_size: int = 256
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    rope_scaling_factor: Optional[float] = None  # Llama 3.1 frequency scaling (8.0), None: off
     normalization: str = "RMSNorm"
     kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
     qk_layernorm: bool = False
@@ -82,7 +83,8 @@ def rope_config_for(model: ModelConfig):
     from megatron_fastpath.packed_seq.cache import RopeConfig
 
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    return RopeConfig(dim=int(head_dim * model.rotary_percent), base=model.rotary_base)
+    return RopeConfig(dim=int(head_dim * model.rotary_percent), base=model.rotary_base,
+                      llama3_scaling_factor=model.rope_scaling_factor)
 
 
 def build_gpt_model(config, layer_spec, vocab_size: int, max_sequence_length: int, **kwargs):

@@ -111,6 +111,10 @@ def rope_config_of(config) -> "RopeConfig":
         base=float(getattr(config, "rotary_base", 10000)),
         interleaved=bool(getattr(config, "rotary_interleaved", False)),
         seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
+        llama3_scaling_factor=(
+            float(getattr(config, "rope_scaling_factor", 8.0))
+            if getattr(config, "rope_scaling", False) else None
+        ),
     )
 
 

@@ -156,11 +156,9 @@ def apply_fastpath_to_config(
         reasons.append("multi-latent attention (MLA) is not implemented by the packed cache's attention")
     if getattr(model, "window_size", None) is not None:
         reasons.append(f"sliding-window attention (window_size={model.window_size}) is not supported")
-    if getattr(model, "rope_scaling", False) or model.position_embedding_type == "yarn":
-        reasons.append(
-            "Llama 3.1 / YaRN RoPE scaling is not reproduced by the packed cache's RoPE "
-            "(linear seq_len_interpolation_factor only)"
-        )
+    if model.position_embedding_type == "yarn":
+        # Llama 3.1 scaling (rope_scaling / rope_scaling_factor) is reproduced by the cache.
+        reasons.append("YaRN RoPE is not reproduced by the packed cache's RoPE")
     if getattr(model, "mtp_num_layers", None):
         reasons.append("multi-token prediction (mtp_num_layers) is not supported")
     if str(getattr(model.attention_backend, "name", model.attention_backend)) == "local":

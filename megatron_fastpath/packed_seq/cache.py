@@ -55,23 +55,48 @@ class RopeConfig:
     base: rotary base (theta).
     interleaved: rotate (even, odd) pairs instead of the two halves.
     seq_len_interpolation_factor: positions are divided by this (linear scaling), if set.
+    llama3_scaling_factor: Llama 3.1 frequency scaling (Megatron's ``rope_scaling=True`` with
+        ``rope_scaling_factor``; 8 for Llama 3.1/3.2/3.3), None for none. The low/high
+        frequency factors and the original context (1, 4, 8192) are Llama 3.1's and Megatron's.
     """
 
     dim: int
     base: float = 10000.0
     interleaved: bool = False
     seq_len_interpolation_factor: Optional[float] = None
+    llama3_scaling_factor: Optional[float] = None
+    llama3_low_freq_factor: float = 1.0
+    llama3_high_freq_factor: float = 4.0
+    llama3_original_max_position: int = 8192
 
     def __post_init__(self):
         if self.dim <= 0 or self.dim % 2:
             raise ValueError(f"RopeConfig.dim must be a positive even number; got {self.dim}")
+        if self.llama3_scaling_factor is not None and self.llama3_scaling_factor <= 0:
+            raise ValueError("RopeConfig.llama3_scaling_factor must be positive")
+        if not self.llama3_low_freq_factor < self.llama3_high_freq_factor:
+            raise ValueError("RopeConfig needs llama3_low_freq_factor < llama3_high_freq_factor")
 
     def inv_freq(self, device=None) -> torch.Tensor:
-        """[D/2] float32, exactly as Megatron's RotaryEmbedding computes it."""
-        return 1.0 / (
+        """[D/2] float32, exactly as Megatron's RotaryEmbedding computes it (including its
+        Llama 3.1 ``_apply_scaling`` when ``llama3_scaling_factor`` is set)."""
+        inv = 1.0 / (
             self.base
             ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim)
         )
+        if self.llama3_scaling_factor is None:
+            return inv
+        factor, low, high = (
+            self.llama3_scaling_factor, self.llama3_low_freq_factor, self.llama3_high_freq_factor)
+        old_len = self.llama3_original_max_position
+        wavelen = 2 * math.pi / inv
+        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high)
+        # kept, and the band between interpolated smoothly.
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,3 +173,17 @@ def test_sdpa_mask_is_block_diagonal_causal_with_padding_on_the_diagonal(lengths
     expected = ((sid[:, None] == sid[None, :]) & (i[None, :] <= i[:, None])) | torch.eye(16, dtype=torch.bool)
     expected &= ~((sid[:, None] == -1) & ~torch.eye(16, dtype=torch.bool))  # pads: self only
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("factor", [None, 8.0, 32.0])
+def test_rope_inv_freq_matches_megatron_rotary_embedding(factor):
+    """Including Llama 3.1's frequency scaling (Megatron's rope_scaling / _apply_scaling)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    kw = dict(rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+    ref = RotaryEmbedding(kv_channels=128, rotary_percent=1.0, rotary_base=500000,
+                          use_cpu_initialization=True, **kw).inv_freq
+    ours = RopeConfig(dim=128, base=500000.0, llama3_scaling_factor=factor).inv_freq()
+    assert torch.equal(ours, ref)
+    if factor is not None:
+        assert not torch.equal(ours, RopeConfig(dim=128, base=500000.0).inv_freq())

@@ -84,7 +84,7 @@ def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe", "llama2_70b", "llama3_8b",
-                                   "mixtral_8x7b", "qwen3_30b_a3b"])
+                                   "llama31_8b", "mixtral_8x7b", "qwen3_30b_a3b"])
 @pytest.mark.parametrize("parallel", ["single", "ep2", "tp2_pp2", "llama2_70b_lora"])
 @pytest.mark.parametrize("cluster", ["local", "slurm"])
 def test_every_shipped_config_composes_into_typed_sections(model, parallel, cluster):
@@ -102,6 +102,9 @@ def test_every_shipped_config_composes_into_typed_sections(model, parallel, clus
         _section(c, name, cls)
     tc = build_transformer_config(m)  # Megatron validates head/group/expert shapes
     assert tc.num_layers == m.num_layers and tc.num_moe_experts == m.num_experts
+    from megatron_fastpath.model import rope_config_for
+
+    assert rope_config_for(m).llama3_scaling_factor == (8.0 if model == "llama31_8b" else None)
 
 
 def test_real_shape_parameter_counts():
@@ -116,7 +119,7 @@ def test_real_shape_parameter_counts():
         router = m.hidden_size * (m.num_experts or 0)
         return m.num_layers * (attn + mlp + router) + 2 * m.vocab_size * m.hidden_size
 
-    expected_billions = {"llama2_70b": 69.0, "llama3_8b": 8.0, "mixtral_8x7b": 46.7,
+    expected_billions = {"llama2_70b": 69.0, "llama3_8b": 8.0, "llama31_8b": 8.0, "mixtral_8x7b": 46.7,
                          "qwen3_30b_a3b": 30.5}
     for name, billions in expected_billions.items():
         from megatron_fastpath.train import _section
