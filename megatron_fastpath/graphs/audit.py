@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_fastpath._autograd import call_in_backward
 from megatron_fastpath.sync.sentinel import (
     SyncSentinel,
     _op_name,
@@ -157,20 +158,6 @@ class _ExternalReads(TorchDispatchMode):
 def _in_autograd_backward() -> bool:
     """True while the autograd engine executes a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
-
-
-class _Marker(torch.autograd.Function):
-    """Identity whose backward calls ``callback`` (marks where a layer's backward starts/ends)."""
-
-    @staticmethod
-    def forward(ctx, x, callback):
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.callback()
-        return grad, None
 
 
 class _AuditSentinel(SyncSentinel):
@@ -299,7 +286,7 @@ class GraphSafetyAudit:
         self._tracker_key = key
         # Mark the end of this layer's backward: gradient reaching its input.
         if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            marked = _Marker.apply(hidden, lambda: self._leave_backward(i))
+            marked = call_in_backward(hidden, lambda: self._leave_backward(i))
             if args:
                 return (marked, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": marked}
@@ -322,7 +309,7 @@ class GraphSafetyAudit:
         self._set_region(None)
         first = output[0] if isinstance(output, tuple) else output
         if isinstance(first, torch.Tensor) and first.requires_grad:
-            marked = _Marker.apply(first, lambda: self._enter_backward(i))
+            marked = call_in_backward(first, lambda: self._enter_backward(i))
             return (marked, *output[1:]) if isinstance(output, tuple) else marked
         return None
 

@@ -20,10 +20,13 @@ returns, ``(hidden_states [s, b, h], context)``. Outside training with autograd 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Optional
 
 import torch
+
+from megatron_fastpath._autograd import call_in_backward
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 from megatron.core.utils import make_viewless_tensor
@@ -144,34 +147,6 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, None, None, hs_grad, None, *grads)
 
 
-class _BackwardBegins(torch.autograd.Function):
-    """Identity on a layer's output; its backward is the layer's backward start."""
-
-    @staticmethod
-    def forward(ctx, manager, group, x):
-        ctx.manager, ctx.group = manager, group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.manager.begin_backward(ctx.group)
-        return None, None, grad
-
-
-class _BackwardEnds(torch.autograd.Function):
-    """Identity on a layer's input; its backward runs once the input's gradient is complete."""
-
-    @staticmethod
-    def forward(ctx, manager, group, x):
-        ctx.manager, ctx.group = manager, group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.manager.end_backward(ctx.group)
-        return None, None, grad
-
-
 # ---------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +231,9 @@ class ActivationOffloadMixin:
 
     def _forward_saved_tensors(self, manager, hidden_states, bound):
         group = manager.open_group(self.offload_key)
+        ends = functools.partial(manager.end_backward, group)
         hidden_states = make_viewless_tensor(
-            _BackwardEnds.apply(manager, group, hidden_states), requires_grad=True,
-            keep_graph=True,
+            call_in_backward(hidden_states, ends), requires_grad=True, keep_graph=True
         )
         manager.device.mark("compute_begin", self.offload_key, phase="fwd")
         with torch.autograd.graph.saved_tensors_hooks(
@@ -267,8 +242,9 @@ class ActivationOffloadMixin:
             output, context = super().forward(hidden_states=hidden_states, **bound)
         manager.device.mark("compute_end", self.offload_key, phase="fwd")
         manager.close_group(group)
+        begins = functools.partial(manager.begin_backward, group)
         output = make_viewless_tensor(
-            _BackwardBegins.apply(manager, group, output), requires_grad=True, keep_graph=True
+            call_in_backward(output, begins), requires_grad=True, keep_graph=True
         )
         return output, context
 
