@@ -224,9 +224,18 @@ class GraphSafetyAudit:
         self.steps += 1
         self._calls = {}
         self._sentinel = _AuditSentinel(self)
-        with self._sentinel:
-            yield self
-        self._sentinel = None
+        try:
+            with self._sentinel:
+                try:
+                    yield self
+                finally:
+                    # A layer that raised (e.g. strict mode) never reached its forward hook:
+                    # pop its read tracker before the sentinel pops its own modes.
+                    if self._tracker is not None:
+                        self._tracker.__exit__(None, None, None)
+                        self._tracker = None
+        finally:
+            self._sentinel = None
 
     def _finding(self, layer: int, phase: str, check: str, message: str, location: str = "") -> None:
         f = AuditFinding(layer, phase, self.steps, check, message, location)

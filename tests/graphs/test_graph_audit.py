@@ -64,6 +64,10 @@ def test_injected_item_fails_naming_layer_and_line(lora_model):
     with GraphSafetyAudit(model, strict=True) as audit:
         with pytest.raises(GraphSafetyError, match=r"layer 2 forward .*\[sync\] host sync host_read:item at .*test_graph_audit.py"):
             train_steps(model, cache, audit, steps=1)
+    # the failed strict step left no dispatch mode behind
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack() == []
     with GraphSafetyAudit(model) as audit:
         train_steps(model, cache, audit, steps=2)
     rep = audit.report()
