@@ -549,15 +549,21 @@ def run(cfg) -> TrainSummary:
     return summary
 
 
-def _loss_of(model, mb, pb, device):
-    per_tok = model(
+def _forward(model, mb, pb, device):
+    """Model output for one packed microbatch: per-token losses [1, T] on the last pipeline
+    stage, hidden states on the others."""
+    return model(
         mb.tokens_1T.to(device, non_blocking=True),
         pb.position_ids_1T,
         None,
         labels=mb.labels_1T.to(device, non_blocking=True),
         packed_seq_params=pb.packed_seq_params,
     )
-    return (per_tok.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
+
+
+def _masked_loss_sum(per_token, mb, device):
+    """Sum of per-token losses over the microbatch's loss mask (response tokens)."""
+    return (per_token.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
 
 
 def _warmup(train_cfg: TrainingConfig) -> int:
@@ -587,7 +593,8 @@ def _cpu_step(model, tcfg, train_cfg: TrainingConfig, cache):
         with SyncSentinel(name="fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
-                    loss = _loss_of(model, mb, pb, torch.device("cpu"))
+                    cpu = torch.device("cpu")
+                    loss = _masked_loss_sum(_forward(model, mb, pb, cpu), mb, cpu)
                     (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
         _all_reduce_grads(model)
@@ -656,15 +663,10 @@ def _gpu_step(model, tcfg, train_cfg: TrainingConfig, cache):  # pragma: no cove
             pb = cache.set_batch(mb.lengths)  # slot held until the schedule's backward is done
             handles.append(pb)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
-            output = module(
-                mb.tokens_1T.to(device, non_blocking=True), pb.position_ids_1T, None,
-                labels=mb.labels_1T.to(device, non_blocking=True),
-                packed_seq_params=pb.packed_seq_params,
-            )
-            mask = mb.loss_mask_1T.to(device, non_blocking=True)
+            output = _forward(module, mb, pb, device)
 
             def loss_func(per_token):  # last pipeline stage only
-                loss = (per_token.float() * mask).sum()
+                loss = _masked_loss_sum(per_token, mb, device)
                 loss_sum.add_(loss.detach())
                 # The schedule divides by the microbatch count and DDP averages over DP: undo
                 # both so gradients are those of the global token-normalised loss.

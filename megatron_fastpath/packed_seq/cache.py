@@ -299,16 +299,7 @@ class PackedSeqCache:
         self.stats.bytes_copied += slot.record_R.numel() * slot.record_R.element_size()
         for kind in sorted(self._eager):
             self.get(kind, slot=slot)
-        return PackedBatch(
-            slot=slot.index,
-            version=slot.version,
-            packed_seq_params=slot.params,
-            position_ids_1T=slot.position_ids_1T,
-            num_seqs=host.num_seqs,
-            num_tokens=host.num_tokens,
-            max_seqlen=host.max_seqlen,
-            lengths_N=host.lengths_N,
-        )
+        return self._handle(slot)
 
     def release(self, batch: PackedBatch) -> None:
         """Mark the batch's slot reusable (call after its backward has been issued)."""
@@ -349,11 +340,18 @@ class PackedSeqCache:
         slot = self._require_current()
         return self._handle(slot)
 
-    def _handle(self, slot: _Slot) -> PackedBatch:
+    @staticmethod
+    def _handle(slot: _Slot) -> PackedBatch:
         h = slot.host
         return PackedBatch(
-            slot.index, slot.version, slot.params, slot.position_ids_1T,
-            h.num_seqs, h.num_tokens, h.max_seqlen, h.lengths_N,
+            slot=slot.index,
+            version=slot.version,
+            packed_seq_params=slot.params,
+            position_ids_1T=slot.position_ids_1T,
+            num_seqs=h.num_seqs,
+            num_tokens=h.num_tokens,
+            max_seqlen=h.max_seqlen,
+            lengths_N=h.lengths_N,
         )
 
     def _require_current(self) -> _Slot:
