@@ -2,9 +2,14 @@
 `gpu` marker (tests that need CUDA are skipped, with the reason, on CPU machines)."""
 
 import os
+import sys
 
 import pytest
 import torch
+
+# Test-only helpers (CUDA-as-CPU mode, CUDA-graph stand-in) are imported by name from every
+# test folder; the package never imports them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 
 def pytest_collection_modifyitems(config, items):

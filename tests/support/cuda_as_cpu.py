@@ -1,0 +1,158 @@
+"""Test-only: run Megatron's CUDA-bound code (DDP, optimizer, clip_grads, schedules,
+dist_checkpointing) on a CPU by keeping every ``device='cuda'`` on the CPU.
+
+Never imported by the package (``tests/support/test_cuda_as_cpu.py`` asserts so). Use::
+
+    with cuda_as_cpu():
+        opt = get_megatron_optimizer(...); opt.step()
+
+What it does while active:
+
+* a ``TorchFunctionMode`` rewrites a ``device=`` argument naming CUDA (``'cuda'``, ``'cuda:0'``,
+  ``torch.device('cuda')`` or a bare index) to ``cpu``, keeps ``Tensor.cuda()`` and
+  ``Tensor.to('cuda')`` on the CPU, and answers ``Tensor.type()`` with the CUDA type name
+  (``torch.cuda.FloatTensor``) so Megatron's type asserts hold;
+* ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
+  few other ``torch.cuda`` entry points are patched for the block's duration.
+
+Megatron-Core 0.16.1 sites this covers (file:line, checked against the installed package by
+``test_cuda_as_cpu.py::test_covered_sites_still_exist``, so an upgrade shows what moved):
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# (file relative to megatron/core, line, text expected on that line)
+MEGATRON_SITES = (
+    ("optimizer/optimizer.py", 907, "device='cuda'"),
+    ("optimizer/optimizer.py", 473, "device='cuda'"),
+    ("optimizer/clip_grads.py", 90, "device='cuda'"),
+    ("optimizer/clip_grads.py", 103, "device='cuda'"),
+    ("optimizer/clip_grads.py", 115, "device='cuda'"),
+    ("optimizer/clip_grads.py", 167, "torch.cuda.FloatTensor"),
+    ("optimizer/clip_grads.py", 174, "device='cuda'"),
+    ("optimizer/clip_grads.py", 207, "device='cuda'"),
+    ("dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"),
+    ("dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device()"),
+)
+__doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+def _keep_on_cpu(value):
+    return torch.device("cpu") if _is_cuda(value) else value
+
+
+class CudaAsCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _keep_on_cpu(kwargs["device"])
+        if func in (torch.Tensor.cuda,):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            t = args[0]
+            if t.device.type == "cpu" and t.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[t.dtype]
+        if func is torch.Tensor.to:
+            args = tuple(_keep_on_cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    """Stand-in for ``torch.cuda.Stream``: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _FakeEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+_STREAM = _FakeStream()
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """Activate the mode and the ``torch.cuda`` patches for the block's duration."""
+    patches = [
+        mock.patch("torch.cuda.is_available", lambda: True),
+        mock.patch("torch.cuda.current_device", lambda: 0),
+        mock.patch("torch.cuda.device_count", lambda: 1),
+        mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
+        mock.patch("torch.cuda.current_stream", lambda *a, **k: _STREAM),
+        mock.patch("torch.cuda.default_stream", lambda *a, **k: _STREAM),
+        mock.patch("torch.cuda.set_device", lambda *a, **k: None),
+        mock.patch("torch.cuda.empty_cache", lambda: None),
+        mock.patch("torch.cuda.Stream", _FakeStream),
+        mock.patch("torch.cuda.Event", _FakeEvent),
+        mock.patch("torch.cuda.stream", lambda s=None: contextlib.nullcontext()),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(CudaAsCpuMode())
+        yield
