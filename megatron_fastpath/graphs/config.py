@@ -1,7 +1,7 @@
 """One flag for per-layer CUDA graphs (and FP8): the TransformerConfig fields, environment and
 the combinations that cannot work, refused before any step runs.
 
-``CudaGraphConfig(enabled=True)`` gives what the MLPerf Llama-2-70B LoRA submissions run
+Passing a ``CudaGraphConfig`` (``None`` = off) gives what the MLPerf Llama-2-70B LoRA submissions run
 (Megatron-Core 0.16.1 ``cuda_graph_impl="local"``, i.e. the deprecated ``enable_cuda_graph=True``):
 a ``CudaGraphManager`` per ``TransformerLayer`` capturing the whole layer after warmup steps,
 Transformer Engine's RNG tracker (dropout inside graphs), and the environment graph runs need.
@@ -21,12 +21,13 @@ __all__ = ["CudaGraphConfig", "FP8Config", "GraphPlan", "plan_graphs_and_fp8"]
 
 @dataclasses.dataclass(frozen=True)
 class CudaGraphConfig:
-    """enabled: capture every TransformerLayer (cuda_graph_impl="local").
+    """Settings of per-layer capture (cuda_graph_impl="local"); whether graphs are on is the
+    caller's choice (``plan_graphs_and_fp8(graphs=None)`` = off; the main job's switch is
+    ``fastpath.cuda_graphs``).
     warmup_steps: eager steps before capture (Megatron's ``cuda_graph_warmup_steps``).
     use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
     audit_steps / strict_audit: the CPU graph-safety audit run in place of capture."""
 
-    enabled: bool = False
     warmup_steps: int = 3
     use_te_rng_tracker: bool = True
     audit_steps: int = 3
@@ -39,7 +40,8 @@ class CudaGraphConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FP8Config:
-    """Transformer Engine FP8 (TransformerConfig fp8* fields).
+    """Transformer Engine FP8 settings (TransformerConfig fp8* fields); on when passed to
+    ``plan_graphs_and_fp8`` (the main job's switch is ``fastpath.fp8``).
 
     format: "hybrid" (E4M3 forward, E5M2 backward) or "e4m3".
     recipe: "delayed" (amax history), "tensorwise", "mxfp8" or "blockwise".
@@ -47,7 +49,6 @@ class FP8Config:
     dot_product_attention: FP8 attention (TE fused attention).
     """
 
-    enabled: bool = False
     format: str = "hybrid"
     recipe: str = "delayed"
     amax_history_len: int = 1024
@@ -85,8 +86,8 @@ class GraphPlan:
 
 
 def plan_graphs_and_fp8(
-    graphs: CudaGraphConfig,
-    fp8: FP8Config,
+    graphs: Optional[CudaGraphConfig],
+    fp8: Optional[FP8Config],
     device: torch.device,
     *,
     dropout: float = 0.0,
@@ -96,76 +97,21 @@ def plan_graphs_and_fp8(
     moe_dropless_ep: bool = False,
 ) -> GraphPlan:
     """Validate the combination and return the TransformerConfig fields and env to use.
+    ``graphs`` / ``fp8`` None: that feature is off.
 
     Raises ValueError / MissingDependencyError for combinations that cannot work, naming what
     to use instead -- before any model is built or step runs.
     """
-    from megatron_fastpath._optional import require
-
     tc: dict = {}
     env: dict = {}
-    notes = []
+    notes: list = []
     cuda = device.type == "cuda"
-    if fp8.enabled:
-        require("transformer_engine.pytorch", "FP8 training (fp8.enabled=true)",
-                "fp8.enabled=false (bf16)")
-        if linear_impl != "te":
-            raise ValueError(
-                "FP8 needs Transformer Engine linears: use the 'te' linear implementation "
-                "(fastpath.attention_backend=te or linear_impl='te')"
-            )
-        tc.update(
-            fp8=fp8.format,
-            fp8_recipe=fp8.recipe,
-            fp8_margin=fp8.margin,
-            fp8_amax_history_len=fp8.amax_history_len,
-            fp8_amax_compute_algo=fp8.amax_compute_algo,
-            fp8_dot_product_attention=fp8.dot_product_attention,
-        )
-        notes.append(
-            f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
-            "the outermost fp8_autocast, which Megatron opens once around the layer block); MoE "
-            "expert groups padded to multiples of 16 (MoEDispatchConfig reads config.fp8)"
-        )
-    if graphs.enabled:
-        if megatron_cpu_offloading:
-            raise ValueError(
-                "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs; use "
-                "fastpath.offload.enabled=true (fixed A/B reload buffers between layer graphs)"
-            )
-        if moe_dropless_ep:
-            raise ValueError(
-                "dropless expert parallelism reads split sizes back to the host (one sync per "
-                "layer), which aborts graph capture; set fastpath.moe.capacity_factor for a "
-                "static-shape all-to-all"
-            )
-        needs_rng = dropout > 0 or lora_dropout > 0
-        if needs_rng and not graphs.use_te_rng_tracker:
-            raise ValueError(
-                f"CUDA graphs with dropout (hidden/attention {dropout}, LoRA {lora_dropout}) need a "
-                "graph-safe RNG tracker: set cuda_graphs.use_te_rng_tracker=true (Transformer "
-                "Engine) or set the dropouts to 0"
-            )
+    if fp8 is not None:
+        _plan_fp8(fp8, linear_impl, tc, notes)
+    if graphs is not None:
+        _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading, moe_dropless_ep)
         if cuda:
-            if graphs.use_te_rng_tracker:
-                require("transformer_engine.pytorch", "cuda_graphs.use_te_rng_tracker",
-                        "cuda_graphs.use_te_rng_tracker=false with all dropouts 0")
-            tc.update(
-                cuda_graph_impl="local",
-                cuda_graph_warmup_steps=graphs.warmup_steps,
-                use_te_rng_tracker=graphs.use_te_rng_tracker,
-                cuda_graph_scope=[],
-            )
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-            env["NCCL_GRAPH_REGISTER"] = "0"  # with expandable segments, graphs + NCCL UB clash
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-            major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-            if (major, minor) < (2, 8):
-                env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
-            notes.append(
-                f"per-layer CUDA graphs: cuda_graph_impl=local, {graphs.warmup_steps} warmup "
-                f"steps, TE RNG tracker={graphs.use_te_rng_tracker}"
-            )
+            _plan_capture(graphs, tc, env, notes)
         else:
             notes.append(
                 "CUDA graphs requested on CPU: nothing to capture; the graph-safety audit runs "
@@ -174,9 +120,80 @@ def plan_graphs_and_fp8(
     return GraphPlan(
         transformer_config=tc,
         env=env,
-        capture=graphs.enabled and cuda,
-        audit=graphs.enabled and not cuda,
+        capture=graphs is not None and cuda,
+        audit=graphs is not None and not cuda,
         notes=tuple(notes),
+    )
+
+
+def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
+    from megatron_fastpath._optional import require
+
+    require("transformer_engine.pytorch", "FP8 training (fastpath.fp8=true)",
+            "fastpath.fp8=false (bf16)")
+    if linear_impl != "te":
+        raise ValueError(
+            "FP8 needs Transformer Engine linears: use the 'te' linear implementation "
+            "(fastpath.attention_backend=te or linear_impl='te')"
+        )
+    tc.update(
+        fp8=fp8.format,
+        fp8_recipe=fp8.recipe,
+        fp8_margin=fp8.margin,
+        fp8_amax_history_len=fp8.amax_history_len,
+        fp8_amax_compute_algo=fp8.amax_compute_algo,
+        fp8_dot_product_attention=fp8.dot_product_attention,
+    )
+    notes.append(
+        f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
+        "the outermost fp8_autocast, which Megatron opens once around the layer block); MoE "
+        "expert groups padded to multiples of 16 (MoEDispatchConfig reads config.fp8)"
+    )
+
+
+def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
+                  megatron_cpu_offloading: bool, moe_dropless_ep: bool) -> None:
+    if megatron_cpu_offloading:
+        raise ValueError(
+            "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs; use "
+            "fastpath.offload=true (fixed A/B reload buffers between layer graphs)"
+        )
+    if moe_dropless_ep:
+        raise ValueError(
+            "dropless expert parallelism reads split sizes back to the host (one sync per "
+            "layer), which aborts graph capture; set fastpath.moe_capacity_factor for a "
+            "static-shape all-to-all"
+        )
+    needs_rng = dropout > 0 or lora_dropout > 0
+    if needs_rng and not graphs.use_te_rng_tracker:
+        raise ValueError(
+            f"CUDA graphs with dropout (hidden/attention {dropout}, LoRA {lora_dropout}) need a "
+            "graph-safe RNG tracker: set cuda_graphs.use_te_rng_tracker=true (Transformer "
+            "Engine) or set the dropouts to 0"
+        )
+
+
+def _plan_capture(graphs: CudaGraphConfig, tc: dict, env: dict, notes: list) -> None:
+    from megatron_fastpath._optional import require
+
+    if graphs.use_te_rng_tracker:
+        require("transformer_engine.pytorch", "cuda_graphs.use_te_rng_tracker",
+                "cuda_graphs.use_te_rng_tracker=false with all dropouts 0")
+    tc.update(
+        cuda_graph_impl="local",
+        cuda_graph_warmup_steps=graphs.warmup_steps,
+        use_te_rng_tracker=graphs.use_te_rng_tracker,
+        cuda_graph_scope=[],
+    )
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    env["NCCL_GRAPH_REGISTER"] = "0"  # with expandable segments, graphs + NCCL UB clash
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 8):
+        env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+    notes.append(
+        f"per-layer CUDA graphs: cuda_graph_impl=local, {graphs.warmup_steps} warmup "
+        f"steps, TE RNG tracker={graphs.use_te_rng_tracker}"
     )
 
 

@@ -30,6 +30,9 @@ def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
     assert all(r.cache_hits == 8 and r.cache_misses == 4 for r in summary.records)
     assert out.count("\nstep ") + out.startswith("step ") == 12 and "summary: 12 steps" in out
     assert "host syncs: fwd+bwd 0, step 0" in out
+    # the summary says what its "loss A -> B" averages, and it is that average
+    assert f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} (mean of the first / last 3 steps)" in out
+    assert summary.first_loss == sum(r.loss for r in summary.records[:3]) / 3
 
 
 def test_tiny_moe_training_loss_falls_with_zero_host_syncs(mcore_parallel):
@@ -46,6 +49,8 @@ def test_misspelled_override_rejected():
         cfg(["trainig.steps=3"])
     with pytest.raises(ConfigCompositionException, match="stepz"):
         cfg(["training.stepz=3"])
+    with pytest.raises(ConfigCompositionException, match="packed_cache"):
+        cfg(["fastpath.packed_cache=false"])  # attention always reads the cache: no switch
 
 
 @pytest.mark.parametrize(

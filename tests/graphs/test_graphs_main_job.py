@@ -51,8 +51,8 @@ def test_full_step_dense_packed_lora_has_zero_host_syncs(mcore_parallel):
 
 
 def test_graph_plan_on_cuda_sets_megatron_fields_and_env():
-    plan = plan_graphs_and_fp8(CudaGraphConfig(enabled=True, warmup_steps=2, use_te_rng_tracker=False),
-                               FP8Config(), torch.device("cuda"))
+    plan = plan_graphs_and_fp8(CudaGraphConfig(warmup_steps=2, use_te_rng_tracker=False),
+                               None, torch.device("cuda"))
     assert plan.capture and not plan.audit
     assert plan.transformer_config == dict(cuda_graph_impl="local", cuda_graph_warmup_steps=2,
                                            use_te_rng_tracker=False, cuda_graph_scope=[])
@@ -68,28 +68,28 @@ def test_graph_plan_on_cuda_sets_megatron_fields_and_env():
 
 
 def test_graph_plan_on_cpu_runs_the_audit_instead():
-    plan = plan_graphs_and_fp8(CudaGraphConfig(enabled=True), FP8Config(), torch.device("cpu"))
+    plan = plan_graphs_and_fp8(CudaGraphConfig(), None, torch.device("cpu"))
     assert plan.audit and not plan.capture and plan.transformer_config == {} and plan.env == {}
 
 
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(graphs=CudaGraphConfig(enabled=True, use_te_rng_tracker=False), lora_dropout=0.1),
+        (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), lora_dropout=0.1),
          ValueError, "need a graph-safe RNG tracker"),
-        (dict(graphs=CudaGraphConfig(enabled=True), megatron_cpu_offloading=True),
-         ValueError, "use fastpath.offload.enabled=true"),
-        (dict(graphs=CudaGraphConfig(enabled=True), moe_dropless_ep=True),
+        (dict(graphs=CudaGraphConfig(), megatron_cpu_offloading=True),
+         ValueError, "use fastpath.offload=true"),
+        (dict(graphs=CudaGraphConfig(), moe_dropless_ep=True),
          ValueError, "capacity_factor"),
-        (dict(fp8=FP8Config(enabled=True), linear_impl="te"), MissingDependencyError,
+        (dict(fp8=FP8Config(), linear_impl="te"), MissingDependencyError,
          "transformer-engine"),
     ],
 )
 def test_bad_graph_and_fp8_combinations_refused(kwargs, exc, match):
     if exc is MissingDependencyError and have("transformer_engine.pytorch"):
         pytest.skip("TE installed")
-    graphs = kwargs.pop("graphs", CudaGraphConfig())
-    fp8 = kwargs.pop("fp8", FP8Config())
+    graphs = kwargs.pop("graphs", None)
+    fp8 = kwargs.pop("fp8", None)
     with pytest.raises(exc, match=match):
         plan_graphs_and_fp8(graphs, fp8, torch.device("cuda"), **kwargs)
 
@@ -102,6 +102,9 @@ def test_bad_graph_and_fp8_combinations_refused(kwargs, exc, match):
         (["fastpath.fp8=true"], "FP8"),
         (["model=tiny_moe", "fastpath.cuda_graphs=true", "parallel=ep2"], "capacity_factor"),
         (["fastpath.moe_capacity_factor=1.5"], "has no experts"),
+        # one home per setting: the offload group cannot switch offload (fastpath.offload does)
+        (["fastpath.offload=true", "+offload.enabled=false"], r"enabled is set by fastpath.offload"),
+        (["fastpath.cuda_graphs=true", "+cuda_graphs.enabled=false"], r"unknown key\(s\) \['enabled'\]"),
         (["fp8.recipe=bogus"], None),
     ],
 )

@@ -1,0 +1,3 @@
+from megatron_fastpath.train import main
+
+main()

@@ -1,0 +1,236 @@
+"""The main job's configuration: one frozen dataclass per component, parsed and validated once.
+
+:func:`parse_job_config` turns the composed Hydra tree into a :class:`JobConfig` and raises, before
+any device work, for every combination the job cannot run. Each setting has one home: a feature
+is switched on or off in ``fastpath`` only; its group (``lora``, ``offload``, ``cuda_graphs``,
+``fp8``) holds only its settings and is read only when the switch is on (``None`` when off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import torch
+
+from megatron_fastpath.data import DataConfig
+from megatron_fastpath.model import ModelConfig
+
+__all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
+           "parse_job_config", "section"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 40
+    micro_batches: int = 2
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 4
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16
+    log_all_ranks: bool = False
+    summary_json: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FastpathConfig:
+    """Feature switches (the only place a feature is turned on or off); each feature's settings
+    live in the group of the same name, read only when its switch is on.
+
+    attention_backend: auto | sdpa | flex | flash | te (attention always reads the packed cache).
+    linear_impl: auto | local | te (te: Transformer Engine linears, needed for FP8).
+    offload: double-buffered activation offload of layer inputs (group ``offload``).
+    lora: LoRA adapters, base weights frozen (group ``lora``).
+    cuda_graphs: per-layer CUDA graphs; on CPU the graph-safety audit (group ``cuda_graphs``).
+    fp8: Transformer Engine FP8 (group ``fp8``).
+    moe_capacity_factor: None = dropless MoE dispatch; a float = capacity mode (static shapes).
+    """
+
+    attention_backend: str = "auto"
+    linear_impl: str = "auto"
+    offload: bool = False
+    lora: bool = False
+    cuda_graphs: bool = False
+    fp8: bool = False
+    moe_capacity_factor: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Where the job runs (the `cluster` group).
+
+    name: label printed in the header. backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl.
+    expected_world_size: refuse to train when the launcher started a different number of
+        processes (catches a mis-sized srun/torchrun before any step). timeout_s: collective
+        and rendezvous timeout.
+    """
+
+    name: str = "local"
+    backend: str = "auto"
+    expected_world_size: Optional[int] = None
+    timeout_s: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Every group of the job, validated, plus what was decided from them.
+
+    lora / offload / cuda_graphs / fp8: the feature's settings, None when its switch is off.
+    device, attention_backend, linear_impl: resolved from the ``auto`` choices.
+    plan: the CUDA-graph / FP8 plan (TransformerConfig fields, environment, capture or audit).
+    """
+
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig
+    fastpath: FastpathConfig
+    parallel: ParallelConfig
+    cluster: ClusterConfig
+    lora: Any  # Optional[LoRAConfig]
+    offload: Any  # Optional[OffloadConfig]
+    cuda_graphs: Any  # Optional[CudaGraphConfig]
+    fp8: Any  # Optional[FP8Config]
+    device: torch.device
+    attention_backend: str
+    linear_impl: str
+    plan: Any  # GraphPlan
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model.num_experts is not None
+
+    @property
+    def features(self) -> tuple:
+        return tuple(f for f in ("lora", "offload", "cuda_graphs", "fp8") if getattr(self.fastpath, f))
+
+
+def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str = ""):
+    """A config group as its frozen dataclass (unknown keys are an error). ``fixed`` fields are
+    set by the job, not the group (``switch`` names where they are set instead)."""
+    from omegaconf import OmegaConf
+
+    raw = cfg.get(name, {}) if cfg is not None else {}
+    data = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else dict(raw)
+    fixed = fixed or {}
+    fields = {f.name for f in dataclasses.fields(cls)} - set(fixed)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        where = f" ({', '.join(sorted(fixed))} is set by {switch})" if fixed and switch else ""
+        raise ValueError(f"unknown key(s) {unknown} in config group '{name}'{where}; valid: {sorted(fields)}")
+    return cls(**data, **fixed)
+
+
+def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
+    """Settings of each feature switched on in ``fastpath`` (None when off)."""
+    from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config
+    from megatron_fastpath.lora import LoRAConfig
+    from megatron_fastpath.offload import OffloadConfig
+
+    return dict(
+        lora=section(cfg, "lora", LoRAConfig) if fast.lora else None,
+        # OffloadConfig.enabled is the library's "recompute only" baseline; the job's switch is
+        # fastpath.offload, so the group cannot set it.
+        offload=section(cfg, "offload", OffloadConfig, fixed={"enabled": True},
+                        switch="fastpath.offload") if fast.offload else None,
+        cuda_graphs=section(cfg, "cuda_graphs", CudaGraphConfig) if fast.cuda_graphs else None,
+        fp8=section(cfg, "fp8", FP8Config) if fast.fp8 else None,
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    from megatron_fastpath.distributed import default_device
+
+    if name == "auto":
+        return default_device()
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device=cuda but no CUDA device is available; use device=cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"training.device must be auto, cpu or cuda; got {name!r}")
+    return default_device() if name == "cuda" else torch.device("cpu")
+
+
+def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, device) -> None:
+    if train.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"training.dtype must be float32 or bfloat16; got {train.dtype!r}")
+    if train.steps <= 0 or train.micro_batches <= 0:
+        raise ValueError("training.steps and training.micro_batches must be positive")
+    if cluster.backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster.backend!r}")
+    if cluster.backend == "nccl" and device.type != "cuda":
+        raise ValueError("cluster.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
+    launched = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    if cluster.expected_world_size is not None and launched != cluster.expected_world_size:
+        raise ValueError(
+            f"cluster '{cluster.name}' expects {cluster.expected_world_size} processes but "
+            f"the launcher started {launched}"
+        )
+
+
+def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, offload, device) -> None:
+    if device.type == "cpu" and par.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
+            "megatron-core 0.16.1; use parallel.pipeline_model_parallel_size=1 on CPU"
+        )
+    if par.context_parallel_size > 1:
+        raise ValueError(
+            "context parallelism is not supported with the packed cache (its attention reads "
+            "whole sequences); use parallel.context_parallel_size=1, or Megatron's own TE spec "
+            "for CP without the cache"
+        )
+    if not is_moe and par.expert_model_parallel_size > 1:
+        raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
+    if fast.moe_capacity_factor is not None and not is_moe:
+        raise ValueError("fastpath.moe_capacity_factor is set but the model has no experts")
+    if offload is not None and par.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
+            "per offload manager); use parallel.pipeline_model_parallel_size=1"
+        )
+
+
+def parse_job_config(cfg: Any) -> JobConfig:
+    """Validate the whole tree (groups model, data, training, fastpath, parallel, cluster and
+    the feature groups) and resolve its ``auto`` choices -- before any device work."""
+    from megatron_fastpath.attention.core_attention import resolve_backend
+    from megatron_fastpath.graphs.config import plan_graphs_and_fp8
+
+    model = section(cfg, "model", ModelConfig)
+    data = section(cfg, "data", DataConfig)
+    train = section(cfg, "training", TrainingConfig)
+    fast = section(cfg, "fastpath", FastpathConfig)
+    par = section(cfg, "parallel", ParallelConfig)
+    cluster = section(cfg, "cluster", ClusterConfig)
+    features = _feature_sections(cfg, fast)
+    is_moe = model.num_experts is not None
+    device = resolve_device(train.device)
+    _check_training_and_cluster(train, cluster, device)
+    _check_parallel(par, fast, is_moe, features["offload"], device)
+    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384)
+    linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
+        "te" if backend == "te" else "local")
+    lora = features["lora"]
+    plan = plan_graphs_and_fp8(
+        features["cuda_graphs"], features["fp8"], device,
+        dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0
+        lora_dropout=lora.dropout if lora else 0.0,
+        linear_impl=linear_impl,
+        moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1
+        and fast.moe_capacity_factor is None,
+    )
+    return JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
+                     cluster=cluster, device=device, attention_backend=backend,
+                     linear_impl=linear_impl, plan=plan, **features)

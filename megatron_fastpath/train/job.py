@@ -1,0 +1,206 @@
+"""``build_job(cfg) -> Job``: distributed init, the packed cache, the model with its features,
+the data, the step path (optimizer and LR schedule included) and the graph-safety audit.
+
+Each piece has its own builder so that a variant replaces one function: a Hugging Face model
+builder replaces :func:`build_model`, a checkpoint load runs on the returned :class:`Job`
+(``job.model``, ``job.step.optimizer``, ``job.step.scheduler``) before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from megatron_fastpath.data import SyntheticSFTDataset, pack_microbatches
+from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
+from megatron_fastpath.train.config import JobConfig
+from megatron_fastpath.train.step import StepBatch, StepParts, cpu_train_step, gpu_train_step
+
+__all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_data"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepData:
+    """Packed microbatches and which of them each step trains on (same on every rank)."""
+
+    bins: tuple
+    micro_batches: int
+    dp_rank: int
+    dp_world: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.bins)
+
+    def batch(self, step: int) -> StepBatch:
+        """Step ``step`` (1-based): the global microbatches and this rank's share of them."""
+        per_step = self.micro_batches * self.dp_world
+        first = ((step - 1) * per_step) % (len(self.bins) - per_step + 1)
+        global_mbs = self.bins[first: first + per_step]
+        mine = global_mbs[self.dp_rank * self.micro_batches: (self.dp_rank + 1) * self.micro_batches]
+        return StepBatch(
+            step=step, microbatches=tuple(mine),
+            global_tokens=sum(mb.num_tokens for mb in global_mbs),
+            global_loss_tokens=sum(mb.num_loss_tokens for mb in global_mbs),  # host ints
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything a step needs. ``step``: the CPU or GPU step path (optimizer, scheduler).
+    ``offload``: the activation offload manager; ``audit``: the graph-safety audit (CPU with
+    ``fastpath.cuda_graphs``); None when off."""
+
+    cfg: JobConfig
+    tcfg: Any  # megatron TransformerConfig
+    cache: Any  # PackedSeqCache
+    model: torch.nn.Module
+    step: StepParts
+    data: StepData
+    offload: Any
+    audit: Any
+    rank: int
+    world: int
+    dp_world: int
+    total_params: int
+    trainable_params: int
+    env_set: dict
+
+    @property
+    def audit_steps(self) -> int:
+        """Steps run inside the audit (0 without one)."""
+        if self.audit is None:
+            return 0
+        return min(self.cfg.cuda_graphs.audit_steps, self.cfg.training.steps)
+
+
+def _init_distributed(cfg: JobConfig) -> None:
+    from megatron_fastpath.distributed import init_distributed
+
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "nccl" if cfg.device.type == "cuda" else "gloo"
+    par = cfg.parallel
+    init_distributed(
+        backend=backend,
+        timeout_s=cfg.cluster.timeout_s,
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        context_parallel_size=par.context_parallel_size,
+    )
+
+
+def build_transformer(cfg: JobConfig):
+    """Megatron TransformerConfig of the job (capacity-mode MoE and graph/FP8 fields included)."""
+    moe = {}
+    if cfg.is_moe and cfg.fastpath.moe_capacity_factor is not None:
+        moe = dict(moe_expert_capacity_factor=cfg.fastpath.moe_capacity_factor,
+                   moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="probs")
+    par = cfg.parallel
+    return build_transformer_config(
+        cfg.model,
+        params_dtype=getattr(torch, cfg.training.dtype),
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        **moe,
+        **cfg.plan.transformer_config,
+    )
+
+
+def build_cache(cfg: JobConfig):
+    """The packed-sequence cache: one slot per microbatch in flight (all of a step's on GPU,
+    whose schedule holds them until backward; one on CPU)."""
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    in_flight = cfg.training.micro_batches if cfg.device.type == "cuda" else 1
+    return PackedSeqCache(
+        PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
+                        num_slots=in_flight, rope=rope_config_for(cfg.model)),
+        device=cfg.device,
+    )
+
+
+def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]:
+    """GPTModel on the fastpath layer spec with the switched-on features (LoRA, offload);
+    returns (model, total parameters, trainable parameters)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+
+    spec = get_fastpath_layer_spec(
+        cache, backend=cfg.attention_backend, num_experts=cfg.model.num_experts,
+        qk_layernorm=cfg.model.qk_layernorm, normalization=cfg.model.normalization,
+        linear_impl=cfg.linear_impl,
+    )
+    if cfg.lora is not None:
+        from megatron_fastpath.lora import with_lora
+
+        spec = with_lora(spec, cfg.lora)
+    if cfg.offload is not None:
+        from megatron_fastpath.offload import with_activation_offload
+
+        spec = with_activation_offload(spec, cfg.offload)
+    model = build_gpt_model(
+        tcfg, spec, cfg.model.vocab_size, cfg.data.max_tokens,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    ).to(cfg.device)
+    total = trainable = sum(p.numel() for p in model.parameters())
+    if cfg.lora is not None:
+        from megatron_fastpath.lora import freeze_base_parameters, lock_lora
+
+        trainable = freeze_base_parameters(model)
+        if cfg.plan.capture:
+            lock_lora(model)  # captured graphs freeze the adapter branch
+    return model, total, trainable
+
+
+def build_data(cfg: JobConfig, dp_rank: int, dp_world: int) -> StepData:
+    """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
+    bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data)
+    per_step = cfg.training.micro_batches * dp_world
+    if len(bins) < per_step:
+        raise ValueError(
+            f"only {len(bins)} packed microbatches for {per_step} per step; raise data.num_samples"
+        )
+    return StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world)
+
+
+def _build_audit(cfg: JobConfig, model) -> Optional[Any]:
+    if not cfg.plan.audit:
+        return None
+    from megatron_fastpath.graphs import GraphSafetyAudit
+
+    return GraphSafetyAudit(model, strict=cfg.cuda_graphs.strict_audit)
+
+
+def build_job(cfg: JobConfig) -> Job:
+    """Initialise torch.distributed / Megatron parallel state and build the job's pieces."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fastpath.graphs.config import apply_env
+
+    env_set = apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise
+    _init_distributed(cfg)
+    torch.manual_seed(cfg.training.seed)
+    tcfg = build_transformer(cfg)
+    cache = build_cache(cfg)
+    model, total, trainable = build_model(cfg, tcfg, cache)
+    offload = None
+    if cfg.offload is not None:
+        from megatron_fastpath.offload import get_offload_manager
+
+        offload = get_offload_manager(model)
+    dp_world = ps.get_data_parallel_world_size()
+    data = build_data(cfg, ps.get_data_parallel_rank(), dp_world)
+    path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
+    return Job(
+        cfg=cfg, tcfg=tcfg, cache=cache, model=model,
+        step=path(model, tcfg, cfg.training, cache), data=data, offload=offload,
+        audit=_build_audit(cfg, model), rank=torch.distributed.get_rank(),
+        world=torch.distributed.get_world_size(), dp_world=dp_world,
+        total_params=total, trainable_params=trainable, env_set=env_set,
+    )

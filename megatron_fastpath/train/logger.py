@@ -1,0 +1,241 @@
+"""What the main job prints and returns: the lagged read-back of device values, one line per step
+and the summary (also written as JSON when ``training.summary_json`` is set).
+
+Values that live on the device (the loss) are copied non-blocking into host buffers by
+:class:`LaggedReadback` and read one step late, so logging never stalls a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+import torch
+
+__all__ = ["LaggedReadback", "StepResult", "StepRecord", "TrainSummary", "StepLogger"]
+
+SUMMARY_LOSS_STEPS = 3  # the summary's "loss A -> B": mean over the first / last this many steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What :func:`~megatron_fastpath.train.step.train_step` returns: host facts of the step and
+    the summed loss still on the device (``loss_sum``, read back one step later)."""
+
+    step: int
+    loss_sum: torch.Tensor
+    lr: float
+    tokens: int
+    loss_tokens: int
+    step_ms: float
+    syncs_fwd_bwd: int
+    syncs_step: int
+    sync_sites: tuple
+    cache_hits: int
+    cache_misses: int
+    offload_bytes: int = 0
+    offload_mode: str = "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One logged step (host values only); ``loss`` is per loss token over the global batch."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens: int
+    step_ms: float
+    tokens_per_s: float
+    syncs_fwd_bwd: int
+    syncs_step: int
+    sync_sites: tuple
+    cache_hits: int
+    cache_misses: int
+    offload_bytes: int = 0
+    offload_mode: str = "off"
+
+    @classmethod
+    def from_result(cls, r: StepResult, loss_sum: float) -> "StepRecord":
+        return cls(
+            step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
+            step_ms=r.step_ms, tokens_per_s=r.tokens / (r.step_ms / 1e3),
+            syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
+            cache_hits=r.cache_hits, cache_misses=r.cache_misses,
+            offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSummary:
+    """first_loss / last_loss: mean loss of the first / last ``SUMMARY_LOSS_STEPS`` steps.
+    mean_tokens_per_s: mean over all steps but the first (warm-up)."""
+
+    steps: int
+    world_size: int
+    device: str
+    first_loss: float
+    last_loss: float
+    mean_tokens_per_s: float
+    syncs_fwd_bwd_per_step: float
+    syncs_per_step: float
+    cache_hits: int
+    cache_misses: int
+    records: tuple
+    trainable_params: int = 0
+    total_params: int = 0
+    audit: Optional[str] = None
+    audit_ok: Optional[bool] = None
+    notes: tuple = ()
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["records"] = [dataclasses.asdict(r) for r in self.records]
+        return d
+
+
+class LaggedReadback:
+    """Device scalars -> host, without a sync: ``push`` copies them non-blocking into pinned host
+    buffers (recording an event); ``pop`` returns the *previous* push's values once its event
+    has completed (a whole step later, so the wait is free)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pending: Optional[tuple[dict, Optional[torch.cuda.Event], object]] = None
+
+    def push(self, values: dict[str, torch.Tensor], extra) -> Optional[tuple[dict, object]]:
+        prev = self.pop()
+        pin = self.device.type == "cuda"
+        host = {}
+        for k, v in values.items():
+            buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+            buf.copy_(v.detach(), non_blocking=True)
+            host[k] = buf
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (host, event, extra)
+        return prev
+
+    def pop(self) -> Optional[tuple[dict, object]]:
+        if self.pending is None:
+            return None
+        host, event, extra = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        return {k: v.tolist() for k, v in host.items()}, extra
+
+
+class StepLogger:
+    """Owns the lagged read-back, the step lines and the summary of one job.
+
+    ``log(result)`` after each step prints the *previous* step (its loss is on the host by
+    then); ``finish()`` prints the last step and the summary and returns the
+    :class:`TrainSummary`. Metrics writers (TensorBoard, W&B, JSONL) belong in ``_emit``: it is
+    the one place a finished :class:`StepRecord` appears.
+    """
+
+    def __init__(self, job):
+        self.job = job
+        self.readback = LaggedReadback(job.cfg.device)
+        self.records: list[StepRecord] = []
+        self.show = job.rank == 0 or job.cfg.training.log_all_ranks
+        self.prefix = f"[rank {job.rank}] " if job.cfg.training.log_all_ranks else ""
+
+    def print(self, text: str) -> None:
+        if self.show:
+            print("\n".join(f"{self.prefix}{line}" for line in text.splitlines()), flush=True)
+
+    def header(self) -> None:
+        j, c = self.job, self.job.cfg
+        m = c.model
+        experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if c.is_moe else ""
+        self.print(
+            f"megatron_fastpath: {m.num_layers} layers, hidden {m.hidden_size}{experts}, "
+            f"{j.total_params:,} params ({j.trainable_params:,} trainable) on {c.device} (world "
+            f"{j.world}, dp {j.dp_world}, ep {c.parallel.expert_model_parallel_size}), "
+            f"{j.data.num_microbatches} packed microbatches, attention {c.attention_backend}, "
+            f"features: {', '.join(c.features) or 'none'}"
+        )
+        for note in c.plan.notes:
+            self.print(f"  {note}")
+        if j.env_set:
+            self.print(f"  environment: {j.env_set}")
+
+    def log(self, result: StepResult) -> None:
+        self._emit(self.readback.push({"loss_sum": result.loss_sum}, result))
+
+    def _emit(self, prev) -> None:
+        if prev is None:
+            return
+        values, result = prev
+        rec = StepRecord.from_result(result, values["loss_sum"])
+        self.records.append(rec)
+        off = (f" | offload {rec.offload_mode} {rec.offload_bytes / 2**20:.1f} MiB"
+               if self.job.offload is not None else "")
+        self.print(
+            f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
+            f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: fwd+bwd "
+            f"{rec.syncs_fwd_bwd}, step {rec.syncs_step} | cache hits {rec.cache_hits} misses "
+            f"{rec.cache_misses}{off}"
+        )
+
+    def finish(self) -> TrainSummary:
+        self._emit(self.readback.pop())
+        summary = self.summarize()
+        self._print_summary(summary)
+        if self.job.cfg.training.summary_json and self.job.rank == 0:
+            with open(self.job.cfg.training.summary_json, "w") as f:
+                json.dump(summary.to_json(), f, indent=1)
+        return summary
+
+    def summarize(self) -> TrainSummary:
+        records, job = self.records, self.job
+        k = min(SUMMARY_LOSS_STEPS, len(records))
+        report = job.audit.report() if job.audit is not None else None
+        return TrainSummary(
+            steps=len(records),
+            world_size=job.world,
+            device=str(job.cfg.device),
+            first_loss=sum(r.loss for r in records[:k]) / k,
+            last_loss=sum(r.loss for r in records[-k:]) / k,
+            mean_tokens_per_s=sum(r.tokens_per_s for r in records[1:] or records) / max(len(records) - 1, 1),
+            syncs_fwd_bwd_per_step=sum(r.syncs_fwd_bwd for r in records) / len(records),
+            syncs_per_step=sum(r.syncs_step for r in records) / len(records),
+            cache_hits=sum(r.cache_hits for r in records),
+            cache_misses=sum(r.cache_misses for r in records),
+            records=tuple(records),
+            trainable_params=job.trainable_params,
+            total_params=job.total_params,
+            audit=report.summary() if report else None,
+            audit_ok=report.ok if report else None,
+            notes=job.cfg.plan.notes,
+        )
+
+    def _print_summary(self, s: TrainSummary) -> None:
+        k = min(SUMMARY_LOSS_STEPS, s.steps)
+        stats = self.job.cache.stats
+        self.print(
+            f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
+            f"the first / last {k} steps) | {s.mean_tokens_per_s:.0f} tok/s | host syncs per "
+            f"step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step {s.syncs_per_step:g} | cache "
+            f"hits {s.cache_hits} misses {s.cache_misses} ({stats.host_to_device_copies} H2D "
+            f"copies, {stats.bytes_copied} bytes)"
+        )
+        for site in sorted({x for r in s.records for x in r.sync_sites}):
+            self.print(f"  sync site: {site}")
+        history = self.job.offload.history if self.job.offload is not None else ()
+        if history:
+            last = history[-1]
+            self.print(
+                f"  offload: mode {last.mode.value} ({last.mode_reason}), "
+                f"{last.bytes_offloaded:,} B offloaded/{last.bytes_reloaded:,} B reloaded per step, "
+                f"{last.prefetched_reloads} prefetched / {last.just_in_time_reloads} just-in-time "
+                f"reloads (est. exposed copy {last.est_exposed_copy_s * 1e3:.3f} ms), device "
+                f"buffers {last.device_buffer_bytes:,} B, host pool {last.host_pool_bytes:,} B"
+            )
+        if s.audit is not None:
+            self.print("\n".join(f"  {line}" for line in s.audit.splitlines()))

@@ -1,0 +1,246 @@
+"""One training step, two paths chosen by device, behind one signature.
+
+* :func:`cpu_train_step`: our own microbatch loop, fused torch AdamW, gradient all-reduce over the
+  data-parallel group (Megatron 0.16.1's ``forward_backward_no_pipelining``, DDP and optimizer
+  allocate on ``device="cuda"``).
+* :func:`gpu_train_step`: Megatron's ``get_forward_backward_func`` schedule (pipeline parallel
+  included), ``DistributedDataParallel`` and ``get_megatron_optimizer``.
+
+Each builder returns a :class:`StepParts`: ``forward_backward(microbatches, global_loss_tokens)
+-> (loss_sum, fwd_bwd_sentinel)`` (forward, backward, gradient reduction and optimizer step), the
+optimizer and Megatron's ``OptimizerParamScheduler`` (both paths). :func:`train_step` wraps either
+with the step's bookkeeping (SyncSentinel, cache and offload statistics, LR schedule).
+
+Shape key: T = tokens of a packed microbatch (its batch dimension is 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from megatron_fastpath.sync import SyncSentinel
+from megatron_fastpath.train.config import TrainingConfig
+from megatron_fastpath.train.logger import StepResult
+
+__all__ = ["StepParts", "StepBatch", "cpu_train_step", "gpu_train_step", "train_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    forward_backward: Callable  # (microbatches, global_loss_tokens) -> (loss_sum, sentinel)
+    optimizer: object
+    scheduler: object
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Microbatches of one step: this rank's share, and host counts over the global batch."""
+
+    step: int
+    microbatches: tuple
+    global_tokens: int
+    global_loss_tokens: int
+
+
+def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
+    """Run one step of ``job`` on ``batch`` (``audit``: inside the graph-safety audit's step,
+    whose hooks the caller holds installed). The loss stays on the device in the result."""
+    stats_before = job.cache.stats.snapshot()
+    if job.offload is not None:
+        job.offload.begin_step()
+    t0 = time.perf_counter()
+    with job.audit.step() if audit else contextlib.nullcontext():
+        with SyncSentinel(name=f"step {batch.step}") as step_sentinel:
+            loss_sum, fwd_bwd = job.step.forward_backward(batch.microbatches, batch.global_loss_tokens)
+    step_ms = (time.perf_counter() - t0) * 1e3
+    off = job.offload.end_step() if job.offload is not None else None
+    lr = job.step.optimizer.param_groups[0]["lr"]
+    job.step.scheduler.step(increment=1)
+    d = job.cache.stats.since(stats_before)
+    return StepResult(
+        step=batch.step, loss_sum=loss_sum, lr=lr, tokens=batch.global_tokens,
+        loss_tokens=batch.global_loss_tokens, step_ms=step_ms,
+        syncs_fwd_bwd=fwd_bwd.num_syncs, syncs_step=step_sentinel.num_syncs,
+        sync_sites=tuple(sorted(step_sentinel.by_location())),
+        cache_hits=d.hits, cache_misses=d.misses,
+        offload_bytes=off.bytes_offloaded if off else 0,
+        offload_mode=off.mode.value if off else "off",
+    )
+
+
+def forward(model, mb, pb, device):
+    """Model output for one packed microbatch: per-token losses [1, T] on the last pipeline
+    stage, hidden states on the others."""
+    return model(
+        mb.tokens_1T.to(device, non_blocking=True),
+        pb.position_ids_1T,
+        None,
+        labels=mb.labels_1T.to(device, non_blocking=True),
+        packed_seq_params=pb.packed_seq_params,
+    )
+
+
+def masked_loss_sum(per_token_1T, mb, device):
+    """Sum of per-token losses over the microbatch's loss mask (response tokens)."""
+    return (per_token_1T.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
+
+
+def build_scheduler(optimizer, train_cfg: TrainingConfig):
+    """Megatron's cosine LR schedule (its warmup must be shorter than the decay: short runs get
+    a shorter warmup)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+        lr_warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
+        lr_decay_steps=train_cfg.steps, lr_decay_style="cosine",
+        start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
+        wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
+    )
+
+
+def all_reduce_grads(model: torch.nn.Module) -> None:
+    """Sum gradients over data-parallel replicas (CPU path): dense parameters over the DP group,
+    expert parameters (Megatron marks them ``allreduce=False``) over the expert-DP group. The
+    loss is normalised by the *global* token count, so the sum equals one big batch."""
+    from megatron.core import parallel_state as ps
+
+    buckets = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        expert = getattr(p, "allreduce", True) is False
+        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            buckets.setdefault(expert, (group, []))[1].append(p.grad)
+    for group, grads in buckets.values():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=group)
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
+def _cpu_optimizer(params, train_cfg: TrainingConfig):
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(
+        # fused AdamW keeps its step counters on the device: no per-parameter .item()
+        # (foreach AdamW on CPU reads each step count back: one host sync per parameter).
+        groups, lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )
+
+
+def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
+    """Our own microbatch loop + fused torch AdamW (Megatron's optimizer and DDP need CUDA)."""
+    from megatron.core import parallel_state as ps
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _cpu_optimizer(params, train_cfg)
+    cpu = torch.device("cpu")
+
+    def forward_backward(mbs, global_loss_tokens: int):
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        with SyncSentinel(name="fwd+bwd") as fwd_bwd:
+            for mb in mbs:
+                with cache.batch(mb.lengths) as pb:
+                    loss = masked_loss_sum(forward(model, mb, pb, cpu), mb, cpu)
+                    (loss / global_loss_tokens).backward()
+                loss_sum += loss.detach()
+        all_reduce_grads(model)
+        dp_group = ps.get_data_parallel_group()
+        if torch.distributed.get_world_size(dp_group) > 1:
+            torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log
+        if train_cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, train_cfg.clip_grad, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum, fwd_bwd
+
+    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg))
+
+
+def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
+    """Megatron DDP around ``model``, ``get_megatron_optimizer``, and the model-config hooks
+    Megatron's training loop wires in for its schedules."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config=tcfg,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        module=model,
+    )
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+        weight_decay=train_cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
+        clip_grad=train_cfg.clip_grad, bf16=train_cfg.dtype == "bfloat16",
+        use_distributed_optimizer=False,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    tcfg.grad_scale_func = optimizer.scale_loss
+    tcfg.no_sync_func = ddp.no_sync
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    return ddp, optimizer
+
+
+def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
+    """Megatron's schedule (PP included), DDP, gradient finalisation and optimizer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
+    schedule = get_forward_backward_func()
+    device = cache.device
+    dp_world = ps.get_data_parallel_world_size()
+
+    def forward_backward(mbs, global_loss_tokens: int):
+        handles = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        n = len(mbs)
+
+        def forward_step(data_iterator, module):
+            mb = next(data_iterator)
+            pb = cache.set_batch(mb.lengths)  # slot held until the schedule's backward is done
+            handles.append(pb)
+            # First stage reads tokens, last stage labels; middle stages get hidden states.
+            output = forward(module, mb, pb, device)
+
+            def loss_func(per_token_1T):  # last pipeline stage only
+                loss = masked_loss_sum(per_token_1T, mb, device)
+                loss_sum.add_(loss.detach())
+                # The schedule divides by the microbatch count and DDP averages over DP: undo
+                # both so gradients are those of the global token-normalised loss.
+                return loss * (n * dp_world / global_loss_tokens), {}
+
+            return output, loss_func
+
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        with SyncSentinel(name="fwd+bwd") as fwd_bwd:
+            schedule(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
+                num_microbatches=n, seq_length=cache.config.max_tokens,
+                micro_batch_size=1, forward_only=False,
+            )
+        for pb in handles:
+            cache.release(pb)
+        optimizer.step()
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
+            torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
+        if dp_world > 1:
+            torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
+        return loss_sum, fwd_bwd
+
+    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg))
