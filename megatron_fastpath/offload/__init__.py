@@ -8,9 +8,10 @@ Public API::
     TraceEvent, MemoryInfo, default_offload_device     -- device.py
     OffloadedTransformerLayer, OffloadedMoETransformerLayer, offloaded_layer_class -- layer.py
     with_activation_offload, get_offload_manager       -- spec.py
-    simulate_two_streams, hidden_fraction              -- timing.py
+    replay_schedule, step_hidden_fraction, StreamTimeline -- timing.py
 
-Importing this package imports Megatron-Core (layer.py / spec.py are loaded lazily).
+Importing this package does not import Megatron-Core: config / device / manager are plain torch,
+and layer.py / spec.py (which import Megatron-Core) load on first use of their names.
 """
 
 from megatron_fastpath.offload.config import BufferMode, OffloadConfig, OffloadStepStats
@@ -30,8 +31,8 @@ _LAZY = {
     "offloaded_layer_class": "megatron_fastpath.offload.layer",
     "with_activation_offload": "megatron_fastpath.offload.spec",
     "get_offload_manager": "megatron_fastpath.offload.spec",
-    "simulate_two_streams": "megatron_fastpath.offload.timing",
-    "hidden_fraction": "megatron_fastpath.offload.timing",
+    "replay_schedule": "megatron_fastpath.offload.timing",
+    "step_hidden_fraction": "megatron_fastpath.offload.timing",
     "StreamTimeline": "megatron_fastpath.offload.timing",
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Optional
 
 __all__ = ["BufferMode", "OffloadConfig", "OffloadStepStats"]
 
@@ -41,6 +42,11 @@ class OffloadConfig:
             ``min_offload_bytes`` (parameters and do-not-offload marks excluded, TE quantized
             tensors split into their data tensors) is offloaded as one group per layer.
         min_offload_bytes: tensors (and layer inputs) smaller than this stay on the device.
+        max_offloaded_layers: offload only the first N registered layers (forward order); the
+            rest stay on the device. None: every layer but the last. The offloads of the last
+            layers finish last but are reloaded first, so when the link is slower than the
+            forward (copy time per layer > forward time per layer) they cannot be hidden; keep
+            them on the device (``benchmarks/offload.py`` reports the trade-off).
         headroom_margin_bytes: device memory that must stay free after the reload buffers are
             accounted for; checked every step against the allocator's statistics.
         allow_double_buffer: False forces the single-buffer schedule.
@@ -54,6 +60,7 @@ class OffloadConfig:
     enabled: bool = True
     recompute: bool = True
     min_offload_bytes: int = 1 * MiB
+    max_offloaded_layers: Optional[int] = None
     headroom_margin_bytes: int = 1 * GiB
     allow_double_buffer: bool = True
     pinned: bool = True
@@ -65,6 +72,11 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}")
+        n = self.max_offloaded_layers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(
+                f"OffloadConfig.max_offloaded_layers must be None or an int >= 0, got {n!r}"
+            )
         a = self.alignment_bytes
         if not isinstance(a, int) or a < 16 or a & (a - 1):
             raise ValueError(

@@ -1,19 +1,24 @@
 """The small device interface the offload manager talks to.
 
-Everything the manager does to a device goes through :class:`OffloadDevice`: the compute and
-copy streams, events (record / wait), device and host allocation, asynchronous copies, and the
-allocator statistics used for the per-step headroom check. Two implementations:
+Everything the manager does to a device goes through :class:`OffloadDevice`: the compute stream,
+two copy streams (``offload_stream`` for device->host, ``reload_stream`` for host->device, so a
+reload never queues behind the forward's offloads), events (record / wait), device and host
+allocation, asynchronous copies, and the allocator statistics used for the per-step headroom
+check. Two implementations:
 
-* :class:`CudaOffloadDevice` -- real ``torch.cuda`` streams and events, ``non_blocking`` copies,
-  pinned host memory, ``torch.cuda.mem_get_info`` / ``memory_stats``. No call here blocks the
-  host (no ``synchronize``, no ``event.synchronize``, no ``.item()``).
+* :class:`CudaOffloadDevice` -- real ``torch.cuda`` streams (the reload stream at high priority)
+  and events, ``non_blocking`` copies, pinned host memory, ``torch.cuda.mem_get_info`` /
+  ``memory_stats``. No call here blocks the host (no ``synchronize``, no ``event.synchronize``,
+  no ``.item()``).
 * :class:`RecordingDevice` -- a CPU fake: copies run synchronously on CPU tensors, and every call
   is appended to :attr:`RecordingDevice.trace` in host issue order (copy issued, event recorded /
-  waited, compute begin / end per layer, device buffer alloc / free). Failure injection for tests:
-  ``free_bytes`` (simulated headroom), ``fail_pinned`` (pinned allocation raises), ``fail_host``
-  (every host allocation raises).
+  waited, compute begin / end per layer, device buffer alloc / free), with the host time it was
+  issued at (wall clock minus the device work the fake ran inline) and the measured wall time of
+  each copy and compute region. Failure injection for tests: ``free_bytes`` (simulated
+  headroom), ``fail_pinned`` (pinned allocation raises), ``fail_host`` (every host allocation
+  raises).
 
-:mod:`megatron_fastpath.offload.timing` replays a recorded trace on a two-stream timing model.
+:mod:`megatron_fastpath.offload.timing` replays a recorded trace on a host + multi-stream model.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+import time
 from typing import Any, Optional
 
 import torch
@@ -67,8 +73,17 @@ class OffloadDevice(abc.ABC):
         """The stream autograd runs the layers on (the current stream)."""
 
     @abc.abstractmethod
-    def copy_stream(self) -> Any:
-        """The side stream all offload / reload copies are issued on (created once)."""
+    def offload_stream(self) -> Any:
+        """The side stream device->host offload copies are issued on (created once)."""
+
+    @abc.abstractmethod
+    def reload_stream(self) -> Any:
+        """The side stream host->device reloads are issued on (created once; separate from the
+        offload stream so a backward reload never waits behind forward offloads)."""
+
+    def is_capturing(self) -> bool:
+        """True while the compute stream is being captured into a CUDA graph."""
+        return False
 
     @abc.abstractmethod
     def new_event(self) -> Any: ...
@@ -114,9 +129,11 @@ class OffloadDevice(abc.ABC):
 # Real CUDA
 # --------------------------------------------------------------------------------------------
 class CudaOffloadDevice(OffloadDevice):
-    """``torch.cuda`` implementation: one side copy stream, events, pinned host memory.
+    """``torch.cuda`` implementation: offload and reload side streams, events, pinned host memory.
 
-    ``mark`` opens / closes NVTX ranges so the schedule is visible in Nsight Systems."""
+    The reload stream has the highest stream priority (backward waits on it); the offload stream
+    the default one. ``mark`` opens / closes NVTX ranges so the schedule is visible in Nsight
+    Systems."""
 
     def __init__(self, device: Optional[torch.device] = None, nvtx: bool = True):
         if not torch.cuda.is_available():
@@ -127,16 +144,26 @@ class CudaOffloadDevice(OffloadDevice):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
-        self._copy_stream: Optional[torch.cuda.Stream] = None
+        self._offload_stream: Optional[torch.cuda.Stream] = None
+        self._reload_stream: Optional[torch.cuda.Stream] = None
         self._nvtx = nvtx
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.device)
 
-    def copy_stream(self):
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=self.device)
-        return self._copy_stream
+    def offload_stream(self):
+        if self._offload_stream is None:
+            self._offload_stream = torch.cuda.Stream(device=self.device)
+        return self._offload_stream
+
+    def reload_stream(self):
+        if self._reload_stream is None:
+            high, _ = torch.cuda.Stream.priority_range()
+            self._reload_stream = torch.cuda.Stream(device=self.device, priority=high)
+        return self._reload_stream
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def new_event(self):
         return torch.cuda.Event()
@@ -194,13 +221,16 @@ class TraceEvent:
 
     op: "compute_begin" | "compute_end" | "copy" | "record" | "wait" | "alloc_device" |
         "free_device" | "alloc_host".
-    stream: "compute" | "copy" | "" (allocations).
+    stream: "compute" | "offload" | "reload" | "" (allocations).
     tag: layer group ("L3"), or the buffer name for allocations.
     event: event id for record / wait (-1 otherwise).
     nbytes: bytes copied / allocated.
     direction: "d2h" / "h2d" for copies.
     phase: "fwd" / "bwd" for compute markers.
     buffer: device reload buffer index a copy writes / a backward compute reads (-1: none).
+    host_s: host time the call was issued at, seconds since the trace was cleared, without the
+        device work the CPU fake ran inline (copies, compute regions): the host's own issue cost.
+    wall_s: measured wall time of a copy or, on ``compute_end``, of the compute region.
     """
 
     op: str
@@ -211,6 +241,8 @@ class TraceEvent:
     direction: str = ""
     phase: str = ""
     buffer: int = -1
+    host_s: float = 0.0
+    wall_s: float = 0.0
 
 
 class _FakeEvent:
@@ -249,22 +281,29 @@ class RecordingDevice(OffloadDevice):
         self.live_device_bytes = 0
         self.peak_device_bytes = 0
         self.host_allocations = 0
-        self._buffer_ids: dict[int, int] = {}
+        self._t0 = time.perf_counter()
+        self._inline_s = 0.0  # device work run inline on the host since _t0
+        self._compute_t0: Optional[float] = None
 
     # -- helpers for tests ---------------------------------------------------------------
     def clear_trace(self) -> None:
         self.trace.clear()
+        self._t0, self._inline_s = time.perf_counter(), 0.0
 
     def _log(self, **kw) -> None:
         if self.record:
-            self.trace.append(TraceEvent(**kw))
+            host = time.perf_counter() - self._t0 - self._inline_s
+            self.trace.append(TraceEvent(host_s=host, **kw))
 
     # -- streams / events ------------------------------------------------------------------
     def compute_stream(self):
         return "compute"
 
-    def copy_stream(self):
-        return "copy"
+    def offload_stream(self):
+        return "offload"
+
+    def reload_stream(self):
+        return "reload"
 
     def new_event(self):
         return _FakeEvent()
@@ -311,10 +350,13 @@ class RecordingDevice(OffloadDevice):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def copy(self, dst, src, stream, *, tag: str, direction: str, buffer: int = -1) -> None:
+        t0 = time.perf_counter()
         with torch.no_grad():
             dst.copy_(src)
+        wall = time.perf_counter() - t0
+        self._inline_s += wall  # ran inline: host_s below is the time it was issued at
         self._log(op="copy", stream=stream, tag=tag, nbytes=src.numel() * src.element_size(),
-                  direction=direction, buffer=buffer)
+                  direction=direction, buffer=buffer, wall_s=wall)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass
@@ -325,8 +367,14 @@ class RecordingDevice(OffloadDevice):
                           reserved_bytes=used, allocated_bytes=used, peak_allocated_bytes=used)
 
     def mark(self, kind: str, tag: str, **info: Any) -> None:
+        now, wall = time.perf_counter(), 0.0
+        if kind == "compute_begin":
+            self._compute_t0 = now
+        elif kind == "compute_end" and self._compute_t0 is not None:
+            wall, self._compute_t0 = now - self._compute_t0, None
+            self._inline_s += wall  # the region ran inline: not host issue time
         self._log(op=kind, stream="compute", tag=tag, phase=info.get("phase", ""),
-                  buffer=info.get("buffer", -1))
+                  buffer=info.get("buffer", -1), wall_s=wall)
 
 
 def default_offload_device() -> OffloadDevice:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from typing import Optional
 
 import torch
 
+from megatron_fastpath import compat
 from megatron_fastpath._autograd import call_in_backward
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
@@ -41,10 +41,7 @@ __all__ = [
     "offloaded_layer_class",
 ]
 
-_FORWARD_PARAMS = [
-    p for p in inspect.signature(TransformerLayer._forward_attention).parameters.values()
-    if p.name != "self"
-]
+_FORWARD_PARAMS = compat.transformer_layer_forward_params()
 _POSITIONAL_NAMES = [
     p.name for p in _FORWARD_PARAMS
     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -56,9 +53,8 @@ _POSITIONAL_NAMES = [
 # ---------------------------------------------------------------------------------------------
 def _get_rng_states(device: torch.device):
     if device.type == "cuda":
-        from megatron.core.tensor_parallel.random import _get_all_rng_states
-
-        return ("cuda", _get_all_rng_states())
+        get_all, _ = compat.all_rng_state_tools()
+        return ("cuda", get_all())
     tracker = get_cuda_rng_tracker()
     tracker_states = tracker.get_states() if tracker.is_initialized() else None
     return ("cpu", torch.get_rng_state(), tracker_states)
@@ -66,9 +62,8 @@ def _get_rng_states(device: torch.device):
 
 def _set_rng_states(states) -> None:
     if states[0] == "cuda":
-        from megatron.core.tensor_parallel.random import _set_all_rng_states
-
-        _set_all_rng_states(*states[1])
+        _, set_all = compat.all_rng_state_tools()
+        set_all(*states[1])
         return
     torch.set_rng_state(states[1])
     if states[2] is not None:
@@ -173,6 +168,16 @@ class ActivationOffloadMixin:
                 "recompute; set recompute_granularity=None (OffloadConfig.recompute=True "
                 "recomputes every offloaded layer) or 'selective' with "
                 "OffloadConfig(recompute=False)"
+            )
+        graphs = getattr(config, "cuda_graph_impl", "none")
+        if graphs not in (None, "none") or getattr(config, "enable_cuda_graph", False):
+            raise ValueError(
+                f"activation offload cannot be combined with CUDA graphs (TransformerConfig."
+                f"cuda_graph_impl={graphs!r}): the offload copies fork side streams from the "
+                "capture stream and the reload schedule is decided on the host every step, which "
+                "a graph replay would freeze. Set cuda_graph_impl='none' "
+                "(fastpath.cuda_graphs=false) or drop with_activation_offload "
+                "(fastpath.offload=false)"
             )
         super().__init__(*args, **kwargs)
         self.offload_manager = offload_manager

@@ -3,20 +3,27 @@
 Unit of work is a *group*: the tensors one layer keeps for its backward (its input hidden states
 when the layer is recomputed, or every saved tensor above ``min_offload_bytes`` otherwise).
 
-Forward, layer i (compute stream C, copy stream X)::
+Forward, layer i (compute stream C, offload stream O, reload stream R)::
 
-    C: record e_ready(i)            X: wait e_ready(i); copy group(i) -> host slot(i)
+    C: record e_ready(i)
+    O: wait e_ready(i); wait e_read(slot i) (last reload out of the slot); copy group(i) -> host
+       slot(i); record e_off(i)
 
-The device tensors are handed to the allocator with ``record_stream(X)`` so their memory is not
+The device tensors are handed to the allocator with ``record_stream(O)`` so their memory is not
 reused before the copy has read them. The last registered layer is never offloaded (its backward
-starts right after its forward).
+starts right after its forward), nor are layers past ``OffloadConfig.max_offloaded_layers``.
 
 Backward, when layer i's backward starts (an autograd Function at the layer boundary)::
 
     C: record free(b) for the buffer b of the layer whose backward finished
     C: wait e_reload(i)                       (only if group(i) was offloaded)
-    X: wait free(b'); copy host slot(i-1) -> buffer b'; record e_reload(i-1)   (DOUBLE: prefetch)
+    R: wait free(b'); wait e_off(i-1); copy host slot(i-1) -> buffer b';
+       record e_reload(i-1) (= e_read(slot i-1))                           (DOUBLE: prefetch)
     C: layer i recompute + backward
+
+Offloads and reloads use separate streams (separate copy engines on a GPU, the reload stream at
+high priority), so a reload waits only for its own group's offload, never behind the forward's
+whole offload backlog.
 
 so in DOUBLE mode the reload of layer i-1 overlaps layer i's backward, and the compute stream
 waits only when a reload is not finished. SINGLE mode reloads group(i) just in time into the one
@@ -28,6 +35,10 @@ offload of every step from :meth:`OffloadDevice.memory_info` against ``headroom_
 (DOUBLE -> SINGLE -> OFF); a pinned-allocation failure switches the pool to pageable memory; a
 host allocation failure, a group larger than the buffers or a busy host slot keeps that group on
 the device. Each reason is logged once. No call blocks the host.
+
+Not inside a CUDA graph capture: the copies fork side streams from the compute stream and the
+reload schedule (which buffer, which layer, whether at all) is decided on the host every step,
+which a graph replay would freeze. A capture raises before any stream is forked.
 """
 
 from __future__ import annotations
@@ -96,8 +107,8 @@ class OffloadGroup:
         self.host: Optional[torch.Tensor] = None
         self.buffer: int = -1
         self.reload_event: Any = None
+        self.offload_event: Any = None  # recorded on the offload stream after the group's d2h
         self.bwd_started = False
-        self.bwd_done = False
 
     def __repr__(self) -> str:
         return (f"OffloadGroup({self.key}, items={len(self.items)}, nbytes={self.nbytes}, "
@@ -133,6 +144,7 @@ class ActivationOffloadManager:
         self._layer_keys: list[str] = []
         # host pool: one flat slot per layer key, allocated once and reused
         self._host_slots: dict[str, torch.Tensor] = {}
+        self._slot_read: dict[str, Any] = {}  # key -> event after the last reload out of it
         self._host_pinned = config.pinned
         self.host_pool_reallocs = 0
         # device reload buffers (fixed addresses)
@@ -268,9 +280,22 @@ class ActivationOffloadManager:
             raise ValueError(f"layer key {key!r} was not registered with this manager")
         if not self._in_step:
             self.begin_step()
+        if self.config.enabled:
+            self._refuse_capture()
         self._seq += 1
-        group = OffloadGroup(key, self._seq, is_last=(key == self._layer_keys[-1]))
-        return group
+        limit = self.config.max_offloaded_layers
+        beyond = limit is not None and self._layer_keys.index(key) >= limit
+        return OffloadGroup(key, self._seq, is_last=(key == self._layer_keys[-1]) or beyond)
+
+    def _refuse_capture(self) -> None:
+        if self.device.is_capturing():
+            raise RuntimeError(
+                "activation offload cannot run inside a CUDA graph capture: its copies fork "
+                "side streams from the capture stream and its reload schedule is decided on the "
+                "host every step, which a graph replay would freeze. Turn off per-layer CUDA "
+                "graphs (TransformerConfig.cuda_graph_impl='none', fastpath.cuda_graphs=false) "
+                "or activation offload (OffloadConfig.enabled=False)"
+            )
 
     def _wants(self, group: OffloadGroup, t: torch.Tensor) -> bool:
         if group.is_last or not self.config.enabled or group.closed:
@@ -287,9 +312,15 @@ class ActivationOffloadManager:
         """Register ``t`` with ``group``; returns what :meth:`unpack` takes back.
 
         Plain tensors that are not worth offloading come back unchanged. TE quantized tensors are
-        split with ``prepare_for_saving`` and their data tensors packed one by one."""
+        split with ``prepare_for_saving`` on a detached view (the live object keeps its data)
+        and their data tensors packed one by one."""
         if is_quantized(t) and not isinstance(t, torch.nn.Parameter):
-            tensors, obj = split_quantized(t)
+            split = split_quantized(t)
+            if split is None:  # no way to make a view: leave it to autograd, on the device
+                self._log_once(f"qview{type(t).__name__}", f"{type(t).__name__} has neither "
+                               "detach() nor get_metadata(); kept on device", logging.INFO)
+                return t
+            tensors, obj = split
             parts = tuple(None if x is None else self.pack(group, x) for x in tensors)
             return _Quantized(obj, parts)
         if not isinstance(t, torch.Tensor) or not self._wants(group, t):
@@ -316,16 +347,20 @@ class ActivationOffloadManager:
             self._counters["layers_kept"] += 1
             return
         dev = self.device
-        compute, copy = dev.compute_stream(), dev.copy_stream()
+        compute, offload = dev.compute_stream(), dev.offload_stream()
         ready = dev.new_event()
         dev.record_event(ready, compute)
-        dev.wait_event(copy, ready)
+        dev.wait_event(offload, ready)
+        if self._slot_read.get(group.key) is not None:  # the slot's last reload has read it
+            dev.wait_event(offload, self._slot_read[group.key])
         host = group.host
         for item in group.items:
             src = item.device_tensor
-            dev.copy(self._view(host, item), src, copy, tag=group.key, direction="d2h")
-            dev.record_stream(src, copy)
+            dev.copy(self._view(host, item), src, offload, tag=group.key, direction="d2h")
+            dev.record_stream(src, offload)
             item.device_tensor = None
+        group.offload_event = dev.new_event()
+        dev.record_event(group.offload_event, offload)
         group.offloaded = True
         self._pending.append(group)
         self._counters["bytes_offloaded"] += group.nbytes
@@ -480,7 +515,9 @@ class ActivationOffloadManager:
         sure ``group`` is (being) reloaded and have the compute stream wait for it, then prefetch
         the previous layer's group into the spare buffer (DOUBLE)."""
         dev = self.device
-        compute, copy = dev.compute_stream(), dev.copy_stream()
+        if self.config.enabled:
+            self._refuse_capture()
+        compute = dev.compute_stream()
         for b, owner in enumerate(self._owner):
             if owner is not None and owner is not group and owner.bwd_started:
                 ev = dev.new_event()
@@ -507,7 +544,6 @@ class ActivationOffloadManager:
         dev.mark("compute_begin", group.key, phase="bwd", buffer=group.buffer)
 
     def end_backward(self, group: OffloadGroup) -> None:
-        group.bwd_done = True
         self.device.mark("compute_end", group.key, phase="bwd", buffer=group.buffer)
 
     def _free_buffer(self) -> int:
@@ -525,18 +561,20 @@ class ActivationOffloadManager:
 
     def _issue_reload(self, group: OffloadGroup, b: int) -> None:
         dev = self.device
-        copy = dev.copy_stream()
+        reload = dev.reload_stream()
         self._owner[b] = group
         group.buffer = b
         if self._free_event[b] is not None:
-            dev.wait_event(copy, self._free_event[b])
+            dev.wait_event(reload, self._free_event[b])
+        dev.wait_event(reload, group.offload_event)  # its host slot is fully written
         buf = self._buffers[b]
         for item in group.items:
-            dev.copy(self._view(buf, item), self._view(group.host, item), copy,
+            dev.copy(self._view(buf, item), self._view(group.host, item), reload,
                      tag=group.key, direction="h2d", buffer=b)
         ev = dev.new_event()
-        dev.record_event(ev, copy)
+        dev.record_event(ev, reload)
         group.reload_event = ev
+        self._slot_read[group.key] = ev
         self._pending.remove(group)
         self._counters["bytes_reloaded"] += group.nbytes
 
@@ -555,12 +593,3 @@ class ActivationOffloadManager:
             parts = [None if p is None else self.unpack(p) for p in packed.parts]
             return restore_quantized(packed.obj, parts)
         return packed
-
-    # ---------------------------------------------------------------------------------------
-    def describe(self) -> dict:
-        return dict(mode=None if self._mode is None else self._mode.value,
-                    device_buffers=self.num_device_buffers,
-                    device_buffer_bytes=self.device_buffer_bytes,
-                    host_pool_bytes=self.host_pool_bytes, host_pinned=self._host_pinned,
-                    layers=list(self._layer_keys))
-

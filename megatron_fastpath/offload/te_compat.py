@@ -3,7 +3,9 @@
 * Quantized tensors (TE ``QuantizedTensor`` / ``Float8Tensor`` / ``MXFP8Tensor`` and their storage
   bases) are recognised by their save protocol: ``tensors, obj = t.prepare_for_saving()`` splits
   one into plain data tensors (``None`` for absent ones) and ``obj.restore_from_saved(tensors)``
-  rebuilds it. The offload manager offloads the data tensors and rebuilds the object on reload.
+  rebuilds it. ``prepare_for_saving`` clears the object it is called on, so the manager splits a
+  detached view (same data, new object) and leaves the live tensor intact; it offloads the data
+  tensors and rebuilds the view on reload.
 * Do-not-offload marks: TE's ``mark_not_offload`` sets ``_TE_do_not_offload``; Megatron-Core's
   fine-grained offloading sets ``offloading_activation = False``. Parameters (and views of
   parameters) are never offloaded.
@@ -23,6 +25,7 @@ from megatron_fastpath._optional import optional_import
 
 __all__ = [
     "is_quantized",
+    "detached_view",
     "split_quantized",
     "restore_quantized",
     "never_offload",
@@ -37,9 +40,28 @@ def is_quantized(t: Any) -> bool:
     )
 
 
-def split_quantized(t: Any) -> tuple[list[Optional[torch.Tensor]], Any]:
-    """``prepare_for_saving()``: (plain data tensors or None, object to rebuild from)."""
-    tensors, obj = t.prepare_for_saving()
+def detached_view(t: Any) -> Optional[Any]:
+    """A new quantized object sharing ``t``'s data tensors, or None when there is no way to make
+    one. TE's ``prepare_for_saving`` clears the data attributes of the object it is called on
+    (``self._data = None`` ...), and ``t`` is live: the forward may still read it. TE 2.10:
+    ``QuantizedTensor`` subclasses implement ``detach()`` as ``make_like(self)`` (same data,
+    new object); storage classes (``Float8TensorStorage``...) take ``get_metadata()`` back as
+    their constructor keywords."""
+    if isinstance(t, torch.Tensor):
+        return t.detach()
+    metadata = getattr(t, "get_metadata", None)
+    if callable(metadata):
+        return type(t)(**metadata())
+    return None
+
+
+def split_quantized(t: Any) -> Optional[tuple[list[Optional[torch.Tensor]], Any]]:
+    """``prepare_for_saving()`` on a detached view of ``t``: (plain data tensors or None, object
+    to rebuild from); ``t`` itself keeps its data. None when no view can be made."""
+    view = detached_view(t)
+    if view is None or view is t:
+        return None
+    tensors, obj = view.prepare_for_saving()
     return list(tensors), obj
 
 

@@ -80,7 +80,7 @@ def test_cuda_streams_bit_identical_fixed_buffers_pinned_pool(double):
         ptrs = ptrs or cur
         assert cur == ptrs, "reload buffers moved"
     assert mgr.host_pinned and all(t.is_pinned() for t in mgr._host_slots.values())
-    assert mgr.device.copy_stream() != torch.cuda.current_stream()
+    assert mgr.device.offload_stream() != torch.cuda.current_stream() != mgr.device.reload_stream()
     assert stats.layers_offloaded == L - 1
 
 

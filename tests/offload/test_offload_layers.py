@@ -19,7 +19,7 @@ from megatron_fastpath.offload import (
 )
 from megatron_fastpath.offload.layer import OffloadedTransformerLayer
 from megatron_fastpath.offload.spec import get_offload_manager, with_activation_offload
-from megatron_fastpath.offload.timing import simulate_two_streams
+from megatron_fastpath.offload.timing import replay_schedule
 from megatron_fastpath.sync import SyncSentinel
 
 from offload_models import LayerStack, build_pair, cpu_layer_spec, make_config, run_step
@@ -224,7 +224,7 @@ def test_double_buffer_schedule(recompute):
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
         f, g, bw = (torch.rand(3, generator=gen) + 0.05).tolist()
-        tl = simulate_two_streams(trace, {"fwd": f * 1e-3, "bwd": g * 1e-3}, bw * 1e7,
+        tl = replay_schedule(trace, {"fwd": f * 1e-3, "bwd": g * 1e-3}, bw * 1e7,
                                   prior_events_done=True)
         assert tl.hazards == (), tl.hazards
 
@@ -244,7 +244,7 @@ def test_single_buffer_schedule_serialises():
         assert reload_i < _index(trace, "compute_begin", keys[i], phase="bwd")
     assert dev.max_live_device_buffers == 1
     assert stats.just_in_time_reloads == L - 1
-    tl = simulate_two_streams(trace, {"fwd": 1e-3, "bwd": 1e-3}, ACT_BYTES_FP32 / 1e-3)
+    tl = replay_schedule(trace, {"fwd": 1e-3, "bwd": 1e-3}, ACT_BYTES_FP32 / 1e-3)
     assert tl.hazards == ()
     # serial: only the first reload (nothing to wait for) overlaps the last layer's backward
     assert tl.bwd_span == pytest.approx(L * 1e-3 + (L - 2) * 1e-3)

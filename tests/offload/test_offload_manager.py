@@ -3,6 +3,8 @@ marks, deduplication, config / usage errors, and the two-stream timing model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,18 +16,27 @@ from megatron_fastpath.offload import (
     TraceEvent,
 )
 from megatron_fastpath.offload.te_compat import is_quantized, never_offload
-from megatron_fastpath.offload.timing import hidden_fraction, simulate_two_streams
+from megatron_fastpath.offload.timing import replay_schedule, step_hidden_fraction
 
 CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 
 
 class FakeFloat8:
-    """Implements TE's save protocol like Float8TensorStorage: data [n] uint8 + transpose (or
-    None) + scale_inv [1] fp32. ``prepare_for_saving`` hands the tensors out and drops them."""
+    """TE 2.10's Float8TensorStorage contract (storage/float8_tensor_storage.py): constructed
+    from keywords (data, fp8_scale_inv, data_transpose), ``get_metadata()`` returns those
+    keywords, and ``prepare_for_saving`` hands out [data, transpose, scale_inv] AND clears them
+    on the object it is called on (``self._data = None`` ...), as TE does."""
 
-    def __init__(self, data, transpose, scale_inv):
-        self._data, self._transpose, self._scale_inv = data, transpose, scale_inv
+    views = 0  # objects made from get_metadata() (detached views)
+
+    def __init__(self, data, data_transpose=None, fp8_scale_inv=None):
+        self._data, self._transpose, self._scale_inv = data, data_transpose, fp8_scale_inv
         self.saved = 0
+
+    def get_metadata(self):
+        FakeFloat8.views += 1
+        return dict(data=self._data, data_transpose=self._transpose,
+                    fp8_scale_inv=self._scale_inv)
 
     def prepare_for_saving(self):
         tensors = [self._data, self._transpose, self._scale_inv]
@@ -73,17 +84,51 @@ def test_quantized_tensor_split_offloaded_and_rebuilt():
     plain = [torch.randn(32) for _ in keys]
     expected = [q.dequantize() for q in qts]
     out, stats, packed = _forward_backward(mgr, keys, [[q, p] for q, p in zip(qts, plain)])
-    for i in range(2):  # offloaded layers: rebuilt object, same values, data came from buffers
+    for i in range(2):  # offloaded layers: a rebuilt view, same values, data from the buffers
         q, p = out[i]
-        assert q is qts[i] and q.saved == 1 and q._transpose is None
+        assert isinstance(q, FakeFloat8) and q is not qts[i] and q.saved == 1
+        assert q._transpose is None and q._data.data_ptr() != qts[i]._data.data_ptr()
         assert torch.equal(q.dequantize(), expected[i]) and torch.equal(p, plain[i])
-    # the last layer is never offloaded: its split parts stay the original tensors
-    assert out[2][0] is qts[2] and torch.equal(out[2][0].dequantize(), expected[2])
+    # the last layer is never offloaded: its view holds the original tensors
+    assert out[2][0]._data is qts[2]._data and torch.equal(out[2][0].dequantize(), expected[2])
     d2h = [e for e in dev.trace if e.op == "copy" and e.direction == "d2h"]
     assert {e.tag for e in d2h} == {"L1", "L2"}
     # per offloaded layer: uint8 data, fp32 scale_inv, fp32 plain tensor (transpose None)
     assert sorted(e.nbytes for e in d2h if e.tag == "L1") == [4, 128, 256]
     assert stats.layers_offloaded == 2 and stats.bytes_offloaded == stats.bytes_reloaded
+
+
+def test_live_quantized_tensor_keeps_its_data_after_pack():
+    """Issue 9 finding 7: TE's prepare_for_saving clears _data / _scale_inv on the object it is
+    called on. The forward may still read the live tensor after autograd saved it, so the
+    manager must split a detached view; the original keeps its data, untouched, through the
+    whole forward and backward."""
+    mgr, dev, keys = _manager(num_layers=2)
+    q = FakeFloat8(torch.randint(0, 255, (256,), dtype=torch.uint8),
+                   fp8_scale_inv=torch.tensor([0.25]))
+    data, scale = q._data, q._scale_inv
+    expected = q.dequantize()
+    mgr.begin_step()
+    g = mgr.open_group(keys[0])
+    packed = mgr.pack(g, q)
+    assert q._data is data and q._scale_inv is scale and q.saved == 0  # live object intact
+    assert torch.equal(q.dequantize(), expected)  # the forward can still read it
+    mgr.close_group(g)
+    mgr.begin_backward(mgr.open_group(keys[1]))  # last layer: nothing to reload
+    mgr.begin_backward(g)
+    rebuilt = mgr.unpack(packed)
+    assert rebuilt is not q and torch.equal(rebuilt.dequantize(), expected)
+    assert q._data is data and torch.equal(q.dequantize(), expected)
+
+
+def test_quantized_tensor_without_a_view_stays_on_device():
+    class NoView(FakeFloat8):
+        get_metadata = None
+
+    mgr, dev, keys = _manager(num_layers=2)
+    q = NoView(torch.zeros(256, dtype=torch.uint8), fp8_scale_inv=torch.tensor([1.0]))
+    g = mgr.open_group(keys[0])
+    assert mgr.pack(g, q) is q and q._data is not None and q.saved == 0
 
 
 def test_do_not_offload_marks_and_parameters_stay():
@@ -245,28 +290,118 @@ def _synthetic_trace(L: int, double: bool, nbytes: int = 1000):
 @pytest.mark.parametrize("c,g", [(1.0, 2.0), (2.0, 1.0), (1.0, 1.0)])
 def test_timing_model_matches_closed_form(c, g):
     L, nbytes = 8, 1000
-    double = simulate_two_streams(_synthetic_trace(L, True), {"bwd": g}, nbytes / c)
-    single = simulate_two_streams(_synthetic_trace(L, False), {"bwd": g}, nbytes / c)
+    double = replay_schedule(_synthetic_trace(L, True), {"bwd": g}, nbytes / c)
+    single = replay_schedule(_synthetic_trace(L, False), {"bwd": g}, nbytes / c)
     assert double.hazards == () and single.hazards == ()
     # last layer kept: its backward runs while the first reload is in flight
     assert double.bwd_span == pytest.approx((L - 1) * max(c, g) + g)
     assert single.bwd_span == pytest.approx(max(g, c) + g + (L - 2) * (c + g))
-    assert hidden_fraction(double, L, c, g) == pytest.approx(1.0)
+    # whole-step figure: 1 - exposed copy time / all copy time
+    frac, step, free = step_hidden_fraction(_synthetic_trace(L, True), {"bwd": g}, nbytes / c)
+    assert free.makespan == pytest.approx(L * g) and step.copy_busy == pytest.approx((L - 1) * c)
+    assert frac == pytest.approx(1.0 - (L - 1) * max(0.0, c - g) / ((L - 1) * c))
     assert single.stall > double.stall
+
+
+def _manager_step_trace(L: int, nbytes: int = 4000, **cfg):
+    """A real manager schedule (DOUBLE) over L layers with compute markers, host times zeroed."""
+    mgr, dev, keys = _manager(num_layers=L, **cfg)
+    tensors = [[torch.randn(nbytes // 4)] for _ in keys]
+    mgr.begin_step()
+    groups, packed = [], []
+    for key, ts in zip(keys, tensors):
+        g = mgr.open_group(key)
+        packed.append([mgr.pack(g, t) for t in ts])
+        mgr.close_group(g)
+        dev.mark("compute_begin", key, phase="fwd")
+        dev.mark("compute_end", key, phase="fwd")
+        groups.append(g)
+    for i in reversed(range(L)):
+        mgr.begin_backward(groups[i])
+        [mgr.unpack(p) for p in packed[i]]
+        mgr.end_backward(groups[i])
+    mgr.end_step()
+    return [dataclasses.replace(e, host_s=0.0) for e in dev.trace]
+
+
+def _issued(trace, times, launch=0.9, late_by=None):
+    """Host issue times for ``trace``: the host spends ``launch`` x a compute region's device
+    time issuing it (a host nearly as busy as the device), manager calls cost nothing.
+    ``late_by``: each prefetch is issued only after the backward of the layer it should overlap
+    was issued, ``late_by`` seconds later (a host hiccup; no device wait is added: only the
+    host issue order and time move)."""
+    out, host, block, held = [], 0.0, [], None
+    for e in trace:
+        if e.stream == "reload":
+            block.append(e)
+            continue
+        if late_by is not None and e.op == "compute_begin" and e.phase == "bwd" and block:
+            held, block = block, []
+        elif block:
+            out.extend(dataclasses.replace(x, host_s=host) for x in block)
+            block = []
+        out.append(dataclasses.replace(e, host_s=host))
+        if e.op == "compute_end":
+            host += launch * times[e.phase]
+            if held:
+                host += late_by
+                out.extend(dataclasses.replace(x, host_s=host) for x in held)
+                held = None
+    return out
+
+
+def test_late_prefetch_scores_lower():
+    """Issue 14: a prefetch issued late on the host must show in the whole-step figure."""
+    L, g, nbytes = 6, 1.0, 4000
+    times = {"fwd": g / 3, "bwd": g}
+    trace = _manager_step_trace(L, nbytes)
+    bw = nbytes / (0.5 * g)  # c/g = 0.5
+    on_time, tl, _ = step_hidden_fraction(_issued(trace, times), times, bw)
+    assert tl.hazards == () and on_time > 0.9
+    late_trace = _issued(trace, times, late_by=0.5 * g)
+    late, tl_late, _ = step_hidden_fraction(late_trace, times, bw)
+    assert tl_late.hazards == ()
+    assert late < on_time - 0.05, (late, on_time)
+    # a host-ahead replay (host times ignored) cannot see it: the old model's blind spot
+    blind, _, _ = step_hidden_fraction(late_trace, times, bw, use_host_times=False)
+    assert blind == pytest.approx(on_time)
+
+
+def test_whole_step_replay_includes_forward_offload_backlog():
+    """Offloading every layer at c/g = 1 cannot hide: the last offload ends after (L-1)*c but
+    its reload is needed first; keeping the last layers on the device
+    (max_offloaded_layers) hides the rest. Per-layer times, non-uniform."""
+    L, nbytes = 8, 4000
+    trace = _manager_step_trace(L, nbytes)
+    times = {(ph, f"L{i}"): (1.0 if ph == "bwd" else 1 / 3) * (1 + 0.1 * i)
+             for i in range(1, L + 1) for ph in ("fwd", "bwd")}
+    c_bw = nbytes / 1.0
+    frac_all, tl, _ = step_hidden_fraction(trace, times, c_bw)
+    assert tl.hazards == () and frac_all < 0.9
+    first_reload = min(iv.start for iv in tl.intervals if iv.kind == "h2d")
+    last_d2h = max(iv.end for iv in tl.intervals if iv.kind == "d2h")
+    assert first_reload == pytest.approx(last_d2h)  # waits for its own (last) offload only
+    window = _manager_step_trace(L, nbytes, max_offloaded_layers=4)
+    assert {e.tag for e in window if e.op == "copy"} == {"L1", "L2", "L3", "L4"}
+    frac_window, tl, _ = step_hidden_fraction(window, times, c_bw)
+    assert tl.hazards == () and frac_window >= 0.9 > frac_all
 
 
 def test_timing_model_reports_hazards():
     bad = _trace([
-        dict(op="copy", stream="copy", tag="L1", nbytes=100, direction="h2d", buffer=0),
+        dict(op="copy", stream="reload", tag="L1", nbytes=100, direction="h2d", buffer=0),
         dict(op="compute_begin", stream="compute", tag="L1", phase="bwd", buffer=0),
         dict(op="compute_end", stream="compute", tag="L1", phase="bwd", buffer=0),
-        dict(op="copy", stream="copy", tag="L0", nbytes=100, direction="h2d", buffer=0),
-        dict(op="wait", stream="copy", event=99),
+        dict(op="copy", stream="reload", tag="L0", nbytes=100, direction="h2d", buffer=0),
+        dict(op="wait", stream="reload", event=99),
+        dict(op="copy", stream="offload", tag="L5", nbytes=1000, direction="d2h"),
+        dict(op="copy", stream="reload", tag="L5", nbytes=100, direction="h2d", buffer=1),
     ])
-    tl = simulate_two_streams(bad, {"bwd": 1.0}, 1000.0)
+    tl = replay_schedule(bad, {"bwd": 1.0}, 1000.0)
     msgs = " | ".join(tl.hazards)
     assert "before its reload" in msgs  # compute did not wait for the copy
     assert "before the backward of L1" in msgs  # buffer overwritten while being read
     assert "before it is recorded" in msgs
+    assert "before its offload" in msgs  # host slot read before it was written
     with pytest.raises(ValueError, match="copy_bytes_per_s"):
-        simulate_two_streams(bad, {"bwd": 1.0}, 0.0)
+        replay_schedule(bad, {"bwd": 1.0}, 0.0)
