@@ -1,30 +1,38 @@
-"""Activation offload: how much of the reload copy time double buffering hides, and what it costs.
+"""Activation offload: how much of the copy time double buffering hides over a whole step, and
+what it costs.
 
 CPU section (always runs, < 1 min):
   1. A stack of L real Megatron TransformerLayers (CPU core attention) built from the
-     ``with_activation_offload`` spec runs one warm-up and one measured step per buffer mode on
-     a RecordingDevice whose compute markers are wall-clock timed: per-layer backward time g
-     (recompute + backward) and forward time f are measured, and the exact schedule is recorded.
-  2. Copy bandwidth: a host->host ``copy_`` of one activation (the CPU stand-in for the PCIe /
-     C2C link) gives c = activation bytes / bandwidth.
-  3. The recorded schedules are replayed on the two-stream timing model
-     (``megatron_fastpath.offload.timing``) with the measured f, g (median per layer) and c --
-     and with c scaled to c/g = 0.5, 1, 2 to cover links slower and faster than compute. The
-     backward is replayed from the end of the forward with the offloads complete (the setting
-     of T_double = c + (L-1) max(c, g) + g); ``d2h_backlog_ms`` (from the whole-step replay)
-     says how long the forward's offload traffic outlasts the forward. ``hidden_fraction`` is the
-     fraction of the ideal saving (L-1)*min(c, g) the schedule achieves against fully serialised
-     reloads (target >= 0.9 for double buffering; single buffering is ~0 by construction, apart
-     from its first reload overlapping the last layer). ``extra_device_bytes``: peak bytes of the
-     reload buffers (<= 2 x one activation).
+     ``with_activation_offload`` spec runs warm-up steps and ``--reps`` measured steps per
+     variant on a RecordingDevice: the exact schedule (offloads on the offload stream, reloads
+     on the reload stream, events, compute regions) is recorded with each call's host issue time
+     (the host's own cost, the CPU's inline device work removed) and each compute region's wall
+     time. Per-layer forward / backward (recompute + backward) times: minimum over the repeats,
+     per layer (non-uniform).
+  2. The WHOLE step (forward offloads, backward reloads) is replayed on the timing model
+     (``megatron_fastpath.offload.timing``) with those per-layer times and host issue times, and
+     with the copy time c of one activation set to c/g = 0.5, 1, 2 (g: median per-layer
+     backward time) -- links slower and faster than compute -- plus the CPU's own host->host
+     copy ("measured"). ``hidden_fraction`` = 1 - (T_step - T_free) / copy time: the fraction of
+     all offload + reload time that did not lengthen the step (T_free: the same step with free
+     copies). A prefetch issued late on the host starts late in this model.
+  3. Variants: ``single_buffer`` (every layer but the last offloaded, reload just in time),
+     ``double_buffer_all_layers`` (every layer but the last, prefetch one layer ahead) and
+     ``double_buffer`` (the most layers -- ``OffloadConfig.max_offloaded_layers`` -- whose
+     whole-step hidden fraction is >= 0.9 at that c/g; the last offloads finish last but are
+     reloaded first, so with a link slower than the forward they cannot all be hidden).
+     ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row saves;
+     ``extra_device_bytes``: peak bytes of the reload buffers.
+     ``single_over_ours``: modelled step time single_buffer / this row
+     ("baseline / ours: > 1 means ours is faster").
 
 GPU section (only with CUDA): steps/s and peak allocated memory of the same stack on the GPU
 (Megatron's local attention) for no offload (recompute, activations on device), single buffer,
-double buffer, and Transformer Engine's ``get_cpu_offload_context`` when TE is installed.
-Its ``hidden_fraction`` is measured: (T_single - T_double) / (T_single - T_no_offload).
+double buffer, and Transformer Engine's ``get_cpu_offload_context`` when TE is installed. Its
+``hidden_fraction`` is measured from step times: (T_single - T_double) / (T_single - T_no_offload).
 
-    python benchmarks/offload.py                      # L=8, s=128, b=2, h=128
-    python benchmarks/offload.py --quick --json /tmp/offload.json
+    python benchmarks/offload.py --json benchmarks/results/offload.json   # L=8, s=128, b=2, h=128
+    python benchmarks/offload.py --quick
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,7 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
-from megatron_fastpath.offload.timing import hidden_fraction, simulate_two_streams  # noqa: E402
+from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
 
 
 # -- model ---------------------------------------------------------------------------------
@@ -112,22 +121,8 @@ class Stack(torch.nn.Module):
 
 
 # -- CPU section ---------------------------------------------------------------------------
-class TimedRecordingDevice(RecordingDevice):
-    """RecordingDevice that also wall-clocks each compute region (CPU runs synchronously)."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.durations: dict[tuple[str, str], list[float]] = {}
-        self._t0: Optional[float] = None
-
-    def mark(self, kind, tag, **info):
-        super().mark(kind, tag, **info)
-        if kind == "compute_begin":
-            self._t0 = time.perf_counter()
-        elif kind == "compute_end" and self._t0 is not None:
-            self.durations.setdefault((info.get("phase", ""), tag), []).append(
-                time.perf_counter() - self._t0)
-            self._t0 = None
+RATIOS = (0.5, 1.0, 2.0)
+TARGET = 0.9
 
 
 def _measure_copy_bandwidth(nbytes: int, reps: int) -> float:
@@ -138,7 +133,7 @@ def _measure_copy_bandwidth(nbytes: int, reps: int) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    return nbytes / min(times)
 
 
 def _step(model, mgr, x):
@@ -148,76 +143,90 @@ def _step(model, mgr, x):
     return mgr.end_step()
 
 
-def cpu_section(args) -> list[dict]:
+def _record(args, config, x, ocfg: OffloadConfig) -> dict:
+    """Warm up, then ``args.reps`` steps: the fastest step's trace, per-layer min times."""
     from megatron_fastpath.offload.spec import with_activation_offload
 
-    dtype = torch.float32
-    config = _config(args, dtype)
-    x = torch.randn(args.seq, args.batch, args.hidden, dtype=dtype)
+    dev = RecordingDevice()
+    torch.manual_seed(0)
+    model = Stack(with_activation_offload(_layer_spec(True), ocfg, device=dev), config)
+    mgr = model.layers[0].offload_manager
+    for _ in range(args.warmup):
+        _step(model, mgr, x)
+    best, times = None, {}
+    for _ in range(args.reps):
+        dev.clear_trace()
+        t0 = time.perf_counter()
+        stats = _step(model, mgr, x)
+        wall = time.perf_counter() - t0
+        trace = list(dev.trace)
+        for e in trace:
+            if e.op == "compute_end":
+                key = (e.phase, e.tag)
+                times[key] = min(times.get(key, float("inf")), e.wall_s)
+        if best is None or wall < best[0]:
+            best = (wall, trace, stats)
+    return dict(trace=best[1], stats=best[2], times=times, extra=dev.peak_device_bytes)
+
+
+def _row(name, rec, compute_s, bw, act_bytes, g, label, single_step) -> dict:
+    frac, step, free = step_hidden_fraction(rec["trace"], compute_s, bw, prior_events_done=True)
+    if step.hazards:
+        raise RuntimeError(f"schedule hazard in {name}: {step.hazards[:3]}")
+    stats = rec["stats"]
+    c = act_bytes / bw
+    return dict(
+        section="cpu_model", variant=name, scenario=label, c_over_g=round(c / g, 4),
+        layers=len({t for _, t in compute_s}), offloaded_layers=stats.layers_offloaded,
+        offloaded_bytes_per_step=stats.bytes_offloaded, mode=stats.mode.value,
+        hidden_fraction=None if stats.layers_offloaded == 0 else round(frac, 4),
+        c_ms=round(c * 1e3, 4), step_ms=round(step.makespan * 1e3, 4),
+        free_copy_step_ms=round(free.makespan * 1e3, 4), compute_ms=round(step.compute_busy * 1e3, 4),
+        exposed_copy_ms=round((step.makespan - free.makespan) * 1e3, 4),
+        copy_ms=round(step.copy_busy * 1e3, 4),
+        single_over_ours=None if single_step is None else round(single_step / step.makespan, 4),
+        extra_device_bytes=rec["extra"],
+        host_issue_ms=round(max(e.host_s for e in rec["trace"]) * 1e3, 4),
+    )
+
+
+def cpu_section(args) -> list[dict]:
+    config = _config(args, torch.float32)
+    x = torch.randn(args.seq, args.batch, args.hidden)
     act_bytes = x.numel() * x.element_size()
     L = args.layers
-    modes = {
-        "no_offload": OffloadConfig(enabled=False, min_offload_bytes=0, headroom_margin_bytes=0),
-        "single_buffer": OffloadConfig(allow_double_buffer=False, min_offload_bytes=0,
-                                       headroom_margin_bytes=0),
-        "double_buffer": OffloadConfig(min_offload_bytes=0, headroom_margin_bytes=0),
+    base = dict(min_offload_bytes=0, headroom_margin_bytes=0)
+    recs = {
+        "no_offload": _record(args, config, x, OffloadConfig(enabled=False, **base)),
+        "single_buffer": _record(args, config, x,
+                                 OffloadConfig(allow_double_buffer=False, **base)),
+        "double_buffer_all_layers": _record(args, config, x, OffloadConfig(**base)),
     }
-    traces, devs, stats, durations = {}, {}, {}, {}
-    for name, ocfg in modes.items():
-        dev = TimedRecordingDevice()
-        torch.manual_seed(0)
-        model = Stack(with_activation_offload(_layer_spec(True), ocfg, device=dev), config)
-        mgr = model.layers[0].offload_manager
-        for _ in range(args.warmup):
-            _step(model, mgr, x)
-        dev.clear_trace()
-        dev.durations.clear()
-        for _ in range(args.reps):
-            start = len(dev.trace)
-            stats[name] = _step(model, mgr, x)
-        traces[name] = dev.trace[start:]  # the last step: one forward + backward
-        devs[name] = dev
-        durations[name] = {k: statistics.median(v) for k, v in dev.durations.items()}
-    # measured per-layer times (median over modes and reps: the compute is the same)
-    per_layer = {}
-    for key in durations["double_buffer"]:
-        per_layer[key] = statistics.median(d[key] for d in durations.values() if key in d)
-    g = statistics.median(v for (phase, _), v in per_layer.items() if phase == "bwd")
-    f = statistics.median(v for (phase, _), v in per_layer.items() if phase == "fwd")
-    bw = _measure_copy_bandwidth(act_bytes, max(5, args.reps * 5))
-    c = act_bytes / bw
-
+    windows = {n: _record(args, config, x, OffloadConfig(max_offloaded_layers=n, **base))
+               for n in range(1, L - 1)}
+    windows[L - 1] = recs["double_buffer_all_layers"]
+    # per-layer compute times: min over repeats and variants (the compute is the same)
+    compute_s: dict = {}
+    for rec in [*recs.values(), *windows.values()]:
+        for key, t in rec["times"].items():
+            compute_s[key] = min(compute_s.get(key, float("inf")), t)
+    g = statistics.median(t for (ph, _), t in compute_s.items() if ph == "bwd")
+    f = statistics.median(t for (ph, _), t in compute_s.items() if ph == "fwd")
+    scenarios = [(f"c/g={r:g}", act_bytes / (r * g)) for r in RATIOS]
+    scenarios.append(("measured", _measure_copy_bandwidth(act_bytes, max(5, args.reps * 5))))
     rows = []
-    scenarios = [("measured", bw)] + [
-        (f"c/g={r:g}", act_bytes / (r * g)) for r in (0.5, 1.0, 2.0)]
-    uniform = {"fwd": f, "bwd": g}
-    for label, scen_bw in scenarios:
-        c_s = act_bytes / scen_bw
-        for name in modes:
-            trace = traces[name]
-            # whole step: does the forward's offload traffic finish before backward needs it?
-            full = simulate_two_streams(trace, uniform, scen_bw, prior_events_done=True)
-            # backward only (the setting of T_double = c + (L-1) max(c, g) + g): from the first
-            # call after the last forward compute region, offloads assumed complete
-            last_fwd = max(i for i, e in enumerate(trace)
-                           if e.op == "compute_end" and e.phase == "fwd")
-            tl = simulate_two_streams(trace[last_fwd + 1:], uniform, scen_bw,
-                                      prior_events_done=True)
-            if tl.hazards or full.hazards:
-                raise RuntimeError(f"schedule hazard in {name}: {(tl.hazards + full.hazards)[:3]}")
-            d2h_end = max([iv.end for iv in full.intervals if iv.kind == "d2h"], default=0.0)
-            hf = hidden_fraction(tl, L, c_s, g) if name != "no_offload" else None
-            rows.append(dict(
-                section="cpu_model", variant=name, scenario=label, layers=L,
-                hidden_fraction=None if hf is None else round(hf, 4),
-                extra_device_bytes=devs[name].peak_device_bytes,
-                activation_bytes=act_bytes, c_ms=round(c_s * 1e3, 4), g_ms=round(g * 1e3, 4),
-                f_ms=round(f * 1e3, 4), bwd_ms=round(tl.bwd_span * 1e3, 4),
-                exposed_copy_ms=round(tl.stall * 1e3, 4),
-                d2h_backlog_ms=round(max(0.0, d2h_end - full.fwd_end) * 1e3, 4),
-                ideal_saving_ms=round((L - 1) * min(c_s, g) * 1e3, 4),
-                mode=stats[name].mode.value,
-            ))
+    for label, bw in scenarios:
+        single = step_hidden_fraction(recs["single_buffer"]["trace"], compute_s, bw,
+                                      prior_events_done=True)[1].makespan
+        for name, rec in recs.items():
+            rows.append(_row(name, rec, compute_s, bw, act_bytes, g, label, single))
+        planned = [_row("double_buffer", windows[n], compute_s, bw, act_bytes, g, label, single)
+                   for n in sorted(windows)]
+        ok = [r for r in planned if r["hidden_fraction"] >= TARGET]
+        rows.append(ok[-1] if ok else planned[0])
+    for r in rows:
+        r.update(f_ms=round(f * 1e3, 4), g_ms=round(g * 1e3, 4), reps=args.reps,
+                 activation_bytes=act_bytes)
     return rows
 
 
@@ -286,6 +295,7 @@ def gpu_section(args) -> list[dict]:
         times[name] = dt
         rows.append(dict(
             section="gpu", variant=name, layers=args.layers, hidden_fraction=None,
+            c_over_g=None,  # not measured on the GPU: the figure below is from step times
             extra_device_bytes=None if mgr is None else mgr.device_buffer_bytes,
             steps_per_s=round(1.0 / dt, 3), peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
             peak_over_model_mb=round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
@@ -303,10 +313,9 @@ def gpu_section(args) -> list[dict]:
 
 # -- main ----------------------------------------------------------------------------------
 def _table(rows: list[dict]) -> str:
-    cols = ["section", "variant", "scenario", "layers", "mode", "c_ms", "f_ms", "g_ms", "bwd_ms",
-            "exposed_copy_ms", "ideal_saving_ms", "hidden_fraction", "extra_device_bytes",
-            "d2h_backlog_ms",
-            "steps_per_s", "peak_mb", "note"]
+    cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "mode", "c_ms",
+            "compute_ms", "step_ms", "free_copy_step_ms", "exposed_copy_ms", "copy_ms", "hidden_fraction",
+            "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
@@ -314,6 +323,30 @@ def _table(rows: list[dict]) -> str:
     out = [line, "-" * len(line)]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(out)
+
+
+def _environment(load_start: float) -> dict:
+    cores = os.cpu_count() or 1
+    load = max(load_start, os.getloadavg()[0])
+    return dict(torch=torch.__version__, cores=cores, load_average_1min_at_start=load_start,
+                load_average_1min_at_end=os.getloadavg()[0], noisy=load / cores > 0.5)
+
+
+def _summary(rows: list[dict], env: dict) -> str:
+    lines = [
+        "ratio: single_over_ours = modelled step time single_buffer / this row "
+        "(baseline / ours: > 1 means ours is faster)",
+        f"load average {env['load_average_1min_at_start']:.2f} -> "
+        f"{env['load_average_1min_at_end']:.2f} on {env['cores']} cores"
+        + ("  [NOISY: load > 0.5 per core]" if env["noisy"] else ""),
+    ]
+    for r in rows:
+        if r["section"] == "cpu_model" and r["variant"] == "double_buffer":
+            lines.append(
+                f"double_buffer at c/g={r['c_over_g']:g}: whole-step hidden fraction "
+                f"{r['hidden_fraction']} with {r['offloaded_layers']} of {r['layers'] - 1} "
+                f"layers offloaded (target >= {TARGET})")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -329,31 +362,34 @@ def main(argv=None) -> dict:
     p.add_argument("--gpu-steps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer reps")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
-    p.add_argument("--json", type=str, default=None, help="write results to this path")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write results here (and the table next to it, .txt)")
     args = p.parse_args(argv)
-    if args.layers < 2:
-        p.error("--layers must be >= 2 (the last layer is never offloaded)")
+    if args.layers < 3:
+        p.error("--layers must be >= 3 (the last layer is never offloaded)")
     if args.quick:
         args.layers, args.seq, args.hidden, args.heads = min(args.layers, 6), 64, 128, 4
-        args.warmup, args.reps, args.gpu_steps = 1, 1, 5
+        args.warmup, args.reps, args.gpu_steps = 1, 2, 5
 
     from megatron_fastpath.distributed import init_distributed
 
+    load_start = os.getloadavg()[0]
     init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")
     t0 = time.perf_counter()
     rows = cpu_section(args)
     if torch.cuda.is_available() and not args.no_gpu:
         rows += gpu_section(args)
-    print(_table(rows))
-    double = [r["hidden_fraction"] for r in rows
-              if r["section"] == "cpu_model" and r["variant"] == "double_buffer"]
-    print(f"\ndouble buffer hidden fraction (timing model): min {min(double):.3f} "
-          f"(target >= 0.9); wall time {time.perf_counter() - t0:.1f}s")
-    result = {"results": rows}
+    env = _environment(load_start)
+    text = _table(rows) + "\n\n" + _summary(rows, env) + (
+        f"\nwall time {time.perf_counter() - t0:.1f}s")
+    print(text)
+    result = {"environment": env, "config": {k: v for k, v in vars(args).items()
+                                             if k != "json"}, "results": rows}
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"wrote {args.json}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+        args.json.with_suffix(".txt").write_text(text + "\n")
+        print(f"wrote {args.json} and {args.json.with_suffix('.txt')}")
     return result
 
 

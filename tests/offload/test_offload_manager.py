@@ -121,6 +121,53 @@ def test_live_quantized_tensor_keeps_its_data_after_pack():
     assert q._data is data and torch.equal(q.dequantize(), expected)
 
 
+class FakeFloat8Tensor(torch.Tensor):
+    """TE 2.10's QuantizedTensor contract: a torch.Tensor subclass whose ``detach()`` is
+    ``make_like(self)`` (a new object sharing the data tensors) and whose
+    ``prepare_for_saving`` clears the object it is called on."""
+
+    @staticmethod
+    def __new__(cls, data, scale_inv):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32)
+        self._data, self._scale_inv = data, scale_inv
+        return self
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"stand-in: {func} not needed by the offload manager")
+
+    def detach(self):
+        return FakeFloat8Tensor(self._data, self._scale_inv)
+
+    def prepare_for_saving(self):
+        tensors = [self._data, self._scale_inv]
+        self._data = self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        self._data, self._scale_inv = tensors[:2]
+        return tensors[2:]
+
+
+def test_live_quantized_tensor_subclass_split_on_detach():
+    mgr, dev, keys = _manager(num_layers=2)
+    q = FakeFloat8Tensor(torch.arange(64, dtype=torch.uint8), torch.tensor([2.0]))
+    data = q._data
+    mgr.begin_step()
+    g0 = mgr.open_group(keys[0])
+    packed = mgr.pack(g0, q)
+    mgr.close_group(g0)
+    assert q._data is data and q._scale_inv is not None  # live tensor untouched
+    g1 = mgr.open_group(keys[1])
+    mgr.close_group(g1)
+    mgr.begin_backward(g1)
+    mgr.begin_backward(g0)
+    rebuilt = mgr.unpack(packed)
+    assert type(rebuilt) is FakeFloat8Tensor and rebuilt is not q
+    assert torch.equal(rebuilt._data, data) and rebuilt._data.data_ptr() != data.data_ptr()
+    assert mgr.end_step().layers_offloaded == 1 and q._data is data
+
+
 def test_quantized_tensor_without_a_view_stays_on_device():
     class NoView(FakeFloat8):
         get_metadata = None

@@ -1,0 +1,41 @@
+"""benchmarks/offload.py in its quick configuration: the JSON a reader checks (issue 14)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from megatron_fastpath.train import config_dir
+
+REPO = os.path.dirname(config_dir())
+
+
+def test_offload_benchmark_quick_json(tmp_path):
+    out = tmp_path / "offload.json"
+    proc = subprocess.run(
+        [sys.executable, f"{REPO}/benchmarks/offload.py", "--quick", "--no-gpu", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "baseline / ours: > 1 means ours is faster" in proc.stdout
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".txt").exists()
+    env = report["environment"]
+    assert env["noisy"] == (max(env["load_average_1min_at_start"],
+                                env["load_average_1min_at_end"]) / env["cores"] > 0.5)
+    rows = report["results"]
+    double = [r for r in rows if "double" in r["variant"]]
+    assert double and all(r["hidden_fraction"] is not None and "c_over_g" in r for r in double)
+    planned = {r["c_over_g"]: r for r in double if r["variant"] == "double_buffer"}
+    assert {0.5, 1.0, 2.0} <= planned.keys()
+    assert planned[1.0]["hidden_fraction"] >= 0.9
+    for r in rows:  # the whole-step figure, from the step's own numbers
+        if r["hidden_fraction"] is not None and r["copy_ms"] > 1:  # ms rounded to 4 places
+            exposed = r["step_ms"] - r["free_copy_step_ms"]
+            assert abs(r["hidden_fraction"] - (1 - exposed / r["copy_ms"])) < 1e-3
+    by = {(r["variant"], r["c_over_g"]): r for r in rows}
+    # single buffering serialises: it never hides more than double buffering of the same layers
+    for ratio in (0.5, 1.0, 2.0):
+        assert (by[("single_buffer", ratio)]["hidden_fraction"]
+                <= by[("double_buffer_all_layers", ratio)]["hidden_fraction"])
