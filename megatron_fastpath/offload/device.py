@@ -158,8 +158,8 @@ class CudaOffloadDevice(OffloadDevice):
 
     def reload_stream(self):
         if self._reload_stream is None:
-            high, _ = torch.cuda.Stream.priority_range()
-            self._reload_stream = torch.cuda.Stream(device=self.device, priority=high)
+            # lower is higher; torch maps -1 to the device's highest priority when out of range
+            self._reload_stream = torch.cuda.Stream(device=self.device, priority=-1)
         return self._reload_stream
 
     def is_capturing(self) -> bool:

@@ -80,8 +80,24 @@ def test_cuda_streams_bit_identical_fixed_buffers_pinned_pool(double):
         ptrs = ptrs or cur
         assert cur == ptrs, "reload buffers moved"
     assert mgr.host_pinned and all(t.is_pinned() for t in mgr._host_slots.values())
-    assert mgr.device.offload_stream() != torch.cuda.current_stream() != mgr.device.reload_stream()
+    dev = mgr.device
+    streams = {dev.offload_stream(), dev.reload_stream(), torch.cuda.current_stream()}
+    assert len(streams) == 3  # offloads and reloads never share an in-order queue
+    assert dev.reload_stream().priority <= dev.offload_stream().priority  # lower is higher
     assert stats.layers_offloaded == L - 1
+
+
+def test_cuda_graph_capture_refused_before_forking():
+    """A real capture: the manager raises before issuing anything on a side stream, so the
+    capture itself ends cleanly (CUDA would otherwise fail it as unjoined)."""
+    _, off, mgr = _pair(OffloadConfig(**CFG))
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _run(off, x.detach(), mgr)  # eager warm-up
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            off(x)
+    assert not torch.cuda.is_current_stream_capturing()
 
 
 def test_cuda_peak_memory_bound():
