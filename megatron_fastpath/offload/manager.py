@@ -21,14 +21,12 @@ Backward, when layer i's backward starts (an autograd Function at the layer boun
        record e_reload(i-1) (= e_read(slot i-1))                           (DOUBLE: prefetch)
     C: layer i recompute + backward
 
-Offloads and reloads use separate streams (separate copy engines on a GPU, the reload stream at
-high priority), so a reload waits only for its own group's offload, never behind the forward's
-whole offload backlog.
-
 so in DOUBLE mode the reload of layer i-1 overlaps layer i's backward, and the compute stream
 waits only when a reload is not finished. SINGLE mode reloads group(i) just in time into the one
 buffer; OFF keeps everything on the device. The reload buffers are allocated once and keep their
 addresses (they only change when a group larger than the buffers shows up, which is logged).
+Offloads and reloads use separate streams (separate copy engines on a GPU, the reload stream at
+high priority), so a reload waits only for its own group's offload, never behind other offloads.
 
 Guardrails (never a crash, never different numerics): the buffer mode is decided at the first
 offload of every step from :meth:`OffloadDevice.memory_info` against ``headroom_margin_bytes``
@@ -95,10 +93,10 @@ class _Packed:
 class OffloadGroup:
     """The tensors of one layer's forward, offloaded (or kept) and reloaded together."""
 
-    def __init__(self, key: str, seq: int, is_last: bool):
+    def __init__(self, key: str, seq: int, stays_on_device: bool):
         self.key = key
         self.seq = seq
-        self.is_last = is_last
+        self.stays_on_device = stays_on_device  # the last layer, or past max_offloaded_layers
         self.items: list[_Item] = []
         self.nbytes = 0
         self._dedup: dict[tuple, int] = {}
@@ -285,7 +283,7 @@ class ActivationOffloadManager:
         self._seq += 1
         limit = self.config.max_offloaded_layers
         beyond = limit is not None and self._layer_keys.index(key) >= limit
-        return OffloadGroup(key, self._seq, is_last=(key == self._layer_keys[-1]) or beyond)
+        return OffloadGroup(key, self._seq, (key == self._layer_keys[-1]) or beyond)
 
     def _refuse_capture(self) -> None:
         if self.device.is_capturing():
@@ -298,7 +296,7 @@ class ActivationOffloadManager:
             )
 
     def _wants(self, group: OffloadGroup, t: torch.Tensor) -> bool:
-        if group.is_last or not self.config.enabled or group.closed:
+        if group.stays_on_device or not self.config.enabled or group.closed:
             return False
         if t.device != self.device.device or never_offload(t):
             return False
