@@ -9,7 +9,8 @@ Transformer Engine) GPT layer spec with two entries swapped, as data:
 Build the model with ``position_embedding_type="none"`` (RoPE is applied from the cache; on CPU
 Megatron 0.16.1's ``RotaryEmbedding`` would move itself to CUDA) or ``"rope"`` on GPU (its
 per-model embedding is then computed but not used), and call it with
-``attention_mask=None, packed_seq_params=batch.packed_seq_params``.
+``attention_mask=None, packed_seq_params=batch.packed_seq_params`` (required: the batch's masks
+and RoPE ride in it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def get_fastpath_layer_spec(
     num_experts: Optional[int] = None,
     linear_impl: Optional[str] = None,
     moe_spec_kwargs: Optional[dict] = None,
+    params_dtype=None,
 ):
     """Return a ``ModuleSpec`` for a Megatron ``TransformerLayer`` reading ``cache``.
 
@@ -45,6 +47,8 @@ def get_fastpath_layer_spec(
         linear_impl: "local" (Megatron's own linears, CPU-capable) or "te" (Transformer Engine
             linears, needed for FP8); default "te" when backend resolves to "te", else "local".
         moe_spec_kwargs: extra keyword arguments for :func:`megatron_fastpath.moe.get_moe_mlp_spec`.
+        params_dtype: the model's dtype, when known: te / flash on CUDA in float32 are refused
+            here, before any model is built (the attention checks it again when built).
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -54,7 +58,8 @@ def get_fastpath_layer_spec(
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm'; got {normalization!r}")
     resolved = resolve_backend(
-        backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens
+        backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens,
+        dtype=params_dtype,
     )
     linear_impl = linear_impl or ("te" if resolved == "te" else "local")
     if linear_impl not in ("local", "te"):

@@ -63,6 +63,8 @@ def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **o
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        # Megatron requires it for PP > 1 (the p2p buffers' dtype); harmless at PP = 1.
+        pipeline_dtype=params_dtype,
         init_method_std=model.init_method_std,
         cuda_graph_scope=[],  # whole layer (the 0.16.1 default "full" is deprecated)
     )

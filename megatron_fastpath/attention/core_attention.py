@@ -1,20 +1,23 @@
-"""Core attention that reads the packed-sequence cache.
+"""Core attention over a packed batch whose derived tensors ride in its ``packed_seq_params``.
 
 ``PackedCoreAttention`` is a Megatron ``core_attention`` submodule (same constructor and call
 signature as ``DotProductAttention`` / ``TEDotProductAttention``). It takes q/k/v of a packed
-microbatch, applies RoPE from the cache's per-token cos/sin (built once per batch, shared by all
-layers) and runs one of the backends over the cache's static boundary metadata:
+microbatch and the batch's :class:`CachedPackedSeqParams`, applies RoPE from the params'
+per-token cos/sin (built once per batch by the cache, shared by all layers) and runs one of the
+backends over the params' static boundary metadata and masks:
 
 =========  ==============================================================  =============
 backend    kernel                                                          device
 =========  ==============================================================  =============
-``sdpa``   ``F.scaled_dot_product_attention`` + cached block-causal mask   CPU default
+``sdpa``   ``F.scaled_dot_product_attention`` + one additive mask           CPU default
 ``flex``   ``flex_attention`` + cached ``BlockMask``                       CPU / CUDA
 ``flash``  ``flash_attn_varlen_func`` over the static ``cu_seqlens``       CUDA
 ``te``     Megatron ``TEDotProductAttention`` (THD) + TE fused RoPE        CUDA
 =========  ==============================================================  =============
 
-None of them reads a tensor value on the host.
+None of them reads a tensor value on the host, and none reads the cache: everything per batch
+comes from the params (a CUDA-graph replay copies them in; a recompute in backward gets the same
+object its forward got). ``packed_seq_params=None`` is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
 
 from megatron_fastpath._optional import require
 from megatron_fastpath.attention.rope import apply_rope_cached
-from megatron_fastpath.packed_seq.cache import _dtype_name
+from megatron_fastpath.packed_seq.cache import CachedPackedSeqParams, block_mask_from
 
 __all__ = ["BACKENDS", "PackedCoreAttention", "resolve_backend"]
 
@@ -39,36 +43,66 @@ _ALTERNATIVES = {
 }
 
 
-def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: int) -> str:
-    """Validate ``backend`` (raising before any device work when its package is missing) and
-    resolve ``"auto"``: te > flash on CUDA when installed, else sdpa (flex above the SDPA mask
-    limit)."""
+def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: int,
+                    dtype: Optional[torch.dtype] = None) -> str:
+    """Validate ``backend`` (raising before any device work when its package is missing, or
+    when ``dtype`` is one its kernels lack) and resolve ``"auto"``: te > flash on CUDA when
+    installed, else sdpa (flex above the SDPA mask limit)."""
     if backend == "auto":
         from megatron_fastpath._optional import have
 
         if device.type == "cuda" and have("transformer_engine.pytorch"):
-            return "te"
-        if device.type == "cuda" and have("flash_attn"):
-            return "flash"
-        if device.type == "cuda" and max_tokens > sdpa_limit:
-            return "flex"
-        return "sdpa"  # on CPU above the mask limit this raises with the alternatives
-    if backend not in BACKENDS:
+            resolved = "te"
+        elif device.type == "cuda" and have("flash_attn"):
+            resolved = "flash"
+        elif device.type == "cuda" and max_tokens > sdpa_limit:
+            resolved = "flex"
+        else:
+            resolved = "sdpa"  # on CPU above the mask limit this raises with the alternatives
+    elif backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
-    if backend == "flash":
-        require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
-    if backend == "te":
-        require("transformer_engine.pytorch", "the 'te' attention backend", _ALTERNATIVES["te"])
-    return backend
+    else:
+        resolved = backend
+        if backend == "flash":
+            require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
+        if backend == "te":
+            require("transformer_engine.pytorch", "the 'te' attention backend", _ALTERNATIVES["te"])
+    check_backend_dtype(resolved, device, dtype, chosen_by_auto=backend == "auto")
+    return resolved
 
 
-def _megatron_module_base():
-    from megatron.core.transformer.module import MegatronModule
+def check_backend_dtype(backend: str, device: torch.device, dtype: Optional[torch.dtype],
+                        chosen_by_auto: bool = False) -> None:
+    """te / flash on CUDA need fp16 or bf16: TE has no fp32 THD backend and flash-attn takes
+    half precision only ("No dot product attention backend" at the first forward)."""
+    if dtype is None or device.type != "cuda" or backend not in ("te", "flash"):
+        return
+    if dtype not in (torch.bfloat16, torch.float16):
+        how = " (chosen by attention_backend=auto on CUDA)" if chosen_by_auto else ""
+        raise ValueError(
+            f"the '{backend}' attention backend{how} runs in bf16 / fp16 only, but the model "
+            f"dtype is {dtype}: set the model dtype to bfloat16 (dtype: bfloat16, i.e. "
+            "TransformerConfig params_dtype=torch.bfloat16 with bf16=True), or keep float32 "
+            "with attention_backend=sdpa"
+        )
 
-    return MegatronModule
+
+def _te_dot_product_attention_cls():
+    """Megatron's ``TEDotProductAttention`` (a seam: CPU tests put a stand-in with its exact
+    signature here)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
 
 
-class PackedCoreAttention(_megatron_module_base()):
+def _te_apply_rotary_pos_emb():
+    """Transformer Engine's fused RoPE (>= 2.3; a seam for CPU stand-ins)."""
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb
+
+
+class PackedCoreAttention(MegatronModule):
     """Megatron core attention over a :class:`PackedSeqCache`.
 
     Built from a ModuleSpec: ``ModuleSpec(PackedCoreAttention, params={"cache": cache,
@@ -76,13 +110,13 @@ class PackedCoreAttention(_megatron_module_base()):
     attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection).
 
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-            packed_seq_params=None)
-        query: [T, np, hn] (THD, when packed_seq_params are given) or [T, 1, np, hn];
+            packed_seq_params=batch.packed_seq_params)
+        query: [T, np, hn] (THD) or [T, 1, np, hn];
         key/value: [T, ng, hn] or [T, 1, ng, hn] (GQA: ng divides np).
         returns [T, np*hn] (THD) or [T, 1, np*hn].
 
     T must equal the cache's ``max_tokens`` (pad the packed batch to it: static shapes).
-    ``attention_mask`` must be None: the mask comes from the cache.
+    ``attention_mask`` must be None: the mask rides in ``packed_seq_params``, which is required.
     """
 
     def __init__(
@@ -110,7 +144,8 @@ class PackedCoreAttention(_megatron_module_base()):
             )
         self.cache = cache
         self.backend = resolve_backend(
-            backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens
+            backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens,
+            dtype=config.params_dtype,
         )
         self.layer_number = layer_number
         self.apply_rope = apply_rope and cache.config.rope is not None
@@ -120,20 +155,18 @@ class PackedCoreAttention(_megatron_module_base()):
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_per_head)
         )
-        needs = {"sdpa": ["sdpa_mask"], "flex": ["flex_block_mask"], "flash": ["real_mask"], "te": ["real_mask"]}[
-            self.backend
-        ]
+        # What this layer reads from the params; the cache builds it into every slot's params.
+        needs = {"sdpa": ["sdpa_mask"], "flex": ["flex_block_mask"], "flash": [], "te": []}[self.backend]
         if self.apply_rope:
-            needs.append("rope_freqs" if self.backend == "te" else f"rope_cos_sin:{_dtype_name(config.params_dtype)}")
+            needs.append("rope_freqs" if self.backend == "te" else "rope_cos_sin")
         for kind in needs:
-            cache.register(kind)
+            cache.register(kind, dtype=config.params_dtype)
         self._te_attention = None
         if self.backend == "te":
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention
             from megatron.core.transformer.enums import AttnMaskType
 
-            # TE reads cu_seqlens / cu_seqlens_padded / max_seqlen from the cache's params.
-            self._te_attention = TEDotProductAttention(
+            # TE reads cu_seqlens / max_seqlen from the params (cu_seqlens_*_padded are None).
+            self._te_attention = _te_dot_product_attention_cls()(
                 config=config,
                 layer_number=layer_number,
                 attn_mask_type=AttnMaskType.padding_causal,
@@ -181,17 +214,42 @@ class PackedCoreAttention(_megatron_module_base()):
                 f"packed input has {t} tokens but the cache's static capacity is max_tokens="
                 f"{self.cache.config.max_tokens}: pad the packed batch to max_tokens"
             )
-        params = packed_seq_params
-        if params is None:
-            params = self.cache.slot_for(None).params
+        params = self._checked_params(packed_seq_params)
         if self.apply_rope and self.backend != "te":
-            cos_T1D, sin_T1D = self.cache.rope_cos_sin(params, dtype=query.dtype)
+            cos_T1D, sin_T1D = params.rope_cos_T1D, params.rope_sin_T1D
+            if cos_T1D.dtype != query.dtype:
+                raise ValueError(
+                    f"the packed cache built RoPE in {cos_T1D.dtype} (TransformerConfig.params_dtype)"
+                    f" but attention runs in {query.dtype}; set params_dtype to the compute dtype"
+                )
             query = apply_rope_cached(query, cos_T1D, sin_T1D, self.rope_interleaved)
             key = apply_rope_cached(key, cos_T1D, sin_T1D, self.rope_interleaved)
 
         out_THd = getattr(self, f"_forward_{self.backend}")(query, key, value, params)
         out = out_THd.reshape(t, -1)
         return out.unsqueeze(1) if sbhd else out
+
+    def _checked_params(self, params) -> CachedPackedSeqParams:
+        """The batch's params, refusing None and foreign params (host-side checks only)."""
+        if params is None:
+            raise ValueError(
+                "PackedCoreAttention needs the batch's packed_seq_params (batch.packed_seq_params "
+                "from cache.set_batch); it never falls back to a 'current' batch, which a "
+                "recompute in backward or a CUDA-graph replay would read wrongly"
+            )
+        if not isinstance(params, CachedPackedSeqParams):
+            raise ValueError(
+                "packed_seq_params were not produced by a PackedSeqCache (got "
+                f"{type(params).__name__}); load the batch with cache.set_batch(lengths or "
+                "cu_seqlens) and pass batch.packed_seq_params"
+            )
+        field = {"sdpa": "sdpa_mask_TT", "flex": "flex_kv_indices"}.get(self.backend)
+        if field is not None and getattr(params, field) is None:
+            raise ValueError(
+                f"packed_seq_params carry no {field}: they come from a PackedSeqCache this "
+                "model's attention did not register with; pass the params of the model's cache"
+            )
+        return params
 
     # Each backend: q [T, np, hn], k/v [T, ng, hn] -> [T, np, hn].
     @staticmethod
@@ -203,7 +261,12 @@ class PackedCoreAttention(_megatron_module_base()):
         return self.dropout_p if self.training else 0.0
 
     def _forward_sdpa(self, q, k, v, params):
-        mask_TT = self.cache.sdpa_mask(params)
+        mask_TT = params.sdpa_mask_TT  # additive, q's dtype: used as is, saved once per step
+        if mask_TT.dtype != q.dtype:
+            raise ValueError(
+                f"the packed cache built the SDPA mask in {mask_TT.dtype} (TransformerConfig."
+                f"params_dtype) but attention runs in {q.dtype}; set params_dtype to the compute dtype"
+            )
         out_1HTd = F.scaled_dot_product_attention(
             *self._as_1HTd(q, k, v),
             attn_mask=mask_TT,
@@ -221,7 +284,7 @@ class PackedCoreAttention(_megatron_module_base()):
                 "the 'flex' backend has no backward on CPU (torch FlexAttention limitation); "
                 "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"
             )
-        block_mask = self.cache.flex_block_mask(params)
+        block_mask = block_mask_from(params)
         out_1HTd = self._flex(
             *self._as_1HTd(q, k, v),
             block_mask=block_mask,
@@ -230,7 +293,7 @@ class PackedCoreAttention(_megatron_module_base()):
         )
         return out_1HTd.squeeze(0).transpose(0, 1)
 
-    def _forward_flash(self, q, k, v, params):  # pragma: no cover - CUDA only
+    def _forward_flash(self, q, k, v, params):
         flash_attn = require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
         out = flash_attn.flash_attn_varlen_func(
             q, k, v,
@@ -242,21 +305,22 @@ class PackedCoreAttention(_megatron_module_base()):
             softmax_scale=self.softmax_scale,
             causal=True,
         )
-        # Tokens past cu_seqlens[-1] (static padding) are not written by the kernel.
-        real_T11 = self.cache.real_token_mask(params).view(-1, 1, 1)
-        return torch.where(real_T11, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        # cu_seqlens close the padding tail at T: the kernel writes every row of out and, in
+        # backward, of dq / dk / dv (FA2 leaves rows after the last boundary uninitialised).
+        return out
 
-    def _forward_te(self, q, k, v, params):  # pragma: no cover - CUDA only
-        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_rope
+    def _forward_te(self, q, k, v, params):
+        from megatron.core.transformer.enums import AttnMaskType
 
         if self.apply_rope:
-            freqs_T11D = self.cache.get("rope_freqs", params)
+            te_rope = _te_apply_rotary_pos_emb()
+            freqs_T11D = params.rope_freqs_T11D
             # sbhd with s = packed token, b = 1: per-token angles, fused kernel, no cu_seqlens.
             q = te_rope(q.unsqueeze(1), freqs_T11D, tensor_format="sbhd", fused=True,
                         interleaved=self.rope_interleaved).squeeze(1)
             k = te_rope(k.unsqueeze(1), freqs_T11D, tensor_format="sbhd", fused=True,
                         interleaved=self.rope_interleaved).squeeze(1)
-        out = self._te_attention(q, k, v, None, packed_seq_params=params)
-        out = out.view(q.shape[0], q.shape[1], -1)
-        real_T11 = self.cache.real_token_mask(params).view(-1, 1, 1)
-        return torch.where(real_T11, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        # Megatron's TEDotProductAttention.forward takes attn_mask_type positionally required.
+        out = self._te_attention(q, k, v, None, attn_mask_type=AttnMaskType.padding_causal,
+                                 packed_seq_params=params)
+        return out.view(q.shape[0], q.shape[1], -1)

@@ -2,6 +2,7 @@
 
 from megatron_fastpath.packed_seq.cache import (
     CacheStats,
+    CachedPackedSeqParams,
     PackedBatch,
     PackedSeqCache,
     PackedSeqConfig,
@@ -16,6 +17,7 @@ from megatron_fastpath.packed_seq.packing import first_fit_decreasing
 
 __all__ = [
     "CacheStats",
+    "CachedPackedSeqParams",
     "HostPackedMetadata",
     "PackedBatch",
     "PackedSeqCache",

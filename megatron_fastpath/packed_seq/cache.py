@@ -1,25 +1,37 @@
-"""PackedSeqCache: a packed batch's boundary metadata, built once per batch, in static buffers.
+"""PackedSeqCache: a packed batch's boundary metadata and everything derived from it, built
+once per batch into static buffers and carried to every layer in the ``packed_seq_params``.
 
-Every transformer layer of a packed batch consumes the same B = {lengths, cu_seqlens,
-max_seqlen, positions, masks}. The cache derives B on the host (``metadata.py``), moves it with
-ONE non-blocking copy from a pinned staging buffer into fixed-capacity device buffers, and
-hands every layer the same tensors:
+Every transformer layer of a packed batch consumes the same B = {cu_seqlens, max_seqlen,
+positions, masks, RoPE}. The cache derives the boundaries on the host (``metadata.py``), moves
+them with ONE non-blocking copy from a pinned staging buffer into fixed-capacity device buffers,
+builds the derived tensors there (static-shape ops, no host reads) and hands every layer one
+:class:`CachedPackedSeqParams` -- a dataclass subclass of Megatron's ``PackedSeqParams`` whose
+tensor fields *are* the slot's static buffers (same ``data_ptr``, shapes and ``max_seqlen_*``
+ints on every step):
 
-* a Megatron ``PackedSeqParams`` (``qkv_format="thd"``, ``cp_group=None``) whose tensors *are*
-  the static buffers -- same ``data_ptr``, shapes and ``max_seqlen_*`` ints on every step, which
-  is what Megatron's ``CudaGraphManager`` requires of a kwarg it replays;
-* derived structures built once per batch on the device (static-shape ops, no host reads) and
-  shared by all layers, with hit/miss counters: per-token RoPE cos/sin, the SDPA block-diagonal
-  causal mask, the ``flex_attention`` BlockMask.
+* ``cu_seqlens_q/kv``: boundaries with the padding tail closed at T (no ``*_padded``);
+* ``position_ids_T``, ``seq_ids_T``, ``real_token_mask_T`` (True on real tokens);
+* per-token RoPE ``rope_cos_T1D`` / ``rope_sin_T1D`` (or TE's ``rope_freqs_T11D``);
+* the SDPA mask ``sdpa_mask_TT``: ONE additive mask (0 / -inf) in the compute dtype, shared by
+  all layers (SDPA saves it once per step and converts nothing);
+* the ``flex_attention`` BlockMask as eight index tensors ``flex_*``.
+
+Attention reads all of it from the params it is given, never from the cache by identity or from
+a "current" batch. That is what Megatron's ``CudaGraphManager`` needs: it rebuilds dataclass
+kwargs field by field (``dataclasses.replace``) into graph input buffers at capture and copies
+every tensor field into them at replay, so one runner per layer serves every microbatch whatever
+slot the microbatch was loaded into. It is also what activation recompute needs: a layer re-run
+in backward gets the same params object its forward got.
 
 Several microbatches can be in flight (pipeline 1F1B runs forward of m+1 before backward of m):
 the cache owns ``num_slots`` independent slots; a slot stays reserved from ``set_batch`` until
 ``release`` (or the end of the ``batch()`` context), so a batch's buffers are never overwritten
 while its backward may still read them. Staleness is impossible by construction: nothing is
 keyed on object identity of the caller's data -- every ``set_batch`` re-derives B from the values
-it is given and bumps a version that derived structures are stamped with.
+it is given.
 
-Shapes: T = ``max_tokens``, S = ``max_seqs``, D = rotary dim.
+Shapes: T = ``max_tokens``, S = ``max_seqs``, C = entries of cu_seqlens (S + 1 + the closed
+tail), D = rotary dim, Q / K = flex query / key blocks.
 """
 
 from __future__ import annotations
@@ -27,10 +39,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_fastpath.packed_seq.metadata import (
     HostPackedMetadata,
@@ -41,9 +54,16 @@ from megatron_fastpath.packed_seq.metadata import (
     split_record,
 )
 
-__all__ = ["RopeConfig", "PackedSeqConfig", "PackedBatch", "PackedSeqCache", "CacheStats"]
+__all__ = [
+    "CacheStats",
+    "CachedPackedSeqParams",
+    "PackedBatch",
+    "PackedSeqCache",
+    "PackedSeqConfig",
+    "RopeConfig",
+]
 
-# A T x T boolean mask costs T^2 bytes; above this many tokens the SDPA backend is refused.
+# The SDPA mask costs T^2 x (2 or 4) bytes per slot; above this many tokens SDPA is refused.
 DEFAULT_SDPA_MASK_MAX_TOKENS = 16384
 
 
@@ -139,32 +159,77 @@ class PackedSeqConfig:
         return self.max_seqlen if self.max_seqlen is not None else self.max_tokens
 
 
+# The flex BlockMask fields, in BlockMask's constructor order; Q / K blocks of FLEX_BLOCK tokens.
+FLEX_BLOCK = 128
+_FLEX_FIELDS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)
+
+
+@dataclasses.dataclass
+class CachedPackedSeqParams(PackedSeqParams):
+    """Megatron ``PackedSeqParams`` (thd) carrying everything a layer derives from the batch.
+
+    Every field is a tensor, an int, a str or None (what ``CudaGraphManager`` accepts); the
+    tensors are the cache slot's static buffers. Fields a backend does not use stay None (a
+    graph copies every tensor field at replay, so nothing unused is carried).
+
+    position_ids_T: [T] int32, position inside its sequence (0 on padding).
+    seq_ids_T: [T] int32, sequence index of each token, -1 on padding.
+    real_token_mask_T: [T] bool, True on real tokens, False on the padding tail (for the MoE
+        router and losses; static shape, no host read).
+    rope_cos_T1D / rope_sin_T1D: [T, 1, D] per-token RoPE factors in the compute dtype.
+    rope_freqs_T11D: [T, 1, 1, D] float32 angles for Transformer Engine's fused RoPE.
+    sdpa_mask_TT: [T, T] additive mask in the compute dtype: 0 where token i may attend j
+        (same sequence, j <= i; a padding token attends itself), -inf elsewhere.
+    flex_*: the ``BlockMask`` index tensors ([1, 1, Q] / [1, 1, Q, K] int32) of the same mask.
+    """
+
+    position_ids_T: Optional[torch.Tensor] = None
+    seq_ids_T: Optional[torch.Tensor] = None
+    real_token_mask_T: Optional[torch.Tensor] = None
+    rope_cos_T1D: Optional[torch.Tensor] = None
+    rope_sin_T1D: Optional[torch.Tensor] = None
+    rope_freqs_T11D: Optional[torch.Tensor] = None
+    sdpa_mask_TT: Optional[torch.Tensor] = None
+    flex_kv_num_blocks: Optional[torch.Tensor] = None
+    flex_kv_indices: Optional[torch.Tensor] = None
+    flex_full_kv_num_blocks: Optional[torch.Tensor] = None
+    flex_full_kv_indices: Optional[torch.Tensor] = None
+    flex_q_num_blocks: Optional[torch.Tensor] = None
+    flex_q_indices: Optional[torch.Tensor] = None
+    flex_full_q_num_blocks: Optional[torch.Tensor] = None
+    flex_full_q_indices: Optional[torch.Tensor] = None
+
+    def tensors(self) -> dict:
+        """Name -> tensor of every tensor field (what a graph copies at replay)."""
+        return {f.name: v for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), torch.Tensor)}
+
+
 @dataclasses.dataclass
 class CacheStats:
-    """Counters since construction (or ``reset``); ``per_kind`` maps kind -> [hits, misses]."""
+    """Counters since construction; ``per_kind`` maps a derived kind -> builds (one per batch,
+    whatever the number of layers reading it)."""
 
     batches: int = 0
-    hits: int = 0
-    misses: int = 0
+    builds: int = 0
     host_to_device_copies: int = 0
     bytes_copied: int = 0
     per_kind: dict = dataclasses.field(default_factory=dict)
 
     def snapshot(self) -> "CacheStats":
-        return dataclasses.replace(self, per_kind={k: list(v) for k, v in self.per_kind.items()})
+        return dataclasses.replace(self, per_kind=dict(self.per_kind))
 
     def since(self, before: "CacheStats") -> "CacheStats":
         """Counters accumulated after ``before`` (a snapshot)."""
         return CacheStats(
             batches=self.batches - before.batches,
-            hits=self.hits - before.hits,
-            misses=self.misses - before.misses,
+            builds=self.builds - before.builds,
             host_to_device_copies=self.host_to_device_copies - before.host_to_device_copies,
             bytes_copied=self.bytes_copied - before.bytes_copied,
-            per_kind={
-                k: [v[0] - before.per_kind.get(k, [0, 0])[0], v[1] - before.per_kind.get(k, [0, 0])[1]]
-                for k, v in self.per_kind.items()
-            },
+            per_kind={k: v - before.per_kind.get(k, 0) for k, v in self.per_kind.items()},
         )
 
 
@@ -172,14 +237,14 @@ class CacheStats:
 class PackedBatch:
     """Handle of one packed microbatch held by a cache slot (valid until released).
 
-    packed_seq_params: Megatron PackedSeqParams over the slot's static buffers.
+    packed_seq_params: the slot's :class:`CachedPackedSeqParams` -- pass it to the model.
     position_ids_1T: [1, T] per-token positions (reset per sequence) -- the model's position_ids.
     num_seqs / num_tokens / max_seqlen / lengths_N: host values of the real batch.
     """
 
     slot: int
     version: int
-    packed_seq_params: object
+    packed_seq_params: CachedPackedSeqParams
     position_ids_1T: torch.Tensor
     num_seqs: int
     num_tokens: int
@@ -191,37 +256,30 @@ class _Slot:
     """Static device buffers of one in-flight microbatch."""
 
     def __init__(self, index: int, cfg: PackedSeqConfig, device: torch.device):
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         self.index = index
         self.busy = False
         self.version = -1
-        n = record_size(cfg.max_tokens, cfg.max_seqs)
+        bound = cfg.max_seqlen_bound
+        n = record_size(cfg.max_tokens, cfg.max_seqs, bound)
         self.record_R = torch.zeros(n, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self.staging_R = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.copy_done = torch.cuda.Event() if device.type == "cuda" else None
-        cu, cu_padded, pos, sid = split_record(self.record_R, cfg.max_tokens, cfg.max_seqs)
-        self.cu_seqlens_S1 = cu
-        self.cu_seqlens_padded_S1 = cu_padded
-        self.position_ids_T = pos
-        self.seq_ids_T = sid
-        self.position_ids_1T = pos.view(1, -1)
-        bound = cfg.max_seqlen_bound
-        self.params = PackedSeqParams(
+        cu_C, pos_T, sid_T = split_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound)
+        self.position_ids_1T = pos_T.view(1, -1)
+        # cu_seqlens_*_padded stay None: the tail is closed at T, so they would equal
+        # cu_seqlens, and TE compares the two with a host-syncing torch.equal when given.
+        self.params = CachedPackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded,
+            cu_seqlens_q=cu_C,
+            cu_seqlens_kv=cu_C,
             max_seqlen_q=bound,
             max_seqlen_kv=bound,
             cp_group=None,
+            position_ids_T=pos_T,
+            seq_ids_T=sid_T,
+            real_token_mask_T=torch.zeros(cfg.max_tokens, dtype=torch.bool, device=device),
         )
-        # Derived, per kind: the static output buffers (allocated at first build, then reused)
-        # and the batch version they were last built for.
-        self.derived: dict = {}
-        self.derived_version: dict = {}
         self.host: Optional[HostPackedMetadata] = None
 
 
@@ -237,8 +295,9 @@ class PackedSeqCache:
                          packed_seq_params=pb.packed_seq_params, labels=labels_1T)
             loss.backward()
 
-    Attention modules built by :func:`megatron_fastpath.get_fastpath_layer_spec` read the slot
-    behind the ``packed_seq_params`` they receive (or the current batch when they receive None).
+    Attention modules built by :func:`megatron_fastpath.get_fastpath_layer_spec` register the
+    derived tensors they need at construction (:meth:`register`); ``set_batch`` builds them into
+    the slot's fields, and the layers read them from the ``packed_seq_params`` they are given.
     """
 
     def __init__(self, config: PackedSeqConfig, device: Optional[torch.device] = None):
@@ -248,16 +307,8 @@ class PackedSeqCache:
         self.stats = CacheStats()
         self._next_version = 0
         self._next_slot = 0
-        self._current: Optional[_Slot] = None
-        self._builders: dict[str, Callable] = {
-            "real_mask": self._build_real_mask,
-            "rope_cos_sin": self._build_rope_cos_sin,
-            "rope_freqs": self._build_rope_freqs,
-            "sdpa_mask": self._build_sdpa_mask,
-            "flex_block_mask": self._build_flex_block_mask,
-        }
-        self._eager: set[str] = set()
-        self._causal_TT: Optional[torch.Tensor] = None
+        self._last: Optional[_Slot] = None
+        self._kinds: dict[str, torch.dtype] = {}  # registered derived kind -> compute dtype
         self._arange_T: Optional[torch.Tensor] = None
         self._inv_freq = config.rope.inv_freq(self.device) if config.rope is not None else None
 
@@ -272,8 +323,8 @@ class PackedSeqCache:
 
         Validates on the host (errors raised before any device work), fills the slot's pinned
         staging record and issues ONE non-blocking host->device copy into its static buffers,
-        then builds the derived structures registered as eager. Reserves the slot until
-        :meth:`release`.
+        then builds every registered derived tensor into the slot's params. Reserves the slot
+        until :meth:`release`.
         """
         host = build_host_metadata(
             resolve_lengths(lengths, cu_seqlens),
@@ -293,12 +344,11 @@ class PackedSeqCache:
         self._next_version += 1
         slot.version = self._next_version
         slot.host = host
-        self._current = slot
+        self._last = slot
         self.stats.batches += 1
         self.stats.host_to_device_copies += 1
         self.stats.bytes_copied += slot.record_R.numel() * slot.record_R.element_size()
-        for kind in sorted(self._eager):
-            self.get(kind, slot=slot)
+        self._build_all(slot)
         return self._handle(slot)
 
     def release(self, batch: PackedBatch) -> None:
@@ -334,11 +384,13 @@ class PackedSeqCache:
             "(the pipeline depth for 1F1B)"
         )
 
-    # ------------------------------------------------------------------ lookup by layers
     @property
     def current(self) -> PackedBatch:
-        slot = self._require_current()
-        return self._handle(slot)
+        """Host-side handle of the most recently loaded batch (for logging and tests; layers
+        never read it -- they read the params they are given)."""
+        if self._last is None or not self._last.busy:
+            raise RuntimeError("no packed batch is loaded: call cache.set_batch(lengths) first")
+        return self._handle(self._last)
 
     @staticmethod
     def _handle(slot: _Slot) -> PackedBatch:
@@ -354,170 +406,158 @@ class PackedSeqCache:
             lengths_N=h.lengths_N,
         )
 
-    def _require_current(self) -> _Slot:
-        if self._current is None or not self._current.busy:
-            raise RuntimeError(
-                "no packed batch is loaded: call cache.set_batch(lengths) (or use cache.batch()) "
-                "before the forward pass"
-            )
-        return self._current
-
-    def slot_for(self, packed_seq_params=None) -> _Slot:
-        """The slot behind ``packed_seq_params`` (the current batch when None).
-
-        Params that are not this cache's static buffers are refused: reading boundaries from
-        arbitrary device tensors would need a device-to-host sync."""
-        if packed_seq_params is None:
-            return self._require_current()
+    def cache_bytes(self) -> int:
+        """Device bytes the cache holds: every slot's record and derived fields (no constants)."""
+        seen, total = set(), 0
         for slot in self.slots:
-            if packed_seq_params is slot.params or (
-                packed_seq_params.cu_seqlens_q is slot.cu_seqlens_S1
-            ):
-                if not slot.busy:
-                    raise RuntimeError(
-                        f"packed_seq_params of cache slot {slot.index} were used after the batch "
-                        "was released"
-                    )
-                return slot
-        raise ValueError(
-            "packed_seq_params were not produced by this PackedSeqCache; load the batch with "
-            "cache.set_batch(lengths or cu_seqlens) and pass batch.packed_seq_params (or None)"
-        )
+            for t in [slot.record_R, *slot.params.tensors().values()]:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+        if self._arange_T is not None:
+            total += self._arange_T.untyped_storage().nbytes()
+        return total
 
-    # ------------------------------------------------------------------ derived structures
-    def register(self, kind: str, eager: bool = True) -> None:
-        """Declare that a consumer needs ``kind``; eager kinds are built in ``set_batch``."""
-        base = kind.split(":")[0]
-        if base not in self._builders:
-            raise ValueError(f"unknown derived kind {kind!r}; known: {sorted(self._builders)}")
-        if base in ("rope_cos_sin", "rope_freqs") and self.config.rope is None:
+    # ------------------------------------------------------------------ derived tensors
+    def register(self, kind: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Declare that a consumer needs the derived tensors ``kind`` (one of :data:`KINDS`),
+        computed in ``dtype`` ("rope_cos_sin" and "sdpa_mask"; default float32; the
+        ``"kind:dtype"`` form is accepted). Allocates the field in every slot's params now (the
+        address never changes afterwards) and builds it for batches already loaded."""
+        kind, _, dtype_name = kind.partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown derived kind {kind!r}; known: {list(KINDS)}")
+        if dtype_name:
+            dtype = getattr(torch, dtype_name)
+        dtype = dtype if kind in ("rope_cos_sin", "sdpa_mask") and dtype is not None else torch.float32
+        if kind in ("rope_cos_sin", "rope_freqs") and self.config.rope is None:
             raise ValueError("RoPE requested but PackedSeqConfig.rope is None")
-        if base == "sdpa_mask":
+        if kind == "sdpa_mask":
             self._check_sdpa_size()
-        if eager:
-            self._eager.add(kind)
+        if kind in self._kinds:
+            if self._kinds[kind] != dtype:
+                raise ValueError(
+                    f"{kind} is already built in {self._kinds[kind]}; one cache serves one compute "
+                    f"dtype (got {dtype}): give models of another dtype their own PackedSeqCache"
+                )
+            return
+        self._kinds[kind] = dtype
+        for slot in self.slots:
+            self._allocate(slot, kind, dtype)
+            if slot.busy:
+                self._build(slot, kind)
 
-    def get(self, kind: str, packed_seq_params=None, *, slot: Optional[_Slot] = None):
-        """The derived structure ``kind`` of the batch behind ``packed_seq_params``.
+    def _allocate(self, slot: _Slot, kind: str, dtype: torch.dtype) -> None:
+        t, p, dev = self.config.max_tokens, slot.params, self.device
+        if kind == "rope_cos_sin":
+            d = self.config.rope.dim
+            p.rope_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=dev)
+            p.rope_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=dev)
+        elif kind == "rope_freqs":
+            p.rope_freqs_T11D = torch.zeros((t, 1, 1, self.config.rope.dim), device=dev)
+        elif kind == "sdpa_mask":
+            p.sdpa_mask_TT = torch.zeros((t, t), dtype=dtype, device=dev)
+        elif kind == "flex_block_mask":
+            nb = -(-t // FLEX_BLOCK)
+            for name in _FLEX_FIELDS:
+                shape = (1, 1, nb) if name.endswith("num_blocks") else (1, 1, nb, nb)
+                setattr(p, f"flex_{name}", torch.zeros(shape, dtype=torch.int32, device=dev))
 
-        Built on the first request for a batch (a miss) into static buffers, reused by every
-        later request for the same batch (a hit)."""
-        slot = slot if slot is not None else self.slot_for(packed_seq_params)
-        counts = self.stats.per_kind.setdefault(kind, [0, 0])
-        if slot.derived_version.get(kind) == slot.version:
-            self.stats.hits += 1
-            counts[0] += 1
-            return slot.derived[kind]
-        base, _, arg = kind.partition(":")
-        builder = self._builders.get(base)
-        if builder is None:
-            raise ValueError(f"unknown derived kind {kind!r}; known: {sorted(self._builders)}")
-        slot.derived[kind] = builder(slot, slot.derived.get(kind), arg)
-        slot.derived_version[kind] = slot.version
-        self.stats.misses += 1
-        counts[1] += 1
-        return slot.derived[kind]
+    def _build_all(self, slot: _Slot) -> None:
+        torch.ge(slot.params.seq_ids_T, 0, out=slot.params.real_token_mask_T)
+        for kind in self._kinds:
+            self._build(slot, kind)
 
-    # Convenience accessors used by the attention backends.
-    def real_token_mask(self, packed_seq_params=None) -> torch.Tensor:
-        """[T] bool: True on real tokens, False on trailing padding."""
-        return self.get("real_mask", packed_seq_params)
+    def _build(self, slot: _Slot, kind: str) -> None:
+        getattr(self, f"_build_{kind}")(slot)
+        self.stats.builds += 1
+        self.stats.per_kind[kind] = self.stats.per_kind.get(kind, 0) + 1
 
-    def rope_cos_sin(self, packed_seq_params=None, dtype=torch.float32):
-        """(cos_T1D, sin_T1D) per-token RoPE factors in ``dtype``."""
-        return self.get(f"rope_cos_sin:{_dtype_name(dtype)}", packed_seq_params)
-
-    def sdpa_mask(self, packed_seq_params=None) -> torch.Tensor:
-        """[T, T] bool, True = may attend: same sequence and causal (padding attends itself)."""
-        return self.get("sdpa_mask", packed_seq_params)
-
-    def flex_block_mask(self, packed_seq_params=None):
-        """``torch.nn.attention.flex_attention.BlockMask`` of the block-diagonal causal mask."""
-        return self.get("flex_block_mask", packed_seq_params)
-
-    # builders: static-shape device ops writing into the slot's static buffers
-    def _build_real_mask(self, slot: _Slot, out, _arg):
-        out = out if out is not None else torch.empty_like(slot.seq_ids_T, dtype=torch.bool)
-        return torch.ge(slot.seq_ids_T, 0, out=out)
+    def _build_real_mask(self, slot: _Slot) -> None:
+        pass  # built for every batch by _build_all (MoE routers read it too)
 
     def _rope_emb_TD(self, slot: _Slot) -> torch.Tensor:
         """[T, D] float32 rotation angles of every token (position within its sequence)."""
         rope = self.config.rope
-        if rope is None:
-            raise ValueError("RoPE requested but PackedSeqConfig.rope is None")
-        pos_T = slot.position_ids_T.to(torch.float32)
+        pos_T = slot.params.position_ids_T.to(torch.float32)
         if rope.seq_len_interpolation_factor is not None:
             pos_T = pos_T / rope.seq_len_interpolation_factor
         freqs_TH = torch.outer(pos_T, self._inv_freq)  # [T, D/2]
         if rope.interleaved:
-            emb_TD = torch.stack((freqs_TH, freqs_TH), dim=-1).flatten(-2)
-        else:
-            emb_TD = torch.cat((freqs_TH, freqs_TH), dim=-1)
-        return emb_TD
+            return torch.stack((freqs_TH, freqs_TH), dim=-1).flatten(-2)
+        return torch.cat((freqs_TH, freqs_TH), dim=-1)
 
-    def _build_rope_freqs(self, slot: _Slot, out, _arg):
+    def _build_rope_freqs(self, slot: _Slot) -> None:
         """[T, 1, 1, D] float32 angles: the ``freqs`` of TE's fused RoPE in ``sbhd`` layout
         (one "sequence position" per packed token, so no cu_seqlens are needed)."""
-        emb_TD = self._rope_emb_TD(slot)
-        if out is None:
-            out = torch.empty((emb_TD.shape[0], 1, 1, emb_TD.shape[1]), device=self.device)
-        out.copy_(emb_TD[:, None, None, :])
-        return out
+        slot.params.rope_freqs_T11D.copy_(self._rope_emb_TD(slot)[:, None, None, :])
 
-    def _build_rope_cos_sin(self, slot: _Slot, out, dtype_name):
-        dtype = getattr(torch, dtype_name or "float32")
+    def _build_rope_cos_sin(self, slot: _Slot) -> None:
         emb_TD = self._rope_emb_TD(slot)
-        if out is None:
-            shape = (emb_TD.shape[0], 1, emb_TD.shape[1])
-            out = (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
-            )
-        cos_T1D, sin_T1D = out
-        cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
-        sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
-        return out
+        slot.params.rope_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
+        slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
 
     def _check_sdpa_size(self):
         t = self.config.max_tokens
         if t > self.config.sdpa_mask_max_tokens:
             raise ValueError(
-                f"the SDPA backend needs a {t}x{t} mask ({t * t / 2**20:.0f} MiB) per batch, above "
-                f"the limit sdpa_mask_max_tokens={self.config.sdpa_mask_max_tokens}; use the "
-                "'flex', 'flash' or 'te' backend (no dense mask) or raise the limit"
+                f"the SDPA backend needs a {t}x{t} mask ({t * t / 2**20:.0f} Mi elements) per "
+                f"slot, above the limit sdpa_mask_max_tokens={self.config.sdpa_mask_max_tokens}; "
+                "use the 'flex', 'flash' or 'te' backend (no dense mask) or raise the limit"
             )
 
-    def _build_sdpa_mask(self, slot: _Slot, out, _arg):
-        """mask[i, j] = start(i) <= j <= i, with start(i) = i - position(i) the first token of
-        i's sequence. Sequences are contiguous, so this is "same sequence and causal"; a padding
-        token has position 0, so its row is the diagonal alone (no fully masked row). Two T x T
-        ops per batch (compare against the constant causal mask)."""
-        self._check_sdpa_size()
-        t = slot.position_ids_T.shape[0]
-        if out is None:
-            out = torch.empty((t, t), dtype=torch.bool, device=self.device)
-        if self._causal_TT is None:  # constants, shared by all slots
-            self._causal_TT = torch.ones((t, t), dtype=torch.bool, device=self.device).tril_()
-            self._arange_T = torch.arange(t, dtype=torch.int32, device=self.device)
-        start_T1 = (self._arange_T - slot.position_ids_T).unsqueeze(1)
-        torch.ge(self._arange_T.unsqueeze(0), start_T1, out=out)
-        return out.logical_and_(self._causal_TT)
+    def _build_sdpa_mask(self, slot: _Slot) -> None:
+        """mask[i, j] = 0 if start(i) <= j <= i else -inf, with start(i) = i - position(i) the
+        first token of i's sequence. Sequences are contiguous, so this is "same sequence and
+        causal"; a padding token has position 0, so its row is the diagonal alone (no fully
+        masked row). Written in place into the slot's [T, T] buffer in the compute dtype: no
+        causal constant is held, and SDPA gets a mask it uses as is (no per-layer conversion)."""
+        p = slot.params
+        if self._arange_T is None:
+            self._arange_T = torch.arange(self.config.max_tokens, dtype=torch.int32, device=self.device)
+        j_1T, i_T1 = self._arange_T.unsqueeze(0), self._arange_T.unsqueeze(1)
+        outside_TT = torch.lt(j_1T, i_T1 - p.position_ids_T.unsqueeze(1))  # before its sequence
+        outside_TT.logical_or_(torch.gt(j_1T, i_T1))  # after the query: causal
+        p.sdpa_mask_TT.zero_().masked_fill_(outside_TT, float("-inf"))
 
-    def _build_flex_block_mask(self, slot: _Slot, out, _arg):
+    def _build_flex_block_mask(self, slot: _Slot) -> None:
+        """The BlockMask of the same mask, copied into the slot's static index tensors
+        (``create_block_mask`` allocates fresh ones; a graph replay needs fixed addresses)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        sid_T = slot.seq_ids_T
+        t = self.config.max_tokens
+        fresh = create_block_mask(packed_causal_mask_mod(slot.params.seq_ids_T), None, None, t, t,
+                                  device=self.device, BLOCK_SIZE=FLEX_BLOCK)
+        for name in _FLEX_FIELDS:
+            getattr(slot.params, f"flex_{name}").copy_(getattr(fresh, name))
 
-        def packed_causal(b, h, q_idx, kv_idx):
-            same = sid_T[q_idx] == sid_T[kv_idx]
-            return (same & (q_idx >= kv_idx)) | (q_idx == kv_idx)
 
-        t = sid_T.shape[0]
-        return create_block_mask(packed_causal, None, None, t, t, device=self.device)
+KINDS = ("real_mask", "rope_cos_sin", "rope_freqs", "sdpa_mask", "flex_block_mask")
 
-    # ------------------------------------------------------------------ telemetry
-    def reset_stats(self) -> None:
-        self.stats = CacheStats()
+
+def packed_causal_mask_mod(seq_ids_T: torch.Tensor):
+    """flex ``mask_mod``: same sequence and causal; a padding token (id -1) attends itself."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        sq = seq_ids_T[q_idx]
+        same = (sq == seq_ids_T[kv_idx]) & (sq >= 0)
+        return (same & (q_idx >= kv_idx)) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def block_mask_from(params: CachedPackedSeqParams):
+    """A ``BlockMask`` over the params' flex fields (no copy, no new index tensors)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    t = params.seq_ids_T.shape[0]
+    return BlockMask(
+        (t, t),
+        *(getattr(params, f"flex_{name}") for name in _FLEX_FIELDS),
+        BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+        mask_mod=packed_causal_mask_mod(params.seq_ids_T),
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -6,15 +6,18 @@ this module touches a device: every validation error is raised before any device
 
 Layout of the flat int32 record (one contiguous buffer so the host->device move is ONE copy)::
 
-    [ cu_seqlens (S+1) | cu_seqlens_padded (S+1) | position_ids (T) | seq_ids (T) ]
+    [ cu_seqlens (C) | position_ids (T) | seq_ids (T) ]
 
-with S = ``max_seqs`` and T = ``max_tokens`` (the static capacities):
+with S = ``max_seqs``, T = ``max_tokens`` (the static capacities), M = the static
+``max_seqlen`` bound and C = S + 1 + ceil(T / M):
 
-* ``cu_seqlens_S1``: 0, c1, ..., cN, then edge-padded with cN (= real token count) up to S+1
-  entries; the padded entries describe zero-length sequences, which varlen kernels skip.
-* ``cu_seqlens_padded_S1``: the same, but the trailing padding tokens (``cN .. T-1``) count as
-  padding *of the last sequence*, so its final entries are T (Transformer Engine's
-  ``cu_seqlens_*_padded`` semantics: where each sequence's slot ends in memory).
+* ``cu_seqlens_C``: 0, c1, ..., cN, then the padding tail closed at T: boundaries every M tokens
+  from cN up to a final one at T (one boundary when M = T, as NeMo's collate closes the tail),
+  then edge-padded with T up to C entries (zero-length sequences, which varlen kernels skip).
+  Every row of the [T, ...] activations is inside a "sequence", so flash-attn / TE write every
+  row of their outputs and of dq / dk / dv (FA2's varlen backward leaves rows after the last
+  boundary uninitialised), and no separate ``cu_seqlens_padded`` is needed (TE decides
+  ``pad_between_seqs`` with a host-syncing ``torch.equal`` when one is passed).
 * ``position_ids_T``: position inside its own sequence (resets to 0 at each boundary); 0 on
   padding tokens.
 * ``seq_ids_T``: index of the sequence each token belongs to; -1 on padding tokens
@@ -42,21 +45,22 @@ __all__ = [
 LengthsLike = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
-def record_size(max_tokens: int, max_seqs: int) -> int:
+def cu_seqlens_size(max_tokens: int, max_seqs: int, max_seqlen_bound: Optional[int] = None) -> int:
+    """C: entries of the static cu_seqlens (S real boundaries + the closed padding tail)."""
+    bound = max_seqlen_bound or max_tokens
+    return max_seqs + 1 + -(-max_tokens // bound)
+
+
+def record_size(max_tokens: int, max_seqs: int, max_seqlen_bound: Optional[int] = None) -> int:
     """Number of int32 entries in the flat metadata record."""
-    return 2 * (max_seqs + 1) + 2 * max_tokens
+    return cu_seqlens_size(max_tokens, max_seqs, max_seqlen_bound) + 2 * max_tokens
 
 
-def split_record(record_R, max_tokens: int, max_seqs: int):
-    """Views (cu_seqlens_S1, cu_seqlens_padded_S1, position_ids_T, seq_ids_T) of a flat record
-    (numpy array or tensor): no copies, so device views keep the record's storage."""
-    s1 = max_seqs + 1
-    return (
-        record_R[:s1],
-        record_R[s1 : 2 * s1],
-        record_R[2 * s1 : 2 * s1 + max_tokens],
-        record_R[2 * s1 + max_tokens : 2 * s1 + 2 * max_tokens],
-    )
+def split_record(record_R, max_tokens: int, max_seqs: int, max_seqlen_bound: Optional[int] = None):
+    """Views (cu_seqlens_C, position_ids_T, seq_ids_T) of a flat record (numpy array or
+    tensor): no copies, so device views keep the record's storage."""
+    c = cu_seqlens_size(max_tokens, max_seqs, max_seqlen_bound)
+    return record_R[:c], record_R[c : c + max_tokens], record_R[c + max_tokens : c + 2 * max_tokens]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +97,17 @@ def _as_host_int_array(values: LengthsLike, what: str) -> np.ndarray:
             isinstance(v, (bool, np.bool_)) for v in values
         ):
             raise TypeError(f"{what} must be integers; got booleans in {list(values)[:8]!r}")
-        arr = np.asarray(values)
+        arr = _flat_array(values, what)
         if arr.size == 0:
             return np.zeros(0, dtype=np.int64)
         if arr.dtype == object:
             bad = [v for v in arr.ravel() if not isinstance(v, numbers.Integral)]
+            if not bad:  # Python ints numpy could not hold: beyond int64
+                big = next(v for v in arr.ravel() if not -(2**63) <= v < 2**63)
+                raise ValueError(
+                    f"{what} must fit in int64 (a packed batch holds at most max_tokens tokens); "
+                    f"got {big}"
+                )
             raise TypeError(f"{what} must be integers; got {bad[:3]!r}")
         if arr.dtype.kind == "f":
             if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
@@ -108,6 +118,17 @@ def _as_host_int_array(values: LengthsLike, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D; got shape {tuple(arr.shape)}")
     return arr.astype(np.int64, copy=False)
+
+
+def _flat_array(values, what: str) -> np.ndarray:
+    """np.asarray, with numpy's ragged-sequence error replaced by one that says what is wrong."""
+    try:
+        return np.asarray(values)
+    except ValueError as exc:  # inhomogeneous nesting, e.g. [[3, 4], [5]]
+        raise ValueError(
+            f"{what} must be a flat list of integers, one per sequence; got a ragged nested "
+            f"sequence {list(values)[:4]!r} (pack one microbatch per call)"
+        ) from exc
 
 
 def lengths_from_cu_seqlens(cu_seqlens: LengthsLike) -> np.ndarray:
@@ -153,15 +174,21 @@ def build_host_metadata(
     """
     lengths_N = _as_host_int_array(lengths, "lengths")
     n = int(lengths_N.size)
+    if n > max_seqs:  # before the sum: a huge list must not be summed first
+        raise ValueError(
+            f"{n} sequences exceed the cache capacity max_seqs={max_seqs}; raise "
+            "PackedSeqConfig.max_seqs or pack fewer samples per batch"
+        )
     if n == 0:
         raise ValueError("a packed batch needs at least one sequence; got no lengths")
     if np.any(lengths_N <= 0):
         i = int(np.argmax(lengths_N <= 0))
         raise ValueError(f"sequence lengths must be positive; lengths[{i}]={int(lengths_N[i])}")
-    if n > max_seqs:
+    longest = int(lengths_N.max())  # before the sum, which could overflow int64
+    if longest > max_seqlen_bound:
         raise ValueError(
-            f"{n} sequences exceed the cache capacity max_seqs={max_seqs}; raise "
-            "PackedSeqConfig.max_seqs or pack fewer samples per batch"
+            f"a sequence of {longest} tokens exceeds the static bound max_seqlen={max_seqlen_bound}"
+            " (PackedSeqConfig.max_seqlen)"
         )
     total = int(lengths_N.sum())
     if total > max_tokens:
@@ -169,24 +196,19 @@ def build_host_metadata(
             f"{total} tokens exceed the cache capacity max_tokens={max_tokens}; raise "
             "PackedSeqConfig.max_tokens or pack fewer tokens per batch"
         )
-    longest = int(lengths_N.max())
-    if longest > max_seqlen_bound:
-        raise ValueError(
-            f"a sequence of {longest} tokens exceeds the static bound max_seqlen={max_seqlen_bound}"
-            " (PackedSeqConfig.max_seqlen)"
-        )
 
-    record_R = np.zeros(record_size(max_tokens, max_seqs), dtype=np.int32)
-    cu_S1, cu_padded_S1, pos_T, sid_T = split_record(record_R, max_tokens, max_seqs)
+    record_R = np.zeros(record_size(max_tokens, max_seqs, max_seqlen_bound), dtype=np.int32)
+    cu_C, pos_T, sid_T = split_record(record_R, max_tokens, max_seqs, max_seqlen_bound)
 
-    cu_S1[1 : n + 1] = np.cumsum(lengths_N)
-    cu_S1[n + 1 :] = total  # edge padding: zero-length trailing sequences
-    cu_padded_S1[:n] = cu_S1[:n]
-    cu_padded_S1[n:] = max_tokens  # trailing pad tokens belong to the last sequence's slot
+    cu_C[1 : n + 1] = np.cumsum(lengths_N)
+    # close the padding tail: boundaries every max_seqlen_bound tokens, the last one at T
+    tail = np.arange(total + max_seqlen_bound, max_tokens, max_seqlen_bound, dtype=np.int64)
+    cu_C[n + 1 : n + 1 + tail.size] = tail
+    cu_C[n + 1 + tail.size :] = max_tokens  # final boundary at T, then edge padding
     seq_of_token = np.repeat(np.arange(n, dtype=np.int64), lengths_N)
     sid_T[:total] = seq_of_token
     sid_T[total:] = -1
-    pos_T[:total] = np.arange(total, dtype=np.int64) - np.repeat(cu_S1[:n].astype(np.int64), lengths_N)
+    pos_T[:total] = np.arange(total, dtype=np.int64) - np.repeat(cu_C[:n].astype(np.int64), lengths_N)
     return HostPackedMetadata(
         record_R=record_R, lengths_N=lengths_N.copy(), num_seqs=n, num_tokens=total, max_seqlen=longest
     )

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig, RopeConfig
 from megatron_fastpath.packed_seq.metadata import (
@@ -14,29 +15,55 @@ from megatron_fastpath.packed_seq.packing import first_fit_decreasing
 from megatron_fastpath.sync import SyncSentinel
 
 
-def reference_metadata(lengths, max_tokens, max_seqs):
-    """Per-token loop reference."""
+def reference_metadata(lengths, max_tokens, max_seqs, max_seqlen=None):
+    """Per-token loop reference: cu_seqlens with the padding tail closed at T in pieces of at
+    most max_seqlen (NeMo's collate closes it with one final boundary at T)."""
+    bound = max_seqlen or max_tokens
     cu, pos, sid = [0], [], []
     for s, n in enumerate(lengths):
         cu.append(cu[-1] + n)
         pos += list(range(n))
         sid += [s] * n
     total = cu[-1]
-    cu_pad = cu + [total] * (max_seqs + 1 - len(cu))
-    cu_padded = cu[:-1] + [max_tokens] * (max_seqs + 2 - len(cu))
+    while cu[-1] < max_tokens:
+        cu.append(min(cu[-1] + bound, max_tokens))
+    size = max_seqs + 1 + -(-max_tokens // bound)
+    cu_pad = cu + [max_tokens] * (size - len(cu))
     pos += [0] * (max_tokens - total)
     sid += [-1] * (max_tokens - total)
-    return cu_pad, cu_padded, pos, sid
+    return cu_pad, pos, sid
 
 
 @pytest.mark.parametrize(
     "lengths", [[1], [5, 1, 7], [1] * 8, [16], [3, 3, 3, 3, 4], list(range(1, 6))]
 )
-def test_record_matches_per_token_reference(lengths):
-    m = build_host_metadata(lengths, max_tokens=16, max_seqs=8, max_seqlen_bound=16)
-    got = [a.tolist() for a in split_record(m.record_R, 16, 8)]
-    assert got == [list(x) for x in reference_metadata(lengths, 16, 8)]
+@pytest.mark.parametrize("bound", [16, 5])
+def test_record_matches_per_token_reference(lengths, bound):
+    if max(lengths) > bound:
+        pytest.skip("sequence longer than the bound")
+    m = build_host_metadata(lengths, max_tokens=16, max_seqs=8, max_seqlen_bound=bound)
+    got = [a.tolist() for a in split_record(m.record_R, 16, 8, bound)]
+    assert got == [list(x) for x in reference_metadata(lengths, 16, 8, bound)]
+    assert got[0][-1] == 16  # the tail is closed: every row lies inside a "sequence"
+    assert max(b - a for a, b in zip(got[0], got[0][1:])) <= bound
     assert (m.num_seqs, m.num_tokens, m.max_seqlen) == (len(lengths), sum(lengths), max(lengths))
+
+
+@pytest.mark.parametrize(
+    "lengths, match",
+    [
+        ([[3, 4], [5]], r"flat list of integers, one per sequence; got a ragged"),
+        ([2**70], r"must fit in int64.*got 1180591620717411303424"),
+        ([2**62, 2**62], r"a sequence of 4611686018427387904 tokens exceeds"),
+    ],
+)
+def test_ragged_and_huge_lengths_say_what_is_wrong(lengths, match):
+    """Issue 10 point 8: numpy's ragged-array message and 'TypeError ... got []' before."""
+    with pytest.raises(ValueError, match=match):
+        build_host_metadata(lengths, 16, 8, 16)
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4))
+    with pytest.raises(ValueError, match=match):
+        cache.set_batch(lengths)
 
 
 @pytest.mark.parametrize(
@@ -144,35 +171,66 @@ def test_cuda_cache_one_pinned_copy_no_sync_static_buffers():
     derived builds, and the buffers keep their addresses across batches."""
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=256, max_seqs=16, rope=RopeConfig(dim=32)),
                            device=torch.device("cuda"))
-    cache.register("sdpa_mask")
-    cache.register("rope_cos_sin:bfloat16")
+    cache.register("sdpa_mask", torch.bfloat16)
+    cache.register("rope_cos_sin", torch.bfloat16)
     assert cache.slots[0].staging_R.is_pinned()
     ptrs = None
     for step in range(5):
         with SyncSentinel(strict=True):
             pb = cache.set_batch([10 + step, 30, 1, 100])
         slot = cache.slots[pb.slot]
-        now = (slot.record_R.data_ptr(), cache.sdpa_mask(pb.packed_seq_params).data_ptr())
+        now = (slot.record_R.data_ptr(), pb.packed_seq_params.sdpa_mask_TT.data_ptr())
         ptrs = ptrs or now
         assert now == ptrs
         torch.cuda.synchronize()
         expected = reference_metadata([10 + step, 30, 1, 100], 256, 16)
-        assert slot.cu_seqlens_S1.tolist() == expected[0]
-        assert slot.seq_ids_T.tolist() == expected[3]
+        assert pb.packed_seq_params.cu_seqlens_q.tolist() == expected[0]
+        assert pb.packed_seq_params.seq_ids_T.tolist() == expected[2]
         cache.release(pb)
     assert cache.stats.host_to_device_copies == 5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[5, 1, 7], [16], [1] * 8, [3, 9]])
-def test_sdpa_mask_is_block_diagonal_causal_with_padding_on_the_diagonal(lengths):
+def test_sdpa_mask_is_additive_block_diagonal_causal_with_padding_on_the_diagonal(lengths, dtype):
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=8))
+    cache.register("sdpa_mask", dtype)
     with cache.batch(lengths) as pb:
-        mask = cache.sdpa_mask(pb.packed_seq_params)
-    sid = torch.tensor(reference_metadata(lengths, 16, 8)[3])
+        mask = pb.packed_seq_params.sdpa_mask_TT
+    sid = torch.tensor(reference_metadata(lengths, 16, 8)[2])
     i = torch.arange(16)
     expected = ((sid[:, None] == sid[None, :]) & (i[None, :] <= i[:, None])) | torch.eye(16, dtype=torch.bool)
     expected &= ~((sid[:, None] == -1) & ~torch.eye(16, dtype=torch.bool))  # pads: self only
-    assert torch.equal(mask, expected)
+    assert mask.dtype == dtype
+    assert torch.equal(mask, torch.zeros(16, 16, dtype=dtype).masked_fill(~expected, float("-inf")))
+    # the SDPA result with our additive mask equals the one with torch's own bool handling
+    q, k, v = torch.randn(3, 1, 2, 16, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=expected))
+
+
+def test_cache_holds_no_causal_constant_and_derived_fields_are_static():
+    """Issue 14: no T x T constant beside the per-slot mask; every field keeps its address."""
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=256, max_seqs=8, num_slots=2,
+                                           rope=RopeConfig(dim=4)))
+    for kind in ("sdpa_mask", "rope_cos_sin", "flex_block_mask"):
+        cache.register(kind)
+    t = 256
+    # per slot: record, [T] bool, [T,T] fp32 mask, 2 x [T,1,D] fp32 and the flex indices
+    per_slot = (cache.slots[0].record_R.numel() * 4 + t + t * t * 4 + 2 * t * 4 * 4
+                + 4 * (2 * 4 + 2 * 2 * 4))
+    ptrs = {}
+    for step, lengths in enumerate([[200, 56], [1, 2, 3], [128, 1, 127], [256]]):
+        with cache.batch(lengths) as pb:
+            now = {k: v.data_ptr() for k, v in pb.packed_seq_params.tensors().items()}
+            assert now == ptrs.setdefault(pb.slot, now), f"fields moved at step {step}"
+            ref = torch.nn.attention.flex_attention.create_block_mask(
+                lambda b, h, q, kv: pb.packed_seq_params.sdpa_mask_TT[q, kv] == 0,
+                None, None, t, t, device="cpu")
+            for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+                assert torch.equal(getattr(pb.packed_seq_params, f"flex_{name}"), getattr(ref, name))
+    assert cache.cache_bytes() == 2 * per_slot + t * 4  # + the int32 arange
+    assert cache.stats.per_kind == {"sdpa_mask": 4, "rope_cos_sin": 4, "flex_block_mask": 4}
 
 
 @pytest.mark.parametrize("factor", [None, 8.0, 32.0])
