@@ -37,9 +37,9 @@ def main():
         loss = (per_token * loss_mask).sum() / loss_mask.sum()
         loss.backward()
     print(f"host syncs: {sentinel.num_syncs}, aten ops: {sentinel.aten_ops}")
-    print(f"cache: {cache.stats.hits} hits, {cache.stats.misses} misses, "
+    print(f"cache: {cache.stats.builds} derived builds (mask, RoPE: once per batch for all layers), "
           f"{cache.stats.host_to_device_copies} host->device copy")
-    print(f"cu_seqlens (static, edge-padded): {pb.packed_seq_params.cu_seqlens_q.tolist()}")
+    print(f"cu_seqlens (static, tail closed at T): {pb.packed_seq_params.cu_seqlens_q.tolist()}")
 
 
 if __name__ == "__main__":
