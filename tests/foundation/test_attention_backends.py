@@ -120,3 +120,30 @@ def test_gpu_backends_match_cpu_reference_and_are_sync_free(mcore_parallel, back
     n = sum(lengths)
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(outs["cuda"][:, :n], outs["cpu"][:, :n], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_sdpa_saves_one_mask_per_step_shared_by_all_layers(build_pair, layers):
+    """Issue 14: SDPA converted the cached bool mask with a `where` in every layer and autograd
+    saved each copy (L distinct [T, T] tensors per step). The additive mask in the compute dtype
+    is used as is: ONE [T, T] storage saved for backward per step, whatever L."""
+    import dataclasses
+
+    from packed_reference import TINY
+
+    t = 80  # no weight of TINY is 80 x 80
+    packed, _, cache = build_pair(model_cfg=dataclasses.replace(TINY, num_layers=layers),
+                                  max_tokens=t, max_seqs=8)
+    tokens, labels, mask = packed_inputs([20, 30, 5], t, 97, torch.Generator().manual_seed(0))
+    saved = {}
+
+    def pack(x):
+        if x.dim() >= 2 and tuple(x.shape[-2:]) == (t, t):
+            saved.setdefault(x.untyped_storage().data_ptr(), x)
+        return x
+
+    with cache.batch([20, 30, 5]) as pb, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = packed(tokens, pb.position_ids_1T, None, labels=labels,
+                     packed_seq_params=pb.packed_seq_params)
+        (out * mask).sum().backward()
+        assert list(saved) == [pb.packed_seq_params.sdpa_mask_TT.untyped_storage().data_ptr()]
