@@ -22,7 +22,9 @@ setup(
     ],
     extras_require={
         # GPU-only packages: they do not install or run on CPU machines.
-        "te": ["transformer-engine[pytorch]>=2.0"],
+        # megatron-core 0.16.1's own range (its "dev" extra); >= 2.3 is needed at least for
+        # transformer_engine.pytorch.attention.rope (the te backend's fused RoPE).
+        "te": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
         "flash": ["flash-attn>=2.6"],
         # NeMo 2 recipes (nemo.collections.llm) live in 2.x; 3.0 dropped them.
         "nemo": [

@@ -1,0 +1,160 @@
+"""Issue 9 findings 1-5 and 8 on CPU: the te / flash backends run over stand-ins that honour
+the real libraries' contracts (tests/foundation/gpu_standins.py), and the configuration errors a
+first GPU run would hit are refused before anything is built."""
+
+import ast
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_fastpath import _optional
+from megatron_fastpath.attention import core_attention
+from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
+from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+from megatron_fastpath.sync import SyncSentinel
+from gpu_standins import (
+    TEDotProductAttentionStandIn,
+    fake_flash_attn_module,
+    te_apply_rotary_pos_emb,
+)
+from packed_reference import TINY
+from test_packed_gpt_equivalence import packed_inputs
+
+T = 32
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module())
+    _optional._try_import.cache_clear()
+    yield
+    _optional._try_import.cache_clear()
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    monkeypatch.setattr(core_attention, "_te_dot_product_attention_cls",
+                        lambda: TEDotProductAttentionStandIn)
+    monkeypatch.setattr(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
+    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    TEDotProductAttentionStandIn.calls = []
+
+
+def build(backend, max_seqlen=None):
+    cfg = build_transformer_config(TINY)
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, max_seqlen=max_seqlen,
+                                           rope=rope_config_for(TINY)))
+    torch.manual_seed(0)
+    spec = get_fastpath_layer_spec(cache, backend=backend, linear_impl="local")
+    return build_gpt_model(cfg, spec, TINY.vocab_size, T), cache
+
+
+def step(model, cache, lengths):
+    tokens, labels, mask = packed_inputs(lengths, T, TINY.vocab_size, torch.Generator().manual_seed(1))
+    with cache.batch(lengths) as pb, SyncSentinel() as sentinel:
+        out = model(tokens, pb.position_ids_1T, None, labels=labels,
+                    packed_seq_params=pb.packed_seq_params)
+        (out * mask).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return out.detach()[:, :sum(lengths)], grads, sentinel
+
+
+def assert_same_as_sdpa(out, grads, lengths, max_seqlen=None):
+    ref_model, ref_cache = build("sdpa", max_seqlen)
+    ref_out, ref_grads, _ = step(ref_model, ref_cache, lengths)
+    assert all(torch.isfinite(g).all() for g in grads.values()), "non-finite gradients"
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("max_seqlen", [None, 12], ids=["bound_T", "bound_12"])
+def test_flash_backward_with_padding_tail_has_no_uninitialised_rows(mcore_parallel, fake_flash, max_seqlen):
+    """Finding 3: FA2's varlen backward leaves dq / dk / dv rows after the last boundary
+    uninitialised (NaN in the stand-in) and they flowed into linear_qkv's weight gradient. The
+    cache closes the tail at T (in pieces of at most max_seqlen), so every row is written."""
+    lengths = [5, 11, 7]  # 23 of 32 tokens: a 9-token padding tail
+    model, cache = build("flash", max_seqlen)
+    out, grads, _ = step(model, cache, lengths)
+    assert_same_as_sdpa(out, grads, lengths, max_seqlen)
+
+
+def _megatron_te_attention_signature(method: str):
+    import megatron.core.extensions.transformer_engine as te_ext
+
+    tree = ast.parse(Path(te_ext.__file__).read_text())
+    cls = next(n for n in ast.walk(tree)
+               if isinstance(n, ast.ClassDef) and n.name == "TEDotProductAttention")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    names = [a.arg for a in fn.args.args]
+    return names, [ast.unparse(d) for d in fn.args.defaults]
+
+
+@pytest.mark.parametrize("method", ["__init__", "forward"])
+def test_te_stand_in_has_megatrons_exact_signature(method):
+    sig = inspect.signature(getattr(TEDotProductAttentionStandIn, method))
+    names = list(sig.parameters)
+    defaults = [repr(p.default) for p in sig.parameters.values() if p.default is not p.empty]
+    assert (names, defaults) == _megatron_te_attention_signature(method)
+
+
+def test_te_backend_passes_attn_mask_type_and_no_padded_cu_seqlens(mcore_parallel, fake_te):
+    """Finding 1: Megatron's TEDotProductAttention.forward requires attn_mask_type (TypeError
+    on the first forward before). Finding 2: cu_seqlens_*_padded that differ from cu_seqlens make
+    TE decide pad_between_seqs with torch.equal on device tensors, a host sync per layer that
+    aborts a capture: the cache passes none (its cu_seqlens close the tail at T)."""
+    lengths = [5, 11, 7]
+    model, cache = build("te")
+    out, grads, sentinel = step(model, cache, lengths)
+    assert TEDotProductAttentionStandIn.calls == [("padding_causal", False)] * TINY.num_layers
+    assert [e for e in sentinel.events if "equal" in e.op] == []
+    assert_same_as_sdpa(out, grads, lengths)
+
+
+def _cuda_cache():
+    return types.SimpleNamespace(device=torch.device("cuda"),
+                                 config=types.SimpleNamespace(max_tokens=T, sdpa_mask_max_tokens=16384))
+
+
+@pytest.mark.parametrize("backend", ["te", "flash", "auto"])
+def test_fp32_with_te_or_flash_on_cuda_refused_before_building(fake_flash, monkeypatch, backend):
+    """Finding 4: TE has no fp32 THD backend and flash-attn takes fp16 / bf16 only."""
+    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    monkeypatch.setattr(_optional, "have", lambda name: True)  # auto on CUDA picks te
+    with pytest.raises(ValueError, match=r"bf16 / fp16 only.*set the model dtype to bfloat16"):
+        get_fastpath_layer_spec(_cuda_cache(), backend=backend, linear_impl="local",
+                                params_dtype=torch.float32)
+    resolved = core_attention.resolve_backend(backend, torch.device("cuda"), T, 16384,
+                                              dtype=torch.bfloat16)
+    assert resolved == ("te" if backend == "auto" else backend)
+    assert core_attention.resolve_backend("sdpa", torch.device("cuda"), T, 16384,
+                                          dtype=torch.float32) == "sdpa"
+
+
+def test_pipeline_parallel_config_carries_pipeline_dtype():
+    """Finding 5: megatron-core refuses PP > 1 without TransformerConfig.pipeline_dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = build_transformer_config(TINY, params_dtype=dtype, pipeline_model_parallel_size=2)
+        assert cfg.pipeline_dtype == dtype
+
+
+def test_setup_transformer_engine_range_is_megatrons():
+    """Finding 8: transformer_engine.pytorch.attention.rope exists from TE 2.3; megatron-core
+    0.16.1 itself pins transformer-engine >= 2.9.0a0, < 2.12.0."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    megatron = next(Requirement(r) for r in requires("megatron-core")
+                    if r.startswith("transformer-engine"))
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "setup.py").read_text())
+    extras = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    te = ast.literal_eval(extras)["te"]
+    ours = Requirement(te[0])
+    assert ours.name == "transformer-engine" and ours.specifier == megatron.specifier
