@@ -3,8 +3,10 @@ the combinations that cannot work, refused before any step runs.
 
 Passing a ``CudaGraphConfig`` (``None`` = off) gives what the MLPerf Llama-2-70B LoRA submissions run
 (Megatron-Core 0.16.1 ``cuda_graph_impl="local"``, i.e. the deprecated ``enable_cuda_graph=True``):
-a ``CudaGraphManager`` per ``TransformerLayer`` capturing the whole layer after warmup steps,
-Transformer Engine's RNG tracker (dropout inside graphs), and the environment graph runs need.
+a ``CudaGraphManager`` per ``TransformerLayer`` capturing the whole layer, Transformer Engine's
+RNG tracker (dropout inside graphs), and the environment graph runs need. In megatron-core
+0.16.1 the first ``forward_backward`` runs eagerly and records each layer's calls; capture
+happens at its end (``create_cudagraphs()``), and every later step replays.
 On a CPU there is nothing to capture: the graph-safety audit runs in its place.
 """
 
@@ -24,7 +26,11 @@ class CudaGraphConfig:
     """Settings of per-layer capture (cuda_graph_impl="local"); whether graphs are on is the
     caller's choice (``plan_graphs_and_fp8(graphs=None)`` = off; the main job's switch is
     ``fastpath.cuda_graphs``).
-    warmup_steps: eager steps before capture (Megatron's ``cuda_graph_warmup_steps``).
+    warmup_steps: Megatron's ``cuda_graph_warmup_steps``. In megatron-core 0.16.1 this is NOT a
+        number of eager training steps: capture always happens at the end of the first
+        ``forward_backward``; it is the number of warm-up forward (and backward) passes that
+        ``_CudaGraphRunner.create_fwd_graph`` runs on zero-filled copies of a layer's inputs
+        right before capturing it (the first step runs each layer 1 + warmup_steps times).
     use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
     audit_steps / strict_audit: the CPU graph-safety audit run in place of capture."""
 
@@ -35,7 +41,10 @@ class CudaGraphConfig:
 
     def __post_init__(self):
         if self.warmup_steps < 1:
-            raise ValueError("cuda_graphs.warmup_steps must be >= 1 (Megatron records after warmup)")
+            raise ValueError(
+                "cuda_graphs.warmup_steps must be >= 1 (zero-input warm-up passes per layer "
+                "before its capture, so lazy allocations happen outside the graph)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +201,9 @@ def _plan_capture(graphs: CudaGraphConfig, tc: dict, env: dict, notes: list) -> 
     if (major, minor) < (2, 8):
         env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
     notes.append(
-        f"per-layer CUDA graphs: cuda_graph_impl=local, {graphs.warmup_steps} warmup "
-        f"steps, TE RNG tracker={graphs.use_te_rng_tracker}"
+        f"per-layer CUDA graphs: cuda_graph_impl=local, captured at the end of step 1 after "
+        f"{graphs.warmup_steps} zero-input warm-up passes per layer, TE RNG "
+        f"tracker={graphs.use_te_rng_tracker}"
     )
 
 

@@ -14,7 +14,7 @@ Read like torchtitan's ``train.py``::
 
 One program for CPU and GPU, chosen by device (``step.cpu_train_step`` / ``step.gpu_train_step``,
 see :mod:`megatron_fastpath.train.step`). Every step prints one line: loss, tokens/s, host syncs
-inside the step (SyncSentinel), packed-cache hits/misses; device values are read one step late.
+inside the step (SyncSentinel), packed-cache builds; device values are read one step late.
 """
 
 from __future__ import annotations

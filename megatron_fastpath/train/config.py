@@ -219,7 +219,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
     _check_parallel(par, fast, is_moe, features["offload"], device)
-    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384)
+    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384,
+                              dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
     lora = features["lora"]

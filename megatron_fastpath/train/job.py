@@ -134,7 +134,7 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
     spec = get_fastpath_layer_spec(
         cache, backend=cfg.attention_backend, num_experts=cfg.model.num_experts,
         qk_layernorm=cfg.model.qk_layernorm, normalization=cfg.model.normalization,
-        linear_impl=cfg.linear_impl,
+        linear_impl=cfg.linear_impl, params_dtype=tcfg.params_dtype,
     )
     if cfg.lora is not None:
         from megatron_fastpath.lora import with_lora

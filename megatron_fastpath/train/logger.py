@@ -32,8 +32,7 @@ class StepResult:
     syncs_fwd_bwd: int
     syncs_step: int
     sync_sites: tuple
-    cache_hits: int
-    cache_misses: int
+    cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
     offload_mode: str = "off"
 
@@ -51,8 +50,7 @@ class StepRecord:
     syncs_fwd_bwd: int
     syncs_step: int
     sync_sites: tuple
-    cache_hits: int
-    cache_misses: int
+    cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
     offload_mode: str = "off"
 
@@ -62,7 +60,7 @@ class StepRecord:
             step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
             step_ms=r.step_ms, tokens_per_s=r.tokens / (r.step_ms / 1e3),
             syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
-            cache_hits=r.cache_hits, cache_misses=r.cache_misses,
+            cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
         )
 
@@ -80,8 +78,7 @@ class TrainSummary:
     mean_tokens_per_s: float
     syncs_fwd_bwd_per_step: float
     syncs_per_step: float
-    cache_hits: int
-    cache_misses: int
+    cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     records: tuple
     trainable_params: int = 0
     total_params: int = 0
@@ -179,8 +176,8 @@ class StepLogger:
         self.print(
             f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
             f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: fwd+bwd "
-            f"{rec.syncs_fwd_bwd}, step {rec.syncs_step} | cache hits {rec.cache_hits} misses "
-            f"{rec.cache_misses}{off}"
+            f"{rec.syncs_fwd_bwd}, step {rec.syncs_step} | cache builds {rec.cache_builds}"
+            f"{off}"
         )
 
     def finish(self) -> TrainSummary:
@@ -205,8 +202,7 @@ class StepLogger:
             mean_tokens_per_s=sum(r.tokens_per_s for r in records[1:] or records) / max(len(records) - 1, 1),
             syncs_fwd_bwd_per_step=sum(r.syncs_fwd_bwd for r in records) / len(records),
             syncs_per_step=sum(r.syncs_step for r in records) / len(records),
-            cache_hits=sum(r.cache_hits for r in records),
-            cache_misses=sum(r.cache_misses for r in records),
+            cache_builds=sum(r.cache_builds for r in records),
             records=tuple(records),
             trainable_params=job.trainable_params,
             total_params=job.total_params,
@@ -222,7 +218,7 @@ class StepLogger:
             f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
             f"the first / last {k} steps) | {s.mean_tokens_per_s:.0f} tok/s | host syncs per "
             f"step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step {s.syncs_per_step:g} | cache "
-            f"hits {s.cache_hits} misses {s.cache_misses} ({stats.host_to_device_copies} H2D "
+            f"builds {s.cache_builds} ({stats.host_to_device_copies} H2D "
             f"copies, {stats.bytes_copied} bytes)"
         )
         for site in sorted({x for r in s.records for x in r.sync_sites}):

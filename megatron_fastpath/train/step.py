@@ -67,7 +67,7 @@ def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
         loss_tokens=batch.global_loss_tokens, step_ms=step_ms,
         syncs_fwd_bwd=fwd_bwd.num_syncs, syncs_step=step_sentinel.num_syncs,
         sync_sites=tuple(sorted(step_sentinel.by_location())),
-        cache_hits=d.hits, cache_misses=d.misses,
+        cache_builds=d.builds,
         offload_bytes=off.bytes_offloaded if off else 0,
         offload_mode=off.mode.value if off else "off",
     )

@@ -27,7 +27,7 @@ def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
     assert summary.last_loss < summary.first_loss - 0.5, (summary.first_loss, summary.last_loss)
     assert summary.syncs_fwd_bwd_per_step == 0 and summary.syncs_per_step == 0
     # 2 microbatches x 2 layers x 2 derived kinds read per step; 2 kinds built per microbatch
-    assert all(r.cache_hits == 8 and r.cache_misses == 4 for r in summary.records)
+    assert all(r.cache_builds == 4 for r in summary.records)  # mask + RoPE x 2 microbatches
     assert out.count("\nstep ") + out.startswith("step ") == 12 and "summary: 12 steps" in out
     assert "host syncs: fwd+bwd 0, step 0" in out
     # the summary says what its "loss A -> B" averages, and it is that average
