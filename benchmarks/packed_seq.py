@@ -11,7 +11,9 @@ cross-entropy -> mean), so only the attention-side metadata handling differs:
 ``cache`` (ours)
     ``get_fastpath_layer_spec(cache, backend="sdpa")``. Per step ``cache.set_batch(lengths)``
     builds B on the host, copies it once into static buffers and builds the block-causal SDPA
-    mask and per-token RoPE cos/sin once; every layer reads them (cache hits, no aten ops).
+    mask (one additive [T, T] mask in the compute dtype) and per-token RoPE cos/sin once;
+    every layer reads them from the ``packed_seq_params`` (no aten ops, one mask saved for
+    backward per step).
 
 ``rebuild_per_layer`` (baseline a)
     :class:`RebuildPerLayerCoreAttention`: every layer's core attention rebuilds B from the
@@ -24,7 +26,10 @@ cross-entropy -> mean), so only the attention-side metadata handling differs:
     only difference from ``cache`` is the per-layer rebuild.
 
 ``megatron_thd_rope`` (baseline b)
-    Megatron-Core 0.16.1's own unfused THD RoPE path: the stock ``SelfAttention`` gets
+    Megatron-Core 0.16.1's own UNFUSED THD RoPE path (``apply_rope_fusion=False``). Megatron-LM's
+    default is fused RoPE (``apply_rope_fusion=True``: Transformer Engine's fused kernel over
+    device ``cu_seqlens``, no host sync); its "4 host syncs per layer" below are those of the
+    unfused path only, the one a CPU run or a setup without TE takes. The unfused path: the stock ``SelfAttention`` gets
     ``rotary_pos_emb`` and a standard ``PackedSeqParams`` (``qkv_format="thd"``, device
     ``cu_seqlens`` and the batch's true ``max_seqlen``, as a Megatron data pipeline builds
     them), so ``apply_rotary_pos_emb(..., cu_seqlens=...)`` -> ``_apply_rotary_pos_emb_thd``
@@ -39,7 +44,7 @@ cross-entropy -> mean), so only the attention-side metadata handling differs:
     (``cat((f, f), -1)[:, None, None, :]``) for the batch's true ``max_seqlen`` -- what
     ``GPTModel._preprocess`` computes from ``PackedSeqParams.max_seqlen_q``. (The true max
     matters: handed our cache's static params, whose ``max_seqlen_q`` is the constant bound
-    T and whose ``cu_seqlens_q_padded`` ends at T, GPTModel would build T rows of freqs,
+    T and whose ``cu_seqlens_q`` close the tail at T, GPTModel would build T rows of freqs,
     ``freqs.size(0) == cu_seqlens[-1]`` would hold and ``_apply_rotary_pos_emb_thd`` would take
     its offset branch: one more ``.item()`` per sequence slot, S+2 host syncs per call.)
 
@@ -65,8 +70,8 @@ What is measured, per variant and L
         ``per_step / L``. ``--breakdown`` prints the op-name histogram of each difference.
     fwd_ms / fwd_bwd_ms (and fwd_cpu_ms / fwd_bwd_cpu_ms)
         wall time of a training step's forward (per-step preparation + forward to the scalar
-        loss, autograd on) and of the whole step (+ backward + release), median over
-        ``--repeats`` steps after ``--warmup`` steps; the ``_cpu_`` twins are the process CPU
+        loss, autograd on) and of the whole step (+ backward + release), minimum over
+        ``--repeats`` steps after ``--warmup`` steps (all samples kept in ``*_all``); the ``_cpu_`` twins are the process CPU
         time (all threads) of the same steps, which other processes competing for the cores
         inflate far less than wall time (on a shared machine, compare those; with
         ``--threads 1`` they are the single thread's compute time). Variants run round-robin
@@ -74,8 +79,14 @@ What is measured, per variant and L
         is paused during a timed step; gradients are dropped (``p.grad = None``) between
         steps, untimed. On CPU nothing waits for a device, so a host sync costs only its
         Python/aten overhead here; on a GPU each one stalls the launch queue as well.
+    mask_tensors_saved_per_step
+        distinct [T, T] storages autograd saves for backward in one step (saved-tensor hooks):
+        ours 1 (the batch's additive mask, shared by all layers); a per-layer build saves L.
+    cache_bytes
+        device bytes the variant's packed cache holds between steps (records, mask, RoPE).
     ratios
-        speedup of ours = t(baseline) / t(cache), forward and forward+backward (wall and CPU),
+        baseline / ours = t(baseline) / t(cache): > 1 means ours is faster; forward and
+        forward+backward (wall and CPU),
         printed beside Unsloth's anchor (Qwen3-14B QLoRA SFT on Blackwell GPUs: forward +43.3%
         from caching).
     numerics
@@ -91,8 +102,9 @@ Usage::
     python benchmarks/packed_seq.py --threads 1   # machine shared with other jobs: read the cpu columns
 
 On a machine whose cores other processes also use, wall times (and, with 2+ threads, CPU
-times inflated by OpenMP spin-waits) swing by several x between repeats; the run prints a
-warning when the load average exceeds the core count. ``--threads 1`` and the ``cpu`` columns
+times inflated by OpenMP spin-waits) swing by several x between repeats; the load average is
+recorded at the start and the end, and a run above 0.5 per core is marked ``"noisy": true`` in
+its JSON (and NOISY in the table). ``--threads 1`` and the ``cpu`` columns
 then still give comparable numbers. Host syncs, op counts and numerics are exact either way.
 """
 
@@ -105,7 +117,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -130,6 +141,8 @@ from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig, RopeCo
 from megatron_fastpath.sync import SyncSentinel
 
 VARIANTS = ("cache", "rebuild_per_layer", "megatron_thd_rope")
+RATIO_DIRECTION = "baseline / ours: > 1 means ours is faster"
+NOISY_LOAD_PER_CORE = 0.5  # a run whose 1-min load average exceeds this per core is "noisy"
 UNSLOTH_FWD_ANCHOR = 0.433  # Qwen3-14B QLoRA SFT, forward +43.3% from caching packed metadata
 
 
@@ -231,14 +244,15 @@ class RebuildPerLayerCoreAttention(_megatron_module_base()):
     4. RoPE factors the unpacked way: a [max_seqlen, D] table (``outer(arange(max_seqlen),
        inv_freq)``, ``cat``, ``cos``, ``sin``) gathered per token by the positions,
        -> cos/sin [T, 1, D];
-    5. the [T, T] bool block-diagonal causal mask, one block per sequence as Unsloth builds it:
-       ``zeros(T, T)``, then for each length in ``lengths_N.tolist()`` (host read 3) a
-       ``ones(n, n).tril_()`` block written at its offset. (``mask_style="vectorized"`` builds
-       it instead from per-token sequence ids, ``eq`` and a ``tril``: no ``tolist``, O(1) ops in
-       N, but three more [T, T] passes.)
+    5. the [T, T] additive block-diagonal causal mask (0 / -inf in the compute dtype, as ours
+       and as Unsloth's), one block per sequence as Unsloth builds it: ``full(T, T, -inf)``,
+       then for each length in ``lengths_N.tolist()`` (host read 3) a causal block
+       (``zeros(n, n)`` with ``-inf`` above the diagonal) written at its offset.
+       (``mask_style="vectorized"`` builds it instead from per-token sequence ids, ``eq``, a
+       ``tril`` and a ``where``: no ``tolist``, O(1) ops in N, but more [T, T] passes.)
 
-    The mask is bool, as ours, so SDPA runs the same kernel (Unsloth's is an additive float
-    mask). RoPE is then applied with :func:`apply_rope_cached` and attention is the same
+    The mask has ours' dtype and layout, so SDPA runs the same kernel; but every layer builds
+    its own, so autograd saves L masks per step where ours saves one. RoPE is then applied with :func:`apply_rope_cached` and attention is the same
     ``scaled_dot_product_attention`` call as :class:`PackedCoreAttention`'s SDPA backend: the
     only difference from ours is the rebuild. Nothing here has a gradient, so backward is
     unchanged. Batches must fill T exactly (as a packing collator without padding produces).
@@ -297,19 +311,22 @@ class RebuildPerLayerCoreAttention(_megatron_module_base()):
         sin_T1D = emb_SD.sin()[idx_T].unsqueeze(1).to(dtype)
 
         if self.mask_style == "loop":
-            mask_TT = torch.zeros((t, t), dtype=torch.bool, device=device)
+            mask_TT = torch.full((t, t), float("-inf"), dtype=dtype, device=device)
             start = 0
             for length in lengths_N.tolist():
-                mask_TT[start : start + length, start : start + length] = torch.ones(
-                    (length, length), dtype=torch.bool, device=device
-                ).tril_()
+                above = torch.ones((length, length), dtype=torch.bool, device=device).triu_(1)
+                mask_TT[start : start + length, start : start + length] = torch.zeros(
+                    (length, length), dtype=dtype, device=device
+                ).masked_fill_(above, float("-inf"))
                 start += length
         else:
             seq_ids_T = torch.repeat_interleave(
                 torch.arange(n, device=device), lengths_N, output_size=total
             )
             causal_TT = torch.ones((t, t), dtype=torch.bool, device=device).tril_()
-            mask_TT = (seq_ids_T.unsqueeze(1) == seq_ids_T.unsqueeze(0)) & causal_TT
+            allowed_TT = (seq_ids_T.unsqueeze(1) == seq_ids_T.unsqueeze(0)) & causal_TT
+            mask_TT = torch.zeros((t, t), dtype=dtype, device=device).masked_fill_(
+                ~allowed_TT, float("-inf"))
         return cos_T1D, sin_T1D, mask_TT
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
@@ -339,13 +356,13 @@ class RebuildPerLayerCoreAttention(_megatron_module_base()):
 # ---------------------------------------------------------------------------------------------
 class CacheMaskCoreAttention(PackedCoreAttention):
     """Our SDPA core attention with RoPE off (Megatron's SelfAttention applies it), reading the
-    mask of the cache's current batch: it is handed Megatron-built ``PackedSeqParams``, which
-    are not the cache's static buffers, so it looks the batch up by the cache's current slot."""
+    mask from the cache's batch: it is handed Megatron-built ``PackedSeqParams`` (no mask in
+    them), so this benchmark-only baseline swaps in the params of the one batch in flight."""
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                               packed_seq_params=None)
+                               packed_seq_params=self.cache.current.packed_seq_params)
 
 
 def megatron_packed_seq_params(lengths: Sequence[int], device: torch.device):
@@ -516,11 +533,13 @@ def timed_step(v: Variant, lengths, tokens_1T, labels_1T, device) -> StepTimes:
 
 @dataclasses.dataclass
 class Counted:
-    """One step observed by SyncSentinel, per phase."""
+    """One step observed by SyncSentinel, per phase; ``masks_saved``: distinct [T, T]
+    storages autograd saved for backward in the forward (model parameters excluded)."""
 
     prep: SyncSentinel
     fwd: SyncSentinel
     bwd: SyncSentinel
+    masks_saved: int = 0
 
     @property
     def syncs(self) -> int:
@@ -535,15 +554,26 @@ class Counted:
 
 def counted_step(v: Variant, lengths, tokens_1T, labels_1T, device) -> Counted:
     _drop_grads(v.model)
+    t = tokens_1T.shape[1]
+    weights = {p.untyped_storage().data_ptr() for p in v.model.parameters()}
+    masks: dict = {}  # storage -> tensor (held, so a storage address is not reused)
+
+    def pack(x):
+        ptr = x.untyped_storage().data_ptr()
+        if x.dim() >= 2 and tuple(x.shape[-2:]) == (t, t) and ptr not in weights:
+            masks.setdefault(ptr, x)
+        return x
+
     with SyncSentinel(name=f"{v.name}:prep") as prep:
         kwargs = v.prepare(lengths, device)
-    with SyncSentinel(name=f"{v.name}:fwd") as fwd:
+    with SyncSentinel(name=f"{v.name}:fwd") as fwd, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         loss = forward_loss(v.model, tokens_1T, labels_1T, **kwargs)
     with SyncSentinel(name=f"{v.name}:bwd") as bwd:
         loss.backward()
         v.finish()
     _drop_grads(v.model)
-    return Counted(prep, fwd, bwd)
+    return Counted(prep, fwd, bwd, masks_saved=len(masks))
 
 
 def numerics(variants: dict[str, Variant], lengths, tokens_1T, labels_1T, device) -> dict:
@@ -582,6 +612,7 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
     from megatron_fastpath.distributed import init_distributed
 
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
     init_distributed(backend="gloo")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -596,9 +627,9 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
         f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; rebuild mask style: {mask_style}; load average "
         f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        log("WARNING: other processes are using the cores (load average above the core count): "
-            "wall times will be noisy; prefer --threads 1 and compare the cpu columns")
+    if _noisy(os.getloadavg()[0]):
+        log(f"WARNING: other processes are using the cores (load average above {NOISY_LOAD_PER_CORE}"
+            " per core): times are marked noisy; prefer --threads 1 and compare the cpu columns")
 
     results, ratios, checks, locations = [], [], [], {}
     for num_layers in cfg.layers:
@@ -628,13 +659,15 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
                 "variant": name,
                 "layers": num_layers,
                 "host_syncs_per_step": c.syncs,
+                "mask_tensors_saved_per_step": c.masks_saved,
+                "cache_bytes": variants[name].cache.cache_bytes() if variants[name].cache else 0,
                 "metadata_ops_per_layer": meta_step / num_layers,
                 "metadata_ops_per_step": meta_step,
                 "aten_ops_per_step": c.prep.aten_ops + c.fwd.aten_ops + c.bwd.aten_ops,
             }
             for key in ("fwd_ms", "fwd_bwd_ms", "fwd_cpu_ms", "fwd_bwd_cpu_ms"):
                 samples = [getattr(st, key) for st in times[name]]
-                row[key] = statistics.median(samples)
+                row[key] = min(samples)
                 row[key.replace("_ms", "_ms_all")] = [round(x, 2) for x in samples]
             results.append(row)
             locations[(name, num_layers)] = c.locations()
@@ -673,19 +706,28 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
                    "fwd_gain_from_caching": UNSLOTH_FWD_ANCHOR},
         "sync_locations": {f"{n}@L={l}": dict(c) for (n, l), c in locations.items()},
         "wall_time_s": time.perf_counter() - t_start,
+        "load_average_1min_at_start": load_start,
         "load_average_1min_at_end": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+        "noisy": _noisy(max(load_start, os.getloadavg()[0])),
+        "ratio_direction": RATIO_DIRECTION,
     }
+
+
+def _noisy(load: float) -> bool:
+    return load / (os.cpu_count() or 1) > NOISY_LOAD_PER_CORE
 
 
 # ---------------------------------------------------------------------------------------------
 # Reporting
 # ---------------------------------------------------------------------------------------------
 def format_report(report: dict) -> str:
-    lines = []
-    hdr = (f"{'variant':<18} {'L':>3} {'host syncs':>10} {'meta ops':>9} {'meta ops':>9} "
-           f"{'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd cpu':>9} {'fwd+bwd cpu':>12}")
-    sub = (f"{'':<18} {'':>3} {'/step':>10} {'/step':>9} {'/layer':>9} {'(median)':>9} "
-           f"{'(median)':>11} {'ms (med)':>9} {'ms (median)':>12}")
+    lines = [f"ratios: {RATIO_DIRECTION}; times: min over {report['config']['repeats']} repeats"
+             + ("; NOISY run (load above 0.5 per core)" if report["noisy"] else "")]
+    hdr = (f"{'variant':<18} {'L':>3} {'host syncs':>10} {'masks':>6} {'cache':>9} {'meta ops':>9} "
+           f"{'meta ops':>9} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd cpu':>9} {'fwd+bwd cpu':>12}")
+    sub = (f"{'':<18} {'':>3} {'/step':>10} {'saved':>6} {'KiB':>9} {'/step':>9} {'/layer':>9} "
+           f"{'(min)':>9} {'(min)':>11} {'ms (min)':>9} {'ms (min)':>12}")
     lines += [hdr, sub, "-" * len(hdr)]
     last_l = None
     for r in report["results"]:
@@ -693,11 +735,12 @@ def format_report(report: dict) -> str:
             lines.append("")
         last_l = r["layers"]
         lines.append(f"{r['variant']:<18} {r['layers']:>3} {r['host_syncs_per_step']:>10d} "
+                     f"{r['mask_tensors_saved_per_step']:>6d} {r['cache_bytes'] / 1024:>9.1f} "
                      f"{r['metadata_ops_per_step']:>9d} {r['metadata_ops_per_layer']:>9.1f} "
                      f"{r['fwd_ms']:>9.1f} {r['fwd_bwd_ms']:>11.1f} {r['fwd_cpu_ms']:>9.1f} "
                      f"{r['fwd_bwd_cpu_ms']:>12.1f}")
     lines.append("")
-    lines.append("speedup of cache = t(baseline) / t(cache)    [wall]            [process CPU]")
+    lines.append(f"{RATIO_DIRECTION}          [wall]            [process CPU]")
     for q in report["ratios"]:
         lines.append(f"  L={q['layers']:<3d} vs {q['baseline']:<18} fwd x{q['fwd_speedup']:.3f} "
                      f"fwd+bwd x{q['fwd_bwd_speedup']:.3f}   fwd x{q['fwd_cpu_speedup']:.3f} "
@@ -731,8 +774,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  {key.split('@')[0]}:")
         for where, n in sorted(locs.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {n:5d} x {_short_path(where)}")
-    lines.append(f"wall time {report['wall_time_s']:.1f} s (1-min load average at the end "
-                 f"{report['load_average_1min_at_end']:.2f} on {os.cpu_count()} cores)")
+    lines.append(f"wall time {report['wall_time_s']:.1f} s (1-min load average "
+                 f"{report['load_average_1min_at_start']:.2f} at the start, "
+                 f"{report['load_average_1min_at_end']:.2f} at the end, on {report['cores']} cores"
+                 f"{'; NOISY' if report['noisy'] else ''})")
     return "\n".join(lines)
 
 

@@ -372,7 +372,8 @@ def test_data_step_loads_nemo_collate_from_host(mcore_parallel, nemo_packed, pad
         assert "cu_seqlens" not in out and "cu_seqlens_argmin" not in out and out["attention_mask"] is None
         params = out["packed_seq_params"]
         assert params.qkv_format == "thd" and params.max_seqlen_q == T
-        assert params.cu_seqlens_q.shape == (cache.config.max_seqs + 1,)
+        assert params.cu_seqlens_q.shape == (cache.config.max_seqs + 2,)  # + the tail closed at T
+        assert params.cu_seqlens_q_padded is None and params.cu_seqlens_q[-1] == T
         ptr = params.cu_seqlens_q.data_ptr()
         assert static_ptr in (None, ptr)  # one slot: the same static buffer every batch
         static_ptr = ptr

@@ -45,6 +45,8 @@ def test_json_schema(quick_report, bench):
     for r in rows:
         assert isinstance(r["variant"], str) and isinstance(r["layers"], int)
         assert isinstance(r["host_syncs_per_step"], int)
+        assert isinstance(r["mask_tensors_saved_per_step"], int) and isinstance(r["cache_bytes"], int)
+        assert r["fwd_ms"] == min(r["fwd_ms_all"]) or abs(r["fwd_ms"] - min(r["fwd_ms_all"])) < 0.01
         for key in ("metadata_ops_per_layer", "fwd_ms", "fwd_bwd_ms"):
             assert isinstance(r[key], float), key
         assert 0 < r["fwd_ms"] < r["fwd_bwd_ms"]
@@ -52,6 +54,23 @@ def test_json_schema(quick_report, bench):
         (l, b) for l in (1, 3) for b in ("rebuild_per_layer", "megatron_thd_rope")
     }
     assert quick_report["anchor"]["fwd_gain_from_caching"] == pytest.approx(0.433)
+    assert quick_report["ratio_direction"] == "baseline / ours: > 1 means ours is faster"
+    assert isinstance(quick_report["noisy"], bool)
+    load = max(quick_report["load_average_1min_at_start"], quick_report["load_average_1min_at_end"])
+    assert quick_report["noisy"] == (load / quick_report["cores"] > 0.5)
+
+
+def test_one_mask_saved_per_step_and_cache_bytes(quick_report, bench):
+    """Issue 14: ours saves ONE [T, T] mask for backward per step whatever L; a per-layer
+    rebuild saves L. The cache holds the record, the [T, T] fp32 mask and the RoPE tables."""
+    rows = _rows(quick_report)
+    t = bench.QUICK["tokens"]
+    for layers in (1, 3):
+        assert rows[("cache", layers)]["mask_tensors_saved_per_step"] == 1
+        assert rows[("megatron_thd_rope", layers)]["mask_tensors_saved_per_step"] == 1
+        assert rows[("rebuild_per_layer", layers)]["mask_tensors_saved_per_step"] == layers
+        assert rows[("rebuild_per_layer", layers)]["cache_bytes"] == 0
+        assert t * t * 4 < rows[("cache", layers)]["cache_bytes"] < 2 * t * t * 4
 
 
 def test_host_syncs_per_step_exact(quick_report):
