@@ -239,6 +239,9 @@ class PackedBatch:
 
     packed_seq_params: the slot's :class:`CachedPackedSeqParams` -- pass it to the model.
     position_ids_1T: [1, T] per-token positions (reset per sequence) -- the model's position_ids.
+    padding_mask_1T: [1, T] bool, True on real tokens: ``params.real_token_mask_T`` in the layout
+        and convention of Megatron's ``GPTModel.forward(padding_mask=...)`` (which hands it to
+        ``MoELayer`` routing); a view of the static buffer.
     num_seqs / num_tokens / max_seqlen / lengths_N: host values of the real batch.
     """
 
@@ -246,6 +249,7 @@ class PackedBatch:
     version: int
     packed_seq_params: CachedPackedSeqParams
     position_ids_1T: torch.Tensor
+    padding_mask_1T: torch.Tensor
     num_seqs: int
     num_tokens: int
     max_seqlen: int
@@ -400,6 +404,7 @@ class PackedSeqCache:
             version=slot.version,
             packed_seq_params=slot.params,
             position_ids_1T=slot.position_ids_1T,
+            padding_mask_1T=slot.params.real_token_mask_T.view(1, -1),
             num_seqs=h.num_seqs,
             num_tokens=h.num_tokens,
             max_seqlen=h.max_seqlen,

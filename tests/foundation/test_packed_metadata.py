@@ -233,6 +233,15 @@ def test_cache_holds_no_causal_constant_and_derived_fields_are_static():
     assert cache.stats.per_kind == {"sdpa_mask": 4, "rope_cos_sin": 4, "flex_block_mask": 4}
 
 
+def test_real_token_mask_and_megatron_padding_mask_layout():
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4))
+    with cache.batch([5, 6]) as pb:
+        real = pb.packed_seq_params.real_token_mask_T
+        assert real.tolist() == [True] * 11 + [False] * 5
+        # Megatron's GPTModel(padding_mask=[b, s], True = valid token): the same storage
+        assert pb.padding_mask_1T.shape == (1, 16) and pb.padding_mask_1T.data_ptr() == real.data_ptr()
+
+
 @pytest.mark.parametrize("factor", [None, 8.0, 32.0])
 def test_rope_inv_freq_matches_megatron_rotary_embedding(factor):
     """Including Llama 3.1's frequency scaling (Megatron's rope_scaling / _apply_scaling)."""
