@@ -557,13 +557,16 @@ def block_mask_from(params: CachedPackedSeqParams):
     from torch.nn.attention.flex_attention import BlockMask
 
     t = params.seq_ids_T.shape[0]
+    # One mask_mod per params object (kept on it, not a field): a compiled flex_attention then
+    # sees the same callable at every layer instead of a new closure per call.
+    memo = params.__dict__.get("_flex_mask_mod")
+    if memo is None or memo[0] is not params.seq_ids_T:
+        memo = params.__dict__["_flex_mask_mod"] = (
+            params.seq_ids_T, packed_causal_mask_mod(params.seq_ids_T))
+    mask_mod = memo[1]
     return BlockMask(
         (t, t),
         *(getattr(params, f"flex_{name}") for name in _FLEX_FIELDS),
         BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
-        mask_mod=packed_causal_mask_mod(params.seq_ids_T),
+        mask_mod=mask_mod,
     )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
