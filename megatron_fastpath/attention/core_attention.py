@@ -18,6 +18,9 @@ backend    kernel                                                          devic
 None of them reads a tensor value on the host, and none reads the cache: everything per batch
 comes from the params (a CUDA-graph replay copies them in; a recompute in backward gets the same
 object its forward got). ``packed_seq_params=None`` is refused.
+
+Shape letters: T packed tokens, H heads (np query heads, ng key/value groups), d head dim,
+D rotary dim.
 """
 
 from __future__ import annotations

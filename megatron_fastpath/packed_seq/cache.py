@@ -30,8 +30,9 @@ while its backward may still read them. Staleness is impossible by construction:
 keyed on object identity of the caller's data -- every ``set_batch`` re-derives B from the values
 it is given.
 
-Shapes: T = ``max_tokens``, S = ``max_seqs``, C = entries of cu_seqlens (S + 1 + the closed
-tail), D = rotary dim, Q / K = flex query / key blocks.
+Shape letters: T = ``max_tokens``, S = ``max_seqs``, C = entries of cu_seqlens (S + 1 + the
+closed tail), D = rotary dim, F = D / 2 rotary frequencies, Q / K = flex query / key blocks,
+R = the flat metadata record.
 """
 
 from __future__ import annotations
@@ -488,10 +489,10 @@ class PackedSeqCache:
         pos_T = slot.params.position_ids_T.to(torch.float32)
         if rope.seq_len_interpolation_factor is not None:
             pos_T = pos_T / rope.seq_len_interpolation_factor
-        freqs_TH = torch.outer(pos_T, self._inv_freq)  # [T, D/2]
+        freqs_TF = torch.outer(pos_T, self._inv_freq)
         if rope.interleaved:
-            return torch.stack((freqs_TH, freqs_TH), dim=-1).flatten(-2)
-        return torch.cat((freqs_TH, freqs_TH), dim=-1)
+            return torch.stack((freqs_TF, freqs_TF), dim=-1).flatten(-2)
+        return torch.cat((freqs_TF, freqs_TF), dim=-1)
 
     def _build_rope_freqs(self, slot: _Slot) -> None:
         """[T, 1, 1, D] float32 angles: the ``freqs`` of TE's fused RoPE in ``sbhd`` layout
