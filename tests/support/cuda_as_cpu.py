@@ -76,7 +76,9 @@ class CudaAsCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _keep_on_cpu(kwargs["device"])
-        if func in (torch.Tensor.cuda,):
+        if kwargs.get("pin_memory"):  # pinned host staging (the packed cache, offload pools)
+            kwargs["pin_memory"] = False  # needs a CUDA allocator; plain host memory here
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             t = args[0]

@@ -55,3 +55,19 @@ def test_package_never_imports_the_mode():
             if f.endswith(".py"):
                 src = open(os.path.join(root, f), encoding="utf-8").read()
                 assert "cuda_as_cpu" not in src and "fake_cuda_graph" not in src, f
+
+
+def test_packed_cache_on_cuda_device_runs_with_pinned_staging():
+    """The cache pins its host staging record when its device is CUDA; the mode keeps that on
+    plain host memory, so the main job's cache builds and loads batches here."""
+    from cuda_as_cpu import cuda_as_cpu
+
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    with cuda_as_cpu():
+        cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4, num_slots=2),
+                               device=torch.device("cuda"))
+        cache.register("sdpa_mask")
+        with cache.batch([5, 3]) as pb:
+            assert pb.packed_seq_params.cu_seqlens_q.tolist()[:4] == [0, 5, 8, 16]
+        assert torch.ones(2).pin_memory().device.type == "cpu"
