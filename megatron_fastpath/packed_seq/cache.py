@@ -128,7 +128,10 @@ class PackedSeqConfig:
     max_seqs: S, sequences per packed microbatch.
     max_seqlen: constant bound reported as ``max_seqlen_q/kv`` (default T) -- constant so
         CUDA-graph argument matching holds across batches.
-    num_slots: microbatches that may be in flight at once (>= pipeline stages for 1F1B).
+    num_slots: microbatches that may be in flight at once (>= pipeline stages for 1F1B). A slot
+        only keeps an in-flight batch from being overwritten; which slot a microbatch gets does
+        not matter to attention (it reads the params it is given; a CUDA-graph replay copies
+        them into the graph's inputs).
     rope: rotary settings; None disables the RoPE structures.
     sdpa_mask_max_tokens: refuse to build a T x T SDPA mask above this T.
     """
@@ -413,7 +416,8 @@ class PackedSeqCache:
         )
 
     def cache_bytes(self) -> int:
-        """Device bytes the cache holds: every slot's record and derived fields (no constants)."""
+        """Device bytes the cache holds: every slot's record and derived fields, plus the one
+        shared [T] int32 arange the mask builder uses (no T x T constant)."""
         seen, total = set(), 0
         for slot in self.slots:
             for t in [slot.record_R, *slot.params.tensors().values()]:
