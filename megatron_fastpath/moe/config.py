@@ -4,6 +4,9 @@
 not already a plain Megatron ``TransformerConfig`` field, plus the Megatron fields it reads, so
 the pure functions in :mod:`megatron_fastpath.moe.dispatch` need nothing but tensors and this
 config. Build it from a Megatron config with :meth:`MoEDispatchConfig.from_transformer_config`.
+
+Shape letters: T tokens, k experts per token, E experts, C capacity (rows per expert), R rows
+of the expert buffer.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import dataclasses
 import math
 from typing import Any, Literal, Optional
 
-__all__ = ["MoEDispatchConfig", "ExpertBackend", "FP8_ALIGN"]
+__all__ = ["MoEDispatchConfig", "ExpertBackend", "EXPERT_BACKENDS", "FP8_ALIGN"]
 
+# The expert backends, in one place (``moe.experts.expert_class`` maps them to modules):
+# "grouped_mm": torch._grouped_mm on device offsets, 0 host syncs;
+# "te_grouped_linear": Transformer Engine GroupedLinear (FP8), 1 counted host sync per layer.
 ExpertBackend = Literal["grouped_mm", "te_grouped_linear"]
+EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
 
 # FP8 GEMMs (TE/cuBLASLt) need each group's row count to be a multiple of 16.
 FP8_ALIGN = 16
@@ -94,10 +101,9 @@ class MoEDispatchConfig:
             raise ValueError(f"pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
         if self.strict_capacity and self.capacity_factor is None:
             raise ValueError("strict_capacity=True needs a capacity_factor (dropless never drops)")
-        if self.expert_backend not in ("grouped_mm", "te_grouped_linear"):
+        if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(
-                f"expert_backend must be 'grouped_mm' or 'te_grouped_linear', "
-                f"got {self.expert_backend!r}"
+                f"expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"
             )
         if self.score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"score_function must be softmax|sigmoid, got {self.score_function!r}")

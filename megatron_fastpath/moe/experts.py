@@ -11,6 +11,9 @@ permuted_probs [R] or None) -> (y [R, H], None)``. When ``permuted_probs`` is gi
 convention, ``MoEDispatchConfig.probs_in_combine=False``) it scales the activation before the
 second projection like Megatron's ``GroupedMLP``; with our dispatcher's default the probs are
 applied in the combine instead and ``None`` is passed.
+
+Shape letters: R rows of the expert buffer (grouped by expert), H hidden size, F expert FFN
+size (F1 = 2F for SwiGLU's gate | up), E (E_l) local experts.
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_fastpath._optional import require
+from megatron_fastpath.moe.config import EXPERT_BACKENDS
 
-__all__ = ["GroupedSwiGLUExperts", "TEGroupedSwiGLUExperts", "grouped_mlp_reference"]
+__all__ = [
+    "GroupedSwiGLUExperts",
+    "TEGroupedSwiGLUExperts",
+    "expert_class",
+    "grouped_mlp_reference",
+]
 
 
 def _ep_rank(pg_collection) -> int:
@@ -43,6 +52,17 @@ def _check_expert_config(config, num_local_experts: int) -> None:
         raise ValueError("fastpath grouped experts have no bias: set add_bias_linear=False")
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
         raise ValueError("fastpath grouped experts do not support expert_tensor_parallel_size > 1")
+
+
+def _mark_expert_params(module, config) -> None:
+    """Mark expert parameters the way Megatron's ``GroupedMLP`` / ``TEGroupedLinear`` do
+    (``allreduce = not expert_parallel``): Megatron's DDP reads the flag
+    (distributed_data_parallel.py, ``getattr(param, 'allreduce', True)``) and reduces the
+    ``False`` ones over the expert-data-parallel group instead of the dense one. Unmarked
+    expert weights at EP > 1 would be summed with other ranks' *different* experts."""
+    expert_parallel = config.expert_model_parallel_size > 1
+    for p in module.parameters():
+        setattr(p, "allreduce", not expert_parallel)
 
 
 def _activation(config, h_RF: torch.Tensor) -> torch.Tensor:
@@ -82,8 +102,7 @@ class GroupedSwiGLUExperts(MegatronModule):
         )
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, H, F1, dtype=dtype, device=device))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, F, H, dtype=dtype, device=device))
-        for p in (self.weight1, self.weight2):
-            setattr(p, "allreduce", False)  # expert params: reduced over the expert-DP group
+        _mark_expert_params(self, config)
         if config.perform_initialization:
             self.reset_parameters()
 
@@ -189,6 +208,7 @@ class TEGroupedSwiGLUExperts(MegatronModule):
             num_local_experts, F, H, bias=False, params_dtype=config.params_dtype,
             device="cuda", init_method=config.output_layer_init_method,
         )
+        _mark_expert_params(self, config)
         self.host_syncs = 0  # running count of the m_splits reads, for reporting
 
     def forward(self, permuted_x_RH, tokens_per_expert_E, permuted_probs_R=None):
@@ -203,3 +223,12 @@ class TEGroupedSwiGLUExperts(MegatronModule):
 
     def backward_dw(self):
         pass
+
+
+def expert_class(backend: str):
+    """The experts module of ``backend``, a name in ``config.EXPERT_BACKENDS`` (the one list)."""
+    classes = {"grouped_mm": GroupedSwiGLUExperts, "te_grouped_linear": TEGroupedSwiGLUExperts}
+    assert set(classes) == set(EXPERT_BACKENDS), "moe.config.EXPERT_BACKENDS and experts differ"
+    if backend not in classes:
+        raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    return classes[backend]

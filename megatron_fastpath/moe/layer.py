@@ -4,6 +4,17 @@ router and grouped experts on device offsets.
 Only construction differs from ``MoELayer``; ``forward`` (route -> preprocess -> dispatch ->
 experts -> combine -> postprocess), shared experts, recompute and ``isinstance(mlp, MoELayer)``
 checks in ``TransformerLayer`` are Megatron's own.
+
+Padding tokens: Megatron 0.16.1 threads ``padding_mask`` ([B, S] bool, True = padding) from
+``GPTModel.forward`` through ``TransformerBlock`` and ``TransformerLayer._forward_mlp`` into
+``MoELayer.forward`` (which transposes it to [S, B]) and the router. It is a tensor argument of
+the layer call, so a CUDA-graph runner copies it into its static inputs at every replay. Given
+it, :class:`~megatron_fastpath.moe.router.FastpathRouter` routes padding tokens nowhere: they
+take no expert capacity, add nothing to the aux loss and get a zero MoE output (shared experts,
+if any, are dense and still see them). The packed batch's mask is ``~real_token_mask`` [1, T];
+without it every token counts as real.
+
+Shape letters: S sequence, B batch, H hidden size.
 """
 
 from __future__ import annotations
@@ -11,15 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import (
-    MoECudaGraphTensorStore,
-    get_default_pg_collection,
-)
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron_fastpath.compat import init_moe_layer_state
 from megatron_fastpath.moe.config import MoEDispatchConfig
-from megatron_fastpath.moe.experts import GroupedSwiGLUExperts, TEGroupedSwiGLUExperts
+from megatron_fastpath.moe.experts import expert_class
 from megatron_fastpath.moe.router import FastpathRouter
 from megatron_fastpath.moe.token_dispatcher import SortCountTokenDispatcher
 
@@ -66,27 +75,10 @@ class FastpathMoELayer(MoELayer):
                 "dispatcher; set moe_shared_expert_overlap=False"
             )
         cfg = dispatch_config or MoEDispatchConfig.from_transformer_config(config)
-        # MoELayer.__init__ unconditionally builds one of Megatron's dispatchers from
-        # config.moe_token_dispatcher_type; the "alltoall" one allocates torch.cuda.Stream() and
-        # fails on a CPU machine (and would be discarded anyway). So initialise BaseMoELayer
-        # (process groups, local expert indices: CUDA-free) and build the same attributes as
-        # MoELayer.__init__ with our router, dispatcher and experts. MoELayer's forward and
-        # helper methods are inherited unchanged.
-        BaseMoELayer.__init__(
-            self, config=config, layer_number=layer_number, pg_collection=pg_collection
-        )
+        # MoELayer.__init__ always builds one of Megatron's dispatchers (the "alltoall" one
+        # needs CUDA): set its other state through the compat shim, then build ours.
+        init_moe_layer_state(self, config, submodules, layer_number, pg_collection)
         self.dispatch_config = cfg
-        self.submodules = submodules
-        self.moe_layer_recompute = (
-            config.recompute_granularity == "selective"
-            and "moe" in config.recompute_modules
-            and config.cuda_graph_impl != "local"
-        )
-        self.shared_experts_recompute = (
-            config.recompute_granularity == "selective"
-            and "shared_experts" in config.recompute_modules
-        )
-        self.tp_group = pg_collection.tp
 
         router = submodules.router or FastpathRouter
         if isinstance(router, type) and issubclass(router, FastpathRouter):
@@ -102,11 +94,7 @@ class FastpathMoELayer(MoELayer):
             dispatch_config=cfg,
         )
 
-        experts = submodules.experts
-        if experts is None:
-            experts = (
-                GroupedSwiGLUExperts if cfg.expert_backend == "grouped_mm" else TEGroupedSwiGLUExperts
-            )
+        experts = submodules.experts or expert_class(cfg.expert_backend)
         self.experts = build_module(
             experts, self.num_local_experts, config, pg_collection=pg_collection
         )
@@ -123,9 +111,6 @@ class FastpathMoELayer(MoELayer):
                 gate=config.moe_shared_expert_gate,
             )
 
-        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
-        self.fwd_execution_map = ["route", "expert_compute", "postprocess"]
-
     @property
     def expected_host_syncs_per_layer(self) -> int:
         """Host syncs per forward+backward of this layer (dispatcher + expert backend)."""
@@ -133,13 +118,24 @@ class FastpathMoELayer(MoELayer):
         return n + getattr(self.experts, "HOST_SYNCS_PER_FORWARD", 0)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        """Megatron's MoELayer.forward after static input checks (no device work on error)."""
+        """Megatron's MoELayer.forward after static input checks (no device work on error).
+
+        hidden_states [S, B, H]; padding_mask [B, S] bool (True = padding) or None."""
         if hidden_states is None:  # Megatron's partial-CUDA-graph resume path
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size "
                 f"{self.config.hidden_size}"
+            )
+        if padding_mask is not None and (
+            hidden_states.dim() != 3
+            or tuple(padding_mask.shape) != (hidden_states.shape[1], hidden_states.shape[0])
+        ):
+            raise ValueError(
+                f"padding_mask shape {tuple(padding_mask.shape)} does not match hidden_states "
+                f"{tuple(hidden_states.shape)}: Megatron's convention is padding_mask [B, S] "
+                "(True = padding) for hidden_states [S, B, H]"
             )
         expert_dtype = next(self.experts.parameters()).dtype
         if hidden_states.dtype != expert_dtype:

@@ -6,7 +6,8 @@ runs on a CPU. :class:`FastpathRouter` subclasses ``TopKRouter`` (so Megatron's 
 jitter, aux-loss logging/``MoEAuxLossAutoScaler``, expert-bias state-dict handling and
 ``finalize_model_grads``' expert-bias update all keep working) but:
 
-* initialises through ``Router.__init__`` and puts its buffers on the gate weight's device;
+* initialises through ``compat.init_topk_router_state`` (``Router.__init__`` plus TopKRouter's
+  attributes, buffers on the gate weight's device);
 * ``gating`` is a plain ``router_gating_linear`` on whatever device the weight lives on;
 * ``routing`` returns ``(probs_TK, topk_ids_TK)`` instead of dense ``[T, E]`` maps, counts tokens
   per expert with ``scatter_add_``, and never reads a tensor value on the host.
@@ -16,6 +17,8 @@ Supported: softmax / sigmoid scores, pre-softmax, top-k scaling factor, group-li
 load-balancing loss (Megatron's ``switch_load_balancing_loss_func``, same value), z-loss.
 Not supported (clear error at construction): sinkhorn (its loop syncs), seq/global aux loss,
 router replay, fused router kernels.
+
+Shape letters: S sequence, B batch, T = S*B tokens, E experts, k (K) experts per token.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from megatron.core.transformer.moe.moe_utils import (
     group_limited_topk,
     switch_load_balancing_loss_func,
 )
-from megatron.core.transformer.moe.router import Router, TopKRouter
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
+from megatron_fastpath.compat import init_topk_router_state
 from megatron_fastpath.moe.config import MoEDispatchConfig
 
 __all__ = ["FastpathRouter", "topk_routing", "aux_loss_scores", "tokens_per_expert"]
@@ -112,8 +116,9 @@ class FastpathRouter(TopKRouter):
 
     The compact pair is accepted by :class:`~megatron_fastpath.moe.token_dispatcher.
     SortCountTokenDispatcher` in place of Megatron's dense ``(probs, routing_map)``.
-    ``padding_mask`` ([S, B], True = padding, Megatron's convention) removes padded tokens from
-    the load-balancing statistics; they are still routed.
+    ``padding_mask`` ([S, B], True = padding, Megatron's convention, passed down by Megatron's
+    ``GPTModel`` -> ``TransformerBlock`` -> ``TransformerLayer`` -> ``MoELayer``) removes padded
+    tokens from the load-balancing statistics and routes them nowhere (id E = NOT_ROUTED).
 
     Args:
         config: Megatron ``TransformerConfig`` (MoE fields).
@@ -134,31 +139,7 @@ class FastpathRouter(TopKRouter):
         if getattr(config, "moe_router_fusion", False):
             raise ValueError("FastpathRouter: moe_router_fusion (TE kernels) is not supported")
         self.cfg = dispatch_config or MoEDispatchConfig.from_transformer_config(config)
-        # TopKRouter.__init__ allocates expert-bias / global-aux buffers on
-        # torch.cuda.current_device(), which fails on CPU; initialise the base Router (weight on
-        # CPU, Megatron's init) and set TopKRouter's attributes ourselves.
-        Router.__init__(self, config=config, pg_collection=pg_collection)
-        self.topk = self.cfg.topk
-        self.routing_type = config.moe_router_load_balancing_type
-        self.score_function = self.cfg.score_function
-        self.input_jitter = None
-        self.router_replay = None
-        self.global_tokens_per_expert = None
-        self.ga_steps = None
-        self.enable_expert_bias = config.moe_router_enable_expert_bias
-        if self.enable_expert_bias:
-            dev = self.weight.device
-            self.register_buffer(
-                "local_tokens_per_expert",
-                torch.zeros(self.num_experts, dtype=torch.float32, device=dev),
-                persistent=False,
-            )
-            self.register_buffer(
-                "expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=dev)
-            )
-        else:
-            self.local_tokens_per_expert = None
-            self.expert_bias = None
+        init_topk_router_state(self, config, pg_collection, self.cfg.topk, self.cfg.score_function)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """Router logits [..., E] on the weight's device (no CUDA move), in ``moe_router_dtype``."""
@@ -173,7 +154,11 @@ class FastpathRouter(TopKRouter):
         )
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """logits [S, B, E] or [T, E] -> (probs_TK, topk_ids_TK); attaches aux/z losses."""
+        """logits [S, B, E] or [T, E] -> (probs_TK, topk_ids_TK); attaches aux/z losses.
+
+        ``padding_mask`` ([S, B] or [T], True = padding): padding tokens add nothing to the
+        aux / z losses or the expert-bias counts, and are NOT_ROUTED: their ids are E and their
+        probabilities 0, so the dispatcher gives them no capacity and no output."""
         E = self.num_experts
         logits_TE = logits.reshape(-1, E)
         pad_T = padding_mask.reshape(-1) if padding_mask is not None else None
@@ -187,6 +172,10 @@ class FastpathRouter(TopKRouter):
             with torch.no_grad():
                 valid_T = None if pad_T is None else ~pad_T
                 self.local_tokens_per_expert += tokens_per_expert(ids_TK, E, valid_T)
+        if pad_T is not None:
+            pad_T1 = pad_T.unsqueeze(1)
+            probs_TK = probs_TK.masked_fill(pad_T1, 0.0)
+            ids_TK = ids_TK.masked_fill(pad_T1, E)  # NOT_ROUTED
         return probs_TK, ids_TK
 
     def _apply_compact_aux_loss(self, probs_TK, ids_TK, logits_TE, pad_T):
@@ -217,7 +206,6 @@ class FastpathRouter(TopKRouter):
             num_experts=self.num_experts,
             moe_aux_loss_coeff=cfg.aux_loss_coeff,
         )
-        self.last_aux_loss = aux_loss.detach()
         return self.attach_and_log_load_balancing_loss(
             probs_TK,
             cfg.aux_loss_coeff,

@@ -32,15 +32,13 @@ def get_moe_mlp_spec(
     Every other option (top-k, capacity, FP8 padding, router score function, aux loss) comes
     from the ``TransformerConfig`` via ``MoEDispatchConfig.from_transformer_config``.
     """
-    from megatron_fastpath.moe.experts import GroupedSwiGLUExperts, TEGroupedSwiGLUExperts
+    from megatron_fastpath.moe.experts import expert_class
     from megatron_fastpath.moe.layer import FastpathMoELayer, FastpathMoESubmodules
     from megatron_fastpath.moe.router import FastpathRouter
 
     if num_experts is not None and num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if expert_backend not in ("grouped_mm", "te_grouped_linear"):
-        raise ValueError(f"expert_backend must be grouped_mm|te_grouped_linear, got {expert_backend!r}")
-    experts = GroupedSwiGLUExperts if expert_backend == "grouped_mm" else TEGroupedSwiGLUExperts
+    experts = expert_class(expert_backend)  # raises ValueError naming the backends
     return ModuleSpec(
         module=FastpathMoELayer,
         submodules=FastpathMoESubmodules(

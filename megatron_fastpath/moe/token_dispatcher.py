@@ -208,8 +208,10 @@ class SortCountTokenDispatcher(MoETokenDispatcher):
         splits = splits.tolist()  # the one counted host sync of dropless EP
         self.host_syncs += 1
         in_splits, out_splits = splits[:ep], splits[ep:]
-        out = all_to_all(hidden_states, group, out_splits, in_splits)
-        probs = None if probs is None else all_to_all(probs, group, out_splits, in_splits)
+        # NOT_ROUTED (padding) pairs are the tail of the buffer: they are not sent.
+        sent = sum(in_splits)
+        out = all_to_all(hidden_states[:sent], group, out_splits, in_splits)
+        probs = None if probs is None else all_to_all(probs[:sent], group, out_splits, in_splits)
         # Local expert of each received row, then a k=1 plan that groups (and pads) by expert.
         R_recv = sum(out_splits)
         chunk_expert = torch.arange(ep * E_l, device=counts_E.device) % E_l
@@ -250,11 +252,14 @@ class SortCountTokenDispatcher(MoETokenDispatcher):
         return combine_tokens(hidden_states, self._ep.recv_plan, None)
 
     def token_combine(self, hidden_states):
-        """EP all-to-all back to the source ranks (splits swapped)."""
+        """EP all-to-all back to the source ranks (splits swapped); dropless: zero rows appended
+        for the NOT_ROUTED tail that was not sent (combined into the trash row)."""
         if self.ep_size == 1:
             return hidden_states
         st = self._ep
-        return all_to_all(hidden_states, self.ep_group, st.in_splits, st.out_splits)
+        out = all_to_all(hidden_states, self.ep_group, st.in_splits, st.out_splits)
+        unsent = self.plan.num_rows - out.shape[0]
+        return torch.nn.functional.pad(out, (0, 0, 0, unsent)) if unsent else out
 
     def combine_postprocess(self, hidden_states):
         """Weighted sum of each token's expert outputs -> original [S, B, H] shape."""

@@ -1,0 +1,186 @@
+"""MoE padding tokens (issue 10 point 7): a packed batch is padded to max_tokens, and the
+padding must not influence anything real. Changing ONLY the padding content leaves real tokens'
+outputs, the aux / z losses and every gradient bit-identical; padding tokens get a zero MoE
+output. Dropless and capacity mode here (EP=1); EP=2 in ``test_moe_ep_gloo.py``.
+
+The mask is Megatron's own ``padding_mask`` ([B, S], True = padding), which megatron-core 0.16.1
+passes GPTModel -> TransformerBlock -> TransformerLayer -> MoELayer -> router; the last test
+checks that Megatron's TransformerLayer delivers it to our router."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+H, FF, E, K = 16, 32, 8, 2
+S, B = 12, 2
+REAL_LENGTHS = (9, 5)  # real tokens of each row; the rest of the row is padding
+
+MODES = {
+    "dropless": dict(),
+    "dropless_pad16": dict(pad_multiple=16),
+    # capacity 6 per expert for 24 tokens: padding routed like today would fill expert 0
+    "capacity_pad": dict(capacity_factor=1.0, pad_to_capacity=True),
+    "capacity_packed": dict(capacity_factor=1.0, pad_to_capacity=False),
+}
+
+
+def _tc(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FF,
+        moe_ffn_hidden_size=FF, num_moe_experts=E, moe_router_topk=K, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+        moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_router_dtype="fp32", **kw,
+    )
+
+
+def padding_mask_BS(lengths=REAL_LENGTHS, seq=S):
+    """[B, S] bool, True = padding (Megatron's convention)."""
+    return torch.arange(seq).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+
+
+def two_paddings(x_SBH, pad_BS, router_w_EH):
+    """The same batch with two padding contents: random, and one that every router scores
+    highest for expert 0 (so routed padding would take expert 0's whole capacity)."""
+    pad_SB1 = pad_BS.t().unsqueeze(-1)
+    hot = 4.0 * router_w_EH[0] / router_w_EH[0].norm()
+    a = torch.where(pad_SB1, torch.randn(x_SBH.shape), x_SBH)
+    b = torch.where(pad_SB1, hot.expand(x_SBH.shape), x_SBH)
+    return a, b
+
+
+def run_layer(layer, x_SBH, pad_BS, g_SBH):
+    """Forward + backward; returns outputs, input grad, parameter grads and the logged losses."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    clear_aux_losses_tracker()
+    layer.zero_grad(set_to_none=True)
+    x = x_SBH.clone().requires_grad_()
+    out, _ = layer(x, padding_mask=pad_BS)
+    (out * g_SBH).sum().backward()
+    tracker = get_moe_layer_wise_logging_tracker()
+    losses = {k: v["values"].clone() for k, v in tracker.items()}
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return dict(out=out.detach(), gx=x.grad, grads=grads, losses=losses)
+
+
+def compare_runs(ra, rb, pad_BS, where=""):
+    """Real rows, losses and parameter grads bit-identical; padding rows zero in both."""
+    real_SB = ~pad_BS.t()
+    for key in ("out", "gx"):
+        diff = (ra[key][real_SB] - rb[key][real_SB]).abs().max()
+        assert torch.equal(ra[key][real_SB], rb[key][real_SB]), f"{where}: real {key} differs by {diff}"
+    assert set(ra["losses"]) == set(rb["losses"]) == {"load_balancing_loss", "z_loss"}, ra["losses"]
+    for name in ra["losses"]:
+        assert float(ra["losses"][name].abs().sum()) > 0, f"{where}: {name} not computed"
+        assert torch.equal(ra["losses"][name], rb["losses"][name]), (
+            f"{where}: {name} {ra['losses'][name]} != {rb['losses'][name]}")
+    assert set(ra["grads"]) == set(rb["grads"])
+    for name in ra["grads"]:
+        diff = (ra["grads"][name] - rb["grads"][name]).abs().max()
+        assert torch.equal(ra["grads"][name], rb["grads"][name]), f"{where}: grad {name} differs by {diff}"
+    for r in (ra, rb):
+        assert torch.count_nonzero(r["out"][~real_SB]) == 0, f"{where}: padding output not zero"
+        assert torch.count_nonzero(r["gx"][~real_SB]) == 0, f"{where}: padding got a gradient"
+
+
+def _layer(tc, overrides):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+    spec = get_moe_mlp_spec(num_experts=E)
+    spec.params = {"dispatch_config": MoEDispatchConfig.from_transformer_config(tc, **overrides)}
+    layer = build_module(spec, config=tc, layer_number=1)
+    layer.set_layer_number(1)  # as TransformerLayer does: the router logs its losses under it
+    with torch.no_grad():  # unit-scale weights, so outputs and gradients are far from zero
+        layer.router.weight.copy_(torch.randn(E, H) / H**0.5)
+        layer.experts.weight1.copy_(torch.randn(E, H, 2 * FF) / H**0.5)
+        layer.experts.weight2.copy_(torch.randn(E, FF, H) / FF**0.5)
+    return layer
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_padding_content_changes_nothing_real(mcore_parallel, mode):
+    layer = _layer(_tc(), MODES[mode])
+    pad = padding_mask_BS()
+    x = torch.randn(S, B, H)
+    g = torch.randn(S, B, H)
+    xa, xb = two_paddings(x, pad, layer.router.weight.detach())
+    ra, rb = run_layer(layer, xa, pad, g), run_layer(layer, xb, pad, g)
+    compare_runs(ra, rb, pad, where=mode)
+    # the comparison is not between zeros: real outputs and expert grads are non-trivial
+    assert float(ra["out"].abs().max()) > 1e-2
+    assert float(ra["grads"]["experts.weight1"].abs().max()) > 1e-3
+
+
+def test_without_mask_every_token_is_real(mcore_parallel):
+    """No padding_mask: the old behaviour (all tokens routed) -- the hot padding content then
+    changes real outputs in capacity mode, which is what the mask prevents."""
+    layer = _layer(_tc(), MODES["capacity_pad"])
+    pad = padding_mask_BS()
+    x = torch.randn(S, B, H)
+    xa, xb = two_paddings(x, pad, layer.router.weight.detach())
+    with torch.no_grad():
+        oa, _ = layer(xa)
+        ob, _ = layer(xb)
+    real = ~pad.t()
+    assert not torch.equal(oa[real], ob[real])
+
+
+def test_padding_mask_shape_checked_before_device_work(mcore_parallel):
+    from megatron_fastpath.sync import SyncSentinel
+
+    layer = _layer(_tc(), {})
+    x, wrong = torch.randn(S, B, H), padding_mask_BS().t()
+    with SyncSentinel() as s, pytest.raises(ValueError, match=r"padding_mask \[B, S\]"):
+        layer(x, padding_mask=wrong)
+    assert s.aten_ops == 0
+
+
+def test_zero_host_syncs_with_mask(mcore_parallel):
+    from megatron_fastpath.sync import SyncSentinel
+
+    for mode in ("dropless", "capacity_pad"):
+        layer = _layer(_tc(), MODES[mode])
+        x = torch.randn(S, B, H, requires_grad=True)
+        pad = padding_mask_BS()
+        out, _ = layer(x, padding_mask=pad)
+        out.sum().backward()  # warm-up (aux-loss tracker allocation)
+        with SyncSentinel(strict=True, name=f"moe {mode} with padding mask") as s:
+            out, _ = layer(x, padding_mask=pad)
+            out.sum().backward()
+        assert s.num_syncs == 0
+
+
+def test_megatron_transformer_layer_passes_the_mask(mcore_parallel):
+    """megatron-core 0.16.1's TransformerLayer forwards ``padding_mask`` to ``self.mlp``: the
+    padding rows of a whole layer's MoE output are zero and the real rows ignore padding."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+    tc = _tc(hidden_dropout=0.0)
+    layer = TransformerLayer(
+        tc, TransformerLayerSubmodules(mlp=get_moe_mlp_spec(), mlp_bda=get_bias_dropout_add),
+        layer_number=1,
+    )
+    pad = padding_mask_BS()
+    x = torch.randn(S, B, H)
+    xa, xb = two_paddings(x, pad, layer.mlp.router.weight.detach())
+    with torch.no_grad():
+        oa, _ = layer(xa, attention_mask=None, padding_mask=pad)
+        ob, _ = layer(xb, attention_mask=None, padding_mask=pad)
+    real = ~pad.t()
+    assert torch.equal(oa[real], ob[real])
+    # no attention, residual only: padding rows come out as their input (MoE output zero)
+    assert torch.equal(oa[~real], xa[~real]) and torch.equal(ob[~real], xb[~real])
