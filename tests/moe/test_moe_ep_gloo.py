@@ -129,3 +129,74 @@ def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
             assert r["ref_scale"] > 0.1, where  # the comparison is not against zeros
             for key in ("out", "gx", "grouter", "gw1", "gw2"):
                 assert r[key] < 1e-5, f"{key} differs; {where}"
+
+
+# ------------------------------------------------------------------------------------------
+# padding tokens at EP=2 (issue 10 point 7): only the padding content changes between two runs
+# ------------------------------------------------------------------------------------------
+PAD_MODES = {"capacity_static": MODES["capacity_static"], "dropless": MODES["dropless"]}
+PAD_LENGTHS = {0: (9, 5), 1: (12, 3)}  # real tokens per row on each rank
+
+
+def _padding_worker(rank, world, port, result_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_fastpath.distributed import destroy_distributed, init_distributed
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+    from megatron_fastpath.sync import SyncSentinel
+    from test_moe_padding import compare_runs, padding_mask_BS, run_layer, two_paddings
+
+    init_distributed(backend="gloo", expert_model_parallel_size=world)
+    results = {}
+    try:
+        import dataclasses
+
+        tc = dataclasses.replace(_tc(), moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                                 moe_router_dtype="fp32")
+        gen = torch.Generator().manual_seed(0)
+        router_w = torch.randn(E, H, generator=gen) / H**0.5
+        w1 = torch.randn(E, H, 2 * FF, generator=gen) / H**0.5
+        w2 = torch.randn(E, FF, H, generator=gen) / FF**0.5
+        x = torch.randn(S, B, H, generator=gen) + rank
+        g = torch.randn(S, B, H, generator=gen)
+        pad = padding_mask_BS(PAD_LENGTHS[rank], S)
+        local = slice(rank * (E // world), (rank + 1) * (E // world))
+        for name, (overrides, expected_syncs) in PAD_MODES.items():
+            spec = get_moe_mlp_spec(num_experts=E)
+            spec.params = {"dispatch_config": MoEDispatchConfig.from_transformer_config(tc, **overrides)}
+            layer = build_module(spec, config=tc, layer_number=1)
+            layer.set_layer_number(1)
+            with torch.no_grad():
+                layer.router.weight.copy_(router_w)
+                layer.experts.weight1.copy_(w1[local])
+                layer.experts.weight2.copy_(w2[local])
+            xa, xb = two_paddings(x, pad, router_w)
+            ra = run_layer(layer, xa, pad, g)
+            with SyncSentinel(name=f"EP=2 {name} padded") as s:
+                rb = run_layer(layer, xb, pad, g)
+            try:
+                compare_runs(ra, rb, pad, where=f"rank {rank} {name}")
+                results[name] = dict(ok=True, syncs=s.num_syncs, expected=expected_syncs,
+                                     scale=float(ra["grads"]["experts.weight1"].abs().max()))
+            except AssertionError as exc:
+                results[name] = dict(ok=False, error=str(exc))
+    finally:
+        torch.save(results, f"{result_path}.{rank}")
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_ep2_padding_content_changes_nothing_real(tmp_path):
+    path = str(tmp_path / "ep_padding")
+    mp.spawn(_padding_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(f"{path}.{rank}")
+        assert set(results) == set(PAD_MODES), results
+        for name, r in results.items():
+            assert r["ok"], r["error"]
+            assert r["syncs"] == r["expected"], (rank, name, r)
+            assert r["scale"] > 1e-3, (rank, name, r)  # expert grads are not all zero
