@@ -1,0 +1,86 @@
+"""The MoE compat shims (``compat.init_topk_router_state`` / ``compat.init_moe_layer_state``):
+they set exactly the state megatron-core's own constructors set (compared against the real
+``TopKRouter`` / ``MoELayer`` built in the CUDA-as-CPU test mode), and refuse loudly on a
+megatron-core version they were not checked against."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+
+from cuda_as_cpu import cuda_as_cpu
+
+
+def _tc(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
+        moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True, **kw,
+    )
+
+
+def _state(module):
+    return dict(
+        attributes=set(vars(module)) - {"cfg", "dispatch_config"},  # ours: the frozen config
+        buffers={n: (b.shape, b.dtype) for n, b in module._buffers.items() if b is not None},
+        persistent=set(module.state_dict(keep_vars=True)) if hasattr(module, "weight") else None,
+    )
+
+
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_router_state_equals_megatron_topk_router(mcore_parallel, expert_bias):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    kw = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid") if expert_bias else {}
+    tc = _tc(moe_aux_loss_coeff=1e-2, **kw)
+    pg = get_default_pg_collection()
+    with cuda_as_cpu():
+        real = TopKRouter(tc, pg)
+    ours = FastpathRouter(tc, pg)
+    assert _state(ours) == _state(real)
+    if expert_bias:
+        assert ours.expert_bias.device == ours.weight.device
+
+
+def test_layer_state_equals_megatron_moe_layer(mcore_parallel):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+
+    tc = _tc(moe_token_dispatcher_type="alltoall")
+    pg = get_default_pg_collection()
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    with cuda_as_cpu():
+        real = MoELayer(tc, MoESubmodules(experts=experts, router=TopKRouter), 1, pg)
+    ours = FastpathMoELayer(tc, layer_number=1, pg_collection=pg)
+    assert set(vars(real)) - {"cfg"} == set(vars(ours)) - {"dispatch_config"}
+    for name in ("moe_layer_recompute", "shared_experts_recompute", "fwd_execution_map",
+                 "num_local_experts", "local_expert_indices", "layer_number", "use_shared_expert"):
+        assert getattr(ours, name) == getattr(real, name), name
+    assert type(ours.cudagraph_tensor_store) is type(real.cudagraph_tensor_store)
+
+
+@pytest.mark.parametrize("shim", ["init_topk_router_state", "init_moe_layer_state"])
+def test_shims_refuse_an_unchecked_megatron_core(mcore_parallel, monkeypatch, shim):
+    import megatron_fastpath.compat as compat
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    build = FastpathRouter if shim == "init_topk_router_state" else FastpathMoELayer
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
+    with pytest.raises(ImportError, match=rf"compat\.{shim} .* 0\.16\.x .* found 0\.17\.0"):
+        build(_tc())
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.16.3"))
+    build(_tc())  # any 0.16.x release is the checked line
