@@ -1,35 +1,47 @@
-"""MoE token dispatch: host syncs, aten ops and time of four ways to route T tokens to E experts.
+"""MoE token dispatch: host syncs, aten ops and time of the ways to route T tokens to E experts.
 
-Variants (same inputs, same experts, one process):
+Variants (same inputs, same expert weights, one process):
   (a) hf_where_loop     HF transformers' eager MoE loop (MixtralSparseMoeBlock): one-hot mask,
                         ``torch.where`` per expert, advanced indexing, ``index_add_``
   (a2) where_loop_index_select  the same loop made cheaper (index_select, no one-hot): a
                         tighter lower bound for per-expert loops; same host syncs
   (b) unsloth_bincount  flatten, stable argsort, ``bincount`` + ``.tolist()``, slice per expert
-  (c) megatron_permute  Megatron-Core 0.16.1 ``moe_utils.permute`` / ``unpermute`` (unfused, dense
-                        routing map as Megatron's router emits it), tokens-per-expert to the host
-                        and a per-expert loop (SequentialMLP-style); probs applied in the expert
-                        like Megatron's experts
-  (d) fastpath_sortcount ours: stable sort + ``scatter_add_`` counts, static buffer, grouped GEMMs
-                        on device offsets (``torch._grouped_mm``), weighted ``index_add_`` combine
+  (c) megatron_sequential_mlp  Megatron-Core 0.16.1 ``moe_utils.permute`` / ``unpermute``
+                        (unfused, dense routing map as Megatron's router emits it), tokens per
+                        expert to the host and a per-expert loop (``SequentialMLP``)
+  (e) megatron_tegrouped_mlp  the same permute / unpermute, tokens per expert to the host with ONE
+                        ``tolist`` (as ``TEGroupedMLP`` hands ``m_splits`` to TE), then the grouped
+                        GEMM below on offsets built from that list: Megatron's fast path
+  (f) megatron_permute_dispatch_only  Megatron's permute / unpermute with the grouped GEMM below
+                        on device offsets (no tolist): isolates Megatron's dispatch
+  (d) fastpath_dispatch_only  ours: stable sort + ``scatter_add_`` counts, static buffer, the
+                        grouped GEMM below, weighted ``index_add_`` combine (also ours' full layer)
 
-Each expert is a small MLP ``silu(x @ W1[e]) @ W2[e]`` (H -> --expert-ffn -> H), so the time is
-dominated by the routing glue (gather/scatter of T*k rows of H, bookkeeping, per-expert launch
-overhead) rather than by expert FLOPs. Routing (top-k ids, probs) is precomputed and shared; the
-probs and tokens require grad, so fwd+bwd covers the gradients to tokens, probs and weights.
+Expert MLP: ``silu(x @ W1[e]) * p @ W2[e]`` (H -> --expert-widths -> H), probabilities applied
+to the activation as Megatron's experts do. (c) and the loops use one weight leaf per expert
+(SequentialMLP / ModuleList); (d), (e), (f) share ``grouped_expert_mlp``: ``torch._grouped_mm``
+on stacked [E, ...] weights, so (d) vs (f) differ ONLY in the dispatch and (d) vs (e) in the
+dispatch plus (e)'s host read. At width 32 the time is the routing glue; at width 768
+(Qwen3-30B-A3B's expert width) it is mostly expert GEMMs.
+
+Gradient buffers persist across steps and are zeroed in place (as Megatron's DDP keeps
+``main_grad``): the stacked [E, H, F] weight gradient is not re-allocated every step.
 
 Columns: host_syncs_per_layer (SyncSentinel, one forward+backward), aten_ops (same region),
-fwd_ms (forward with autograd recording) and fwd_bwd_ms (forward + backward): medians over
---reps interleaved rounds after --warmup rounds (fwd_bwd_ms_min is also written to the JSON).
+fwd_ms / fwd_bwd_ms: the MINIMUM over --reps interleaved rounds after --warmup rounds (medians
+are in the JSON too). Ratios: baseline / ours, > 1 means ours is faster. The 1-minute load
+average is recorded at start and end; a run with load > 0.5 per core is marked noisy.
 
-    python benchmarks/moe_dispatch.py                 # T=4096, H=1024, E in {8,64,128,256}, k in {2,8}
-    python benchmarks/moe_dispatch.py --quick --json /tmp/moe.json
+    python benchmarks/moe_dispatch.py --json benchmarks/results/moe_dispatch.json
+        # T=4096, H=1024, E in {8,128}, k in {2,8}, expert widths {32,768}; table -> .md beside
+    python benchmarks/moe_dispatch.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,8 +59,17 @@ from megatron_fastpath.moe.dispatch import (
 )
 from megatron_fastpath.sync import SyncSentinel
 
+OURS = "d_fastpath_dispatch_only"
+MEGATRON = ("c_megatron_sequential_mlp", "e_megatron_tegrouped_mlp", "f_megatron_permute_dispatch_only")
+
 
 # -- variants ------------------------------------------------------------------------------
+def grouped_expert_mlp(x_RH, offs_E, probs_R, W1_EHF, W2_EFH) -> torch.Tensor:
+    """The expert GEMM shared by (d), (e) and (f): two grouped GEMMs on end offsets."""
+    a_RF = F.silu(torch._grouped_mm(x_RH, W1_EHF, offs=offs_E)) * probs_R.unsqueeze(-1)
+    return torch._grouped_mm(a_RF, W2_EFH, offs=offs_E)
+
+
 def hf_where_loop(inp) -> torch.Tensor:
     """HF transformers' eager MoE loop, as written in MixtralSparseMoeBlock.forward: a one-hot
     expert mask, ``torch.where`` per expert (nonzero: one host sync each), advanced indexing
@@ -96,31 +117,56 @@ def unsloth_bincount(inp) -> torch.Tensor:
     return torch.zeros_like(x).index_add(0, tok, y)
 
 
-def megatron_permute(inp) -> torch.Tensor:
-    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+def _megatron_permute(inp):
+    from megatron.core.transformer.moe.moe_utils import permute
 
-    x, probs_TE, map_TE = inp["x"], inp["probs_TE"], inp["map_TE"]
-    W1, W2 = inp["W1_list"], inp["W2_list"]
     T, k = inp["ids"].shape
-    permuted, permuted_probs, sorted_idx = permute(
-        x, map_TE, probs=probs_TE, num_out_tokens=T * k
-    )
-    splits = map_TE.sum(0).tolist()  # tokens per expert to the host (SequentialMLP needs a list)
+    return permute(inp["x"], inp["map_TE"], probs=inp["probs_TE"], num_out_tokens=T * k)
+
+
+def _megatron_unpermute(y, sorted_idx, inp):
+    from megatron.core.transformer.moe.moe_utils import unpermute
+
+    return unpermute(y, sorted_idx, restore_shape=inp["x"].shape)
+
+
+def megatron_sequential_mlp(inp) -> torch.Tensor:
+    """(c) permute, counts to the host, SequentialMLP's per-expert loop, unpermute."""
+    W1, W2 = inp["W1_list"], inp["W2_list"]
+    permuted, permuted_probs, sorted_idx = _megatron_permute(inp)
+    splits = inp["map_TE"].sum(0).tolist()  # SequentialMLP needs a host list
     outs = []
     for e, (xe, pe) in enumerate(zip(torch.split(permuted, splits), torch.split(permuted_probs, splits))):
         if xe.shape[0]:
             outs.append((F.silu(xe @ W1[e]) * pe.unsqueeze(-1)) @ W2[e])
-    return unpermute(torch.cat(outs), sorted_idx, restore_shape=x.shape)
+    return _megatron_unpermute(torch.cat(outs), sorted_idx, inp)
 
 
-def fastpath_sortcount(inp) -> torch.Tensor:
-    x, ids, probs, W1, W2 = inp["x"], inp["ids"], inp["probs"], inp["W1"], inp["W2"]
-    plan = build_dispatch_plan(ids, inp["cfg"])
-    h = torch._grouped_mm(permute_tokens(x, plan), W1, offs=plan.offsets_E)
-    # probs scale the F-wide activation (Megatron's convention, FastpathMoELayer's default),
-    # not the H-wide output: the same product, 1/ (H/F) of the multiply traffic
-    a = F.silu(h) * permute_probs(probs, plan).unsqueeze(-1)
-    y = torch._grouped_mm(a, W2, offs=plan.offsets_E)
+def megatron_tegrouped_mlp(inp) -> torch.Tensor:
+    """(e) TEGroupedMLP-style: permute, ONE tolist of the counts (TE's m_splits), grouped GEMM
+    on offsets made from that host list, unpermute."""
+    permuted, permuted_probs, sorted_idx = _megatron_permute(inp)
+    m_splits = inp["map_TE"].sum(0).tolist()
+    ends = torch.tensor(m_splits, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    y = grouped_expert_mlp(permuted, ends, permuted_probs, inp["W1"], inp["W2"])
+    return _megatron_unpermute(y, sorted_idx, inp)
+
+
+def megatron_permute_dispatch_only(inp) -> torch.Tensor:
+    """(f) Megatron's permute / unpermute around the shared grouped GEMM on device offsets."""
+    permuted, permuted_probs, sorted_idx = _megatron_permute(inp)
+    ends = inp["map_TE"].sum(0).cumsum(0, dtype=torch.int32)
+    y = grouped_expert_mlp(permuted, ends, permuted_probs, inp["W1"], inp["W2"])
+    return _megatron_unpermute(y, sorted_idx, inp)
+
+
+def fastpath_dispatch_only(inp) -> torch.Tensor:
+    """(d) ours: sort/count plan, permute, the shared grouped GEMM, unweighted combine."""
+    x, plan = inp["x"], build_dispatch_plan(inp["ids"], inp["cfg"])
+    ends = torch.cumsum(plan.group_sizes_E, 0, dtype=torch.int32)
+    y = grouped_expert_mlp(
+        permute_tokens(x, plan), ends, permute_probs(inp["probs"], plan), inp["W1"], inp["W2"]
+    )
     return combine_tokens(y, plan, None, out_dtype=x.dtype)
 
 
@@ -128,13 +174,17 @@ VARIANTS: Dict[str, Callable] = {
     "a_hf_where_loop": hf_where_loop,
     "a2_where_loop_index_select": hf_where_loop_index_select,
     "b_unsloth_bincount": unsloth_bincount,
-    "c_megatron_permute": megatron_permute,
-    "d_fastpath_sortcount": fastpath_sortcount,
+    "c_megatron_sequential_mlp": megatron_sequential_mlp,
+    "e_megatron_tegrouped_mlp": megatron_tegrouped_mlp,
+    "f_megatron_permute_dispatch_only": megatron_permute_dispatch_only,
+    OURS: fastpath_dispatch_only,
 }
+PER_EXPERT_LEAVES = {"a_hf_where_loop", "a2_where_loop_index_select", "b_unsloth_bincount",
+                     "c_megatron_sequential_mlp"}
 
 
 # -- harness -------------------------------------------------------------------------------
-def make_inputs(T, H, E, k, ffn, seed=0):
+def make_inputs(T, H, E, k, ffn, names, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     top, ids = torch.topk(logits, k, dim=1)
@@ -143,19 +193,19 @@ def make_inputs(T, H, E, k, ffn, seed=0):
     map_TE = torch.zeros(T, E, dtype=torch.bool).scatter(1, ids, True)
     W1 = torch.randn(E, H, ffn, generator=g) / H**0.5
     W2 = torch.randn(E, ffn, H, generator=g) / ffn**0.5
+    # Loops: one leaf per expert (HF ModuleList / Megatron SequentialMLP); indexing a stacked
+    # leaf per expert would make each loop's backward allocate E full-size zero tensors.
+    lists = bool(PER_EXPERT_LEAVES & set(names))
     return dict(
         x=torch.randn(T, H, generator=g).requires_grad_(),
         ids=ids,
         probs=probs.requires_grad_(),
         probs_TE=probs_TE.requires_grad_(),
         map_TE=map_TE,
-        # ours: stacked [E, ...] weights; loops: one leaf per expert (HF ModuleList / Megatron
-        # SequentialMLP). Indexing a stacked leaf per expert would make each loop's backward
-        # allocate E full-size zero tensors (select backward) and unfairly slow the baselines.
         W1=W1.clone().requires_grad_(),
         W2=W2.clone().requires_grad_(),
-        W1_list=[W1[e].clone().requires_grad_() for e in range(E)],
-        W2_list=[W2[e].clone().requires_grad_() for e in range(E)],
+        W1_list=[W1[e].clone().requires_grad_() for e in range(E)] if lists else [],
+        W2_list=[W2[e].clone().requires_grad_() for e in range(E)] if lists else [],
         cfg=MoEDispatchConfig(num_experts=E, topk=k),
         grad_out=torch.randn(T, H, generator=g),
     )
@@ -166,12 +216,22 @@ def _leaves(inp):
 
 
 def _zero_grads(inp):
+    """Zero persistent gradient buffers in place (allocated once, like DDP's main_grad)."""
     for t in _leaves(inp):
-        t.grad = None
+        if t.grad is not None:
+            t.grad.zero_()
 
 
-def run_once(fn, inp, backward: bool) -> float:
+def run_once(fn, inp, backward: bool, sentinel_name=None):
+    """Time one forward (+ backward); gradient zeroing is outside the timed / counted region.
+    With ``sentinel_name``: return the SyncSentinel of the run instead of the time."""
     _zero_grads(inp)
+    if sentinel_name is not None:
+        with SyncSentinel(name=sentinel_name) as s:
+            out = fn(inp)
+            if backward:
+                out.backward(inp["grad_out"])
+        return s
     t0 = time.perf_counter()
     out = fn(inp)
     if backward:
@@ -181,11 +241,10 @@ def run_once(fn, inp, backward: bool) -> float:
 
 def measure_config(names, inp, reps, warmup):
     """SyncSentinel pass per variant, then ``warmup`` + ``reps`` rounds in which every variant
-    runs once (interleaved, so load from other processes hits all variants alike); medians."""
+    runs once (interleaved, so load from other processes hits all variants alike)."""
     res = {}
     for name in names:
-        with SyncSentinel(name=name) as s:
-            run_once(VARIANTS[name], inp, backward=True)
+        s = run_once(VARIANTS[name], inp, backward=True, sentinel_name=name)
         res[name] = dict(host_syncs_per_layer=s.num_syncs, aten_ops=s.aten_ops, fwd=[], fwd_bwd=[])
     for i in range(warmup + reps):
         for name in names:
@@ -194,90 +253,126 @@ def measure_config(names, inp, reps, warmup):
             if i >= warmup:
                 res[name]["fwd"].append(f)
                 res[name]["fwd_bwd"].append(fb)
-    out = {}
-    for name, r in res.items():
-        out[name] = dict(
+    return {
+        name: dict(
             host_syncs_per_layer=r["host_syncs_per_layer"], aten_ops=r["aten_ops"],
-            fwd_ms=statistics.median(r["fwd"]), fwd_bwd_ms=statistics.median(r["fwd_bwd"]),
-            fwd_bwd_ms_min=min(r["fwd_bwd"]),
+            fwd_ms=min(r["fwd"]), fwd_bwd_ms=min(r["fwd_bwd"]),
+            fwd_ms_median=statistics.median(r["fwd"]),
+            fwd_bwd_ms_median=statistics.median(r["fwd_bwd"]), repeats=len(r["fwd_bwd"]),
         )
-    return out
+        for name, r in res.items()
+    }
 
 
-def check_equal(inp, outs):
-    ref = outs["d_fastpath_sortcount"]
+def check_equal(outs):
+    ref = outs[OURS]
     for name, out in outs.items():
         err = float((out - ref).abs().max())
         if err > 1e-3 * max(1.0, float(ref.abs().max())):
             raise RuntimeError(f"variant {name} disagrees with ours: max abs err {err}")
 
 
+def load_per_core() -> float:
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, nargs="+", default=[8, 64, 128, 256])
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 128])
     p.add_argument("--topk", type=int, nargs="+", default=[2, 8])
-    p.add_argument("--expert-ffn", type=int, default=32, help="expert MLP width (small: glue-bound)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--expert-widths", type=int, nargs="+", default=[32, 768],
+                   help="expert MLP widths F (32: glue-bound; 768: Qwen3-30B-A3B)")
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--quick", action="store_true", help="T=1024, H=256, E in {8,64,128}, k in {2,8}")
-    p.add_argument("--json", type=str, default=None, help="write results to this path")
+    p.add_argument("--quick", action="store_true", help="T=512, H=256, E in {8,128}, widths {32,256}")
+    p.add_argument("--json", type=str, default=None, help="write results here (+ table as .md)")
     args = p.parse_args(argv)
     if args.quick:
-        args.tokens, args.hidden, args.experts = 1024, 256, [8, 64, 128]
+        args.tokens, args.hidden, args.expert_widths, args.reps = 512, 256, [32, 256], 3
     if args.threads:
         torch.set_num_threads(args.threads)
+    if OURS not in args.variants:
+        args.variants.append(OURS)
 
+    load_start = load_per_core()
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, T={args.tokens}, "
-          f"H={args.hidden}, expert ffn={args.expert_ffn}, reps={args.reps}", flush=True)
+          f"H={args.hidden}, expert widths={args.expert_widths}, reps={args.reps} (min), "
+          f"load/core at start {load_start:.2f}", flush=True)
     results = []
-    for k in args.topk:
-        for E in args.experts:
-            if k > E:
-                continue
-            inp = make_inputs(args.tokens, args.hidden, E, k, args.expert_ffn)
-            with torch.no_grad():
-                check_equal(inp, {n: VARIANTS[n](inp) for n in args.variants})
-            measured = measure_config(args.variants, inp, args.reps, args.warmup)
-            for name in args.variants:
-                r = measured[name]
-                results.append(dict(variant=name, experts=E, topk=k, **r))
-                print(f"  E={E:4d} k={k} {name:22s} syncs={r['host_syncs_per_layer']:4d} "
-                      f"ops={r['aten_ops']:6d} fwd={r['fwd_ms']:8.1f}ms "
-                      f"fwd+bwd={r['fwd_bwd_ms']:8.1f}ms", flush=True)
-            del inp
-
-    print_table(results)
+    for width in args.expert_widths:
+        for k in args.topk:
+            for E in args.experts:
+                if k <= E:
+                    results += run_config(args, args.tokens, args.hidden, E, k, width)
+    load_end = load_per_core()
+    noisy = max(load_start, load_end) > 0.5
+    table = format_table(results, noisy, load_start, load_end)
+    print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": dict(tokens=args.tokens, hidden=args.hidden,
-                                      expert_ffn=args.expert_ffn, reps=args.reps,
-                                      threads=torch.get_num_threads(), torch=torch.__version__),
-                       "results": results}, f, indent=1)
+                                      expert_widths=args.expert_widths, reps=args.reps,
+                                      statistic="min over reps",
+                                      threads=torch.get_num_threads(), torch=torch.__version__,
+                                      cores=os.cpu_count()),
+                       "ratio_direction": "baseline / ours: > 1 means ours is faster",
+                       "load_per_core_start": load_start, "load_per_core_end": load_end,
+                       "noisy": noisy, "results": results}, f, indent=1)
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+            f.write(table + "\n")
         print(f"wrote {args.json}")
     return results
 
 
-def print_table(results):
-    by = {(r["experts"], r["topk"], r["variant"]): r for r in results}
-    print("\n| E | k | variant | host syncs/layer | aten ops | fwd ms | fwd+bwd ms | fwd+bwd vs ours |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+def run_config(args, T, H, E, k, width):
+    inp = make_inputs(T, H, E, k, width, args.variants)
+    with torch.no_grad():
+        check_equal({n: VARIANTS[n](inp) for n in args.variants})
+    measured = measure_config(args.variants, inp, args.reps, args.warmup)
+    ours = measured[OURS]
+    rows = []
+    for name in args.variants:
+        r = measured[name]
+        rows.append(dict(variant=name, experts=E, topk=k, expert_width=width, tokens=T, hidden=H,
+                         fwd_bwd_ratio_vs_ours=r["fwd_bwd_ms"] / ours["fwd_bwd_ms"], **r))
+        print(f"  F={width:4d} E={E:4d} k={k} {name:34s} syncs={r['host_syncs_per_layer']:4d} "
+              f"ops={r['aten_ops']:6d} fwd={r['fwd_ms']:8.1f}ms fwd+bwd={r['fwd_bwd_ms']:8.1f}ms",
+              flush=True)
+    return rows
+
+
+def format_table(results, noisy, load_start, load_end) -> str:
+    lines = [
+        "ratio: baseline / ours (fwd+bwd, min over repeats): > 1 means ours is faster",
+        f"load per core: start {load_start:.2f}, end {load_end:.2f}"
+        + ("  NOISY (> 0.5 per core)" if noisy else ""),
+        "",
+        "| F | E | k | variant | host syncs/layer | aten ops | fwd ms | fwd+bwd ms | baseline / ours |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        ours = by.get((r["experts"], r["topk"], "d_fastpath_sortcount"))
-        ratio = f"{r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x" if ours else "-"
-        print(f"| {r['experts']} | {r['topk']} | {r['variant']} | {r['host_syncs_per_layer']} | "
-              f"{r['aten_ops']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | {ratio} |")
-    print("\n(last column: variant time / ours; > 1 means ours is faster)")
-    for (E, k) in sorted({(r["experts"], r["topk"]) for r in results}):
-        d = by.get((E, k, "d_fastpath_sortcount"))
-        a = by.get((E, k, "a_hf_where_loop"))
-        c = by.get((E, k, "c_megatron_permute"))
-        if d and a and c:
-            print(f"E={E:4d} k={k}: (a)/ours fwd+bwd = {a['fwd_bwd_ms'] / d['fwd_bwd_ms']:.2f}x  "
-                  f"ours/(c) fwd+bwd = {d['fwd_bwd_ms'] / c['fwd_bwd_ms']:.2f}")
+        lines.append(
+            f"| {r['expert_width']} | {r['experts']} | {r['topk']} | {r['variant']} | "
+            f"{r['host_syncs_per_layer']} | {r['aten_ops']} | {r['fwd_ms']:.1f} | "
+            f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ratio_vs_ours']:.2f} |")
+    lines += ["", "Per config: dispatch only (f / ours) and Megatron's best CPU path / ours:"]
+    for key in sorted({(r["expert_width"], r["experts"], r["topk"]) for r in results}):
+        by = {r["variant"]: r for r in results if (r["expert_width"], r["experts"], r["topk"]) == key}
+        megatron = {n: by[n]["fwd_bwd_ms"] for n in MEGATRON if n in by}
+        if not megatron:
+            continue
+        best = min(megatron, key=megatron.get)
+        ratio = megatron[best] / by[OURS]["fwd_bwd_ms"]
+        disp = by.get("f_megatron_permute_dispatch_only")
+        lines.append(
+            f"F={key[0]:4d} E={key[1]:4d} k={key[2]}: "
+            + (f"dispatch only {disp['fwd_bwd_ratio_vs_ours']:.2f}, " if disp else "")
+            + f"best Megatron ({best}) / ours = {ratio:.2f}" + ("" if ratio >= 1 else "  MISS"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
