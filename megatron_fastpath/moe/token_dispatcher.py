@@ -26,6 +26,11 @@ Host syncs per layer (forward + backward), reported by ``expected_host_syncs_per
 The routing may be given compactly (``probs [T, k]``, int ``topk_ids [T, k]``, from
 :class:`~megatron_fastpath.moe.router.FastpathRouter`) or densely like Megatron's routers
 (``probs [T, E]``, bool ``routing_map [T, E]``), which is converted with a static-shape top-k.
+Compact ids equal to E are NOT_ROUTED (padding tokens, see :mod:`megatron_fastpath.moe.dispatch`):
+they take no capacity, are not sent at EP > 1, and get a zero output.
+
+Shape letters: S sequence, B batch, T = S*B tokens, H hidden, k experts per token, E experts
+(E_l local to this EP rank), R rows of the expert buffer, C capacity per expert.
 """
 
 from __future__ import annotations
