@@ -184,3 +184,39 @@ def test_megatron_transformer_layer_passes_the_mask(mcore_parallel):
     assert torch.equal(oa[real], ob[real])
     # no attention, residual only: padding rows come out as their input (MoE output zero)
     assert torch.equal(oa[~real], xa[~real]) and torch.equal(ob[~real], xb[~real])
+
+
+def test_mask_convention_is_megatrons_router(mcore_parallel):
+    """True = padding, as Megatron's own TopKRouter.routing reads it: with the same logits and
+    mask, our router logs the same load-balancing and z losses as Megatron's (whose aux loss
+    drops padding tokens from the routing map and the token count)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_default_pg_collection,
+        get_moe_layer_wise_logging_tracker,
+    )
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from cuda_as_cpu import cuda_as_cpu
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    tc = _tc()
+    pg = get_default_pg_collection()
+    logits_SBE = torch.randn(S, B, E)
+    pad = padding_mask_BS().t()  # [S, B] as MoELayer hands it to the router
+
+    def losses(router):
+        clear_aux_losses_tracker()
+        router.set_layer_number(1)
+        router.routing(logits_SBE.clone().requires_grad_(), padding_mask=pad)
+        return {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+
+    with cuda_as_cpu():
+        megatron_router = TopKRouter(tc, pg)
+    # its expert-bias update (off here) is a torch.compile'd no-op that cannot trace on a CPU
+    megatron_router._apply_expert_bias = lambda *args, **kwargs: None
+    theirs = losses(megatron_router)
+    ours = losses(FastpathRouter(tc, pg))
+    assert set(ours) == set(theirs) == {"load_balancing_loss", "z_loss"}
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], msg=name)
