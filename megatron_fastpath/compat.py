@@ -183,7 +183,9 @@ def init_moe_layer_state(layer, config, submodules, layer_number, pg_collection)
         "init_moe_layer_state",
         f"it sets by hand the attributes of {MOE_INIT_SITES[1]}",
     )
-    BaseMoELayer.__init__(layer, config=config, layer_number=layer_number, pg_collection=pg_collection)
+    BaseMoELayer.__init__(
+        layer, config=config, layer_number=layer_number, pg_collection=pg_collection
+    )
     layer.submodules = submodules
     layer.moe_layer_recompute = (
         config.recompute_granularity == "selective"
