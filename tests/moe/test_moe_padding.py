@@ -220,3 +220,25 @@ def test_mask_convention_is_megatrons_router(mcore_parallel):
     assert set(ours) == set(theirs) == {"load_balancing_loss", "z_loss"}
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], msg=name)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PackedBatch.padding_mask_1T is True on REAL tokens (a view of real_token_mask_T), but "
+    "Megatron's GPTModel / MoELayer / router read padding_mask as True = padding (router.py: "
+    "routing_map & ~padding_mask; moe_utils.z_loss_func). Passed as is, every real token would "
+    "be routed nowhere. Fix in packed_seq/cache.py: hold ~real_token_mask_T in its own static "
+    "buffer; then remove this xfail."))
+def test_cache_padding_mask_routes_real_tokens(mcore_parallel):
+    """End to end with the packed cache: the mask a PackedBatch offers for Megatron's
+    ``GPTModel(padding_mask=...)`` leaves real tokens routed and padding tokens unrouted."""
+    from megatron_fastpath.packed_seq.cache import PackedSeqCache, PackedSeqConfig
+
+    layer = _layer(_tc(), MODES["dropless"])
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=S * B, max_seqs=4))
+    with cache.batch([9, 7]) as pb:  # 16 real tokens, 8 padding
+        real_T = pb.packed_seq_params.real_token_mask_T.clone()
+        with torch.no_grad():
+            out, _ = layer(torch.randn(S * B, 1, H), padding_mask=pb.padding_mask_1T)
+    out_TH = out.reshape(-1, H)
+    assert bool((out_TH[real_T].abs().sum(-1) > 0).all()), "a real token got no MoE output"
+    assert torch.count_nonzero(out_TH[~real_T]) == 0
