@@ -243,9 +243,10 @@ class PackedBatch:
 
     packed_seq_params: the slot's :class:`CachedPackedSeqParams` -- pass it to the model.
     position_ids_1T: [1, T] per-token positions (reset per sequence) -- the model's position_ids.
-    padding_mask_1T: [1, T] bool, True on real tokens: ``params.real_token_mask_T`` in the layout
-        and convention of Megatron's ``GPTModel.forward(padding_mask=...)`` (which hands it to
-        ``MoELayer`` routing); a view of the static buffer.
+    padding_mask_1T: [1, T] bool, True on the padding tail (``~params.real_token_mask_T``): the
+        layout and convention of Megatron's ``GPTModel.forward(padding_mask=...)``, which hands it
+        to ``MoELayer`` routing (``routing_map & ~padding_mask``); a static buffer of the slot,
+        built with the batch, so a CUDA-graph replay copies it as a layer input.
     num_seqs / num_tokens / max_seqlen / lengths_N: host values of the real batch.
     """
 
@@ -288,6 +289,7 @@ class _Slot:
             seq_ids_T=sid_T,
             real_token_mask_T=torch.zeros(cfg.max_tokens, dtype=torch.bool, device=device),
         )
+        self.padding_mask_1T = torch.zeros((1, cfg.max_tokens), dtype=torch.bool, device=device)
         self.host: Optional[HostPackedMetadata] = None
 
 
@@ -408,7 +410,7 @@ class PackedSeqCache:
             version=slot.version,
             packed_seq_params=slot.params,
             position_ids_1T=slot.position_ids_1T,
-            padding_mask_1T=slot.params.real_token_mask_T.view(1, -1),
+            padding_mask_1T=slot.padding_mask_1T,
             num_seqs=h.num_seqs,
             num_tokens=h.num_tokens,
             max_seqlen=h.max_seqlen,
@@ -476,6 +478,7 @@ class PackedSeqCache:
 
     def _build_all(self, slot: _Slot) -> None:
         torch.ge(slot.params.seq_ids_T, 0, out=slot.params.real_token_mask_T)
+        torch.lt(slot.params.seq_ids_T.view(1, -1), 0, out=slot.padding_mask_1T)
         for kind in self._kinds:
             self._build(slot, kind)
 

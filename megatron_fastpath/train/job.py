@@ -186,6 +186,11 @@ def build_job(cfg: JobConfig) -> Job:
     env_set = apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise
     _init_distributed(cfg)
     torch.manual_seed(cfg.training.seed)
+    # Megatron keeps MoE aux-loss trackers in a process-wide dict sized by the first model's
+    # layer count; a job (or a second run in one process) starts from an empty one.
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
     tcfg = build_transformer(cfg)
     cache = build_cache(cfg)
     model, total, trainable = build_model(cfg, tcfg, cache)

@@ -82,6 +82,7 @@ def forward(model, mb, pb, device):
         None,
         labels=mb.labels_1T.to(device, non_blocking=True),
         packed_seq_params=pb.packed_seq_params,
+        padding_mask=pb.padding_mask_1T,  # MoE routing skips padding (Megatron: True = padding)
     )
 
 

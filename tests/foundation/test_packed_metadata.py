@@ -238,8 +238,12 @@ def test_real_token_mask_and_megatron_padding_mask_layout():
     with cache.batch([5, 6]) as pb:
         real = pb.packed_seq_params.real_token_mask_T
         assert real.tolist() == [True] * 11 + [False] * 5
-        # Megatron's GPTModel(padding_mask=[b, s], True = valid token): the same storage
-        assert pb.padding_mask_1T.shape == (1, 16) and pb.padding_mask_1T.data_ptr() == real.data_ptr()
+        # Megatron's GPTModel(padding_mask=[b, s]) is True on padding (router.py:
+        # routing_map & ~padding_mask): the complement, in its own static buffer
+        assert pb.padding_mask_1T.tolist() == [[False] * 11 + [True] * 5]
+        ptr = pb.padding_mask_1T.data_ptr()
+    with cache.batch([16]) as pb:
+        assert pb.padding_mask_1T.data_ptr() == ptr and not pb.padding_mask_1T.any()
 
 
 @pytest.mark.parametrize("factor", [None, 8.0, 32.0])

@@ -222,12 +222,6 @@ def test_mask_convention_is_megatrons_router(mcore_parallel):
         torch.testing.assert_close(ours[name], theirs[name], msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PackedBatch.padding_mask_1T is True on REAL tokens (a view of real_token_mask_T), but "
-    "Megatron's GPTModel / MoELayer / router read padding_mask as True = padding (router.py: "
-    "routing_map & ~padding_mask; moe_utils.z_loss_func). Passed as is, every real token would "
-    "be routed nowhere. Fix in packed_seq/cache.py: hold ~real_token_mask_T in its own static "
-    "buffer; then remove this xfail."))
 def test_cache_padding_mask_routes_real_tokens(mcore_parallel):
     """End to end with the packed cache: the mask a PackedBatch offers for Megatron's
     ``GPTModel(padding_mask=...)`` leaves real tokens routed and padding tokens unrouted."""
