@@ -56,7 +56,10 @@ def _model(kind: str, graphs: bool, cache):
     overrides = dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
                      moe_token_drop_policy="probs") if moe else {}
     if graphs:
-        overrides.update(cuda_graph_impl="local", cuda_graph_warmup_steps=1)
+        # LoRA freezes the embedding: Megatron 0.16.1's capture warm-up then crashes (see
+        # test_megatron_cuda_graphs.py::test_frozen_embedding_needs_zero_capture_warmup...)
+        overrides.update(cuda_graph_impl="local",
+                         cuda_graph_warmup_steps=0 if kind == "lora" else 1)
     tcfg = build_transformer_config(mcfg, **overrides)
     spec = get_fastpath_layer_spec(cache, backend="sdpa", num_experts=mcfg.num_experts)
     if kind == "lora":

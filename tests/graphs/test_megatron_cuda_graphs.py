@@ -15,7 +15,7 @@ from megatron_graphs import graph_runners, graph_session, max_rel_diff, run_step
 S, B, V = 16, 2, 50
 
 
-def _build(graphs: bool, num_layers: int = 3):
+def _build(graphs: bool, num_layers: int = 3, warmup: int = 1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -25,7 +25,7 @@ def _build(graphs: bool, num_layers: int = 3):
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         cuda_graph_impl="local" if graphs else "none", cuda_graph_scope=[],
-        cuda_graph_warmup_steps=1)
+        cuda_graph_warmup_steps=warmup)
     torch.manual_seed(0)
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=V, max_sequence_length=S,
                     position_embedding_type="rope")
@@ -103,6 +103,34 @@ def test_without_the_shim_megatron_0161_corrupts_the_first_layer_backward():
     assert diff["embedding.word_embeddings.weight"] > 1e-3
     assert diff["decoder.layers.0.input_layernorm.weight"] > 1e-2
     assert diff["decoder.layers.2.mlp.linear_fc2.weight"] < 1e-5  # the last layer is untouched
+
+
+@pytest.mark.parametrize("warmup", [1, 0])
+@pytest.mark.usefixtures("mcore_parallel")
+def test_frozen_embedding_needs_zero_capture_warmup_in_megatron_0161(warmup):
+    """LoRA freezes the embedding, so the first layer's input needs no gradient. 0.16.1's
+    create_fwd_graph warm-up calls torch.autograd.grad over the layer's *inputs* only (not its
+    parameters): with none requiring grad it raises at the end of step 1. With
+    cuda_graph_warmup_steps=0 (the eager step 1 already warmed up) capture works and matches."""
+    from megatron_fastpath.graphs import prepare_cuda_graphs
+
+    with graph_session():
+        prepare_cuda_graphs(1234, use_te_rng_tracker=False)
+        eager, graphed = _build(False), _build(True, warmup=warmup)
+        graphed.load_state_dict(eager.state_dict())
+        for m in (eager, graphed):
+            m.embedding.requires_grad_(False)
+        steps = _steps()
+        le, ge = run_steps(eager, steps, _forward_step, S, B)
+        if warmup:
+            with pytest.raises(RuntimeError, match="argument to `grad\\(\\)` cannot be empty"):
+                run_steps(graphed, steps, _forward_step, S, B)
+            return
+        lg, gg = run_steps(graphed, steps, _forward_step, S, B)
+        assert [r.fwd_graph.replays for r in graph_runners(graphed)] == [6] * 3
+    for s in range(3):
+        torch.testing.assert_close(lg[s], le[s], rtol=1e-5, atol=1e-6)
+        assert max(max_rel_diff(ge[s], gg[s]).values()) < 1e-5
 
 
 @pytest.mark.usefixtures("mcore_parallel")
