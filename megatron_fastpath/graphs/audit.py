@@ -22,7 +22,7 @@ CUDA graphs (``cuda_graph_impl="local"``, ``enable_cuda_graph=True``) rely on:
     slot chosen in Python) with the same content (check "content": per-microbatch data, e.g.
     RoPE tables or masks of the current batch, must be graph inputs -- fields of the
     PackedSeqParams -- not side reads). This is what the CPU CUDA-graph stand-in
-    (tests/support/fake_cuda_graph.py) shows replaying Megatron's own CudaGraphManager. It is
+    (the test-only stand-in under tests/support) shows replaying Megatron's own CudaGraphManager. It is
     stricter than a GPU in one case: data rewritten outside every graph before each replay at a
     fixed address would replay correctly, but is still reported (the package's contract is
     that per-batch tensors travel as arguments). With PP>1 Megatron keeps a runner per
