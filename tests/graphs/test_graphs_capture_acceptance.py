@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_graphs import graph_runners, graph_session, run_steps
+from megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps
 
 T, MAX_SEQS, V = 32, 8, 61
 # three packings with different boundaries, padding tails and sequence counts
@@ -33,19 +33,20 @@ class MB:
     lengths: tuple
 
 
-def _microbatches():
+def _microbatches(device="cpu"):
     g = torch.Generator().manual_seed(11)
     out = []
     for lengths in PACKINGS:
-        n = sum(lengths)
+        n = sum(lengths)  # every packing but [32] leaves a padding tail
         tokens = torch.randint(0, V, (1, T), generator=g)
         mask = torch.zeros(1, T)
         mask[0, :n] = 1.0
-        out.append(MB(tokens, torch.roll(tokens, -1, 1), mask, tuple(lengths)))
+        out.append(MB(tokens.to(device), torch.roll(tokens, -1, 1).to(device), mask.to(device),
+                      tuple(lengths)))
     return out
 
 
-def _model(kind: str, graphs: bool, cache):
+def _model(kind: str, graphs: bool, cache, backend="sdpa", dtype=torch.float32):
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config
 
@@ -60,14 +61,14 @@ def _model(kind: str, graphs: bool, cache):
         # test_megatron_cuda_graphs.py::test_frozen_embedding_needs_zero_capture_warmup...)
         overrides.update(cuda_graph_impl="local",
                          cuda_graph_warmup_steps=0 if kind == "lora" else 1)
-    tcfg = build_transformer_config(mcfg, **overrides)
-    spec = get_fastpath_layer_spec(cache, backend="sdpa", num_experts=mcfg.num_experts)
+    tcfg = build_transformer_config(mcfg, params_dtype=dtype, **overrides)
+    spec = get_fastpath_layer_spec(cache, backend=backend, num_experts=mcfg.num_experts)
     if kind == "lora":
         from megatron_fastpath.lora import LoRAConfig, with_lora
 
         spec = with_lora(spec, LoRAConfig(rank=4, alpha=8.0, dropout=0.0))
     torch.manual_seed(0)
-    model = build_gpt_model(tcfg, spec, V, T)
+    model = build_gpt_model(tcfg, spec, V, T).to(cache.device)
     if kind == "lora":
         from megatron_fastpath.lora import freeze_base_parameters
 
@@ -76,16 +77,20 @@ def _model(kind: str, graphs: bool, cache):
                 if name.endswith("lora_B"):
                     p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(3))
         freeze_base_parameters(model)
+        if graphs:
+            from megatron_fastpath.lora import lock_lora
+
+            lock_lora(model)  # as the main job does when it captures
     return model
 
 
-def _cache(num_slots):
+def _cache(num_slots, device="cpu"):
     from megatron_fastpath.model import ModelConfig, rope_config_for
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
     rope = rope_config_for(ModelConfig(hidden_size=32, num_attention_heads=4))
     return PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=MAX_SEQS, num_slots=num_slots,
-                                          rope=rope))
+                                          rope=rope), device=torch.device(device))
 
 
 def _run(model, cache, steps):
@@ -115,27 +120,33 @@ def _run(model, cache, steps):
     return losses, grads
 
 
-def _assert_graphed_equals_eager(kind):
+def _assert_graphed_equals_eager(kind, backend="sdpa", dtype=torch.float32, device="cpu",
+                                 rtol=1e-5, atol=1e-6):
     from megatron_fastpath.graphs import prepare_cuda_graphs
 
-    mbs = _microbatches()
+    on_gpu = device != "cpu"
+    mbs = _microbatches(device)
     steps = [[mbs[i] for i in order] for order in ORDERS]
-    with graph_session():
-        prepare_cuda_graphs(1234, use_te_rng_tracker=False)
-        eager_cache, graph_cache = _cache(3), _cache(3)  # train.py: num_slots = microbatches
-        eager = _model(kind, False, eager_cache)
-        graphed = _model(kind, True, graph_cache)
+    with (megatron_graph_state() if on_gpu else graph_session()):
+        te = on_gpu and backend == "te"
+        prepare_cuda_graphs(1234, use_te_rng_tracker=te)
+        eager_cache, graph_cache = _cache(3, device), _cache(3, device)  # num_slots = microbatches
+        eager = _model(kind, False, eager_cache, backend, dtype)
+        graphed = _model(kind, True, graph_cache, backend, dtype)
         graphed.load_state_dict(eager.state_dict())
         le, ge = _run(eager, eager_cache, steps)
         lg, gg = _run(graphed, graph_cache, steps)
         runners = graph_runners(graphed)
-        assert len(runners) == 2 and all(r.fwd_graph.replays == 6 for r in runners)
+        assert len(runners) == 2 and all(r.cudagraph_created for r in runners)
+        if not on_gpu:
+            assert all(r.fwd_graph.replays == 6 and r.bwd_graph.replays == 6 for r in runners)
     assert ge[0], "no trainable gradients"
     for s in range(len(steps)):
-        torch.testing.assert_close(lg[s], le[s], rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(lg[s], le[s], rtol=rtol, atol=atol,
                                    msg=lambda m: f"step {s} losses: {m}")
         for name in ge[s]:
-            torch.testing.assert_close(gg[s][name], ge[s][name], rtol=1e-5, atol=1e-6,
+            assert torch.isfinite(gg[s][name]).all(), f"step {s} {name}: non-finite gradient"
+            torch.testing.assert_close(gg[s][name], ge[s][name], rtol=rtol, atol=atol,
                                        msg=lambda m: f"step {s} {name}: {m}")
 
 
@@ -172,3 +183,40 @@ def test_audit_verdict_agrees_with_megatron_replay_over_the_stand_in():
     assert report.ok == replay_ok, report.summary()
     if not report.ok:  # today: the cache slot's RoPE tables / mask are side reads
         assert {f.check for f in report.findings} <= {"runner", "content"}
+
+
+REDESIGN = pytest.mark.xfail(strict=True, reason=(
+    "issue 9 point 3: the identity-matched cache fails capture on GPU as on CPU; remove with the "
+    "CPU acceptance marker"))
+
+
+@pytest.mark.gpu
+@REDESIGN
+@pytest.mark.parametrize("backend", ["te", "flash"])
+@pytest.mark.usefixtures("mcore_parallel")
+def test_gpu_capture_replay_bf16_three_packings_with_padding_tail(backend):
+    """Issue 9 point 6: real CUDA graphs (Megatron's CudaGraphManager, torch.cuda.graph) over 3
+    microbatches of different packings, two with a padding tail (finding 3: FA2's varlen
+    backward leaves rows after the last boundary uninitialised), bf16, replayed over two more
+    steps in other orders; gradients finite and equal to eager. bf16 tolerance: rtol=2e-2,
+    atol=1e-3 (the graphed and eager runs issue the same kernels; slack for algorithm choice)."""
+    from megatron_fastpath._optional import have
+
+    if backend == "te" and not have("transformer_engine.pytorch"):
+        pytest.skip("Transformer Engine is not installed")
+    if backend == "flash" and not have("flash_attn"):
+        pytest.skip("flash-attn is not installed")
+    _assert_graphed_equals_eager("dense", backend=backend, dtype=torch.bfloat16, device="cuda",
+                                 rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@REDESIGN
+@pytest.mark.parametrize("kind", ["moe", "lora"])
+@pytest.mark.usefixtures("mcore_parallel")
+def test_gpu_capture_replay_bf16_moe_and_lora(kind):
+    from megatron_fastpath._optional import have
+
+    backend = "te" if have("transformer_engine.pytorch") else "flash"
+    _assert_graphed_equals_eager(kind, backend=backend, dtype=torch.bfloat16, device="cuda",
+                                 rtol=2e-2, atol=1e-3)

@@ -17,9 +17,9 @@ from fake_cuda_graph import fake_cuda_graphs, reset_megatron_cuda_graphs
 
 
 @contextlib.contextmanager
-def graph_session() -> Iterator[None]:
-    """fake_cuda_graphs() + a clean Megatron graph state, restored (RNG tracker and the
-    TensorReusePool instance included) on exit."""
+def megatron_graph_state() -> Iterator[None]:
+    """A clean Megatron graph state for the block, restored (RNG tracker and the
+    TensorReusePool instance included) on exit. On a GPU this alone wraps a real capture."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.transformer import cuda_graphs as cg
 
@@ -27,12 +27,18 @@ def graph_session() -> Iterator[None]:
              cg._CudagraphGlobalRecord.tensor_reuse_pool)
     reset_megatron_cuda_graphs()
     try:
-        with fake_cuda_graphs():
-            yield
+        yield
     finally:
         reset_megatron_cuda_graphs()
         (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
          cg._CudagraphGlobalRecord.tensor_reuse_pool) = saved
+
+
+@contextlib.contextmanager
+def graph_session() -> Iterator[None]:
+    """fake_cuda_graphs() + :func:`megatron_graph_state` (CPU runs of Megatron's graphs)."""
+    with megatron_graph_state(), fake_cuda_graphs():
+        yield
 
 
 def run_steps(model, steps: Sequence[Sequence], forward_step: Callable, seq_length: int,
