@@ -292,6 +292,7 @@ class GraphSafetyAudit:
         self.steps += 1
         self._calls = {}
         self._moved = set()
+        self._param_ptrs = frozenset(_storage_ptr(p) for p in self.model.parameters())
         self._sentinel = _AuditSentinel(self)
         try:
             with self._sentinel:
