@@ -140,3 +140,37 @@ def test_megatron_sites_still_exist():
         if line_no > len(lines) or text not in lines[line_no - 1]:
             moved.append(f"megatron/core/{rel}:{line_no} no longer contains {text!r}")
     assert not moved, "\n".join(moved)
+
+
+def test_host_read_in_a_captured_backward_is_refused():
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            g.abs().max().item()
+            return g * 2
+
+    with fake_cuda_graphs():
+        x = torch.randn(4, requires_grad=True)
+        y = ReadsInBackward.apply(x)
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(HostReadDuringCapture, match="_local_scalar_dense"):
+            with torch.cuda.graph(g):
+                torch.autograd.grad(y, x, grad_outputs=torch.ones(4))
+
+
+def test_uninitialised_allocations_are_not_replayed():
+    """torch.empty is no kernel on a GPU: replay leaves the captured memory as it is."""
+    with fake_cuda_graphs():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            buf = torch.empty(4)
+            buf.fill_(3.0)
+            out = buf + 1
+        buf.fill_(10.0)  # nothing in the graph re-allocates buf; fill_ is replayed
+        g.replay()
+        assert torch.equal(out, torch.full((4,), 4.0))
+        assert g.num_ops == 2  # fill_ and add; empty is not an op to replay
