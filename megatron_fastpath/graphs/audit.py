@@ -15,18 +15,19 @@ CUDA graphs (``cuda_graph_impl="local"``, ``enable_cuda_graph=True``) rely on:
 (d) **no Python branch on tensor values** (``if tensor:`` inside a layer): the captured graph
     would freeze one branch;
 (e) **one runner, many microbatches**: with PP=1 Megatron builds ONE runner per layer and
-    replays its graph for every microbatch of every step; at replay it copies only the
-    flattened arguments. So, across the microbatches of one step, every non-parameter tensor a
-    layer reads outside its arguments (and does not write itself) must be the same tensor
-    (check "runner": else the graph reads the buffer the captured microbatch read, e.g. a cache
-    slot chosen in Python) with the same content (check "content": per-microbatch data, e.g.
-    RoPE tables or masks of the current batch, must be graph inputs -- fields of the
-    PackedSeqParams -- not side reads). This is what the CPU CUDA-graph stand-in
-    (the test-only stand-in under tests/support) shows replaying Megatron's own CudaGraphManager. It is
-    stricter than a GPU in one case: data rewritten outside every graph before each replay at a
-    fixed address would replay correctly, but is still reported (the package's contract is
-    that per-batch tensors travel as arguments). With PP>1 Megatron keeps a runner per
-    in-flight microbatch; the comparison is then per (layer, call index) across steps.
+    replays its graph for every later microbatch of every step; at replay it copies only the
+    flattened arguments (dataclass fields included). So every non-parameter tensor a layer
+    reads outside its arguments (and does not write itself) must, in every call, be the same
+    tensor as in the runner's first call -- the one a capture records -- (check "runner":
+    else the graph reads the buffer the captured microbatch read, e.g. a cache slot chosen in
+    Python) with the same content (check "content": per-microbatch data such as the current
+    batch's RoPE tables or masks must be graph inputs -- PackedSeqParams fields -- not side
+    reads). This is what Megatron's own CudaGraphManager shows when replayed over the test-only
+    CPU stand-in for CUDA graphs. It is stricter than a GPU in one case: data rewritten outside
+    every graph before each replay at a fixed address would replay correctly, but is still
+    reported (the package's contract is that per-batch tensors travel as arguments). With
+    PP>1 Megatron keeps a runner per in-flight microbatch: the comparison is then per
+    (layer, call index) across steps.
 
 Usage::
 
@@ -77,7 +78,7 @@ class AuditFinding:
     layer: int
     phase: str
     step: int
-    check: str  # also "runner" | "content" (check (e))
+    check: str
     message: str
     location: str = ""
 
