@@ -6,10 +6,10 @@ different orders. Losses and gradients must equal the eager run of the same weig
 
 Tolerance: rtol=1e-5, atol=1e-6 (float32; the graphed run issues the same aten ops).
 
-Today's cache matches params by object identity and reads RoPE / masks from a "current" slot
-outside the graph inputs, so this fails (ValueError 'packed_seq_params were not produced by this
-PackedSeqCache' at capture). It is xfail(strict=True) until the cache redesign (issue 9 point
-3: per-batch tensors carried by the params) lands; then the marker goes.
+Before the cache redesign (issue 9 point 3: per-batch tensors carried by the PackedSeqParams)
+this failed: the cache matched params by object identity (ValueError 'packed_seq_params were
+not produced by this PackedSeqCache' at capture) and, with that bypassed, replays read the RoPE
+tables / mask of the captured microbatch (wrong losses from the second microbatch on).
 """
 
 import dataclasses
@@ -150,10 +150,6 @@ def _assert_graphed_equals_eager(kind, backend="sdpa", dtype=torch.float32, devi
                                        msg=lambda m: f"step {s} {name}: {m}")
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, AssertionError), reason=(
-    "issue 9 point 3: PackedSeqCache matches params by identity and reads RoPE/masks outside the "
-    "graph inputs -> ValueError 'packed_seq_params were not produced by this PackedSeqCache' at "
-    "capture; remove when the cache redesign ('cache') lands on main"))
 @pytest.mark.parametrize("kind", ["dense", "moe", "lora"])
 @pytest.mark.usefixtures("mcore_parallel")
 def test_graphed_packed_model_equals_eager_over_three_packings_and_two_replayed_steps(kind):
@@ -183,8 +179,6 @@ def _job_steps(kind, graphs):
     return model, out
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, AssertionError), reason=(
-    "issue 9 point 3: identity-matched cache (see the test above); remove with it"))
 @pytest.mark.parametrize("kind", ["dense", "moe", "lora"])
 @pytest.mark.usefixtures("mcore_parallel")
 def test_main_job_gpu_step_with_graphs_equals_eager(kind):
@@ -231,17 +225,10 @@ def test_audit_verdict_agrees_with_megatron_replay_over_the_stand_in():
     except (ValueError, AssertionError):
         replay_ok = False
     assert report.ok == replay_ok, report.summary()
-    if not report.ok:  # today: the cache slot's RoPE tables / mask are side reads
-        assert {f.check for f in report.findings} <= {"runner", "content"}
-
-
-REDESIGN = pytest.mark.xfail(strict=True, reason=(
-    "issue 9 point 3: the identity-matched cache fails capture on GPU as on CPU; remove with the "
-    "CPU acceptance marker"))
+    assert report.ok and replay_ok
 
 
 @pytest.mark.gpu
-@REDESIGN
 @pytest.mark.parametrize("backend", ["te", "flash"])
 @pytest.mark.usefixtures("mcore_parallel")
 def test_gpu_capture_replay_bf16_three_packings_with_padding_tail(backend):
@@ -261,7 +248,6 @@ def test_gpu_capture_replay_bf16_three_packings_with_padding_tail(backend):
 
 
 @pytest.mark.gpu
-@REDESIGN
 @pytest.mark.parametrize("kind", ["moe", "lora"])
 @pytest.mark.usefixtures("mcore_parallel")
 def test_gpu_capture_replay_bf16_moe_and_lora(kind):

@@ -7,7 +7,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from megatron_fastpath._optional import MissingDependencyError, have
-from megatron_fastpath.graphs import GraphSafetyError
 from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
 from megatron_fastpath.train import config_dir
 
@@ -24,12 +23,6 @@ def cfg(overrides):
         return compose(config_name="config", overrides=SMALL + list(overrides))
 
 
-@pytest.mark.xfail(strict=True, raises=GraphSafetyError, reason=(
-    "issue 9: the audit's runner check (e) finds RoPE cos/sin and the SDPA mask read from the "
-    "cache slot outside the layer's arguments, with content that differs between microbatches "
-    "one CUDA-graph runner serves (what Megatron's CudaGraphManager replays wrongly over the "
-    "stand-in); remove when the cache redesign ('cache': per-batch tensors carried by the "
-    "PackedSeqParams) lands on main"))
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_strict_audit_passes_lora_packed_with_and_without_offload(mcore_parallel, capsys, model, offload):
