@@ -7,6 +7,7 @@ Megatron-Core symbol whose location or behaviour differs between releases goes t
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Optional
 
 from packaging.version import Version
 
@@ -199,3 +200,106 @@ def init_moe_layer_state(layer, config, submodules, layer_number, pg_collection)
     layer.tp_group = pg_collection.tp
     layer.cudagraph_tensor_store = MoECudaGraphTensorStore()
     layer.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+
+
+# =============================================================================================
+# CUDA graphs: keep forward-graph input buffers out of Megatron's TensorReusePool (0.16.x)
+# =============================================================================================
+#
+# Why: megatron-core 0.16.x ``_CudaGraphRunner.create_fwd_graph`` ends with
+#
+#     # if an input buffer requires a copy, and does not have metadata attached to it at this
+#     # point, it will not be reused after this forward pass, so return it to the pool
+#     ... _CudagraphGlobalRecord.tensor_reuse_pool.insert(buf)
+#
+# but that buffer is the forward graph's static input, which its backward graph still reads
+# (e.g. the first layer's input, saved by its input layernorm). A later backward capture takes
+# it from the pool as its incoming-gradient buffer (``create_bwd_graph``:
+# ``tensor_reuse_pool.get(o)``), so every backward replay overwrites the first layer's input
+# before the first layer's backward runs: the embedding and first-layernorm gradients come out
+# wrong while the loss is right. Reproduced on CPU with Megatron's own CudaGraphManager over a
+# stock local-spec GPTModel (tests/graphs/test_megatron_cuda_graphs.py). Upstream deleted that
+# block ("buffers being reused too early and affecting the correctness of the backward pass",
+# NVIDIA/Megatron-LM#4433) and later made saved activations explicit (NVIDIA/Megatron-LM#5975).
+#
+# The shim swaps the one pool instance for a subclass whose ``insert`` drops forward-graph input
+# buffers -- in 0.16.x the only tensors carrying ``can_skip_replay_copy``
+# (transformer/cuda_graphs.py:876) -- and forwards everything else (the backward graphs'
+# grad-output buffers, whose recycling is sound). Cost: one input-sized buffer per graphed
+# layer stays allocated, as on upstream main.
+
+_CG_SHIM_VERSIONS = ((0, 16),)  # (major, minor) lines whose create_fwd_graph was checked
+
+
+class CudaGraphShimError(RuntimeError):
+    """A CUDA-graph shim met a megatron-core whose code it was not checked against."""
+
+
+def _check_fwd_input_recycling_source(cg) -> None:
+    import inspect
+
+    fwd = inspect.getsource(cg._CudaGraphRunner.create_fwd_graph)
+    expected = ("_CudagraphGlobalRecord.tensor_reuse_pool.insert(buf)",
+                "buf.can_skip_replay_copy = can_skip_replay_copy")
+    missing = [e for e in expected if e not in fwd]
+    if missing:
+        raise CudaGraphShimError(
+            f"megatron-core {MCORE_VERSION}: _CudaGraphRunner.create_fwd_graph no longer contains "
+            f"{missing}; re-check whether forward-graph input buffers are still returned to the "
+            "TensorReusePool (NVIDIA/Megatron-LM#4433, #5975) before using per-layer CUDA graphs"
+        )
+
+
+def keep_cudagraph_input_buffers(version: Optional["Version"] = None) -> bool:
+    """Stop Megatron 0.16.x from recycling forward-graph input buffers (see the block comment).
+
+    Idempotent; call before the first training step with ``cuda_graph_impl="local"``. Returns
+    True when the shim is (already) installed. Raises :class:`CudaGraphShimError` on a
+    megatron-core line it was not checked against, saying what to check.
+    """
+    version = version or MCORE_VERSION
+    if (version.major, version.minor) not in _CG_SHIM_VERSIONS:
+        raise CudaGraphShimError(
+            f"megatron-core {version}: the CUDA-graph input-buffer shim was checked against "
+            f"{['%d.%d.x' % v for v in _CG_SHIM_VERSIONS]} only. Read "
+            "transformer/cuda_graphs.py _CudaGraphRunner.create_fwd_graph: if it still returns "
+            "input buffers to tensor_reuse_pool, add this line to _CG_SHIM_VERSIONS; if not "
+            "(fixed upstream by NVIDIA/Megatron-LM#4433 / #5975), gate the shim off for it"
+        )
+    from megatron.core.transformer import cuda_graphs as cg
+
+    record = cg._CudagraphGlobalRecord
+    if isinstance(record.tensor_reuse_pool, _keep_input_pool_class(cg)):
+        return True
+    _check_fwd_input_recycling_source(cg)
+    record.tensor_reuse_pool = _keep_input_pool_class(cg)()
+    return True
+
+
+_POOL_CLASS = None
+
+
+def _keep_input_pool_class(cg):
+    global _POOL_CLASS
+    if _POOL_CLASS is None:
+
+        class KeepFwdInputsPool(cg.TensorReusePool):
+            """TensorReusePool that never takes back a forward graph's input buffer."""
+
+            dropped = 0
+
+            def insert(self, tensor):
+                if hasattr(tensor, "can_skip_replay_copy"):
+                    type(self).dropped += 1
+                    return
+                super().insert(tensor)
+
+        _POOL_CLASS = KeepFwdInputsPool
+    return _POOL_CLASS
+
+
+def restore_cudagraph_input_recycling() -> None:
+    """Undo :func:`keep_cudagraph_input_buffers` (tests show the 0.16.1 bug with it off)."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    cg._CudagraphGlobalRecord.tensor_reuse_pool = cg.TensorReusePool()

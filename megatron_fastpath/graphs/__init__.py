@@ -7,5 +7,7 @@ from megatron_fastpath.graphs.audit import (
     GraphSafetyError,
     LayerAudit,
 )
+from megatron_fastpath.graphs.setup import GraphSetup, prepare_cuda_graphs
 
-__all__ = ["AuditFinding", "AuditReport", "GraphSafetyAudit", "GraphSafetyError", "LayerAudit"]
+__all__ = ["AuditFinding", "AuditReport", "GraphSafetyAudit", "GraphSafetyError", "LayerAudit",
+           "GraphSetup", "prepare_cuda_graphs"]

@@ -13,7 +13,21 @@ CUDA graphs (``cuda_graph_impl="local"``, ``enable_cuda_graph=True``) rely on:
     (tensors keep shape/dtype/device, non-tensors keep their value, dataclasses field by field)
     -- checked with Megatron's own ``ArgMetadata`` and ``_CudaGraphRunner.get_mismatch_errors``;
 (d) **no Python branch on tensor values** (``if tensor:`` inside a layer): the captured graph
-    would freeze one branch.
+    would freeze one branch;
+(e) **one runner, many microbatches**: with PP=1 Megatron builds ONE runner per layer and
+    replays its graph for every later microbatch of every step; at replay it copies only the
+    flattened arguments (dataclass fields included). So every non-parameter tensor a layer
+    reads outside its arguments (and does not write itself) must, in every call, be the same
+    tensor as in the runner's first call -- the one a capture records -- (check "runner":
+    else the graph reads the buffer the captured microbatch read, e.g. a cache slot chosen in
+    Python) with the same content (check "content": per-microbatch data such as the current
+    batch's RoPE tables or masks must be graph inputs -- PackedSeqParams fields -- not side
+    reads). This is what Megatron's own CudaGraphManager shows when replayed over the test-only
+    CPU stand-in for CUDA graphs. It is stricter than a GPU in one case: data rewritten outside
+    every graph before each replay at a fixed address would replay correctly, but is still
+    reported (the package's contract is that per-batch tensors travel as arguments). With
+    PP>1 Megatron keeps a runner per in-flight microbatch: the comparison is then per
+    (layer, call index) across steps.
 
 Usage::
 
@@ -59,7 +73,7 @@ class GraphSafetyError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class AuditFinding:
-    """One violation. check: "sync" | "branch" | "buffer" | "args"."""
+    """One violation. check: "sync" | "branch" | "buffer" | "args" | "runner" | "content"."""
 
     layer: int
     phase: str
@@ -83,11 +97,12 @@ class LayerAudit:
     external_reads: int = 0
     moved_buffers: int = 0
     arg_mismatches: int = 0
+    per_microbatch_reads: int = 0  # check (e): side reads that differ between microbatches
 
     @property
     def ok(self) -> bool:
         return not (self.syncs_forward or self.syncs_backward or self.value_branches
-                    or self.moved_buffers or self.arg_mismatches)
+                    or self.moved_buffers or self.arg_mismatches or self.per_microbatch_reads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +118,13 @@ class AuditReport:
     def summary(self) -> str:
         head = (f"graph-safety audit over {self.steps} steps: "
                 f"{'PASS' if self.ok else 'FAIL'} ({len(self.findings)} findings)")
-        rows = [head, "  layer  fwd-calls  syncs(fwd/bwd)  branches  static-reads  moved  arg-mismatch"]
+        rows = [head, "  layer  fwd-calls  syncs(fwd/bwd)  branches  static-reads  moved  arg-mismatch"
+                      "  per-mb-reads"]
         for l in self.layers:
             rows.append(
                 f"  {l.layer:5d}  {l.forward_calls:9d}  {l.syncs_forward:6d}/{l.syncs_backward:<6d}  "
                 f"{l.value_branches:8d}  {l.external_reads:12d}  {l.moved_buffers:5d}  "
-                f"{l.arg_mismatches:12d}"
+                f"{l.arg_mismatches:12d}  {l.per_microbatch_reads:12d}"
             )
         rows += [f"  - {f}" for f in self.findings[:20]]
         return "\n".join(rows)
@@ -128,24 +144,35 @@ class _ExternalReads(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, input_ptrs: set, reference: Optional[set], on_moved):
+    def __init__(self, input_ptrs: set, reference: Optional[set], on_moved, param_ptrs=frozenset()):
         super().__init__()
         self.inputs = input_ptrs
         self.produced: set = set()
         self.reads: set = set()
         self.reference = reference
         self.on_moved = on_moved
+        self.params = param_ptrs
+        self.written: set = set()
+        # check (e): (storage, offset, shape) -> (fingerprint, op) of non-parameter side reads
+        self.side_reads: dict = {}
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         for i, t in enumerate(tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):
                 p = _storage_ptr(t)
-                if p is None or p in self.produced or p in self.inputs or p in self.reads:
+                if p is None or p in self.produced or p in self.inputs or p in self.written:
+                    continue
+                if p not in self.params:
+                    key = (p, t.storage_offset(), tuple(t.shape))
+                    if key not in self.side_reads:
+                        self.side_reads[key] = (_fingerprint(t), _op_name(func))
+                if p in self.reads:
                     continue
                 self.reads.add(p)
                 if self.reference is not None and p not in self.reference:
                     self.on_moved(_op_name(func), i, p, tuple(t.shape))
+        self.written |= _written_storages(func, args, kwargs)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -153,6 +180,41 @@ class _ExternalReads(TorchDispatchMode):
                 if p is not None:
                     self.produced.add(p)
         return out
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Three float64 sums of a tensor's content, computed on its device (no host read) and
+    invisible to the dispatch modes (the sentinel's op counts stay those of the step)."""
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        flat = torch.nan_to_num(t.detach().reshape(-1).to(torch.float64))
+        weight = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 89 + 1
+        return torch.stack([flat.sum(), (flat * weight).sum(), flat.abs().sum()])
+
+
+def _written_storages(func, args, kwargs) -> set:
+    """Storages an op writes in place (schema arguments marked ``(a!)``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return set()
+    out = set()
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                out.add(_storage_ptr(t))
+    return out
+
+
+def _one_runner_per_layer() -> bool:
+    """Megatron reuses one runner per layer for all microbatches when PP == 1."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_world_size() == 1
+    except (AssertionError, RuntimeError, AttributeError):  # parallel state not initialised
+        return True
 
 
 def _in_autograd_backward() -> bool:
@@ -180,10 +242,12 @@ class GraphSafetyAudit:
         strict: raise GraphSafetyError at the first violation.
         layer_types: which submodules are audited (default: Megatron ``TransformerLayer``).
         warmup_steps: steps before the reference step for check (b) (lazy allocation allowed).
+        one_runner_per_layer: check (e) compares the microbatches of a step (Megatron's PP=1
+            runner reuse); default: read from Megatron's parallel state.
     """
 
     def __init__(self, model: torch.nn.Module, strict: bool = False, layer_types=None,
-                 warmup_steps: int = 1):
+                 warmup_steps: int = 1, one_runner_per_layer: Optional[bool] = None):
         if layer_types is None:
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -205,6 +269,11 @@ class GraphSafetyAudit:
         self._calls: dict = {}
         self._tracker: Optional[_ExternalReads] = None
         self._current: tuple = (None, "")
+        self.one_runner_per_layer = (_one_runner_per_layer() if one_runner_per_layer is None
+                                     else one_runner_per_layer)
+        self._param_ptrs = frozenset(_storage_ptr(p) for p in model.parameters())
+        self._side_reads: dict = {}  # runner key -> [(step, call, {key: (fingerprint, op)})]
+        self._moved: set = set()  # (layer, storage) already reported by check (b) this step
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "GraphSafetyAudit":
@@ -223,6 +292,8 @@ class GraphSafetyAudit:
         """Audit one training step (forward + backward of all its microbatches)."""
         self.steps += 1
         self._calls = {}
+        self._moved = set()
+        self._param_ptrs = frozenset(_storage_ptr(p) for p in self.model.parameters())
         self._sentinel = _AuditSentinel(self)
         try:
             with self._sentinel:
@@ -236,6 +307,7 @@ class GraphSafetyAudit:
                         self._tracker = None
         finally:
             self._sentinel = None
+        self._check_runner_reads()
 
     def _finding(self, layer: int, phase: str, check: str, message: str, location: str = "") -> None:
         f = AuditFinding(layer, phase, self.steps, check, message, location)
@@ -283,6 +355,7 @@ class GraphSafetyAudit:
 
         def moved(name, idx, ptr, shape):
             s.moved_buffers += 1
+            self._moved.add((i, ptr))
             self._finding(i, "forward", "buffer",
                           f"{name} arg {idx} read a tensor at {ptr:#x} (shape {shape}) that the "
                           f"layer did not read at step {ref_step}: a buffer was reallocated "
@@ -290,7 +363,7 @@ class GraphSafetyAudit:
                           _user_location())
 
         reference = self._ref_reads.get(key) if self.steps > ref_step else None
-        self._tracker = _ExternalReads(input_ptrs, reference, moved)
+        self._tracker = _ExternalReads(input_ptrs, reference, moved, self._param_ptrs)
         self._tracker.__enter__()
         self._tracker_key = key
         # Mark the end of this layer's backward: gradient reaching its input.
@@ -315,6 +388,9 @@ class GraphSafetyAudit:
             self.stats[i].external_reads = len(tracker.reads)
             if self.steps == self.warmup_steps + 1:
                 self._ref_reads[key] = tracker.reads
+            runner = (i,) if self.one_runner_per_layer else key
+            side = {k: v for k, v in tracker.side_reads.items() if k[0] not in tracker.written}
+            self._side_reads.setdefault(runner, []).append((self.steps, key[1], side))
         self._set_region(None)
         first = output[0] if isinstance(output, tuple) else output
         if isinstance(first, torch.Tensor) and first.requires_grad:
@@ -357,6 +433,33 @@ class GraphSafetyAudit:
             self.stats[i].arg_mismatches += len(errors)
             self._finding(i, "forward", "args",
                           "CudaGraphManager would not replay: " + "; ".join(e.strip() for e in errors))
+
+    # (e) what one replayed runner would read
+    def _check_runner_reads(self) -> None:
+        """Compare this step's calls of every runner with the runner's first recorded call
+        (the one a capture would record), then keep only that reference."""
+        for runner, calls in self._side_reads.items():
+            (step0, call0, first), later = calls[0], calls[1:]
+            self._side_reads[runner] = calls[:1]
+            for step, call, side in later:
+                moved = [k for k in side if k not in first and (runner[0], k[0]) not in self._moved]
+                changed = [k for k in side if k in first
+                           and not torch.equal(side[k][0], first[k][0])]
+                where = f"call {call} of step {step} vs call {call0} of step {step0}"
+                for check, keys, what in (
+                    ("runner", moved, "that the reference call did not read: the one CUDA-graph "
+                     "runner serving both replays the tensors it captured"),
+                    ("content", changed, "whose content differs from the reference call's: "
+                     "per-microbatch data must be a graph input (a PackedSeqParams field), not "
+                     "a side read"),
+                ):
+                    if keys:
+                        self.stats[runner[0]].per_microbatch_reads += len(keys)
+                        ops = sorted({side[k][1] for k in keys})
+                        shapes = sorted({k[2] for k in keys})
+                        self._finding(runner[0], "forward", check,
+                                      f"{where}: read {len(keys)} tensor(s) outside its arguments "
+                                      f"(ops {ops}, shapes {shapes}) {what}")
 
     # ------------------------------------------------------------------ results
     def report(self) -> AuditReport:

@@ -169,3 +169,69 @@ def test_changing_non_tensor_argument_is_a_cudagraph_mismatch(lora_model):
     rep = audit.report()
     assert [l.arg_mismatches for l in rep.layers] == [1, 1]
     assert "Value mismatch at kwargs['packed_seq_params'].max_seqlen_q" in str(rep.findings[0])
+
+
+def train_microbatches(model, cache, audit, steps, per_step, before_mb):
+    """per_step microbatches per step (one CUDA-graph runner per layer serves them all)."""
+    for step in range(steps):
+        with audit.step():
+            for k in range(per_step):
+                before_mb(k)
+                tokens, labels, mask = batch(step * per_step + k)
+                with cache.batch(LENGTHS) as pb:
+                    out = model(tokens, pb.position_ids_1T, None, labels=labels,
+                                packed_seq_params=pb.packed_seq_params)
+                    (out * mask).sum().backward()
+
+
+def test_buffer_chosen_in_python_per_microbatch_is_a_runner_finding(lora_model):
+    """What the stand-in shows replaying Megatron's CudaGraphManager: a side read chosen in
+    Python per microbatch replays the captured microbatch's buffer."""
+    model, cache = lora_model
+    tables = [torch.ones(8), torch.full((8,), 2.0)]
+    which = [0]
+    inject(model.decoder.layers[1].mlp, lambda out: out[0][..., :8] * tables[which[0]])
+
+    def before_mb(k):
+        which[0] = k % 2
+
+    with GraphSafetyAudit(model, one_runner_per_layer=True) as audit:
+        train_microbatches(model, cache, audit, steps=2, per_step=3, before_mb=before_mb)
+    rep = audit.report()
+    assert [l.per_microbatch_reads for l in rep.layers] == [0, 2]  # microbatch 2 of each step
+    assert [f.check for f in rep.findings] == ["runner", "runner"]
+    assert "call 2 of step 1 vs call 1 of step 1" in rep.findings[0].message
+    assert "(8,)" in rep.findings[0].message and not rep.ok
+
+
+def test_per_microbatch_data_read_outside_the_arguments_is_a_content_finding(lora_model):
+    model, cache = lora_model
+    side = torch.zeros(8)
+    inject(model.decoder.layers[0].self_attention, lambda out: out[0][..., :8] + side)
+
+    def before_mb(k):
+        side.fill_(float(k))  # same address, new per-microbatch content, written in Python
+
+    with GraphSafetyAudit(model, strict=True, one_runner_per_layer=True) as audit:
+        with pytest.raises(GraphSafetyError, match=r"layer 1 forward \(step 1\) \[content\].*"
+                                                   r"must be a graph input"):
+            train_microbatches(model, cache, audit, steps=1, per_step=3, before_mb=before_mb)
+    with GraphSafetyAudit(model, one_runner_per_layer=True) as audit:
+        train_microbatches(model, cache, audit, steps=2, per_step=3, before_mb=before_mb)
+    assert [l.per_microbatch_reads for l in audit.report().layers] == [4, 0]
+
+
+def test_constant_side_reads_and_parameter_updates_are_not_findings(lora_model):
+    """Weights change between steps (optimizer) and a constant side table is read by every
+    microbatch: a replayed runner handles both."""
+    model, cache = lora_model
+    table = torch.arange(8.0)
+    inject(model.decoder.layers[1].mlp, lambda out: out[0][..., :8] * table)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    with GraphSafetyAudit(model, strict=True, one_runner_per_layer=True) as audit:
+        for step in range(2):
+            train_microbatches(model, cache, audit, steps=1, per_step=3, before_mb=lambda k: None)
+            opt.step()
+            opt.zero_grad()
+    assert audit.report().ok and audit.steps == 2

@@ -1,0 +1,338 @@
+"""Test-only: a CPU stand-in for CUDA graphs, so Megatron's real ``CudaGraphManager`` code
+(``megatron/core/transformer/cuda_graphs.py``) captures and replays on a CPU.
+
+Never imported by the package (``tests/support/test_cuda_as_cpu.py`` asserts so). Use::
+
+    with fake_cuda_graphs():           # includes cuda_as_cpu()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = f(x)                   # runs once, every aten op recorded
+        x.copy_(new_x); g.replay()     # y now holds f(new_x)
+
+What a GPU graph does, and so what this does:
+
+* **capture** records every aten op issued inside ``torch.cuda.graph(...)`` (a
+  ``TorchDispatchMode``, so the ops autograd issues inside ``torch.autograd.grad`` during a
+  backward capture are recorded too) with the exact tensor objects it read and wrote;
+* **replay** re-executes exactly those ops on exactly those tensors and writes each result into
+  the tensor captured as its output. Python is not re-run: a buffer chosen in Python per call, a
+  tensor reallocated after capture, a Python-side branch -- replay sees what capture saw (the
+  captured address), as a GPU graph does;
+* ``empty``-family ops are not replayed (on a GPU they are no kernel: the memory keeps what it
+  had);
+* a **host read** during capture (``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero``, ...:
+  the package's ``SyncSentinel`` lists) raises :class:`HostReadDuringCapture`, as
+  ``cudaStreamCaptureStatusInvalidated`` aborts a real capture. Reads of tensors that live on
+  the host on a real GPU too (Megatron's RNG tracker compares CPU RNG states) are allowed by
+  call site: ``HOST_SIDE_FILES``;
+* replay writes bypass autograd's version counters (``_AutoDispatchBelowADInplaceOrView``), as
+  a graph's kernels do.
+
+What it does NOT model: a real graph's private memory pool, where a tensor freed inside one
+capture may be handed to the next capture sharing the pool. Here every captured tensor stays
+alive, so only reuse that Megatron does explicitly in Python (its ``TensorReusePool``) aliases
+buffers between graphs. Random ops replay with the CPU generator (tests use dropout 0).
+
+``torch.cuda`` entry points it patches (besides :func:`cuda_as_cpu.cuda_as_cpu`'s):
+``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``is_current_stream_capturing``,
+``memory_stats``, ``get_device_capability``, ``set_stream``, ``default_generators``; and
+Megatron's ``tensor_parallel.random._lazy_init`` / ``_lazy_call`` (bound at import from
+``torch.cuda``) so its graph-safe RNG tracker runs on fake generators.
+
+Megatron-Core 0.16.1 sites this covers (checked by ``tests/graphs/test_fake_cuda_graph.py``):
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from cuda_as_cpu import cuda_as_cpu
+from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
+
+# (file relative to megatron/core, line, text expected on that line)
+MEGATRON_SITES = (
+    ("transformer/cuda_graphs.py", 830, "self.fwd_graph = torch.cuda.CUDAGraph()"),
+    ("transformer/cuda_graphs.py", 948, "with torch.cuda.graph("),
+    ("transformer/cuda_graphs.py", 1064, "with torch.cuda.graph(self.bwd_graph, pool=self.mempool)"),
+    ("transformer/cuda_graphs.py", 939, "torch.cuda.default_generators[device_idx]"),
+    ("transformer/cuda_graphs.py", 373, "torch.cuda.memory_stats()"),
+    ("transformer/cuda_graphs.py", 471, "torch.cuda.set_stream(torch.cuda.default_stream())"),
+    ("transformer/cuda_graphs.py", 1413, "torch.cuda.get_device_capability()[0] < 10"),
+    ("transformer/cuda_graphs.py", 1431, "torch.cuda.graph_pool_handle()"),
+    ("tensor_parallel/random.py", 12, "from torch.cuda import _lazy_call, _lazy_init"),
+    ("tensor_parallel/random.py", 66, "torch.cuda.default_generators[idx]"),
+)
+__doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
+
+# Files whose host reads touch tensors that are on the host on a GPU too.
+HOST_SIDE_FILES = ("megatron/core/tensor_parallel/random.py",)
+
+# Factories whose result is uninitialised memory: no kernel on a GPU, nothing to replay.
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+class HostReadDuringCapture(RuntimeError):
+    """A host read of device data inside a capture (a real capture is invalidated)."""
+
+
+class CaptureError(RuntimeError):
+    """Misuse of the graph API that CUDA refuses too (nested capture, replay before capture)."""
+
+
+@dataclass
+class _Op:
+    func: object
+    args: tuple
+    kwargs: dict
+    write_back: tuple  # (index into flat outputs, captured tensor) for fresh outputs
+    execute: bool
+
+
+def _storage(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _host_side_caller() -> bool:
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            return False
+        name = f.f_code.co_filename.replace("\\", "/")
+        if any(name.endswith(h) for h in HOST_SIDE_FILES):
+            return True
+        f = f.f_back
+    return False
+
+
+class _RecordOps(TorchDispatchMode):
+    supports_higher_order_operators = False
+
+    def __init__(self, graph: "FakeCUDAGraph"):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in DATA_DEPENDENT_OPS and not _host_side_caller():
+            raise HostReadDuringCapture(
+                f"aten.{name} reads device data on the host during CUDA-graph capture "
+                "(a GPU capture is invalidated here)"
+            )
+        out = func(*args, **kwargs)
+        self.graph._record(func, args, kwargs, out)
+        return out
+
+
+class _RefuseHostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READ_METHODS and not _host_side_caller():
+            raise HostReadDuringCapture(
+                f"Tensor.{HOST_READ_METHODS[func]} reads device data on the host during "
+                "CUDA-graph capture (a GPU capture is invalidated here)"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _PoolHandle:
+    _next = 0
+
+    def __init__(self):
+        _PoolHandle._next += 1
+        self.id = _PoolHandle._next
+
+    def __repr__(self):
+        return f"<fake graph pool {self.id}>"
+
+
+_capturing: list = []
+
+
+class FakeCUDAGraph:
+    """``torch.cuda.CUDAGraph`` with the methods Megatron 0.16.1 calls."""
+
+    def __init__(self, keep_graph: bool = False):
+        self.ops: list[_Op] = []
+        self.captured = False
+        self.replays = 0
+        self._pool: Optional[_PoolHandle] = None
+        self._modes: tuple = ()
+        self.generators: list = []
+
+    # -- capture
+    def capture_begin(self, pool=None, capture_error_mode="global", **_):
+        if _capturing:
+            raise CaptureError("a CUDA-graph capture is already under way (nested capture)")
+        if self.captured:
+            raise CaptureError("this CUDAGraph was already captured; reset() it first")
+        self._pool = pool if pool is not None else _PoolHandle()
+        self._modes = (_RefuseHostReads(), _RecordOps(self))
+        for m in self._modes:
+            m.__enter__()
+        _capturing.append(self)
+
+    def capture_end(self):
+        for m in reversed(self._modes):
+            m.__exit__(None, None, None)
+        self._modes = ()
+        _capturing.remove(self)
+        self.captured = True
+
+    def _record(self, func, args, kwargs, out):
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_storages = {_storage(t) for t in flat_in if isinstance(t, torch.Tensor)}
+        flat_out, _ = tree_flatten(out)
+        write_back = tuple(
+            (i, t) for i, t in enumerate(flat_out)
+            if isinstance(t, torch.Tensor) and _storage(t) not in in_storages
+        )
+        name = func.overloadpacket.__name__
+        mutates = func._schema.is_mutable
+        execute = mutates or (bool(write_back) and name not in _UNINITIALISED)
+        self.ops.append(_Op(func, args, kwargs, write_back, execute))
+
+    # -- replay
+    def replay(self):
+        if not self.captured:
+            raise CaptureError("replay() before capture")
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for op in self.ops:
+                if not op.execute:
+                    continue
+                out = op.func(*op.args, **op.kwargs)
+                if op.write_back:
+                    flat_out, _ = tree_flatten(out)
+                    for i, captured in op.write_back:
+                        captured.copy_(flat_out[i])
+        self.replays += 1
+
+    # -- bookkeeping Megatron calls
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+    def pool(self):
+        return self._pool
+
+    def reset(self):
+        self.ops, self.captured = [], False
+
+    def enable_debug_mode(self):
+        pass
+
+    def debug_dump(self, path):
+        pass
+
+    @property
+    def num_ops(self) -> int:
+        return sum(op.execute for op in self.ops)
+
+
+class fake_graph:
+    """``torch.cuda.graph(cuda_graph, pool=None, stream=None, capture_error_mode=...)``."""
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", **_):
+        self.cuda_graph, self.pool, self.mode = cuda_graph, pool, capture_error_mode
+
+    def __enter__(self):
+        self.cuda_graph.capture_begin(self.pool, capture_error_mode=self.mode)
+
+    def __exit__(self, *exc):
+        self.cuda_graph.capture_end()
+        return False
+
+
+class FakeCudaGenerator:
+    """A CUDA generator's graph-safe API over a CPU ``torch.Generator`` (state only)."""
+
+    def __init__(self, seed: int = 0):
+        self.gen = torch.Generator()
+        self.gen.manual_seed(seed)
+
+    def manual_seed(self, seed):
+        self.gen.manual_seed(int(seed))
+        return self
+
+    def seed(self):
+        return self.gen.seed()
+
+    def initial_seed(self):
+        return self.gen.initial_seed()
+
+    def get_state(self):
+        return self.gen.get_state()
+
+    def set_state(self, state):
+        self.gen.set_state(state)
+
+    def clone_state(self):
+        g = FakeCudaGenerator()
+        g.gen.set_state(self.gen.get_state())
+        return g
+
+    def graphsafe_get_state(self):
+        return self
+
+    def graphsafe_set_state(self, other):
+        if other is not self:
+            self.gen.set_state(other.gen.get_state())
+
+
+def _memory_stats(*_, **__):
+    return {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0}
+
+
+@contextlib.contextmanager
+def fake_cuda_graphs() -> Iterator[None]:
+    """``cuda_as_cpu()`` plus the CUDA-graph stand-in, for the block's duration."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    gens = (FakeCudaGenerator(),)
+    patches = [
+        mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraph),
+        mock.patch("torch.cuda.graph", fake_graph),
+        mock.patch("torch.cuda.graph_pool_handle", _PoolHandle),
+        mock.patch("torch.cuda.is_current_stream_capturing", lambda: bool(_capturing)),
+        mock.patch("torch.cuda.memory_stats", _memory_stats),
+        mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
+        mock.patch("torch.cuda.set_stream", lambda *a, **k: None),
+        mock.patch("torch.cuda.default_generators", gens),
+        mock.patch.object(mrandom, "_lazy_init", lambda: None),
+        mock.patch.object(mrandom, "_lazy_call", lambda cb, **k: cb()),
+    ]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cuda_as_cpu())
+        for p in patches:
+            stack.enter_context(p)
+        try:
+            yield
+        finally:
+            _capturing.clear()
+
+
+def reset_megatron_cuda_graphs() -> None:
+    """Forget every runner, graph and pooled buffer Megatron's CudaGraphManager keeps in
+    class/module globals, so one test's graphs never leak into the next."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    cg._CudagraphGlobalRecord.cudagraph_created = False
+    cg._CudagraphGlobalRecord.cudagraph_record = []
+    cg._CudagraphGlobalRecord.cudagraph_inference_record = []
+    cg.TensorReusePool.tensor_strong_refs = []
+    cg.TensorReusePool.tensor_strong_refs_dataptrs = set()
+    cg.TensorReusePool.pool = []
+    cg.CudaGraphManager.global_mempool = None
+    cg.fwd_buffer_reuse_ref_count = 0
+    cg.bwd_buffer_reuse_ref_count = 0
+    cg._set_capture_end()
