@@ -40,10 +40,10 @@ class CudaGraphConfig:
     strict_audit: bool = True
 
     def __post_init__(self):
-        if self.warmup_steps < 1:
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(
-                "cuda_graphs.warmup_steps must be >= 1 (zero-input warm-up passes per layer "
-                "before its capture, so lazy allocations happen outside the graph)"
+                "cuda_graphs.warmup_steps must be an int >= 0 (zero-input warm-up passes per "
+                f"layer before its capture); got {self.warmup_steps!r}"
             )
 
 
@@ -104,6 +104,8 @@ def plan_graphs_and_fp8(
     megatron_cpu_offloading: bool = False,
     linear_impl: str = "local",
     moe_dropless_ep: bool = False,
+    lora: bool = False,
+    offload: bool = False,
 ) -> GraphPlan:
     """Validate the combination and return the TransformerConfig fields and env to use.
     ``graphs`` / ``fp8`` None: that feature is off.
@@ -120,6 +122,7 @@ def plan_graphs_and_fp8(
     if graphs is not None:
         _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading, moe_dropless_ep)
         if cuda:
+            _check_capture(graphs, lora, offload)
             _plan_capture(graphs, tc, env, notes)
         else:
             notes.append(
@@ -164,8 +167,9 @@ def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
                   megatron_cpu_offloading: bool, moe_dropless_ep: bool) -> None:
     if megatron_cpu_offloading:
         raise ValueError(
-            "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs; use "
-            "fastpath.offload=true (fixed A/B reload buffers between layer graphs)"
+            "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs, and activation "
+            "offload cannot run inside captured layer graphs either: keep offload off with "
+            "fastpath.cuda_graphs=true"
         )
     if moe_dropless_ep:
         raise ValueError(
@@ -179,6 +183,23 @@ def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
             f"CUDA graphs with dropout (hidden/attention {dropout}, LoRA {lora_dropout}) need a "
             "graph-safe RNG tracker: set cuda_graphs.use_te_rng_tracker=true (Transformer "
             "Engine) or set the dropouts to 0"
+        )
+
+
+def _check_capture(graphs: CudaGraphConfig, lora: bool, offload: bool) -> None:
+    """Combinations that only fail at capture on a GPU (a CPU has nothing to capture)."""
+    if offload:
+        raise ValueError(
+            "activation offload cannot run inside captured layer graphs (its copy streams and "
+            "per-step buffer choice are host decisions a replay would freeze); use "
+            "fastpath.offload=false with fastpath.cuda_graphs=true, or turn graphs off"
+        )
+    if lora and graphs.warmup_steps > 0:
+        raise ValueError(
+            "LoRA with CUDA graphs needs cuda_graphs.warmup_steps=0: megatron-core 0.16.1's "
+            "capture warm-up calls autograd.grad over the layer inputs only, and with a frozen "
+            "embedding the first layer has none ('inputs argument to grad() cannot be empty'); "
+            "step 1 runs eagerly before capture anyway"
         )
 
 

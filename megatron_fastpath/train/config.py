@@ -231,6 +231,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
         linear_impl=linear_impl,
         moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1
         and fast.moe_capacity_factor is None,
+        lora=lora is not None, offload=features["offload"] is not None,
     )
     return JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                      cluster=cluster, device=device, attention_backend=backend,

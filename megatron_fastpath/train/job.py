@@ -191,6 +191,10 @@ def build_job(cfg: JobConfig) -> Job:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()
+    if cfg.plan.capture:  # graph-safe RNG tracker + 0.16.x input-buffer shim, before the model
+        from megatron_fastpath.graphs import prepare_cuda_graphs
+
+        prepare_cuda_graphs(cfg.training.seed, use_te_rng_tracker=cfg.cuda_graphs.use_te_rng_tracker)
     tcfg = build_transformer(cfg)
     cache = build_cache(cfg)
     model, total, trainable = build_model(cfg, tcfg, cache)

@@ -67,6 +67,12 @@ def test_graph_plan_on_cuda_sets_megatron_fields_and_env():
     assert tc.cuda_graph_impl == "local" and tc.cuda_graph_warmup_steps == 2
 
 
+def test_lora_graphs_with_zero_warmup_planned():
+    plan = plan_graphs_and_fp8(CudaGraphConfig(warmup_steps=0, use_te_rng_tracker=False), None,
+                               torch.device("cuda"), lora=True)
+    assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == 0
+
+
 def test_graph_plan_on_cpu_runs_the_audit_instead():
     plan = plan_graphs_and_fp8(CudaGraphConfig(), None, torch.device("cpu"))
     assert plan.audit and not plan.capture and plan.transformer_config == {} and plan.env == {}
@@ -78,7 +84,11 @@ def test_graph_plan_on_cpu_runs_the_audit_instead():
         (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), lora_dropout=0.1),
          ValueError, "need a graph-safe RNG tracker"),
         (dict(graphs=CudaGraphConfig(), megatron_cpu_offloading=True),
-         ValueError, "use fastpath.offload=true"),
+         ValueError, "keep offload off"),
+        (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), offload=True),
+         ValueError, "activation offload cannot run inside captured layer graphs"),
+        (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), lora=True),
+         ValueError, "LoRA with CUDA graphs needs cuda_graphs.warmup_steps=0"),
         (dict(graphs=CudaGraphConfig(), moe_dropless_ep=True),
          ValueError, "capacity_factor"),
         (dict(fp8=FP8Config(), linear_impl="te"), MissingDependencyError,
