@@ -10,8 +10,6 @@ taken on the response tokens only, as in SFT.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
-
 import numpy as np
 import torch
 
@@ -79,15 +77,12 @@ class SyntheticSFTDataset:
         return len(self.samples)
 
 
-def pack_microbatches(
-    dataset: SyntheticSFTDataset, cfg: DataConfig, rank: int = 0, world: int = 1
-) -> list[PackedMicrobatch]:
-    """First-fit-decreasing packing of the whole dataset into bins; bins are dealt round-robin
-    to data-parallel ranks (every rank gets the same number of bins)."""
+def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig) -> list[PackedMicrobatch]:
+    """First-fit-decreasing packing of the whole dataset into bins (every data-parallel rank
+    packs the same bins; the main job deals them out)."""
     bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs)
-    usable = len(bins) - len(bins) % world
     out = []
-    for b in bins[rank:usable:world]:
+    for b in bins:
         tokens = torch.zeros(1, cfg.max_tokens, dtype=torch.long)
         labels = torch.zeros(1, cfg.max_tokens, dtype=torch.long)
         mask = torch.zeros(1, cfg.max_tokens, dtype=torch.float32)
@@ -103,7 +98,3 @@ def pack_microbatches(
         out.append(PackedMicrobatch(tokens, labels, mask, lengths, int(mask.sum())))
     return out
 
-
-def iterate_forever(microbatches: list[PackedMicrobatch]) -> Iterator[PackedMicrobatch]:
-    while True:
-        yield from microbatches

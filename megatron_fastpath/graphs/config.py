@@ -146,7 +146,7 @@ def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
     if linear_impl != "te":
         raise ValueError(
             "FP8 needs Transformer Engine linears: use the 'te' linear implementation "
-            "(fastpath.attention_backend=te or linear_impl='te')"
+            "(fastpath.linear_impl=te, or fastpath.attention_backend=te with linear_impl auto)"
         )
     tc.update(
         fp8=fp8.format,
