@@ -29,8 +29,10 @@ if MCORE_VERSION < MIN_MCORE:  # pragma: no cover - guarded by install_requires
 
 
 def cudagraph_arg_tools():
-    """(ArgMetadata, mismatch_errors(ref_args, ref_kwargs, args, kwargs)) from Megatron's own
-    CudaGraphManager code, so the graph-safety audit applies exactly Megatron's matching rules.
+    """``(reference(args, kwargs), mismatch_errors(ref, args, kwargs))`` from Megatron's own
+    CudaGraphManager code, so the graph-safety audit applies exactly Megatron's matching rules:
+    ``reference`` records the ``ArgMetadata`` of a call's arguments, ``mismatch_errors`` lists
+    how a later call's arguments differ from such a reference (empty: the graph may replay).
 
     0.16.x keeps them on the private ``_CudaGraphRunner`` (an instance method reading
     ``fwd_graph_input_arg_metas``/``fwd_graph_input_kwarg_metas``); we call it unbound on a
@@ -303,3 +305,42 @@ def restore_cudagraph_input_recycling() -> None:
     from megatron.core.transformer import cuda_graphs as cg
 
     cg._CudagraphGlobalRecord.tensor_reuse_pool = cg.TensorReusePool()
+
+
+# =============================================================================================
+# LoRA on Transformer Engine's fused LayerNorm + column-parallel linear (lora/adapter.py).
+#
+# The adapter of a ``TELayerNormColumnParallelLinear`` (linear_qkv / linear_fc1 of the TE spec)
+# must see the *normalised* input, which only TE's LayerNormLinear has. megatron-core 0.16.x
+# builds it with ``return_layernorm_output=False`` (extensions/transformer_engine.py,
+# TELayerNormColumnParallelLinear.__init__) and TE reads the attribute at every forward, so we
+# flip it after construction (as NeMo's LoRA does). The wrapper's forward then returns
+# ``((out, ln_out), None)``, or TE's ``(out, bias, ln_out)`` when it returns the bias itself
+# (``te_return_bias``, i.e. skip_bias_add with a bias). Gated by ``_require_checked_mcore``.
+# =============================================================================================
+_LAYERNORM_LINEAR_REASON = (
+    "TELayerNormColumnParallelLinear (extensions/transformer_engine.py) is built with "
+    "return_layernorm_output=False and its forward returns TE's output, or (output, None)"
+)
+
+
+def return_layernorm_output(linear) -> None:
+    """Make a TE fused LayerNorm+linear also return its normalised input (see the section
+    comment); split its outputs with :func:`split_layernorm_linear_output`."""
+    _require_checked_mcore("return_layernorm_output", _LAYERNORM_LINEAR_REASON)
+    if not hasattr(linear, "return_layernorm_output"):
+        raise TypeError(
+            f"{type(linear).__name__} has no return_layernorm_output: not a Transformer Engine "
+            "LayerNormLinear"
+        )
+    linear.return_layernorm_output = True
+
+
+def split_layernorm_linear_output(out) -> tuple:
+    """``(output, bias, ln_out)`` from the forward of a linear changed by
+    :func:`return_layernorm_output`: ``((out, ln_out), None)`` or ``(out, bias, ln_out)``."""
+    _require_checked_mcore("split_layernorm_linear_output", _LAYERNORM_LINEAR_REASON)
+    if len(out) == 3:
+        return tuple(out)
+    (output, ln_out), bias = out
+    return output, bias, ln_out

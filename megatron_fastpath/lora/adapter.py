@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath import compat
 from megatron_fastpath.lora.config import LoRAConfig
 
 __all__ = ["LoRALinear", "AdaptersLockedError"]
@@ -81,7 +82,7 @@ class LoRALinear(torch.nn.Module):
         self._fused_layernorm = hasattr(self.base, "layer_norm_weight")
         if self._fused_layernorm:
             # TE LayerNormLinear: the adapter must see the *normalised* input.
-            self.base.return_layernorm_output = True
+            compat.return_layernorm_output(self.base)
 
     # ------------------------------------------------------------------ state
     @property
@@ -131,8 +132,7 @@ class LoRALinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out = self.base(x, *args, **kwargs)
         if self._fused_layernorm:
-            (output, bias), ln_out = out
-            adapter_in = ln_out
+            output, bias, adapter_in = compat.split_layernorm_linear_output(out)
         else:
             output, bias = out
             adapter_in = x

@@ -187,3 +187,63 @@ def test_lora_dropout_uses_megatron_rng_tracker_and_stays_bf16_under_fp8(mcore_p
     b = m.adapter(x)
     assert torch.equal(a, b)  # the dropout mask came from the tracker's state
     assert m.lora_A.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- TE fused LayerNorm
+class _TELayerNormLinearStandIn(torch.nn.Module):
+    """Megatron 0.16.1's TELayerNormColumnParallelLinear over TE's LayerNormLinear, by their
+    real contracts: TE reads ``return_layernorm_output`` at forward and returns ``(out, ln_out)``
+    (``(out, bias, ln_out)`` with ``return_bias``); Megatron's wrapper returns TE's tuple as is
+    when ``te_return_bias``, else ``(te_out, None)``. TE is not installed here."""
+
+    def __init__(self, input_size, output_size, *, te_return_bias=False, tp_group=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.weight = torch.nn.Parameter(torch.randn(output_size, input_size, generator=g) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(output_size, generator=g)) if te_return_bias else None
+        self.layer_norm_weight = torch.nn.Parameter(1 + torch.randn(input_size, generator=g) * 0.1)
+        self.return_layernorm_output = False  # as Megatron constructs it
+        self.te_return_bias = te_return_bias
+        self.tp_group = tp_group
+
+    def forward(self, x):
+        ln_out = torch.nn.functional.rms_norm(x, x.shape[-1:], self.layer_norm_weight)
+        out = torch.nn.functional.linear(ln_out, self.weight)
+        if self.te_return_bias:
+            te = (out, self.bias, ln_out) if self.return_layernorm_output else (out, self.bias)
+            return te
+        te = (out, ln_out) if self.return_layernorm_output else out
+        return te, None
+
+
+@pytest.mark.parametrize("te_return_bias", [False, True], ids=["no_bias", "te_return_bias"])
+def test_lora_on_te_layernorm_linear_sees_the_normalised_input(mcore_parallel, te_return_bias):
+    """Today's adapter unpacked ``((out, ln_out), None)`` as ``(output, bias), ln_out``: bias got
+    the normalised input and the adapter got None."""
+    lora = LoRAConfig(rank=4, alpha=8.0, dropout=0.0)
+    layer = LoRALinear(16, 24, te_return_bias=te_return_bias, base=_TELayerNormLinearStandIn,
+                       lora=lora, parallel="column")
+    assert layer.base.return_layernorm_output is True
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(5, 2, 16)
+    output, bias = layer(x)
+    ln_out = torch.nn.functional.rms_norm(x, (16,), layer.base.layer_norm_weight)
+    expected = ln_out @ layer.base.weight.T + 2.0 * (ln_out @ layer.lora_A.T) @ layer.lora_B.T
+    torch.testing.assert_close(output, expected)
+    assert (bias is layer.base.bias) if te_return_bias else bias is None
+
+
+def test_layernorm_output_shims_refuse_an_unchecked_megatron(monkeypatch):
+    from packaging.version import Version
+
+    from megatron_fastpath import compat
+
+    assert compat.split_layernorm_linear_output(((1, 2), None)) == (1, None, 2)
+    assert compat.split_layernorm_linear_output((1, 3, 2)) == (1, 3, 2)
+    with pytest.raises(TypeError, match="not a Transformer Engine LayerNormLinear"):
+        compat.return_layernorm_output(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
+    for call in (lambda: compat.return_layernorm_output(_TELayerNormLinearStandIn(2, 2)),
+                 lambda: compat.split_layernorm_linear_output(((1, 2), None))):
+        with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only and megatron-core 0\.17\.0 is installed"):
+            call()
