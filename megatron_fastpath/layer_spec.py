@@ -21,7 +21,7 @@ from typing import Optional
 from megatron_fastpath import compat  # noqa: F401  (refuses megatron-core < 0.16.1 at import)
 from megatron_fastpath.attention.core_attention import resolve_backend
 
-__all__ = ["get_fastpath_layer_spec"]
+__all__ = ["get_fastpath_layer_spec", "megatron_base_spec"]
 
 
 def get_fastpath_layer_spec(
@@ -65,24 +65,8 @@ def get_fastpath_layer_spec(
     if linear_impl not in ("local", "te"):
         raise ValueError(f"linear_impl must be 'local' or 'te'; got {linear_impl!r}")
 
-    if linear_impl == "te":
-        from megatron_fastpath._optional import require
-
-        require("transformer_engine.pytorch", "linear_impl='te'", "linear_impl='local'")
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        # num_experts makes Megatron put a TENorm before the MLP (its dense MLP fuses the norm
-        # into linear_fc1); the MoE MLP itself is replaced by ours below.
-        base = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
-            qk_layernorm=qk_layernorm,
-        )
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    base = megatron_base_spec(linear_impl, num_experts=num_experts, qk_layernorm=qk_layernorm,
+                              normalization=normalization)
 
     attn = base.submodules.self_attention
     core = ModuleSpec(module=PackedCoreAttention, params={"cache": cache, "backend": resolved})
@@ -98,3 +82,31 @@ def get_fastpath_layer_spec(
         mlp = get_moe_mlp_spec(num_experts=num_experts, **(moe_spec_kwargs or {}))
     submodules = dataclasses.replace(base.submodules, self_attention=self_attention, mlp=mlp)
     return ModuleSpec(module=base.module, params=dict(base.params), submodules=submodules)
+
+
+def megatron_base_spec(
+    linear_impl: str,
+    num_experts: Optional[int] = None,
+    qk_layernorm: bool = False,
+    normalization: str = "RMSNorm",
+):
+    """Megatron's own GPT layer spec that the fastpath specs edit: Transformer Engine's
+    (``linear_impl="te"``; refused here, naming the fix, when TE is missing) or the local one.
+
+    With ``num_experts`` the spec is Megatron's MoE variant, whose pre-MLP norm is a real norm
+    (the TE dense MLP fuses it into linear_fc1); the caller replaces the MLP slot itself."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if linear_impl == "te":
+        from megatron_fastpath._optional import require
+
+        require("transformer_engine.pytorch", "linear_impl='te'", "linear_impl='local'")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm,
+        )
+    if linear_impl != "local":
+        raise ValueError(f"linear_impl must be 'local' or 'te'; got {linear_impl!r}")
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization
+    )

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "rope_config_for"]
+__all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "rope_config_for", "rope_config_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +78,43 @@ def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **o
             moe_aux_loss_coeff=1e-2,
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    # GPTModel's rotary arguments, carried on the config as NeMo's GPTConfig and Bridge's
+    # GPTModelProvider carry them (read by rope_config_of).
+    config.rotary_base = model.rotary_base
+    config.rotary_percent = model.rotary_percent
+    config.rope_scaling = model.rope_scaling_factor is not None
+    config.rope_scaling_factor = model.rope_scaling_factor or 8.0
+    return config
 
 
 def rope_config_for(model: ModelConfig):
+    """The cache's RoPE settings of a ``model`` group: :func:`rope_config_of` its config."""
+    return rope_config_of(build_transformer_config(model))
+
+
+def rope_config_of(config):
+    """The one place a ``RopeConfig`` is built from a Megatron ``TransformerConfig``.
+
+    Reads what Megatron's ``RotaryEmbedding`` is given: ``kv_channels`` (default hidden /
+    heads), ``rotary_interleaved`` (a TransformerConfig field) and the ``GPTModel`` rotary
+    arguments, which NeMo's ``GPTConfig``, Bridge's ``GPTModelProvider`` and
+    :func:`build_transformer_config` carry on the config: ``rotary_percent``, ``rotary_base``,
+    ``seq_len_interpolation_factor``, ``rope_scaling`` / ``rope_scaling_factor`` (Llama 3.1).
+    dim = kv_channels * rotary_percent, as RotaryEmbedding computes it."""
     from megatron_fastpath.packed_seq.cache import RopeConfig
 
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    return RopeConfig(dim=int(head_dim * model.rotary_percent), base=model.rotary_base,
-                      llama3_scaling_factor=model.rope_scaling_factor)
+    kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
+    return RopeConfig(
+        dim=int(kv_channels * getattr(config, "rotary_percent", 1.0)),
+        base=float(getattr(config, "rotary_base", 10000)),
+        interleaved=bool(getattr(config, "rotary_interleaved", False)),
+        seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
+        llama3_scaling_factor=(
+            float(getattr(config, "rope_scaling_factor", 8.0))
+            if getattr(config, "rope_scaling", False) else None
+        ),
+    )
 
 
 def build_gpt_model(config, layer_spec, vocab_size: int, max_sequence_length: int, **kwargs):

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
+from megatron_fastpath.integrations.core import EXPERT_BACKENDS
+
 __all__ = [
     "FastpathSettings",
     "FastpathLayerSpec",
@@ -32,11 +34,9 @@ __all__ = [
     "cache_for",
     "clear_caches",
     "host_cu_seqlens",
-    "rope_config_of",
 ]
 
 _LINEAR_IMPLS = (None, "local", "te")
-_EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flash", "te")
 
 
@@ -64,8 +64,12 @@ class FastpathSettings:
     attention_backend: "auto" | "sdpa" | "flex" | "flash" | "te" (see ``PackedCoreAttention``).
     linear_impl: None (per backend), "local" or "te" (Transformer Engine linears; FP8 needs it).
     moe_expert_backend: "grouped_mm" or "te_grouped_linear" (FP8 experts); MoE models only.
-    rope: apply RoPE from the cache (the model itself is built without a rotary embedding).
+    rope: apply RoPE from the cache (RoPE read from the model config when it is built).
     packed_cache: False = keep Megatron's attention, only swap the MoE layer.
+    llama3_*: Llama 3.1 frequency scaling the framework applies outside the config's Megatron
+        fields (NeMo ``Llama31Config``, Bridge ``Llama31ModelProvider``: ``scale_factor``,
+        ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``), carried into the
+        cache's ``RopeConfig``; None when the config has none.
     """
 
     max_tokens: int
@@ -76,6 +80,10 @@ class FastpathSettings:
     moe_expert_backend: str = "grouped_mm"
     rope: bool = True
     packed_cache: bool = True
+    llama3_scaling_factor: Optional[float] = None
+    llama3_low_freq_factor: float = 1.0
+    llama3_high_freq_factor: float = 4.0
+    llama3_original_max_position: int = 8192
 
     def __post_init__(self):
         for name in ("max_tokens", "max_seqs", "num_slots"):
@@ -93,29 +101,10 @@ class FastpathSettings:
             )
         if self.linear_impl not in _LINEAR_IMPLS:
             raise ValueError(f"linear_impl must be one of {_LINEAR_IMPLS}; got {self.linear_impl!r}")
-        if self.moe_expert_backend not in _EXPERT_BACKENDS:
+        if self.moe_expert_backend not in EXPERT_BACKENDS:
             raise ValueError(
-                f"moe_expert_backend must be one of {_EXPERT_BACKENDS}; got {self.moe_expert_backend!r}"
+                f"moe_expert_backend must be one of {EXPERT_BACKENDS}; got {self.moe_expert_backend!r}"
             )
-
-
-def rope_config_of(config) -> "RopeConfig":
-    """The cache's RoPE settings from a Megatron ``TransformerConfig`` (NeMo ``GPTConfig`` /
-    Bridge ``GPTModelProvider``): dim = kv_channels * rotary_percent, as Megatron's
-    ``RotaryEmbedding`` computes it."""
-    from megatron_fastpath.packed_seq.cache import RopeConfig
-
-    kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return RopeConfig(
-        dim=int(kv_channels * getattr(config, "rotary_percent", 1.0)),
-        base=float(getattr(config, "rotary_base", 10000)),
-        interleaved=bool(getattr(config, "rotary_interleaved", False)),
-        seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
-        llama3_scaling_factor=(
-            float(getattr(config, "rope_scaling_factor", 8.0))
-            if getattr(config, "rope_scaling", False) else None
-        ),
-    )
 
 
 class InFlightBatches:
@@ -176,7 +165,7 @@ def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.de
                 f"FastpathLayerSpec with the same settings) before the data step runs; {settings}"
             )
         return entry.cache, entry.in_flight
-    rope = rope_config_of(config) if settings.rope else None
+    rope = _rope_of(settings, config)
     device = torch.device(device) if device is not None else _default_device()
     if entry is not None:
         if entry.cache.config.rope != rope or entry.cache.device != device:
@@ -198,6 +187,25 @@ def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.de
     )
     _CACHES[settings] = _Entry(cache, InFlightBatches(cache))
     return cache, _CACHES[settings].in_flight
+
+
+def _rope_of(settings: FastpathSettings, config):
+    """The cache's RoPE: the model config's (``rope_config_of``) plus the settings' Llama 3.1
+    scaling when the framework applies it outside the config's Megatron fields."""
+    from megatron_fastpath.model import rope_config_of
+
+    if not settings.rope:
+        return None
+    rope = rope_config_of(config)
+    if settings.llama3_scaling_factor is None:
+        return rope
+    return dataclasses.replace(
+        rope,
+        llama3_scaling_factor=settings.llama3_scaling_factor,
+        llama3_low_freq_factor=settings.llama3_low_freq_factor,
+        llama3_high_freq_factor=settings.llama3_high_freq_factor,
+        llama3_original_max_position=settings.llama3_original_max_position,
+    )
 
 
 def clear_caches() -> None:
@@ -245,24 +253,17 @@ class FastpathLayerSpec:
 def _megatron_spec_with_fastpath_moe(config, settings: FastpathSettings, moe_kwargs: dict):
     """Megatron's GPT layer spec (built for MoE: pre-MLP norm included) with the MLP slot
     replaced by :func:`megatron_fastpath.moe.get_moe_mlp_spec`."""
-    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_fastpath.layer_spec import megatron_base_spec
     from megatron_fastpath.moe.spec import get_moe_mlp_spec
 
-    if settings.linear_impl == "te":
-        from megatron_fastpath._optional import require
-
-        require("transformer_engine.pytorch", "linear_impl='te'", "linear_impl='local'")
-        base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, qk_layernorm=bool(config.qk_layernorm)
-        )
-    else:
-        base = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts,
-            qk_layernorm=bool(config.qk_layernorm),
-            normalization=config.normalization,
-        )
+    base = megatron_base_spec(
+        settings.linear_impl or "local",
+        num_experts=config.num_moe_experts,
+        qk_layernorm=bool(config.qk_layernorm),
+        normalization=config.normalization,
+    )
     mlp = get_moe_mlp_spec(num_experts=config.num_moe_experts, **moe_kwargs)
     submodules = dataclasses.replace(base.submodules, mlp=mlp)
     return ModuleSpec(module=base.module, params=dict(base.params), submodules=submodules)

@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional, Sequence
 
 from megatron_fastpath._optional import MissingDependencyError
-from megatron_fastpath.lora.config import LORA_TARGETS
+from megatron_fastpath.integrations import core
 from megatron_fastpath.integrations._runtime import (
     FastpathLayerSpec,
     FastpathSettings,
@@ -49,8 +48,6 @@ from megatron_fastpath.integrations._runtime import (
 )
 
 __all__ = ["BridgeConfigNotSupportedError", "FastpathForwardStep", "apply_fastpath_to_config", "require_bridge"]
-
-_LORA_TARGETS = tuple(LORA_TARGETS)
 
 
 class BridgeConfigNotSupportedError(NotSupportedError):
@@ -119,114 +116,92 @@ class FastpathForwardStep:
         )
 
 
-def apply_fastpath_to_config(
-    cfg,
-    *,
-    attention_backend: str = "auto",
-    max_seqs: Optional[int] = None,
-    cuda_graphs: Optional[bool] = None,
-    fp8: Optional[str | bool] = None,
-    fp8_recipe: Optional[str] = None,
-    lora: Optional[Sequence[str]] = None,
-    moe_expert_backend: Optional[str] = None,
-):
+def apply_fastpath_to_config(cfg, **options):
     """Apply megatron_fastpath to a Megatron-Bridge ``ConfigContainer`` in place.
 
     Returns ``(cfg, forward_step)``: pass both to ``megatron.bridge.training.finetune.finetune``.
-    Arguments as :func:`megatron_fastpath.integrations.nemo.apply_fastpath` (the cache is always
-    used: Bridge's own forward step cannot feed it).
+    ``options`` are the keyword arguments of
+    :func:`megatron_fastpath.integrations.nemo.apply_fastpath` (the fields of
+    :class:`~megatron_fastpath.integrations.core.HookRequest`: attention_backend, max_seqs,
+    cuda_graphs, fp8, fp8_recipe, lora, moe_expert_backend) except ``packed_cache``: the cache
+    is always used, Bridge's own forward step cannot feed it. The rules are
+    :mod:`megatron_fastpath.integrations.core`'s, shared with the NeMo hook.
 
     Raises:
         MissingDependencyError: Megatron-Bridge is not importable.
         BridgeConfigNotSupportedError: every reason the config cannot be served.
+        TypeError: an unknown option, or ``packed_cache``.
     """
     require_bridge()
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
-    model = cfg.model
-    if not isinstance(model, GPTModelProvider):
+    if not isinstance(cfg.model, GPTModelProvider):
         raise BridgeConfigNotSupportedError(
-            [f"cfg.model is {type(model).__name__}, not a GPTModelProvider: megatron_fastpath "
+            [f"cfg.model is {type(cfg.model).__name__}, not a GPTModelProvider: megatron_fastpath "
              "swaps GPT decoder layers only"]
         )
-    reasons: list[str] = []
-    if isinstance(model.transformer_layer_spec, FastpathLayerSpec):
+    if isinstance(cfg.model.transformer_layer_spec, FastpathLayerSpec):
         raise BridgeConfigNotSupportedError(["apply_fastpath_to_config was already applied"])
-    if getattr(model, "multi_latent_attention", False):
-        reasons.append("multi-latent attention (MLA) is not implemented by the packed cache's attention")
-    if getattr(model, "window_size", None) is not None:
-        reasons.append(f"sliding-window attention (window_size={model.window_size}) is not supported")
-    if model.position_embedding_type == "yarn":
-        # Llama 3.1 scaling (rope_scaling / rope_scaling_factor) is reproduced by the cache.
-        reasons.append("YaRN RoPE is not reproduced by the packed cache's RoPE")
-    if getattr(model, "mtp_num_layers", None):
-        reasons.append("multi-token prediction (mtp_num_layers) is not supported")
-    if str(getattr(model.attention_backend, "name", model.attention_backend)) == "local":
-        reasons.append(
-            "attention_backend=local makes GPTModelProvider.provide() overwrite the core "
-            "attention with Megatron's DotProductAttention; leave it at 'auto'"
-        )
-    if (model.context_parallel_size or 1) > 1:
-        reasons.append(f"context_parallel_size={model.context_parallel_size}: the packed cache has no CP partitioning")
-    if model.virtual_pipeline_model_parallel_size:
-        reasons.append("virtual (interleaved) pipeline parallelism reorders backwards; cache slots cannot be released in order")
-    if getattr(model, "num_moe_experts", None):
-        if model.moe_shared_expert_intermediate_size:
-            reasons.append("shared experts are not wired into the fastpath MoE layer by this hook")
-        if getattr(model, "overlap_moe_expert_parallel_comm", False):
-            reasons.append("overlap_moe_expert_parallel_comm needs Bridge's schedule plans (Megatron's MoE layer)")
-
-    dataset = cfg.dataset
-    specs = getattr(dataset, "packed_sequence_specs", None) or getattr(dataset, "offline_packing_specs", None)
-    packed_size = getattr(specs, "packed_sequence_size", -1) if specs is not None else -1
-    if packed_size is None or packed_size <= 0:
-        reasons.append(
-            "the dataset has no packed-sequence specs with packed_sequence_size > 0 "
-            "(packed_sequence_specs / offline_packing_specs): the packed cache needs packed batches"
-        )
-    if getattr(cfg.train, "micro_batch_size", 1) != 1:
-        reasons.append(f"packed sequences need train.micro_batch_size=1; got {cfg.train.micro_batch_size}")
-    mp = cfg.mixed_precision
-    if fp8 not in (None, False) and not hasattr(mp, "fp8"):
-        reasons.append(
-            "fp8 requested but cfg.mixed_precision is not a MixedPrecisionConfig object (resolve "
-            "the named recipe first, e.g. get_mixed_precision_config(name))"
-        )
-    fp8_on = bool(getattr(mp, "fp8", None) or getattr(model, "fp8", None)) if fp8 is None else fp8 is not False
-    peft = cfg.peft
-    if lora is not None or peft is not None:
-        targets = list(lora) if lora is not None else list(getattr(peft, "target_modules", None) or [])
-        if peft is None or not hasattr(peft, "target_modules"):
-            reasons.append(f"LoRA targets given but cfg.peft is {type(peft).__name__}, not LoRA/DoRA")
-        elif any(t not in _LORA_TARGETS for t in targets):
-            reasons.append(f"LoRA target modules {targets} are not among {list(_LORA_TARGETS)}")
-        elif getattr(model, "num_moe_experts", None) and {"linear_fc1", "linear_fc2"} & set(targets):
-            reasons.append("LoRA on expert linears: the fastpath experts are grouped weight tensors")
-    if reasons:
-        raise BridgeConfigNotSupportedError(reasons)
-
-    settings = FastpathSettings(
-        max_tokens=packed_size,
-        max_seqs=max_seqs or packed_size,
-        num_slots=model.pipeline_model_parallel_size or 1,
-        attention_backend=attention_backend,
-        linear_impl="te" if fp8_on else None,
-        moe_expert_backend=moe_expert_backend or ("te_grouped_linear" if fp8_on else "grouped_mm"),
-        rope=model.position_embedding_type == "rope",
-    )
-    model.transformer_layer_spec = FastpathLayerSpec(settings)
-    if model.position_embedding_type == "rope":
-        model.position_embedding_type = "none"
-    specs.pad_cu_seqlens = False
-    dataset.dataset_kwargs = {**(getattr(dataset, "dataset_kwargs", None) or {}), "pad_to_max_length": True}
-    if cuda_graphs is not None:
-        model.cuda_graph_impl = "local" if cuda_graphs else "none"
-        if cuda_graphs:
-            model.use_te_rng_tracker = True
-    if fp8 is not None:
-        mp.fp8 = fp8 or None
-        if fp8_recipe is not None:
-            mp.fp8_recipe = fp8_recipe
-    if lora is not None:
-        peft.target_modules = list(lora)
+    if "packed_cache" in options:
+        raise TypeError("apply_fastpath_to_config always uses the packed cache (no packed_cache option)")
+    request = core.HookRequest(**options)
+    plan = core.decide(_config_facts(cfg), request, BridgeConfigNotSupportedError)
+    settings = FastpathSettings(**plan.settings)
+    _write_plan(cfg, settings, plan, request)
     return cfg, FastpathForwardStep(settings)
+
+
+def _packing_specs(dataset):
+    return getattr(dataset, "packed_sequence_specs", None) or getattr(dataset, "offline_packing_specs", None)
+
+
+def _config_facts(cfg) -> core.ModelFacts:
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+    try:  # Bridge releases whose Llama 3.1 provider rescales RoPE in provide()
+        from megatron.bridge.models.llama.llama_provider import Llama31ModelProvider
+    except ImportError:
+        Llama31ModelProvider = None
+    model = cfg.model
+    default_spec = next(f.default for f in dataclasses.fields(GPTModelProvider)
+                        if f.name == "transformer_layer_spec")
+    specs = _packing_specs(cfg.dataset)
+    mp, peft = cfg.mixed_precision, cfg.peft
+    return core.ModelFacts(
+        names=core.NAMES["bridge"],
+        model=model,
+        **core.model_config_facts(model, type(model), "provide", GPTModelProvider,
+                                  Llama31ModelProvider, default_spec),
+        context_parallel_size=model.context_parallel_size or 1,
+        virtual_pipeline_size=model.virtual_pipeline_model_parallel_size,
+        pipeline_size=model.pipeline_model_parallel_size or 1,
+        packed_size=getattr(specs, "packed_sequence_size", None),
+        micro_batch_size=getattr(cfg.train, "micro_batch_size", 1),
+        graphs_on=getattr(model, "cuda_graph_impl", "none") != "none" or bool(model.enable_cuda_graph),
+        has_precision=hasattr(mp, "fp8"),
+        fp8_on=bool(getattr(mp, "fp8", None) or getattr(model, "fp8", None)),
+        peft=None if peft is None else core.PeftFacts(
+            name=type(peft).__name__,
+            supported=hasattr(peft, "target_modules"),
+            target_modules=tuple(getattr(peft, "target_modules", None) or ()),
+        ),
+    )
+
+
+def _write_plan(cfg, settings: FastpathSettings, plan: core.HookPlan, request: core.HookRequest):
+    model, dataset = cfg.model, cfg.dataset
+    model.transformer_layer_spec = FastpathLayerSpec(settings)
+    if plan.position_embedding_type is not None:
+        model.position_embedding_type = plan.position_embedding_type
+    _packing_specs(dataset).pad_cu_seqlens = False
+    dataset.dataset_kwargs = {**(getattr(dataset, "dataset_kwargs", None) or {}), "pad_to_max_length": True}
+    if request.cuda_graphs is not None:
+        model.cuda_graph_impl = "local" if request.cuda_graphs else "none"
+        if request.cuda_graphs:
+            model.use_te_rng_tracker = True
+    if plan.set_fp8 and hasattr(cfg.mixed_precision, "fp8"):
+        cfg.mixed_precision.fp8 = plan.fp8
+        if request.fp8_recipe is not None:
+            cfg.mixed_precision.fp8_recipe = request.fp8_recipe
+    if request.lora is not None:
+        cfg.peft.target_modules = list(request.lora)

@@ -41,7 +41,7 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
-from megatron_fastpath.lora.config import LORA_TARGETS
+from megatron_fastpath.integrations import core
 from megatron_fastpath.integrations._runtime import (
     FastpathLayerSpec,
     FastpathSettings,
@@ -66,7 +66,6 @@ _PACKED_KEYS = (
     "cu_seqlens_unpadded",
     "cu_seqlens_unpadded_argmin",
 )
-_LORA_TARGETS = tuple(LORA_TARGETS)
 
 
 class RecipeNotSupportedError(NotSupportedError):
@@ -182,14 +181,34 @@ def apply_fastpath(
             for the recipe's LoRA/DoRA; None keeps the recipe's.
         moe_expert_backend: "grouped_mm" / "te_grouped_linear"; default per FP8.
 
+    The rules are :mod:`megatron_fastpath.integrations.core`'s (shared with the Bridge hook);
+    this function reads the recipe into its facts and writes the plan back.
+
     Raises:
         RecipeNotSupportedError: every reason the recipe cannot be served (nothing is changed).
         TypeError: ``recipe`` is not a NeMo-Run recipe.
     """
     import fiddle as fdl
     import nemo_run as run
+
+    request = core.HookRequest(
+        attention_backend=attention_backend, packed_cache=packed_cache, max_seqs=max_seqs,
+        cuda_graphs=cuda_graphs, fp8=fp8, fp8_recipe=fp8_recipe, lora=lora,
+        moe_expert_backend=moe_expert_backend,
+    )
+    model_cfg = _gpt_model_config(recipe)
+    plan = core.decide(_recipe_facts(recipe, model_cfg), request, RecipeNotSupportedError)
+    settings = run.Config(FastpathSettings, **plan.settings)
+    fdl.build(settings)  # validate the values now, not on the cluster
+    _write_plan(recipe, model_cfg, settings, plan, request)
+    return recipe
+
+
+def _gpt_model_config(recipe):
+    """The recipe's ``GPTConfig`` (a fiddle config); refuses what is not a GPT recipe."""
+    import fiddle as fdl
     from nemo.collections import llm
-    from nemo.collections.llm.gpt.model.base import GPTConfig, default_layer_spec
+    from nemo.collections.llm.gpt.model.base import GPTConfig
 
     for name in ("model", "data", "trainer"):
         if not isinstance(recipe, fdl.Buildable) or name not in recipe.__arguments__:
@@ -197,7 +216,6 @@ def apply_fastpath(
                 "apply_fastpath expects a NeMo-Run recipe (run.Partial(llm.finetune, model=..., "
                 f"data=..., trainer=...)); got {type(recipe).__name__} without '{name}'"
             )
-    reasons: list[str] = []
     model_cls = fdl.get_callable(recipe.model)
     model_cfg = recipe.model.__arguments__.get("config")
     if not (isinstance(model_cls, type) and issubclass(model_cls, llm.GPTModel)) or not isinstance(
@@ -217,143 +235,87 @@ def apply_fastpath(
     spec_arg = model_cfg.__arguments__.get("transformer_layer_spec")
     if isinstance(spec_arg, fdl.Buildable) and fdl.get_callable(spec_arg) is FastpathLayerSpec:
         raise RecipeNotSupportedError(["apply_fastpath was already applied to this recipe"])
-    # Read values (set or default) without building: GPTConfig.__post_init__ checks fusions
-    # that need Transformer Engine, which a CPU submit host does not have.
+    return model_cfg
+
+
+def _recipe_facts(recipe, model_cfg) -> core.ModelFacts:
+    """The recipe's facts, read without building (GPTConfig.__post_init__ checks fusions that
+    need Transformer Engine, which a CPU submit host does not have)."""
+    import fiddle as fdl
+    from nemo.collections.llm.gpt.model.base import GPTConfig, default_layer_spec
+    from nemo.collections.llm.gpt.model.llama import Llama31Config
+
     config = _ConfigView(model_cfg)
-    strategy = recipe.trainer.strategy
-    data = recipe.data
-
-    # ---- model
-    if getattr(config, "multi_latent_attention", False):
-        reasons.append(
-            "multi-latent attention (MLA, DeepSeek-style) is not implemented by the packed "
-            "cache's core attention; use the recipe without apply_fastpath"
-        )
-    if config.transformer_layer_spec is not default_layer_spec:
-        spec = config.transformer_layer_spec
-        reasons.append(
-            f"the model uses its own layer spec {getattr(spec, '__qualname__', None) or spec!r} "
-            "(e.g. Gemma's softcapping/sliding-window or DeepSeek's MLA/MoE block); "
-            "megatron_fastpath replaces NeMo's default GPT layer spec only"
-        )
-    if cfg_cls.configure_model is not GPTConfig.configure_model:
-        what = (
-            f"Llama 3.1-style RoPE scaling (scale_factor={config.scale_factor}) is applied to "
-            "the model's rotary embedding, which the packed cache's RoPE (linear "
-            "seq_len_interpolation_factor only) does not reproduce"
-            if hasattr(config, "scale_factor")
-            else "its config overrides GPTConfig.configure_model"
-        )
-        reasons.append(f"{cfg_cls.__name__}: {what}")
-    if getattr(config, "window_size", None) is not None:
-        reasons.append(f"sliding-window attention (window_size={config.window_size}) is not supported")
-    if getattr(config, "mtp_num_layers", None):
-        reasons.append("multi-token prediction (mtp_num_layers) is not supported")
-    if config.position_embedding_type not in ("rope", "learned_absolute", "none"):
-        reasons.append(f"position_embedding_type={config.position_embedding_type!r} is not supported")
-    if str(getattr(config.attention_backend, "name", config.attention_backend)) == "local":
-        reasons.append(
-            "attention_backend=local makes NeMo's configure_model overwrite the core attention "
-            "with Megatron's DotProductAttention; leave it at 'auto'"
-        )
-    num_experts = config.num_moe_experts
-    if num_experts:
-        reasons += _moe_reasons(config)
-    elif not packed_cache:
-        reasons.append(
-            "packed_cache=False on a dense model leaves nothing for megatron_fastpath to do "
-            "(it would only swap the MoE layer)"
-        )
-
-    # ---- parallelism
-    cp = strategy.context_parallel_size or 1
-    if packed_cache and cp > 1:
-        reasons.append(
-            f"context_parallel_size={cp}: the packed cache serves whole packed sequences per "
-            "rank (no CP partitioning); set trainer.strategy.context_parallel_size=1"
-        )
-    if strategy.virtual_pipeline_model_parallel_size:
-        reasons.append(
-            "virtual (interleaved) pipeline parallelism: its schedule reorders backward passes "
-            "across model chunks, so cache slots cannot be released in call order; set "
-            "trainer.strategy.virtual_pipeline_model_parallel_size=None"
-        )
-    pp = strategy.pipeline_model_parallel_size or 1
-
-    # ---- data
+    strategy, data = recipe.trainer.strategy, recipe.data
     specs = data.__arguments__.get("packed_sequence_specs") if isinstance(data, fdl.Buildable) else None
-    packed_size = specs.packed_sequence_size if specs is not None else -1
-    if packed_cache and (packed_size is None or packed_size <= 0):
-        reasons.append(
-            "packed_cache=True needs packed sequences, but the recipe's data has no "
-            "packed_sequence_specs with packed_sequence_size > 0 (build the recipe with "
-            "packed_sequence=True, or pass packed_cache=False)"
-        )
-    if packed_cache and packed_size and packed_size > 0 and data.micro_batch_size != 1:
-        reasons.append(f"packed sequences need data.micro_batch_size=1; got {data.micro_batch_size}")
-
-    # ---- graphs, FP8, LoRA
-    graphs_on = bool(config.enable_cuda_graph) if cuda_graphs is None else bool(cuda_graphs)
-    if graphs_on and getattr(config, "cuda_graph_scope", None) == "full_iteration":
-        reasons.append(
-            "cuda_graph_scope='full_iteration' would capture the data step, whose host-side "
-            "cache.set_batch must run every microbatch; use per-layer graphs"
-        )
-    plugins = recipe.trainer.__arguments__.get("plugins")
-    precision = plugins if isinstance(plugins, fdl.Buildable) and "fp8" in _signature(plugins) else None
-    if fp8 not in (None, False) and precision is None:
-        reasons.append(
-            "fp8 requested but trainer.plugins is not a MegatronMixedPrecision config (NeMo sets "
-            "FP8 there); add one, e.g. llm.recipes.precision.mixed_precision.bf16_with_fp8_mixed()"
-        )
-    if fp8 not in (None, False, "hybrid", "e4m3"):
-        reasons.append(f"fp8 must be None, False, 'hybrid' or 'e4m3'; got {fp8!r}")
-    fp8_on = bool(precision is not None and precision.fp8) if fp8 is None else fp8 is not False
-    peft = recipe.__arguments__.get("peft")
-    reasons += _peft_reasons(peft, lora, bool(num_experts))
-    if moe_expert_backend is not None and moe_expert_backend not in ("grouped_mm", "te_grouped_linear"):
-        reasons.append(f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {moe_expert_backend!r}")
-    if max_seqs is not None and packed_size and packed_size > 0 and not (0 < max_seqs <= packed_size):
-        reasons.append(f"max_seqs={max_seqs} must be in [1, packed_sequence_size={packed_size}]")
-
-    if reasons:
-        raise RecipeNotSupportedError(reasons)
-
-    # ---- apply (all checks passed)
-    uses_rope = config.position_embedding_type == "rope"
-    max_tokens = packed_size if packed_cache else max(config.seq_length, 1)
-    settings = run.Config(
-        FastpathSettings,
-        max_tokens=max_tokens,
-        max_seqs=max_seqs or max_tokens,
-        num_slots=pp,
-        attention_backend=attention_backend,
-        linear_impl="te" if fp8_on else None,
-        moe_expert_backend=moe_expert_backend or ("te_grouped_linear" if fp8_on else "grouped_mm"),
-        rope=packed_cache and uses_rope,
-        packed_cache=packed_cache,
+    precision = _precision_plugin(recipe)
+    return core.ModelFacts(
+        names=core.NAMES["nemo"],
+        model=config,
+        **core.model_config_facts(config, fdl.get_callable(model_cfg), "configure_model",
+                                  GPTConfig, Llama31Config, default_layer_spec),
+        context_parallel_size=strategy.context_parallel_size or 1,
+        virtual_pipeline_size=strategy.virtual_pipeline_model_parallel_size,
+        pipeline_size=strategy.pipeline_model_parallel_size or 1,
+        packed_size=specs.packed_sequence_size if specs is not None else None,
+        micro_batch_size=data.micro_batch_size,
+        graphs_on=bool(config.enable_cuda_graph),
+        has_precision=precision is not None,
+        fp8_on=bool(precision is not None and precision.fp8),
+        peft=_peft_facts(recipe.__arguments__.get("peft")),
     )
-    fdl.build(settings)  # validate the values now, not on the cluster
+
+
+def _write_plan(recipe, model_cfg, settings, plan: core.HookPlan, request: core.HookRequest):
+    import nemo_run as run
+
     model_cfg.transformer_layer_spec = run.Config(FastpathLayerSpec, settings=settings)
-    if packed_cache:
+    if request.packed_cache:
         model_cfg.data_step_fn = run.Config(FastpathDataStep, settings=settings)
         model_cfg.forward_step_fn = run.Config(FastpathForwardStep)
-        if uses_rope:
-            model_cfg.position_embedding_type = "none"
-        specs.pad_cu_seqlens = False
-        data.dataset_kwargs = {**(data.__arguments__.get("dataset_kwargs") or {}), "pad_to_max_length": True}
-    if cuda_graphs is not None:
-        model_cfg.enable_cuda_graph = bool(cuda_graphs)
-        if cuda_graphs:
+        recipe.data.packed_sequence_specs.pad_cu_seqlens = False
+        recipe.data.dataset_kwargs = {
+            **(recipe.data.__arguments__.get("dataset_kwargs") or {}), "pad_to_max_length": True}
+    if plan.position_embedding_type is not None:
+        model_cfg.position_embedding_type = plan.position_embedding_type
+    if request.cuda_graphs is not None:
+        model_cfg.enable_cuda_graph = bool(request.cuda_graphs)
+        if request.cuda_graphs:
             model_cfg.use_te_rng_tracker = True
-    if fp8 is not None:
-        precision.fp8 = fp8 or None
-        if fp8_recipe is not None:
-            precision.fp8_recipe = fp8_recipe
-        model_cfg.fp8 = fp8 or None
-    if lora is not None:
-        peft.target_modules = list(lora)
-    return recipe
+    precision = _precision_plugin(recipe)
+    if plan.set_fp8 and precision is not None:
+        precision.fp8 = plan.fp8
+        if request.fp8_recipe is not None:
+            precision.fp8_recipe = request.fp8_recipe
+    if plan.set_fp8:
+        model_cfg.fp8 = plan.fp8
+    if request.lora is not None:
+        recipe.peft.target_modules = list(request.lora)
+
+
+def _precision_plugin(recipe):
+    """The recipe's ``MegatronMixedPrecision`` plugin config (where NeMo sets FP8), or None."""
+    import fiddle as fdl
+
+    plugins = recipe.trainer.__arguments__.get("plugins")
+    if isinstance(plugins, fdl.Buildable) and "fp8" in _signature(plugins):
+        return plugins
+    return None
+
+
+def _peft_facts(peft) -> Optional[core.PeftFacts]:
+    import fiddle as fdl
+    from nemo.collections.llm.peft import DoRA, LoRA
+
+    if peft is None:
+        return None
+    cls = fdl.get_callable(peft) if isinstance(peft, fdl.Buildable) else type(peft)
+    supported = isinstance(cls, type) and issubclass(cls, (LoRA, DoRA))
+    return core.PeftFacts(
+        name=getattr(cls, "__name__", str(cls)),
+        supported=supported,
+        target_modules=tuple(_ConfigView(peft).target_modules) if supported else (),
+    )
 
 
 class _ConfigView:
@@ -389,50 +351,3 @@ def _signature(buildable) -> set:
     import fiddle as fdl
 
     return set(inspect.signature(fdl.get_callable(buildable)).parameters)
-
-
-def _moe_reasons(config) -> list[str]:
-    from megatron_fastpath.moe.config import MoEDispatchConfig
-
-    reasons = []
-    if config.moe_shared_expert_intermediate_size:
-        reasons.append(
-            "shared experts (moe_shared_expert_intermediate_size) are not wired into the fastpath "
-            "MoE layer by this hook; use the recipe without apply_fastpath"
-        )
-    if config.add_bias_linear:
-        reasons.append("the fastpath grouped experts have no bias: add_bias_linear must be False")
-    if (getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
-        reasons.append("the fastpath grouped experts do not support expert_tensor_parallel_size > 1")
-    try:
-        MoEDispatchConfig.from_transformer_config(config)
-    except ValueError as exc:
-        reasons.append(str(exc))
-    return reasons
-
-
-def _peft_reasons(peft, lora, is_moe: bool) -> list[str]:
-    import fiddle as fdl
-    from nemo.collections.llm.peft import DoRA, LoRA
-
-    if peft is None:
-        return ["lora target modules were given but the recipe has no PEFT (peft_scheme=None)"] if lora else []
-    cls = fdl.get_callable(peft) if isinstance(peft, fdl.Buildable) else type(peft)
-    if not (isinstance(cls, type) and issubclass(cls, (LoRA, DoRA))):
-        return [
-            f"PEFT scheme {getattr(cls, '__name__', cls)} is not supported (LoRA and DoRA wrap "
-            "the attention/MLP linears by name, which the fastpath layer keeps; others are "
-            "untested): use peft_scheme='lora', 'dora' or None"
-        ]
-    targets = list(lora) if lora is not None else list(_ConfigView(peft).target_modules)
-    reasons = []
-    unknown = [t for t in targets if t not in _LORA_TARGETS]
-    if unknown or not targets:
-        reasons.append(f"LoRA target modules {unknown or targets} are not among {list(_LORA_TARGETS)}")
-    expert = [t for t in targets if t in ("linear_fc1", "linear_fc2")]
-    if is_moe and expert:
-        reasons.append(
-            f"LoRA on {expert} in an MoE model: the fastpath experts are grouped weight tensors, "
-            "not per-expert linears; target ['linear_qkv', 'linear_proj'] (NeMo's MoE recipes do)"
-        )
-    return reasons

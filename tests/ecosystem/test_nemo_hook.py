@@ -8,6 +8,7 @@ the reason, without them.
 """
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -159,6 +160,48 @@ def test_mixtral_moe_recipe_lora_and_fp8():
         apply_fastpath(recipe("mixtral_8x7b", gpus=8), lora=["linear_qkv", "linear_fc1"])
 
 
+@pytest.mark.parametrize("kind, factor", [("llama31_8b", 8.0), ("llama32_1b", 32.0), ("llama32_3b", 32.0)])
+def test_llama31_and_llama32_recipes_are_hooked_with_their_rope_scaling(kind, factor):
+    """NeMo's Llama31Config rescales Megatron's rotary embedding in configure_model; the hook
+    carries the scaling into the cache's RoPE and keeps position_embedding_type='rope' (the
+    override needs the embedding it rescales; it is computed once and not used)."""
+    from nemo_run.core.serialization.yaml import YamlSerializer
+
+    r = recipe(kind)
+    before = copy.deepcopy(r)
+    apply_fastpath(r, max_seqs=96)
+    settings = fdl.build(r.model.config.transformer_layer_spec.settings)
+    assert (settings.llama3_scaling_factor, settings.llama3_low_freq_factor,
+            settings.llama3_high_freq_factor, settings.llama3_original_max_position) == (factor, 1.0, 4.0, 8192)
+    assert settings.rope is True and settings.max_seqs == 96
+    assert "position_embedding_type" not in r.model.config.__arguments__
+    changed = {k for k in r.model.config.__arguments__
+               if r.model.config.__arguments__[k] != before.model.config.__arguments__.get(k, "<unset>")}
+    assert changed == {"transformer_layer_spec", "data_step_fn", "forward_step_fn"}
+    y = YamlSerializer()
+    assert y.deserialize(y.serialize(r.model)) == r.model
+    unscaled = apply_fastpath(recipe("llama3_8b"))
+    assert fdl.build(unscaled.model.config.transformer_layer_spec.settings).llama3_scaling_factor is None
+
+
+@pytest.mark.parametrize("kind", ["llama31_8b", "llama32_1b"])
+def test_hooked_tiny_llama31_cache_rope_equals_nemos_scaled_rotary_embedding(mcore_parallel, kind):
+    """The cache's inverse frequencies equal those NeMo's configure_model wrote into the
+    model's Megatron RotaryEmbedding (nemo.collections.llm.gpt.model.llama.apply_rope_scaling)."""
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+
+    r = apply_fastpath(make_tiny(recipe(kind), kv_channels=64), max_seqs=16)
+    model = build_model(r)
+    assert all(type(layer.self_attention.core_attention) is PackedCoreAttention
+               for layer in model.module.decoder.layers)
+    cache, _ = cache_for(fdl.build(r.model.config.transformer_layer_spec.settings))
+    nemo_inv_freq = model.module.rotary_pos_emb.inv_freq
+    assert cache.config.rope.dim == 64 and cache.config.rope.base == 500_000.0
+    assert torch.equal(cache.config.rope.inv_freq(), nemo_inv_freq)
+    assert not torch.equal(dataclasses.replace(cache.config.rope, llama3_scaling_factor=None).inv_freq(),
+                           nemo_inv_freq)
+
+
 def _cp2():
     r = recipe()
     r.trainer.strategy.context_parallel_size = 2
@@ -195,7 +238,6 @@ def _full_iteration_graph():
 @pytest.mark.parametrize(
     "make, kwargs, match",
     [
-        (lambda: recipe("llama31_8b"), {}, r"Llama 3\.1-style RoPE scaling \(scale_factor=8\.0\)"),
         (lambda: recipe("deepseek_v2_lite"), {}, r"multi-latent attention \(MLA"),
         (lambda: recipe("gemma2_2b"), {}, r"sliding-window attention"),
         (lambda: llm.t5_220m.finetune_recipe(name="t5", dir="/tmp/mf_nemo_recipes", num_nodes=1,
@@ -214,7 +256,7 @@ def _full_iteration_graph():
         (recipe, {"max_seqs": 5000}, r"max_seqs=5000 must be in \[1, packed_sequence_size=4096\]"),
         (recipe, {"attention_backend": "xformers"}, None),
     ],
-    ids=["llama31", "deepseek_mla", "gemma2", "t5", "unpacked", "nothing_to_do", "cp2", "vpp",
+    ids=["deepseek_mla", "gemma2", "t5", "unpacked", "nothing_to_do", "cp2", "vpp",
          "canonical_lora", "lora_no_peft", "lora_target", "local_attn", "full_iter_graph",
          "fp8_format", "max_seqs", "backend"],
 )

@@ -1,0 +1,394 @@
+"""The framework-neutral core of the NeMo 2 and Megatron-Bridge hooks (imports neither framework).
+
+A hook is a thin adapter over three steps:
+
+1. its framework's config -> :class:`ModelFacts` (what the model, parallelism, data, precision
+   and PEFT are; read without building anything) plus the user's :class:`HookRequest`;
+2. :func:`refusals` -> every reason megatron_fastpath cannot serve it (one list, all at once);
+3. :func:`plan` -> :class:`HookPlan`: the :class:`FastpathSettings` values and the few model
+   fields the hook writes back into its framework's config.
+
+Every refusal rule lives here once, so the two hooks cannot drift apart. The adapters keep only
+what is framework-specific: reading the facts, the type checks of the framework's objects, and
+writing the plan back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from megatron_fastpath.lora.config import LORA_TARGETS
+
+__all__ = [
+    "FrameworkNames",
+    "HookPlan",
+    "HookRequest",
+    "Llama31Rope",
+    "ModelFacts",
+    "PeftFacts",
+    "NAMES",
+    "model_config_facts",
+    "decide",
+    "plan",
+    "refusals",
+]
+
+EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
+FP8_FORMATS = ("hybrid", "e4m3")
+_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRequest:
+    """What the user asked the hook for (arguments of ``apply_fastpath`` /
+    ``apply_fastpath_to_config``; see there)."""
+
+    attention_backend: str = "auto"
+    packed_cache: bool = True
+    max_seqs: Optional[int] = None
+    cuda_graphs: Optional[bool] = None
+    fp8: Any = None  # None (keep), False (off), "hybrid" | "e4m3"
+    fp8_recipe: Optional[str] = None
+    lora: Optional[Sequence[str]] = None
+    moe_expert_backend: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameworkNames:
+    """How the framework spells the places a refusal points at (for the messages)."""
+
+    config: str  # "the recipe" / "the Bridge config"
+    context_parallel: str  # field path of context_parallel_size
+    virtual_pipeline: str
+    micro_batch_size: str
+    packing: str  # how to get packed sequences
+    no_peft: str  # how "no PEFT" is spelled
+    precision: str  # why FP8 cannot be set, and the fix
+
+
+# How each framework spells the places a refusal points at.
+NAMES = {
+    "nemo": FrameworkNames(
+        config="the recipe",
+        context_parallel="trainer.strategy.context_parallel_size",
+        virtual_pipeline="trainer.strategy.virtual_pipeline_model_parallel_size",
+        micro_batch_size="data.micro_batch_size",
+        packing="build the recipe with packed_sequence=True, or pass packed_cache=False",
+        no_peft="peft_scheme=None",
+        precision=(
+            "trainer.plugins is not a MegatronMixedPrecision config (NeMo sets FP8 there); add one, "
+            "e.g. llm.recipes.precision.mixed_precision.bf16_with_fp8_mixed()"
+        ),
+    ),
+    "bridge": FrameworkNames(
+        config="the Bridge config",
+        context_parallel="cfg.model.context_parallel_size",
+        virtual_pipeline="cfg.model.virtual_pipeline_model_parallel_size",
+        micro_batch_size="cfg.train.micro_batch_size",
+        packing="cfg.dataset.packed_sequence_specs (Bridge <= 0.5) or offline_packing_specs (>= 0.6)",
+        no_peft="cfg.peft is None",
+        precision=(
+            "cfg.mixed_precision is not a MixedPrecisionConfig object (resolve the named recipe "
+            "first, e.g. get_mixed_precision_config(name))"
+        ),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama31Rope:
+    """Llama 3.1 frequency scaling that the framework applies to Megatron's rotary embedding
+    after building the model (NeMo ``Llama31Config`` / Bridge ``Llama31ModelProvider``)."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    old_context_len: int = 8192
+
+    def settings(self) -> dict:
+        """The FastpathSettings fields that carry it into the cache's ``RopeConfig``."""
+        return dict(
+            llama3_scaling_factor=float(self.factor),
+            llama3_low_freq_factor=float(self.low_freq_factor),
+            llama3_high_freq_factor=float(self.high_freq_factor),
+            llama3_original_max_position=int(self.old_context_len),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftFacts:
+    """The config's PEFT: its class name, whether it is LoRA / DoRA (wraps the linears by
+    name, which the fastpath layer keeps) and its target modules."""
+
+    name: str
+    supported: bool
+    target_modules: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """Everything the rules read, framework-free.
+
+    model: attribute view of the model config (TransformerConfig fields plus GPTModel's rotary
+        fields); missing attributes read as their Megatron defaults.
+    custom_layer_spec: name of a layer spec other than the framework's default GPT spec.
+    build_override: name of an unknown override of the framework's model-building method.
+    llama31_rope: Llama 3.1 scaling applied by the framework's (known) build override.
+    packed_size: tokens per packed microbatch; None or <= 0 when the data is not packed.
+    graphs_on: per-layer CUDA graphs are on in the config now.
+    has_precision: the config has a mixed-precision object FP8 can be set on.
+    fp8_on: FP8 is on in the config now.
+    peft: the PEFT scheme, None without one.
+    """
+
+    names: FrameworkNames
+    model: Any
+    custom_layer_spec: Optional[str]
+    build_override: Optional[str]
+    llama31_rope: Optional[Llama31Rope]
+    context_parallel_size: int
+    virtual_pipeline_size: Optional[int]
+    pipeline_size: int
+    packed_size: Optional[int]
+    micro_batch_size: int
+    graphs_on: bool
+    has_precision: bool
+    fp8_on: bool
+    peft: Optional[PeftFacts]
+
+    def get(self, name: str, default=None):
+        return getattr(self.model, name, default)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.get("num_moe_experts"))
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_size is not None and self.packed_size > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPlan:
+    """What the hook writes back (only after :func:`refusals` found nothing).
+
+    settings: keyword arguments of :class:`FastpathSettings`.
+    position_embedding_type: new value of the model field, None to keep it. "none" when the
+        cache applies RoPE; a framework build override that rescales Megatron's rotary
+        embedding (Llama 3.1) needs that embedding, so "rope" stays (computed once, unused).
+    fp8: the FP8 value to write (None: off) when ``set_fp8``.
+    """
+
+    settings: dict
+    position_embedding_type: Optional[str]
+    set_fp8: bool
+    fp8: Optional[str]
+
+
+def model_config_facts(model, cls: type, method: str, base: type, llama31: Optional[type],
+                       default_spec) -> dict:
+    """The :class:`ModelFacts` fields read from the model config ``model`` (an attribute view)
+    of class ``cls``, whose framework builds the model with ``cls.<method>`` (``base.<method>``
+    is the framework's own GPT build, ``llama31.<method>`` Llama 3.1's RoPE-scaling override)
+    and whose default ``transformer_layer_spec`` is ``default_spec``."""
+    impl = getattr(cls, method, None)
+    is_llama31 = (llama31 is not None and impl is not getattr(base, method)
+                  and issubclass(cls, llama31) and impl is getattr(llama31, method))
+    spec = model.transformer_layer_spec
+    return dict(
+        custom_layer_spec=None if spec is default_spec else (
+            getattr(spec, "__qualname__", None) or repr(spec)),
+        build_override=None if impl is getattr(base, method) or is_llama31 else f"{cls.__name__}.{method}",
+        llama31_rope=Llama31Rope(
+            model.scale_factor, model.low_freq_factor, model.high_freq_factor,
+            model.old_context_len) if is_llama31 else None,
+    )
+
+
+def refusals(facts: ModelFacts, request: HookRequest) -> list[str]:
+    """Every reason megatron_fastpath cannot serve this model as requested (empty: it can)."""
+    return (
+        _model_reasons(facts, request)
+        + _parallel_and_data_reasons(facts, request)
+        + _feature_reasons(facts, request)
+        + _peft_reasons(facts, request)
+    )
+
+
+def _model_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
+    reasons = []
+    if facts.get("multi_latent_attention", False):
+        reasons.append(
+            "multi-latent attention (MLA, DeepSeek-style) is not implemented by the packed "
+            "cache's core attention; use it without megatron_fastpath"
+        )
+    if facts.custom_layer_spec is not None:
+        reasons.append(
+            f"the model uses its own layer spec {facts.custom_layer_spec} (e.g. Gemma's "
+            "softcapping/sliding-window or DeepSeek's MLA/MoE block); megatron_fastpath replaces "
+            "the framework's default GPT layer spec only"
+        )
+    if facts.build_override is not None:
+        reasons.append(
+            f"{facts.build_override} overrides how the framework builds the model; "
+            "megatron_fastpath serves the framework's own GPT build (and Llama 3.1's)"
+        )
+    if facts.get("window_size") is not None:
+        reasons.append(f"sliding-window attention (window_size={facts.get('window_size')}) is not supported")
+    if facts.get("mtp_num_layers"):
+        reasons.append("multi-token prediction (mtp_num_layers) is not supported")
+    pe = facts.get("position_embedding_type", "learned_absolute")
+    if pe not in _POSITION_EMBEDDINGS:
+        reasons.append(
+            f"position_embedding_type={pe!r} is not supported (the packed cache's RoPE is "
+            "Megatron's 'rope', with Llama 3.1 scaling)"
+        )
+    backend = facts.get("attention_backend", "auto")
+    if str(getattr(backend, "name", backend)) == "local":
+        reasons.append(
+            "attention_backend=local makes the framework overwrite the core attention with "
+            "Megatron's DotProductAttention; leave it at 'auto'"
+        )
+    if facts.is_moe:
+        reasons += _moe_reasons(facts)
+    elif not request.packed_cache:
+        reasons.append(
+            "packed_cache=False on a dense model leaves nothing for megatron_fastpath to do "
+            "(it would only swap the MoE layer)"
+        )
+    return reasons
+
+
+def _moe_reasons(facts: ModelFacts) -> list[str]:
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+
+    reasons = []
+    if facts.get("moe_shared_expert_intermediate_size"):
+        reasons.append(
+            "shared experts (moe_shared_expert_intermediate_size) are not wired into the "
+            "fastpath MoE layer by the hooks; use the model without megatron_fastpath"
+        )
+    if facts.get("add_bias_linear", True):
+        reasons.append("the fastpath grouped experts have no bias: add_bias_linear must be False")
+    if (facts.get("expert_tensor_parallel_size") or 1) > 1:
+        reasons.append("the fastpath grouped experts do not support expert_tensor_parallel_size > 1")
+    if facts.get("overlap_moe_expert_parallel_comm", False):
+        reasons.append(
+            "overlap_moe_expert_parallel_comm needs schedule plans of Megatron's own MoE layer; "
+            "turn it off"
+        )
+    try:
+        MoEDispatchConfig.from_transformer_config(facts.model)
+    except ValueError as exc:
+        reasons.append(str(exc))
+    return reasons
+
+
+def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
+    reasons, names = [], facts.names
+    if request.packed_cache and facts.context_parallel_size > 1:
+        reasons.append(
+            f"context_parallel_size={facts.context_parallel_size}: the packed cache serves whole "
+            f"packed sequences per rank (no CP partitioning); set {names.context_parallel}=1"
+        )
+    if facts.virtual_pipeline_size:
+        reasons.append(
+            "virtual (interleaved) pipeline parallelism: its schedule reorders backward passes "
+            "across model chunks, so cache slots cannot be released in call order; set "
+            f"{names.virtual_pipeline}=None"
+        )
+    if request.packed_cache and not facts.packed:
+        reasons.append(
+            f"packed_cache=True needs packed sequences, but {names.config}'s data has no "
+            f"packed-sequence specs with packed_sequence_size > 0 ({names.packing})"
+        )
+    if request.packed_cache and facts.packed and facts.micro_batch_size != 1:
+        reasons.append(
+            f"packed sequences need {names.micro_batch_size}=1; got {facts.micro_batch_size}"
+        )
+    if request.max_seqs is not None and facts.packed and not 0 < request.max_seqs <= facts.packed_size:
+        reasons.append(
+            f"max_seqs={request.max_seqs} must be in [1, packed_sequence_size={facts.packed_size}]"
+        )
+    return reasons
+
+
+def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
+    reasons = []
+    graphs_on = facts.graphs_on if request.cuda_graphs is None else bool(request.cuda_graphs)
+    if graphs_on and facts.get("cuda_graph_scope") == "full_iteration":
+        reasons.append(
+            "cuda_graph_scope='full_iteration' would capture the data step, whose host-side "
+            "cache.set_batch must run every microbatch; use per-layer graphs"
+        )
+    if request.fp8 not in (None, False) and not facts.has_precision:
+        reasons.append(f"fp8 requested but {facts.names.precision}")
+    if request.fp8 not in (None, False) + FP8_FORMATS:
+        reasons.append(f"fp8 must be None, False, 'hybrid' or 'e4m3'; got {request.fp8!r}")
+    if request.moe_expert_backend not in (None,) + EXPERT_BACKENDS:
+        reasons.append(
+            f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
+        )
+    return reasons
+
+
+def _peft_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
+    peft = facts.peft
+    if peft is None:
+        if request.lora:
+            return [f"LoRA target modules were given but {facts.names.config} has no PEFT ({facts.names.no_peft})"]
+        return []
+    if not peft.supported:
+        return [
+            f"PEFT scheme {peft.name} is not supported (LoRA and DoRA wrap the attention/MLP "
+            "linears by name, which the fastpath layer keeps; others are untested): use LoRA, "
+            "DoRA or none"
+        ]
+    targets = list(request.lora) if request.lora is not None else list(peft.target_modules)
+    reasons = []
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        reasons.append(f"LoRA target modules {unknown or targets} are not among {list(LORA_TARGETS)}")
+    expert = [t for t in targets if t in ("linear_fc1", "linear_fc2")]
+    if facts.is_moe and expert:
+        reasons.append(
+            f"LoRA on {expert} in an MoE model: the fastpath experts are grouped weight tensors, "
+            "not per-expert linears; target ['linear_qkv', 'linear_proj'] (NeMo's MoE recipes do)"
+        )
+    return reasons
+
+
+def decide(facts: ModelFacts, request: HookRequest, error: type) -> HookPlan:
+    """:func:`plan`, or ``error(reasons)`` with every reason of :func:`refusals`."""
+    reasons = refusals(facts, request)
+    if reasons:
+        raise error(reasons)
+    return plan(facts, request)
+
+
+def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
+    """The settings and model-field changes for a config :func:`refusals` accepted."""
+    fp8_on = facts.fp8_on if request.fp8 is None else request.fp8 is not False
+    uses_rope = facts.get("position_embedding_type") == "rope"
+    rope_in_cache = request.packed_cache and uses_rope
+    max_tokens = facts.packed_size if request.packed_cache else max(facts.get("seq_length", 1), 1)
+    settings = dict(
+        max_tokens=max_tokens,
+        max_seqs=request.max_seqs or max_tokens,
+        num_slots=facts.pipeline_size,
+        attention_backend=request.attention_backend,
+        linear_impl="te" if fp8_on else None,
+        moe_expert_backend=request.moe_expert_backend or ("te_grouped_linear" if fp8_on else "grouped_mm"),
+        rope=rope_in_cache,
+        packed_cache=request.packed_cache,
+    )
+    if rope_in_cache and facts.llama31_rope is not None:
+        settings.update(facts.llama31_rope.settings())
+    keep_megatron_rope = facts.llama31_rope is not None  # its build override rescales it
+    return HookPlan(
+        settings=settings,
+        position_embedding_type="none" if rope_in_cache and not keep_megatron_rope else None,
+        set_fp8=request.fp8 is not None,
+        fp8=request.fp8 or None,
+    )
