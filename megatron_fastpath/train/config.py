@@ -35,6 +35,7 @@ class TrainingConfig:
     dtype: str = "float32"  # float32 | bfloat16
     log_all_ranks: bool = False
     summary_json: Optional[str] = None
+    skip_memory_check: bool = False  # train/memory.py: refuse jobs that cannot fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,11 @@ def parse_job_config(cfg: Any) -> JobConfig:
         and fast.moe_capacity_factor is None,
         lora=lora is not None, offload=features["offload"] is not None,
     )
-    return JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
-                     cluster=cluster, device=device, attention_backend=backend,
-                     linear_impl=linear_impl, plan=plan, **features)
+    job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
+                    cluster=cluster, device=device, attention_backend=backend,
+                    linear_impl=linear_impl, plan=plan, **features)
+    if not train.skip_memory_check:
+        from megatron_fastpath.train.memory import check_memory
+
+        check_memory(job)
+    return job

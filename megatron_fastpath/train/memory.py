@@ -1,0 +1,140 @@
+"""Will the job fit? Parameter, gradient, optimizer and activation memory estimated from the
+config alone, checked against the machine's memory before anything is built.
+
+``model=llama3_8b`` on a CPU machine otherwise builds for a minute and dies in the allocator.
+The estimate is per process and deliberately simple (it is a refusal threshold, not a
+profiler): parameters exactly as Megatron's Llama-style ``GPTModel`` has them (embedding and
+untied output layer, attention with GQA, SwiGLU MLP or experts, RMSNorm weights), sharded by
+TP x PP (experts also by EP); gradients and AdamW state (two fp32 moments, plus an fp32 master
+copy for bf16) for the trainable parameters only (LoRA adapters when ``fastpath.lora``); the
+activations one packed microbatch of T tokens keeps for backward (per layer and token: about
+10 hidden-sized and 4 MLP-sized tensors, plus the fp32 logits and their gradient).
+
+Key: T tokens per microbatch, H hidden size, F MLP size, V vocabulary, L layers, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+__all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "machine_memory", "parameter_count"]
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per process of each part; ``params_total`` is the whole model's parameter count."""
+
+    params_total: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GIB:.1f} GiB"
+                          for k in ("params", "grads", "optimizer", "activations"))
+        return f"{self.total / GIB:.1f} GiB ({parts})"
+
+
+def parameter_count(model) -> tuple[int, int]:
+    """``(dense, expert)`` parameters of a ``ModelConfig``'s Megatron GPTModel (untied output)."""
+    h, layers = model.hidden_size, model.num_layers
+    kv = model.kv_channels or h // model.num_attention_heads
+    attn = h * kv * (model.num_attention_heads + 2 * model.num_query_groups)  # linear_qkv
+    attn += model.num_attention_heads * kv * h  # linear_proj
+    norms = 2 * h + (2 * kv if model.qk_layernorm else 0)
+    if model.num_experts is None:
+        mlp, experts = 3 * h * model.ffn_hidden_size, 0  # SwiGLU fc1 (2F x H) + fc2 (H x F)
+    else:
+        ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        mlp, experts = model.num_experts * h, model.num_experts * 3 * h * ffn  # router, experts
+    dense = layers * (attn + norms + mlp) + 2 * model.vocab_size * h + h  # + final norm
+    return dense, layers * experts
+
+
+def _lora_parameters(model, lora) -> int:
+    h = model.hidden_size
+    kv = model.kv_channels or h // model.num_attention_heads
+    shapes = {
+        "linear_qkv": (h, kv * (model.num_attention_heads + 2 * model.num_query_groups)),
+        "linear_proj": (model.num_attention_heads * kv, h),
+        "linear_fc1": (h, 2 * model.ffn_hidden_size),
+        "linear_fc2": (model.ffn_hidden_size, h),
+    }
+    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)
+
+
+def estimate_memory(cfg) -> MemoryEstimate:
+    """The per-process estimate for a parsed ``JobConfig``."""
+    model, par = cfg.model, cfg.parallel
+    dense, experts = parameter_count(model)
+    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    local = dense // mp + experts // (mp * par.expert_model_parallel_size)
+    width = 2 if cfg.training.dtype == "bfloat16" else 4
+    trainable = _lora_parameters(model, cfg.lora) // mp if cfg.lora is not None else local
+    optimizer_per = 8 + (4 if width == 2 else 0)  # AdamW moments (+ fp32 master copy)
+    tokens = cfg.data.max_tokens
+    mlp = (model.ffn_hidden_size if model.num_experts is None
+           else model.moe_router_topk * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
+    layers_here = model.num_layers // par.pipeline_model_parallel_size
+    acts = tokens * layers_here * width * (10 * model.hidden_size + 4 * mlp) // par.tensor_model_parallel_size
+    acts += tokens * model.vocab_size * 4 * 2 // par.tensor_model_parallel_size  # fp32 logits + grad
+    return MemoryEstimate(params_total=dense + experts, params=local * width,
+                          grads=trainable * 4, optimizer=trainable * optimizer_per, activations=acts)
+
+
+def machine_memory(device) -> tuple[int, str]:
+    """``(bytes, what)``: the memory a process of this job can use on ``device``."""
+    if device.type == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, f"{total / GIB:.1f} GiB on {torch.cuda.get_device_name(device)}"
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        avail, total = vm.available, vm.total
+    except ImportError:  # pragma: no cover - psutil is a dependency of the test suite
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        avail, total = (int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "MemTotal"))
+    return avail, f"{avail / GIB:.1f} GiB available of {total / GIB:.1f} GiB RAM"
+
+
+def _processes_per_machine(device) -> int:
+    if device.type == "cuda":
+        return 1  # one device per process
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "").split("(")[0].split(",")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def check_memory(cfg, available: Optional[int] = None) -> MemoryEstimate:
+    """Refuse (ValueError) a job whose estimate exceeds the machine's memory, saying both;
+    ``training.skip_memory_check=true`` skips this. ``available`` overrides the measured bytes."""
+    est = estimate_memory(cfg)
+    procs = _processes_per_machine(cfg.device)
+    have, what = machine_memory(cfg.device)
+    if available is not None:
+        have, what = available, f"{available / GIB:.1f} GiB available"
+    if est.total * procs > have:
+        raise ValueError(
+            f"this job will not fit: a {est.params_total / 1e9:.2f}B-parameter model needs an "
+            f"estimated {est.describe()} per process"
+            + (f" x {procs} processes on this machine" if procs > 1 else "")
+            + f", and the {cfg.device.type} has {what}. Use a smaller model (e.g. "
+            "model=tiny_dense), fastpath.lora=true, training.dtype=bfloat16, smaller "
+            "data.max_tokens or more model-parallel ranks -- or training.skip_memory_check=true "
+            "if you know better"
+        )
+    return est
