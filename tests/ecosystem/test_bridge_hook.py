@@ -218,3 +218,61 @@ def test_bridge_config_container_hook():  # pragma: no cover - needs Megatron-Br
     assert spec.submodules.self_attention.submodules.core_attention.module is PackedCoreAttention
     with pytest.raises(BridgeConfigNotSupportedError, match="context_parallel_size=2"):
         apply_fastpath_to_config(make_cfg(context_parallel_size=2))
+
+
+# --------------------------------------------------------------------------- the shared core
+def test_rope_config_of_reads_every_rotary_field_megatron_reads():
+    """One RopeConfig-from-TransformerConfig function; its inverse frequencies equal Megatron's
+    RotaryEmbedding built from the same fields (interleaving, interpolation, Llama 3.1)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_fastpath.model import rope_config_of
+
+    config = tiny_config(rotary_base=500000.0, rotary_interleaved=True)
+    config.rotary_percent, config.seq_len_interpolation_factor = 0.5, 2.0
+    config.rope_scaling, config.rope_scaling_factor = True, 16.0
+    rope = rope_config_of(config)
+    assert (rope.dim, rope.base, rope.interleaved, rope.seq_len_interpolation_factor,
+            rope.llama3_scaling_factor) == (8, 500000.0, True, 2.0, 16.0)
+    ref = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_interleaved=True,
+                          seq_len_interpolation_factor=2.0, rotary_base=500000, rope_scaling=True,
+                          rope_scaling_factor=16.0, use_cpu_initialization=True)
+    assert torch.equal(rope.inv_freq(), ref.inv_freq)
+
+
+def _facts(model, **overrides):
+    from megatron_fastpath.integrations import core
+
+    fields = dict(names=core.NAMES["bridge"], model=model, custom_layer_spec=None,
+                  build_override=None, llama31_rope=None, context_parallel_size=1,
+                  virtual_pipeline_size=None, pipeline_size=1, packed_size=T, micro_batch_size=1,
+                  graphs_on=False, has_precision=True, fp8_on=False, peft=None)
+    fields.update(overrides)
+    return core.ModelFacts(**fields)
+
+
+def test_core_rules_once_for_both_hooks():
+    """The rules that existed for NeMo only (fp8 value, MoE bias / expert TP) now hold for the
+    Bridge facts too; every reason at once; the plan carries Llama 3.1 scaling and keeps rope."""
+    from megatron_fastpath.integrations import core
+
+    moe = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=64)
+    moe.add_bias_linear, moe.expert_tensor_parallel_size = True, 2  # as a provider may hold them
+    reasons = core.refusals(_facts(moe), core.HookRequest(fp8="e5m2", moe_expert_backend="x"))
+    assert len(reasons) == 4
+    assert any("add_bias_linear must be False" in r for r in reasons)
+    assert any("expert_tensor_parallel_size > 1" in r for r in reasons)
+    assert any("fp8 must be None, False, 'hybrid' or 'e4m3'" in r for r in reasons)
+    assert any("moe_expert_backend must be" in r for r in reasons)
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        core.decide(_facts(moe), core.HookRequest(), ValueError)
+
+    dense = tiny_config()
+    dense.position_embedding_type = "rope"
+    plan = core.plan(_facts(dense, llama31_rope=core.Llama31Rope(32)), core.HookRequest(max_seqs=4))
+    assert plan.position_embedding_type is None  # the framework's override rescales Megatron's
+    assert plan.settings["llama3_scaling_factor"] == 32.0 and plan.settings["max_seqs"] == 4
+    assert core.plan(_facts(dense), core.HookRequest()).position_embedding_type == "none"
+    FastpathSettings(**plan.settings)
+    cache, _ = cache_for(FastpathSettings(**plan.settings), dense, device="cpu")
+    assert cache.config.rope.llama3_scaling_factor == 32.0
