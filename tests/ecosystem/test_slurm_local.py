@@ -309,7 +309,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, case: Case):
     work = tmp_path / "submit"
-    (work / "logs").mkdir(parents=True)  # the script's default --output=logs/%x-%j.out
+    work.mkdir(parents=True)  # nothing else: the script's default --output is %x-%j.out here
     env = clean_submit_env(
         PYTHON=sys.executable, DEVICE="cpu", LAUNCHER=case.launcher,
         NPROC_PER_NODE=str(case.procs_per_node), FASTPATH_HOME=str(REPO),
@@ -324,7 +324,7 @@ def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, case: Case
     )
     job = local_slurm.wait(job_id, timeout_s=600)  # Slurm's --time ends a hung job first
     elapsed = time.perf_counter() - t0
-    out_file = work / "logs" / f"{case.job_name}-{job_id}.out"
+    out_file = work / f"{case.job_name}-{job_id}.out"
     out = out_file.read_text() if out_file.exists() else ""
     print(f"\njob {job_id} ({case.script.name}, {case.launcher}, world {world}): {job.state} "
           f"{job.exit_code} in {elapsed:.1f} s")
