@@ -7,7 +7,11 @@ Public API (lazy: importing the package does not import Megatron):
     get_fastpath_layer_spec              -- Megatron TransformerLayer ModuleSpec reading the cache
 """
 
-from megatron_fastpath.sync import HostSyncError, SyncEvent, SyncSentinel
+from megatron_fastpath._noise import filter_import_warnings
+
+filter_import_warnings()  # only when run as a program (python -m megatron_fastpath.<module>)
+
+from megatron_fastpath.sync import HostSyncError, SyncEvent, SyncSentinel  # noqa: E402
 
 __version__ = "0.1.0"
 

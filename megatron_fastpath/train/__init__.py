@@ -84,4 +84,7 @@ def main() -> None:
 
         destroy_distributed()
 
-    _main()
+    from megatron_fastpath._noise import main_job_filters
+
+    with main_job_filters():  # one line of absent packages instead of per-module fallbacks
+        _main()

@@ -1,0 +1,66 @@
+"""Issue 10 point 10: the main job prints one line naming the absent optional packages instead
+of Megatron's per-module TE/Apex fallback warnings, torch's pynvml FutureWarning and one
+"Unknown MLP type" per MoE layer -- filtered in the main job only, not for library users."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
+         "Falling back", "multistorageclient", "Megatron-FSDP")
+
+
+def _run(args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_main_job_prints_one_absent_packages_line_and_no_warnings(tmp_path):
+    proc = _run(["-m", "megatron_fastpath.train", "model=tiny_moe", "model.num_layers=3",
+                 "training.steps=2", "data.num_samples=128", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    noisy = [line for line in lines if any(word in line for word in NOISE)]
+    assert noisy == []
+    absent = [line for line in lines if "optional packages absent" in line]
+    assert len(absent) == 1 and "transformer_engine" in absent[0] and "apex" in absent[0]
+    assert sum(line.startswith("step ") for line in lines) == 2
+
+
+def test_library_users_keep_every_warning(tmp_path):
+    """Building a fastpath MoE model as a library (no main job) still shows Megatron's own
+    fallback warnings and its Unknown MLP type log; importing the package adds no filter."""
+    code = (
+        "import warnings, logging\n"
+        "import megatron_fastpath, megatron_fastpath.train\n"
+        "ours = lambda: [f for f in warnings.filters if f[1] is not None and f[1].pattern.startswith(\n"
+        "    ('The pynvml', 'Apex', 'Transformer Engine'))]\n"
+        "assert ours() == [], 'importing megatron_fastpath added a filter'\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from megatron_fastpath._noise import main_job_filters\n"
+        "with main_job_filters(rank0=False): assert len(ours()) == 3\n"
+        "assert ours() == [] and not logging.getLogger('megatron.core.transformer.transformer_layer').filters\n"
+        "from megatron_fastpath.model import ModelConfig, build_transformer_config\n"
+        "from megatron_fastpath.moe.spec import get_moe_mlp_spec\n"
+        "from megatron_fastpath.layer_spec import megatron_base_spec\n"
+        "import dataclasses, torch\n"
+        "from megatron.core import parallel_state as ps\n"
+        "torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:29531', rank=0, world_size=1)\n"
+        "ps.initialize_model_parallel()\n"
+        "cfg = build_transformer_config(ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_experts=2))\n"
+        "base = megatron_base_spec('local', num_experts=2)\n"
+        "spec = dataclasses.replace(base.submodules, mlp=get_moe_mlp_spec(num_experts=2))\n"
+        "from megatron.core.transformer.transformer_layer import TransformerLayer\n"
+        "TransformerLayer(cfg, spec)\n"
+    )
+    proc = _run(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "The pynvml package is deprecated" in proc.stderr
+    assert "Apex is not installed. Falling back" in proc.stderr
+    assert proc.stderr.count("Unknown MLP type") == 1
