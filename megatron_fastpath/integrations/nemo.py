@@ -25,7 +25,9 @@ What it changes in the ``run.Partial(llm.finetune, ...)`` tree (all public NeMo 
 * ``model.config.forward_step_fn`` -> :class:`FastpathForwardStep`: the model gets the cache's
   static ``PackedSeqParams`` and ``attention_mask=None``.
 * ``model.config.position_embedding_type`` "rope" -> "none": RoPE comes from the cache (built
-  once per batch, from the config's rotary_base / rotary_percent / kv_channels).
+  once per batch, from the config's rotary_base / rotary_percent / kv_channels). Llama 3.1 /
+  3.2 configs keep "rope": their ``configure_model`` rescales Megatron's rotary module after
+  building (computed once, not used); the cache gets the same scaling from the settings.
 * ``data.packed_sequence_specs.pad_cu_seqlens = False`` and
   ``data.dataset_kwargs["pad_to_max_length"] = True``: the cache needs a constant token count
   T (= packed_sequence_size) and pads ``cu_seqlens`` to its own static capacity S+1 itself, so
@@ -34,7 +36,8 @@ What it changes in the ``run.Partial(llm.finetune, ...)`` tree (all public NeMo 
   ``fp8_recipe``, mirrored into ``model.config.fp8``; Transformer Engine linears and experts),
   LoRA target modules (``peft.target_modules``).
 
-Recipes it cannot serve are refused with every reason at once (:class:`RecipeNotSupportedError`).
+Recipes it cannot serve are refused with every reason at once (:class:`RecipeNotSupportedError`);
+the rules are :mod:`megatron_fastpath.integrations.core`'s, shared with the Bridge hook.
 """
 
 import dataclasses

@@ -473,3 +473,46 @@ def test_hooked_model_packed_equals_per_sequence_with_zero_syncs(mcore_parallel,
         with torch.no_grad():
             alone_1T = forward(model, step(iter([single])))
         torch.testing.assert_close(alone_1T[0, :n], loss_1T.detach()[0, start : start + n], rtol=1e-5, atol=1e-5)
+
+
+def test_hooked_tiny_llama31_packed_equals_nemos_own_model_per_sequence(mcore_parallel, nemo_packed,
+                                                                        monkeypatch):
+    """Llama 3.1 tested like Llama 3, against NeMo's own model: the recipe built without the
+    hook (Megatron's attention, RoPE from the rotary module NeMo rescaled), same weights, each
+    sequence alone, gives the per-token losses of the hooked model on the packed batch. Megatron's
+    rotary module moves itself to CUDA, hence the test-only CUDA-as-CPU mode."""
+    import contextlib
+
+    from cuda_as_cpu import cuda_as_cpu
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    # Megatron's DotProductAttention forks the CUDA RNG tracker for its dropout (0 here).
+    monkeypatch.setattr(get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    path, _, expected = nemo_packed
+    tiny = dict(kv_channels=64, init_method_std=0.5)  # sharp attention: RoPE scaling shows
+    r = apply_fastpath(make_tiny(recipe("llama31_8b"), **tiny), max_seqs=16)
+    torch.manual_seed(0)
+    model = build_model(r)
+    reference = build_model(make_tiny(recipe("llama31_8b"), **tiny))  # NeMo alone
+    missing, unexpected = reference.module.load_state_dict(model.module.state_dict(), strict=False)
+    assert [k for k in missing + unexpected if not k.endswith("_extra_state")] == []
+    step = fdl.build(r.model.config.data_step_fn)
+    forward = fdl.build(r.model.config.forward_step_fn)
+    ds = packed_dataset(path, False)
+    b = ds.collate_fn([ds[0]])
+    starts = np.cumsum([0] + expected[0][:-1])
+    with cuda_as_cpu(), torch.no_grad():
+        loss_1T = forward(model, step(iter([b])))
+        for start, n in zip(starts[:-1], expected[0][:-1]):  # the last chunk is padding
+            tokens = b["tokens"][:, start:start + n]
+            ref_1n = reference(input_ids=tokens, position_ids=torch.arange(n)[None],
+                               attention_mask=None, labels=b["labels"][:, start:start + n])
+            torch.testing.assert_close(loss_1T[0, start:start + n], ref_1n[0], rtol=1e-4, atol=1e-4)
+        # the check can fail: without the scaling the same comparison is off
+        reference.module.rotary_pos_emb.inv_freq = dataclasses.replace(
+            cache_for(step.settings)[0].config.rope, llama3_scaling_factor=None).inv_freq()
+        reference.module.rotary_pos_emb.forward.cache_clear()
+        n = expected[0][0]
+        off = reference(input_ids=b["tokens"][:, :n], position_ids=torch.arange(n)[None],
+                        attention_mask=None, labels=b["labels"][:, :n])
+        assert (off[0] - loss_1T[0, :n]).abs().max() > 1e-3  # 10x the tolerance above
