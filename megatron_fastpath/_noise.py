@@ -7,9 +7,9 @@ built from its own ModuleSpec, which Megatron's ``TransformerLayer`` does not li
 passes the default keyword arguments, which is what ours takes). A 4-rank job printed about 52
 such lines. The main job instead prints one line naming the absent optional packages and
 filters exactly these messages -- inside :func:`main_job_filters` (warnings and logging state
-restored on exit) and, for torch's import-time warning, when the package is run as a program
-(``python -m megatron_fastpath.<module>``, see :func:`filter_import_warnings`). Importing
-megatron_fastpath as a library changes no filter.
+restored on exit) and, for the warnings emitted while the package's modules are imported, when
+the package is run as a program (``python -m megatron_fastpath.<module>``, see
+:func:`filter_import_warnings`). Importing megatron_fastpath as a library changes no filter.
 
 Imports nothing heavy: ``megatron_fastpath/__init__`` calls it before torch is imported.
 """
@@ -44,11 +44,18 @@ UNKNOWN_MLP_MESSAGE = "Unknown MLP type"
 
 
 def filter_import_warnings() -> None:
-    """Hide torch's import-time ``pynvml`` FutureWarning when megatron_fastpath is run as a
-    program: Python sets ``sys.argv[0]`` to "-m" while it imports the packages of a ``-m``
-    module, so a library import (argv[0] is the program's path) changes nothing."""
-    if sys.argv[:1] == ["-m"] and "torch" not in sys.modules:
-        warnings.filterwarnings("ignore", message=PYNVML_WARNING, category=FutureWarning)
+    """Hide the import-time warnings (torch's ``pynvml`` FutureWarning, Megatron's fallback
+    warnings: importing the package's modules imports Megatron-Core) when megatron_fastpath is
+    run as a program. Python sets ``sys.argv[0]`` to "-m" while it imports the packages of a
+    ``-m`` module, so a library import (argv[0] is the program's path) changes nothing."""
+    if sys.argv[:1] == ["-m"]:
+        _add_filters()
+
+
+def _add_filters() -> None:
+    for message in FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    warnings.filterwarnings("ignore", message=PYNVML_WARNING, category=FutureWarning)
 
 
 def absent_packages_line() -> str:
@@ -83,9 +90,7 @@ def main_job_filters(rank0: bool = None):
     drop = _DropMessage(UNKNOWN_MLP_MESSAGE)
     logger = logging.getLogger(UNKNOWN_MLP_LOGGER)
     with warnings.catch_warnings():
-        for message in FALLBACK_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
-        warnings.filterwarnings("ignore", message=PYNVML_WARNING, category=FutureWarning)
+        _add_filters()
         logger.addFilter(drop)
         quiet = [logging.getLogger(name) for name in PACKAGE_INFO_LOGGERS]
         levels = [q.level for q in quiet]

@@ -16,7 +16,9 @@ NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP ty
 
 def _run(args, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("PYTHONWARNINGS", None)
+    for var in ("PYTHONWARNINGS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)  # a standalone job (the test session may hold a rendezvous port)
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
 
