@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from megatron_fastpath.integrations.core import EXPERT_BACKENDS
+from megatron_fastpath.moe.config import EXPERT_BACKENDS
 
 __all__ = [
     "FastpathSettings",

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from megatron_fastpath.lora.config import LORA_TARGETS
+from megatron_fastpath.moe.config import EXPERT_BACKENDS  # the one list of expert backends
 
 __all__ = [
     "FrameworkNames",
@@ -34,7 +35,6 @@ __all__ = [
     "refusals",
 ]
 
-EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
 FP8_FORMATS = ("hybrid", "e4m3")
 _POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 
