@@ -34,3 +34,14 @@ def mcore_parallel():
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_aux_loss_scale():
+    """Megatron keeps the MoE aux-loss backward scale in a class attribute: a backward outside
+    its schedules creates it 0-dim, and a later schedule's ``copy_`` of a [1] scale into it
+    fails. Every test starts as a fresh process would."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield

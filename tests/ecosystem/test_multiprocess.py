@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from megatron_fastpath.train import config_dir
+from subproc import child_env
 
 REPO = os.path.dirname(config_dir())
 
@@ -32,10 +33,7 @@ def _run(tmp_path, name, overrides, nproc=1):
                f"--master_port={_port()}", *entry]
     else:
         cmd = [sys.executable, *entry]
-    # This pytest process may hold a gloo store on its own MASTER_PORT: drop rendezvous vars.
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:

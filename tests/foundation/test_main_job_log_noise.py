@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
@@ -15,10 +16,8 @@ NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP ty
 
 
 def _run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for var in ("PYTHONWARNINGS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)  # a standalone job (the test session may hold a rendezvous port)
+    env = child_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)  # the job's own filters are under test
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from megatron_fastpath.train import config_dir
+from subproc import child_env
 
 CONFIG_DIR = config_dir()
 
@@ -147,8 +148,7 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
         pytest.skip("needs 2 GPUs")
     import os
 
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = child_env()
     losses = {}
     for pp, nproc in ((1, 1), (2, 2)):
         out = tmp_path / f"pp{pp}.json"

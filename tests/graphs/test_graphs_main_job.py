@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
 from megatron_fastpath.train import config_dir
+from subproc import child_env
 
 CONFIG_DIR = config_dir()
 
@@ -142,8 +143,7 @@ def test_cuda_graph_capture_matches_eager(model, fp8):
         pytest.skip("FP8 needs Transformer Engine")
     import os
 
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = child_env()
     losses = {}
     for graphs in ("false", "true"):
         out = subprocess.run(

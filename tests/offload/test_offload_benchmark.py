@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from megatron_fastpath.train import config_dir
+from subproc import child_env
 
 REPO = os.path.dirname(config_dir())
 
@@ -15,7 +16,7 @@ def test_offload_benchmark_quick_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, f"{REPO}/benchmarks/offload.py", "--quick", "--no-gpu", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+        env=child_env(PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "baseline / ours: > 1 means ours is faster" in proc.stdout
