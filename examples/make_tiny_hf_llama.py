@@ -72,7 +72,7 @@ def build_model(out_dir: str, vocab_size: int, seed: int = 0, **shape):
         num_hidden_layers=shape.get("num_hidden_layers", 2), num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=4, pad_token_id=5,
-        torch_dtype="float32")
+        initializer_range=0.1, torch_dtype="float32")
     model = tf.LlamaForCausalLM(cfg)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model

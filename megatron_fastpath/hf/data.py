@@ -38,6 +38,7 @@ class JsonlDataConfig:
     path: the JSONL file. tokenizer_path: directory with tokenizer.json (default model.path).
     max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
     eval_fraction: held-out share of records (at least one record when > 0).
+    eval_every: held-out loss every this many steps (0: only before and after training).
     bad_records: error | skip (malformed lines and records longer than max_tokens).
     cache: cache tokenized records beside the data file.
     """
@@ -47,6 +48,7 @@ class JsonlDataConfig:
     max_tokens: int = 512
     max_seqs: int = 32
     eval_fraction: float = 0.1
+    eval_every: int = 10
     bad_records: str = "error"
     cache: bool = True
     seed: int = 1234
@@ -56,6 +58,8 @@ class JsonlDataConfig:
             raise DataError("data.path must name a JSONL file (data=jsonl data.path=<file.jsonl>)")
         if self.bad_records not in ("error", "skip"):
             raise DataError(f"data.bad_records must be 'error' or 'skip'; got {self.bad_records!r}")
+        if self.eval_every < 0:
+            raise DataError(f"data.eval_every must be >= 0; got {self.eval_every}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise DataError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
 

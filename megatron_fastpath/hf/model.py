@@ -19,7 +19,8 @@ from megatron_fastpath.hf.checkpoint import CheckpointError, SafetensorsCheckpoi
 from megatron_fastpath.hf.config import HFModelSpec, read_hf_config
 from megatron_fastpath.hf.convert import plan_globals, plan_layer, resolve_param
 
-__all__ = ["build_hf_model", "load_hf_weights", "load_hf_model", "parallel_ranks"]
+__all__ = ["build_hf_model", "build_hf_gpt", "hf_transformer_config", "load_hf_weights",
+           "load_hf_model", "parallel_ranks"]
 
 
 def parallel_ranks() -> dict:
@@ -35,17 +36,9 @@ def parallel_ranks() -> dict:
     )
 
 
-def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa",
-                   linear_impl: Optional[str] = None, params_dtype=torch.float32,
-                   layer_spec_hook=None, **config_overrides):
-    """An (unloaded) GPTModel with the checkpoint's architecture on the fastpath layer spec.
-
-    lora: a :class:`~megatron_fastpath.lora.LoRAConfig` (adapters on its targets) or None.
-    layer_spec_hook: optional spec -> spec (e.g. activation offload) applied after LoRA.
-    config_overrides: extra TransformerConfig fields (parallel sizes, graph / FP8 settings).
-    """
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-    from megatron_fastpath.model import build_gpt_model, build_transformer_config
+def hf_transformer_config(spec: HFModelSpec, params_dtype=torch.float32, **config_overrides):
+    """Megatron TransformerConfig of the checkpoint (parallel sizes from Megatron's state)."""
+    from megatron_fastpath.model import build_transformer_config
 
     ranks = parallel_ranks()
     spec.check_parallel(ranks["tp"], ranks["ep"])
@@ -53,7 +46,18 @@ def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa"
     overrides.setdefault("tensor_model_parallel_size", ranks["tp"])
     overrides.setdefault("expert_model_parallel_size", ranks["ep"])
     overrides.update(config_overrides)
-    tcfg = build_transformer_config(spec.model_config(), params_dtype=params_dtype, **overrides)
+    return build_transformer_config(spec.model_config(), params_dtype=params_dtype, **overrides)
+
+
+def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "sdpa",
+                 linear_impl: Optional[str] = None, layer_spec_hook=None):
+    """An (unloaded) GPTModel of the checkpoint's architecture for ``tcfg`` on the fastpath
+    layer spec; ``lora``: adapters on its targets; ``layer_spec_hook``: spec -> spec applied
+    after LoRA (e.g. activation offload)."""
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+    from megatron_fastpath.model import build_gpt_model
+
+    ranks = parallel_ranks()
     layer_spec = get_fastpath_layer_spec(
         cache, backend=backend, num_experts=spec.num_experts, qk_layernorm=spec.qk_norm,
         linear_impl=linear_impl)
@@ -67,7 +71,18 @@ def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa"
         tcfg, layer_spec, spec.vocab_size, cache.config.max_tokens,
         share_embeddings_and_output_weights=spec.tie_embeddings,
         pre_process=ranks["first"], post_process=ranks["last"])
-    return model.to(cache.device), tcfg
+    return model.to(cache.device)
+
+
+def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa",
+                   linear_impl: Optional[str] = None, params_dtype=torch.float32,
+                   layer_spec_hook=None, **config_overrides):
+    """(unloaded GPTModel, TransformerConfig) for the checkpoint; see :func:`build_hf_gpt`.
+    config_overrides: extra TransformerConfig fields (graph / FP8 settings)."""
+    tcfg = hf_transformer_config(spec, params_dtype, **config_overrides)
+    model = build_hf_gpt(spec, tcfg, cache, lora=lora, backend=backend, linear_impl=linear_impl,
+                         layer_spec_hook=layer_spec_hook)
+    return model, tcfg
 
 
 def _all_plans(model, spec: HFModelSpec, ranks: dict) -> list:
