@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Optional
 
 import torch
@@ -91,10 +92,14 @@ def build_hf_job_model(cfg, tcfg, cache):
                          linear_impl=cfg.linear_impl, layer_spec_hook=hook)
     ckpt = SafetensorsCheckpoint(spec.path)
     show = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    t0 = time.perf_counter()
     try:
-        load_hf_weights(model, spec, ckpt, show_progress=show)
+        n = load_hf_weights(model, spec, ckpt, show_progress=show)
     finally:
         ckpt.close()
+    if show:
+        print(f"checkpoint: {spec.model_type} from {spec.path}: {n} tensors (this rank's TP/EP "
+              f"shards) loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     total = trainable = sum(p.numel() for p in model.parameters())
     if cfg.lora is not None:
         from megatron_fastpath.lora import freeze_base_parameters, lock_lora

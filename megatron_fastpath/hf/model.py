@@ -116,8 +116,9 @@ def _progress(total: int, show: bool):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm ships with most stacks
         return None
+    # disable=None: a bar on a terminal, nothing in a log file
     return tqdm(total=total, desc="loading checkpoint", unit="tensor", file=sys.stderr,
-                mininterval=1.0, leave=False)
+                mininterval=1.0, leave=False, disable=None)
 
 
 @torch.no_grad()

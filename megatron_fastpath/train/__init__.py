@@ -67,6 +67,7 @@ def train(job: Job, logger: StepLogger) -> TrainSummary:
     for step in range(audited + 1, steps + 1):
         result = train_step(job, job.data.batch(step))
         logger.log(result, eval_loss=eval_after(step))
+    logger.flush()
     if job.cfg.hf is not None:  # model=hf: PEFT adapter / merged checkpoint (lora.export_*)
         from megatron_fastpath.hf.job import export_lora
 

@@ -215,8 +215,12 @@ class StepLogger:
             f"{off}"
         )
 
-    def finish(self) -> TrainSummary:
+    def flush(self) -> None:
+        """Print the pending (last) step now (its loss is read back: call after the steps)."""
         self._emit(self.readback.pop())
+
+    def finish(self) -> TrainSummary:
+        self.flush()
         if self.metrics is not None:
             self.artifacts.update(self.metrics.close())
             for note in self.metrics.notes:

@@ -132,3 +132,12 @@ def test_job_trains_without_transformers(finetuned, tmp_path):
     ], cwd=str(tmp_path), block_hf=True)
     assert "summary: 3 steps" in out
     assert os.path.isfile(tmp_path / "a" / "adapter_model.safetensors")
+
+
+def test_readme_shows_the_documented_command():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "## Fine-tune a Hugging Face model" in readme
+    assert "examples/make_tiny_hf_llama.py /tmp/tiny-llama" in readme
+    assert ("python -m megatron_fastpath.train model=hf model.path=/tmp/tiny-llama data=jsonl "
+            "data.path=examples/data/arith_chat.jsonl fastpath.lora=true "
+            "lora.export_dir=/tmp/tiny-llama-lora") in readme
