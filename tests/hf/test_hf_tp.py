@@ -62,3 +62,45 @@ def test_tp2_load_train_export(tmp_path):
     merged = held_out_loss(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")),
                            held.samples)
     assert abs(tuned - ours) < 1e-4 * ours and abs(merged - ours) < 1e-4 * ours
+
+
+def test_ep2_loads_and_exports_expert_shards(tmp_path):
+    """Qwen3-MoE with expert_model_parallel_size=2: same losses as one process, and the merged
+    export gathers both ranks' experts back to exactly the checkpoint's (frozen) tensors."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from hf_reference import make_checkpoint
+
+    ckpt = str(tmp_path / "moe")
+    make_checkpoint("qwen3_moe_norm", ckpt)
+    common = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "fastpath.lora=true",
+              "training.steps=3", "data.num_samples=128", "data.max_tokens=128", "data.max_len=48",
+              "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"]
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    summaries = {}
+    for ep in (1, 2):
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                      f"--master_port={_port()}"] if ep == 2 else [])
+        out = tmp_path / f"ep{ep}"
+        args = common + [f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
+                         f"lora.export_merged_dir={out}", f"training.summary_json={out}.json",
+                         f"hydra.run.dir={tmp_path / f'run{ep}'}"]
+        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        summaries[ep] = json.load(open(f"{out}.json"))
+    for a, b in zip(summaries[1]["records"], summaries[2]["records"]):
+        assert abs(a["loss"] - b["loss"]) <= 2e-4 * abs(a["loss"])
+    src, merged = {}, {}
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")):
+        src.update(load_file(f))
+    for f in glob.glob(str(tmp_path / "ep2" / "*.safetensors")):
+        merged.update(load_file(f))
+    assert set(src) == set(merged)
+    experts = [k for k in src if ".mlp." in k]
+    assert len(experts) == 2 * (1 + 3 * 4)  # per layer: router + 4 experts x (gate, up, down)
+    assert all(src[k].equal(merged[k]) for k in experts)
