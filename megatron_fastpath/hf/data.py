@@ -75,7 +75,7 @@ class TokenizedData:
     malformed: list
 
 
-def _validate(rec, lineno: int, where: str):
+def _validate(rec):
     """'chat' or 'pc' for a well-formed record, else a reason string (raises nothing)."""
     if not isinstance(rec, dict):
         return None, "not a JSON object"
@@ -131,7 +131,7 @@ def tokenize_jsonl(path: str, tokenizer) -> TokenizedData:
         except json.JSONDecodeError as exc:
             malformed.append((lineno, f"invalid JSON ({exc.msg})"))
             continue
-        kind, why = _validate(rec, lineno, path)
+        kind, why = _validate(rec)
         if kind is None:
             malformed.append((lineno, why))
             continue

@@ -141,14 +141,13 @@ def save_peft_adapter(model, spec: HFModelSpec, lora_cfg, out_dir: str) -> dict:
 
 
 @torch.no_grad()
-def _weight(layer, dotted: str):
-    """Base weight of a (possibly LoRA-wrapped) linear plus its adapter delta when enabled."""
+def _weight(layer, owner: str, name: str) -> torch.Tensor:
+    """Weight of ``layer.<owner>.<name>`` (float32) plus its LoRA delta when the adapter is on."""
     from megatron_fastpath.lora import LoRALinear
 
-    owner, name, attr = dotted.rsplit(".", 2) if dotted.count(".") >= 2 else ("", *dotted.split("."))
-    mod = getattr(getattr(layer, owner), name) if owner else getattr(layer, name)
-    w = getattr(mod, attr).detach().float()
-    if isinstance(mod, LoRALinear) and attr == "weight" and mod.enabled:
+    mod = getattr(getattr(layer, owner), name)
+    w = mod.weight.detach().float()
+    if isinstance(mod, LoRALinear) and mod.enabled:
         w = w + mod.merged_weight_delta().float()
     return w
 
@@ -159,12 +158,12 @@ def _merged_layer(layer, spec: HFModelSpec, i: int, group, ep_group) -> dict:
     P, G, D = spec.num_attention_heads, spec.num_query_groups, spec.head_dim
     out = {n["input_norm"]: resolve_param(layer, "input_layernorm.weight").detach().float(),
            n["post_norm"]: resolve_param(layer, "pre_mlp_layernorm.weight").detach().float()}
-    qkv = _full_column(_weight(layer, "self_attention.linear_qkv.weight"), 1, group)[0]
+    qkv = _full_column(_weight(layer, "self_attention", "linear_qkv"), 1, group)[0]
     out[n["q"]], out[n["k"]], out[n["v"]] = split_qkv(qkv, P, G, D)
     if spec.qkv_bias:
         bias = _full_column(layer.self_attention.linear_qkv.bias.detach().float(), 1, group)[0]
         out[n["q_bias"]], out[n["k_bias"]], out[n["v_bias"]] = split_qkv(bias, P, G, D)
-    out[n["o"]] = torch.cat(_gather(_weight(layer, "self_attention.linear_proj.weight"), 1, group), 1)
+    out[n["o"]] = torch.cat(_gather(_weight(layer, "self_attention", "linear_proj"), 1, group), 1)
     if spec.qk_norm:
         out[n["q_norm"]] = layer.self_attention.q_layernorm.weight.detach().float()
         out[n["k_norm"]] = layer.self_attention.k_layernorm.weight.detach().float()
@@ -179,8 +178,8 @@ def _merged_layer(layer, spec: HFModelSpec, i: int, group, ep_group) -> dict:
             out[n["expert"].format(e=e, w=up)] = u
             out[n["expert"].format(e=e, w=down)] = w2[e].t()
     else:
-        out[n["gate"]], out[n["up"]] = _full_column(_weight(layer, "mlp.linear_fc1.weight"), 2, group)
-        out[n["down"]] = torch.cat(_gather(_weight(layer, "mlp.linear_fc2.weight"), 1, group), 1)
+        out[n["gate"]], out[n["up"]] = _full_column(_weight(layer, "mlp", "linear_fc1"), 2, group)
+        out[n["down"]] = torch.cat(_gather(_weight(layer, "mlp", "linear_fc2"), 1, group), 1)
     return out
 
 

@@ -186,7 +186,15 @@ def export_lora(job, log=print) -> dict:
     return out
 
 
-def check_export_config(lora, hf: Optional[HFJobConfig]) -> None:
-    if lora is not None and (lora.export_dir or lora.export_merged_dir) and hf is None:
+def check_hf_job(lora, hf: Optional[HFJobConfig], data, pp: int) -> None:
+    """Export and evaluation settings the job cannot honour, refused before anything is built."""
+    exporting = lora is not None and (lora.export_dir or lora.export_merged_dir)
+    if exporting and hf is None:
         raise ValueError("lora.export_dir / lora.export_merged_dir write Hugging Face files and "
                          "need model=hf model.path=<checkpoint>")
+    if exporting and pp > 1:
+        raise ValueError("lora.export_* with pipeline parallelism is not supported (each stage "
+                         "holds other layers); export from a pipeline_model_parallel_size=1 run")
+    if getattr(data, "eval_fraction", 0) > 0 and pp > 1:
+        raise ValueError("held-out evaluation runs the model outside Megatron's pipeline "
+                         "schedule: with pipeline parallelism set data.eval_fraction=0")

@@ -211,7 +211,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     from megatron_fastpath.attention.core_attention import resolve_backend
     from megatron_fastpath.graphs.config import plan_graphs_and_fp8
 
-    from megatron_fastpath.hf.job import check_export_config, parse_hf_groups
+    from megatron_fastpath.hf.job import check_hf_job, parse_hf_groups
     from megatron_fastpath.train.metrics import MetricsConfig
 
     train = section(cfg, "training", TrainingConfig)
@@ -224,7 +224,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     model = hf_model or section(cfg, "model", ModelConfig)
     data = hf_data or section(cfg, "data", DataConfig)
     features = _feature_sections(cfg, fast)
-    check_export_config(features["lora"], hf)
+    check_hf_job(features["lora"], hf, data, par.pipeline_model_parallel_size)
     metrics = section(cfg, "metrics", MetricsConfig) if cfg is not None and "metrics" in cfg else None
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
