@@ -2,7 +2,9 @@
 
 Run-time dependencies: safetensors, tokenizers, jinja2 (no transformers). Modules:
 ``config`` (config.json -> model description), ``checkpoint`` (safetensors reads),
-``convert`` (HF <-> Megatron layout), ``model`` (build + load), ``export`` (PEFT / merged).
+``convert`` (HF <-> Megatron layout), ``model`` (build + load), ``export`` (PEFT / merged),
+``tokenizer`` (tokenizer.json + sandboxed chat template), ``data`` (``data=jsonl``), ``job``
+(the main job's ``model=hf`` / ``data=jsonl`` / evaluation / export pieces).
 """
 
 from megatron_fastpath.hf.checkpoint import CheckpointError, SafetensorsCheckpoint

@@ -79,6 +79,7 @@ def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa"
                    layer_spec_hook=None, **config_overrides):
     """(unloaded GPTModel, TransformerConfig) for the checkpoint; see :func:`build_hf_gpt`.
     config_overrides: extra TransformerConfig fields (graph / FP8 settings)."""
+    config_overrides.setdefault("use_cpu_initialization", cache.device.type != "cuda")
     tcfg = hf_transformer_config(spec, params_dtype, **config_overrides)
     model = build_hf_gpt(spec, tcfg, cache, lora=lora, backend=backend, linear_impl=linear_impl,
                          layer_spec_hook=layer_spec_hook)

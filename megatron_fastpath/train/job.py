@@ -96,6 +96,12 @@ def _init_distributed(cfg: JobConfig) -> None:
     )
 
 
+def hf_transformer_overrides(cfg: JobConfig) -> dict:
+    """model=hf: the checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters
+    allocated on the device (no host copy of the shard before its weights are loaded)."""
+    return dict(cfg.hf.spec.transformer_overrides(), use_cpu_initialization=cfg.device.type != "cuda")
+
+
 def build_transformer(cfg: JobConfig):
     """Megatron TransformerConfig of the job (capacity-mode MoE and graph/FP8 fields included)."""
     moe = {}
@@ -110,7 +116,7 @@ def build_transformer(cfg: JobConfig):
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         **moe,
-        **(cfg.hf.spec.transformer_overrides() if cfg.hf is not None else {}),
+        **(hf_transformer_overrides(cfg) if cfg.hf is not None else {}),
         **cfg.plan.transformer_config,
     )
 
