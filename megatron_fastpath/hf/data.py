@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
            "DataError"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bump when tokenization or masking changes
 
 
 class DataError(ValueError):

@@ -10,7 +10,8 @@ and returns token ids with an assistant mask (1 on tokens the model should learn
 Assistant spans: from ``{% generation %}`` blocks when the template has them (exactly as
 transformers' ``return_assistant_tokens_mask``); otherwise by rendering each conversation prefix
 (``messages[:i]`` + generation prompt, then ``messages[:i+1]``): the characters the assistant
-turn adds are its span. A template whose prefixes do not render as prefixes is refused.
+turn adds, up to its last non-space character (the reply and its end-of-turn token, not the
+template's newline after it), are its span. A template whose prefixes do not render as prefixes is refused.
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ class ChatTokenizer:
                     f"{self.path}: the chat template does not render conversation prefixes as "
                     "prefixes (it rewrites earlier turns), so assistant tokens cannot be located; "
                     "use a template with {% generation %} tags")
-            spans.append((len(before), len(upto)))
+            end = len(upto)
+            while end > len(before) and upto[end - 1].isspace():
+                end -= 1  # the template's separator after the end-of-turn token
+            spans.append((len(before), end))
         return spans
 
     def encode_chat(self, messages: list) -> tuple[list, list]:

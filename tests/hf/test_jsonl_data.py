@@ -162,3 +162,34 @@ def test_tokenized_records_cached_beside_the_data(tok_dirs, tmp_path):
     logs.clear()
     load_jsonl_splits(cfg, tagged, log=logs.append)
     assert any("cached in" in m for m in logs)
+
+
+# A Qwen2.5-style template: whitespace control, default system prompt injected when none is
+# given, tool branch with tojson, namespace-free loop with loop.last.
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- if tools %}{{- '# Tools\\n' + (tools | tojson) + '\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}@@{{- message.content + '<|im_end|>' }}##{{- '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
+def test_qwen_style_template_without_tags(tmp_path, k):
+    """Real-world template features; our prefix spans equal transformers' mask of the same
+    template with {% generation %} tags around each assistant reply."""
+    tagged, plain = str(tmp_path / "t"), str(tmp_path / "p")
+    tiny.build_tokenizer(tagged, DATA, template=QWEN_LIKE.replace("@@", "{% generation %}").replace("##", "{% endgeneration %}"))
+    tiny.build_tokenizer(plain, DATA, template=QWEN_LIKE.replace("@@", "").replace("##", ""))
+    msgs = CONVERSATIONS[k]
+    want_ids, want_mask = hf_reference(tagged, msgs)
+    plain_ids = transformers.AutoTokenizer.from_pretrained(plain).apply_chat_template(msgs, tokenize=True)
+    ids, mask = ChatTokenizer(plain).encode_chat(msgs)
+    assert ids == plain_ids == want_ids and mask == want_mask and sum(mask) > 0
