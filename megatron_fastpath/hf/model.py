@@ -60,7 +60,7 @@ def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "s
     ranks = parallel_ranks()
     layer_spec = get_fastpath_layer_spec(
         cache, backend=backend, num_experts=spec.num_experts, qk_layernorm=spec.qk_norm,
-        linear_impl=linear_impl)
+        linear_impl=linear_impl, params_dtype=tcfg.params_dtype)
     if lora is not None:
         from megatron_fastpath.lora import with_lora
 

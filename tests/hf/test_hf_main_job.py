@@ -35,7 +35,10 @@ assert 'transformers' not in sys.modules and 'peft' not in sys.modules
 
 
 def run_job(args, cwd, block_hf=False):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    # this pytest process may hold a gloo store on its own MASTER_PORT: drop rendezvous vars
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", WANDB_MODE="offline")
     cmd = [sys.executable, "-c", BLOCK_HF] if block_hf else [sys.executable, "-m", "megatron_fastpath.train"]
     proc = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
