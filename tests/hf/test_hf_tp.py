@@ -104,3 +104,36 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
     experts = [k for k in src if ".mlp." in k]
     assert len(experts) == 2 * (1 + 3 * 4)  # per layer: router + 4 experts x (gate, up, down)
     assert all(src[k].equal(merged[k]) for k in experts)
+
+
+def test_dp2_matches_one_process_including_eval(tmp_path):
+    """data=jsonl under data parallelism: 2 ranks x 1 microbatch == 1 rank x 2 microbatches, per
+    step and for the held-out loss (each rank evaluates its share, sums all-reduced)."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import make_tiny_hf_llama
+
+    ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
+    make_tiny_hf_llama.main(ckpt, DATA)
+    shutil.copy(DATA, data)
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = {}
+    for n in (1, 2):
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                      f"--master_port={_port()}"] if n == 2 else [])
+        args = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "data=jsonl",
+                f"data.path={data}", "fastpath.lora=true", "lora.dropout=0", "training.steps=4",
+                "data.eval_every=2", f"training.micro_batches={3 - n}", "metrics.tensorboard=false",
+                "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={tmp_path}/dp{n}.json",
+                f"hydra.run.dir={tmp_path / f'run{n}'}"]
+        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        out[n] = json.load(open(tmp_path / f"dp{n}.json"))
+    assert out[2]["world_size"] == 2
+    for a, b in zip(out[1]["records"], out[2]["records"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
+    assert [s for s, _ in out[1]["evals"]] == [s for s, _ in out[2]["evals"]] == [0, 2, 4]
+    for (_, a), (_, b) in zip(out[1]["evals"], out[2]["evals"]):
+        assert abs(a - b) <= 1e-5 * a
