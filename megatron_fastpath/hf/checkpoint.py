@@ -18,9 +18,6 @@ import torch
 
 __all__ = ["CheckpointError", "SafetensorsCheckpoint"]
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, or its tensors do not match config.json."""
 

@@ -118,9 +118,9 @@ class HFModelSpec:
         """Refuse TP / EP sizes that do not divide the heads, groups, FFN, vocab or experts."""
         where = os.path.join(self.path, "config.json")
         need = {"num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_query_groups,
-                "intermediate_size": self.moe_ffn_hidden_size if self.is_moe else self.ffn_hidden_size,
-                "vocab_size": self.vocab_size}
+                "num_key_value_heads": self.num_query_groups, "vocab_size": self.vocab_size}
+        if not self.is_moe:  # experts are not TP-sharded (expert_tensor_parallel_size 1)
+            need["intermediate_size"] = self.ffn_hidden_size
         for key, value in need.items():
             if value % tp:
                 raise ValueError(

@@ -198,7 +198,8 @@ def save_merged_checkpoint(model, spec: HFModelSpec, out_dir: str, dtype=None) -
     dtype: torch dtype of the saved tensors (default: the source config's ``torch_dtype``)."""
     from safetensors.torch import save_file
 
-    dtype = dtype or getattr(torch, str(spec.raw.get("torch_dtype") or "float32"), torch.float32)
+    src_dtype = spec.raw.get("torch_dtype") or spec.raw.get("dtype") or "float32"
+    dtype = dtype or getattr(torch, str(src_dtype), torch.float32)
     group, ep_group = _tp_group(), _ep_group()
     writer = _is_writer()
     if writer:
@@ -226,7 +227,8 @@ def save_merged_checkpoint(model, spec: HFModelSpec, out_dir: str, dtype=None) -
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
         cfg = dict(spec.raw)
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        for key in [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]:
+            cfg[key] = str(dtype).replace("torch.", "")
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         for name in TOKENIZER_FILES:
