@@ -203,6 +203,7 @@ def resolve_param(root: torch.nn.Module, dotted: str) -> Optional[torch.Tensor]:
             break
     if isinstance(obj, torch.Tensor):
         return obj
-    if dotted in fused:
-        return resolve_param(root, fused[dotted])
+    for unfused, te_name in fused.items():
+        if dotted == unfused or dotted.endswith("." + unfused):
+            return resolve_param(root, dotted[: len(dotted) - len(unfused)] + te_name)
     return None

@@ -109,3 +109,30 @@ def test_tp_ep_shards_concatenate_to_the_full_layout(tmp_path):
     up = torch.cat([s["mlp.linear_fc1.weight"][F // 2 :] for s in shards], 0)
     assert torch.equal(torch.cat([gate, up], 0), full["mlp.linear_fc1.weight"])
     assert torch.equal(torch.cat([s["mlp.linear_fc2.weight"] for s in shards], 1), full["mlp.linear_fc2.weight"])
+
+
+def test_norms_fused_into_te_linears_are_found():
+    """With Transformer Engine linears Megatron fuses the layer norms into linear_qkv / fc1
+    (``layer_norm_weight``; input_layernorm is an IdentityOp): the loader targets those."""
+    from megatron_fastpath.hf.convert import resolve_param
+
+    class Identity(torch.nn.Module):
+        pass
+
+    class TELinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 4))
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(4))
+
+    layer = torch.nn.Module()
+    layer.input_layernorm, layer.pre_mlp_layernorm = Identity(), Identity()
+    layer.self_attention, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    layer.self_attention.linear_qkv, layer.mlp.linear_fc1 = TELinear(), TELinear()
+    root = torch.nn.Module()
+    root.decoder = torch.nn.Module()
+    root.decoder.layers = torch.nn.ModuleList([layer])
+    assert resolve_param(root, "decoder.layers.0.input_layernorm.weight") is layer.self_attention.linear_qkv.layer_norm_weight
+    assert resolve_param(layer, "pre_mlp_layernorm.weight") is layer.mlp.linear_fc1.layer_norm_weight
+    assert resolve_param(root, "decoder.layers.0.self_attention.linear_qkv.weight") is layer.self_attention.linear_qkv.weight
+    assert resolve_param(root, "decoder.layers.0.mlp.router.weight") is None

@@ -92,6 +92,12 @@ def test_metrics_files_written(finetuned):
     png = os.path.join(finetuned["metrics"], "loss_curves.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert finetuned["summary"]["artifacts"]["plot"] == png
+    try:  # W&B offline run when wandb is installed (metrics.wandb=auto)
+        import wandb  # noqa: F401
+    except ImportError:
+        return
+    run_dir = finetuned["summary"]["artifacts"]["wandb"]
+    assert run_dir.startswith(finetuned["metrics"]) and "offline-run" in run_dir
 
 
 def held_out_loss(model, records):
