@@ -33,7 +33,29 @@ setup(
             "pyarrow==21.*",
             "leptonai==0.26.*",
         ],
-        "test": ["pytest>=8"],
+        # model=hf / data=jsonl at run time (no transformers needed) + metrics backends.
+        "hf": [
+            "safetensors>=0.4.3",
+            "tokenizers>=0.22,<0.23",
+            "jinja2>=3.1",
+            "tqdm>=4.66",
+            "tensorboard>=2.15",
+            "matplotlib>=3.8",
+        ],
+        # Reference implementations for the parity tests and the example checkpoint builder;
+        # pins co-install with the nemo extra (NeMo 2.7 brings transformers 4.57, peft 0.21).
+        "hf-test": ["transformers>=4.57,<4.58", "peft>=0.21,<0.22"],
+        "test": [
+            "pytest>=8",
+            "safetensors>=0.4.3",
+            "tokenizers>=0.22,<0.23",
+            "jinja2>=3.1",
+            "tqdm>=4.66",
+            "tensorboard>=2.15",
+            "matplotlib>=3.8",
+            "transformers>=4.57,<4.58",
+            "peft>=0.21,<0.22",
+        ],
     },
     entry_points={"console_scripts": ["megatron-fastpath-train=megatron_fastpath.train:main"]},
 )

@@ -1,8 +1,10 @@
-"""The main job: Megatron-Core training of a Llama-style GPTModel on packed synthetic SFT data.
+"""The main job: Megatron-Core training of a Llama-style GPTModel on packed SFT data.
 
     python -m megatron_fastpath.train                      # embedded CPU default (gloo)
     python -m megatron_fastpath.train training.steps=50 model=tiny_dense
     torchrun --nproc_per_node=2 -m megatron_fastpath.train  # data parallel
+    python -m megatron_fastpath.train model=hf model.path=<hf dir> data=jsonl \
+        data.path=<file.jsonl> fastpath.lora=true lora.export_dir=<dir>   # fine-tune (hf/job.py)
 
 Read like torchtitan's ``train.py``::
 
@@ -46,12 +48,30 @@ _section = section  # the name tests and older callers use
 def train(job: Job, logger: StepLogger) -> TrainSummary:
     """All steps of ``job``; the first ``job.audit_steps`` run with the graph-safety audit's
     hooks installed (its context manager removes them, also on error)."""
-    audited = job.audit_steps
+    audited, steps = job.audit_steps, job.cfg.training.steps
+    evaluate = getattr(job, "evaluator", None)
+    every = getattr(job.cfg.data, "eval_every", 0)
+
+    def eval_after(step: int):
+        """Held-out loss after ``step`` (every ``data.eval_every`` steps and after the last)."""
+        if evaluate is None or not (step == steps or (every and step % every == 0)):
+            return None
+        return evaluate()
+
+    if evaluate is not None:
+        logger.log_eval(0, evaluate())
     with job.audit if audited else contextlib.nullcontext():
         for step in range(1, audited + 1):
-            logger.log(train_step(job, job.data.batch(step), audit=True))
-    for step in range(audited + 1, job.cfg.training.steps + 1):
-        logger.log(train_step(job, job.data.batch(step)))
+            result = train_step(job, job.data.batch(step), audit=True)
+            logger.log(result, eval_loss=eval_after(step))
+    for step in range(audited + 1, steps + 1):
+        result = train_step(job, job.data.batch(step))
+        logger.log(result, eval_loss=eval_after(step))
+    logger.flush()
+    if job.cfg.hf is not None:  # model=hf: PEFT adapter / merged checkpoint (lora.export_*)
+        from megatron_fastpath.hf.job import export_lora
+
+        logger.artifacts.update(export_lora(job, log=logger.print))
     return logger.finish()
 
 

@@ -108,6 +108,8 @@ class JobConfig:
     attention_backend: str
     linear_impl: str
     plan: Any  # GraphPlan
+    hf: Any = None  # Optional[HFJobConfig]: model=hf (megatron_fastpath.hf.job)
+    metrics: Any = None  # Optional[MetricsConfig]: None when the tree has no metrics group
 
     @property
     def is_moe(self) -> bool:
@@ -209,13 +211,21 @@ def parse_job_config(cfg: Any) -> JobConfig:
     from megatron_fastpath.attention.core_attention import resolve_backend
     from megatron_fastpath.graphs.config import plan_graphs_and_fp8
 
-    model = section(cfg, "model", ModelConfig)
-    data = section(cfg, "data", DataConfig)
+    from megatron_fastpath.hf.job import check_hf_job, parse_hf_groups
+    from megatron_fastpath.train.metrics import MetricsConfig
+
     train = section(cfg, "training", TrainingConfig)
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)
+    # model=hf / data=jsonl (groups naming a checkpoint / a JSONL file), checked on the host
+    hf_model, hf_data, hf = parse_hf_groups(
+        cfg, par.tensor_model_parallel_size, par.expert_model_parallel_size)
+    model = hf_model or section(cfg, "model", ModelConfig)
+    data = hf_data or section(cfg, "data", DataConfig)
     features = _feature_sections(cfg, fast)
+    check_hf_job(features["lora"], hf, data, par.pipeline_model_parallel_size)
+    metrics = section(cfg, "metrics", MetricsConfig) if cfg is not None and "metrics" in cfg else None
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
@@ -236,7 +246,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     )
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
-                    linear_impl=linear_impl, plan=plan, **features)
+                    linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics, **features)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 

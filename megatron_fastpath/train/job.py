@@ -67,6 +67,9 @@ class Job:
     total_params: int
     trainable_params: int
     env_set: dict
+    evaluator: Any = None  # data=jsonl: held-out loss (megatron_fastpath.hf.job.Evaluator)
+    metrics: Any = None  # MetricsWriter (TensorBoard / W&B / plot), None without a metrics group
+    data_report: Any = None  # data=jsonl: record counts (malformed, too long, splits)
 
     @property
     def audit_steps(self) -> int:
@@ -93,6 +96,12 @@ def _init_distributed(cfg: JobConfig) -> None:
     )
 
 
+def hf_transformer_overrides(cfg: JobConfig) -> dict:
+    """model=hf: the checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters
+    allocated on the device (no host copy of the shard before its weights are loaded)."""
+    return dict(cfg.hf.spec.transformer_overrides(), use_cpu_initialization=cfg.device.type != "cuda")
+
+
 def build_transformer(cfg: JobConfig):
     """Megatron TransformerConfig of the job (capacity-mode MoE and graph/FP8 fields included)."""
     moe = {}
@@ -107,6 +116,7 @@ def build_transformer(cfg: JobConfig):
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         **moe,
+        **(hf_transformer_overrides(cfg) if cfg.hf is not None else {}),
         **cfg.plan.transformer_config,
     )
 
@@ -119,7 +129,8 @@ def build_cache(cfg: JobConfig):
     in_flight = cfg.training.micro_batches if cfg.device.type == "cuda" else 1
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
-                        num_slots=in_flight, rope=rope_config_for(cfg.model)),
+                        num_slots=in_flight,
+                        rope=cfg.hf.spec.rope_config() if cfg.hf is not None else rope_config_for(cfg.model)),
         device=cfg.device,
     )
 
@@ -197,14 +208,32 @@ def build_job(cfg: JobConfig) -> Job:
         prepare_cuda_graphs(cfg.training.seed, use_te_rng_tracker=cfg.cuda_graphs.use_te_rng_tracker)
     tcfg = build_transformer(cfg)
     cache = build_cache(cfg)
-    model, total, trainable = build_model(cfg, tcfg, cache)
+    if cfg.hf is not None:  # model=hf: the checkpoint's architecture and weights
+        from megatron_fastpath.hf.job import build_hf_job_model
+
+        model, total, trainable = build_hf_job_model(cfg, tcfg, cache)
+    else:
+        model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None
     if cfg.offload is not None:
         from megatron_fastpath.offload import get_offload_manager
 
         offload = get_offload_manager(model)
     dp_world = ps.get_data_parallel_world_size()
-    data = build_data(cfg, ps.get_data_parallel_rank(), dp_world)
+    evaluator = report = None
+    if hasattr(cfg.data, "path"):  # data=jsonl: train split per step, held-out split for eval
+        from megatron_fastpath.hf.job import Evaluator, build_jsonl_data
+
+        data, eval_bins, report = build_jsonl_data(cfg, ps.get_data_parallel_rank(), dp_world)
+        evaluator = Evaluator(model, cache, eval_bins, cfg.device) if report["eval_records"] else None
+    else:
+        data = build_data(cfg, ps.get_data_parallel_rank(), dp_world)
+    metrics = None
+    if cfg.metrics is not None:
+        from megatron_fastpath.train.metrics import MetricsWriter
+
+        metrics = MetricsWriter(cfg.metrics, torch.distributed.get_rank(),
+                                run_config=dict(features=list(cfg.features), steps=cfg.training.steps))
     path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model,
@@ -212,4 +241,5 @@ def build_job(cfg: JobConfig) -> Job:
         audit=_build_audit(cfg, model), rank=torch.distributed.get_rank(),
         world=torch.distributed.get_world_size(), dp_world=dp_world,
         total_params=total, trainable_params=trainable, env_set=env_set,
+        evaluator=evaluator, metrics=metrics, data_report=report,
     )

@@ -35,6 +35,8 @@ class StepResult:
     cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
     offload_mode: str = "off"
+    grad_norm: object = None  # device tensor (read back with the loss) or host float
+    eval_loss: Optional[float] = None  # held-out loss measured right after this step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +55,18 @@ class StepRecord:
     cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
     offload_mode: str = "off"
+    grad_norm: Optional[float] = None
+    eval_loss: Optional[float] = None
 
     @classmethod
-    def from_result(cls, r: StepResult, loss_sum: float) -> "StepRecord":
+    def from_result(cls, r: StepResult, loss_sum: float, grad_norm=None) -> "StepRecord":
         return cls(
             step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
             step_ms=r.step_ms, tokens_per_s=r.tokens / (r.step_ms / 1e3),
             syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
             cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
+            grad_norm=None if grad_norm is None else float(grad_norm), eval_loss=r.eval_loss,
         )
 
 
@@ -85,6 +90,10 @@ class TrainSummary:
     audit: Optional[str] = None
     audit_ok: Optional[bool] = None
     notes: tuple = ()
+    evals: tuple = ()  # (step, held-out loss); step 0 = before training
+    eval_loss: Optional[float] = None  # held-out loss at the end (data=jsonl)
+    data: Optional[dict] = None  # data=jsonl record counts
+    artifacts: Optional[dict] = None  # exported adapter / merged checkpoint / metrics files
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -141,6 +150,9 @@ class StepLogger:
         self.records: list[StepRecord] = []
         self.show = job.rank == 0 or job.cfg.training.log_all_ranks
         self.prefix = f"[rank {job.rank}] " if job.cfg.training.log_all_ranks else ""
+        self.evals: list[tuple] = []
+        self.artifacts: dict = {}
+        self.metrics = getattr(job, "metrics", None)
 
     def print(self, text: str) -> None:
         if self.show:
@@ -162,17 +174,40 @@ class StepLogger:
         if j.env_set:
             self.print(f"  environment: {j.env_set}")
 
-    def log(self, result: StepResult) -> None:
-        self._emit(self.readback.push({"loss_sum": result.loss_sum}, result))
+    def log(self, result: StepResult, eval_loss: Optional[float] = None) -> None:
+        values = {"loss_sum": result.loss_sum}
+        if isinstance(result.grad_norm, torch.Tensor):
+            values["grad_norm"] = result.grad_norm
+        if eval_loss is not None:
+            result = dataclasses.replace(result, eval_loss=eval_loss)
+            self._record_eval(result.step, eval_loss)
+        self._emit(self.readback.push(values, result))
+
+    def log_eval(self, step: int, loss: float) -> None:
+        """A held-out loss outside a step line (step 0: before training)."""
+        self._record_eval(step, loss)
+        self.print(f"eval {'before training' if step == 0 else f'at step {step}'}: held-out loss {loss:.4f}")
+
+    def _record_eval(self, step: int, loss: float) -> None:
+        self.evals.append((step, loss))
+        if self.metrics is not None:
+            self.metrics.eval(step, loss)
 
     def _emit(self, prev) -> None:
         if prev is None:
             return
         values, result = prev
-        rec = StepRecord.from_result(result, values["loss_sum"])
+        grad_norm = values.get("grad_norm", result.grad_norm)
+        rec = StepRecord.from_result(result, values["loss_sum"], grad_norm)
         self.records.append(rec)
+        if self.metrics is not None:
+            self.metrics.step(rec)
         off = (f" | offload {rec.offload_mode} {rec.offload_bytes / 2**20:.1f} MiB"
                if self.job.offload is not None else "")
+        if rec.grad_norm is not None:
+            off += f" | grad norm {rec.grad_norm:.3f}"
+        if rec.eval_loss is not None:
+            off += f" | eval loss {rec.eval_loss:.4f}"
         self.print(
             f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
             f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: fwd+bwd "
@@ -180,8 +215,16 @@ class StepLogger:
             f"{off}"
         )
 
-    def finish(self) -> TrainSummary:
+    def flush(self) -> None:
+        """Print the pending (last) step now (its loss is read back: call after the steps)."""
         self._emit(self.readback.pop())
+
+    def finish(self) -> TrainSummary:
+        self.flush()
+        if self.metrics is not None:
+            self.artifacts.update(self.metrics.close())
+            for note in self.metrics.notes:
+                self.print(f"  {note}")
         summary = self.summarize()
         self._print_summary(summary)
         if self.job.cfg.training.summary_json and self.job.rank == 0:
@@ -209,6 +252,10 @@ class StepLogger:
             audit=report.summary() if report else None,
             audit_ok=report.ok if report else None,
             notes=job.cfg.plan.notes,
+            evals=tuple(self.evals),
+            eval_loss=self.evals[-1][1] if self.evals else None,
+            data=getattr(job, "data_report", None),
+            artifacts=dict(self.artifacts) or None,
         )
 
     def _print_summary(self, s: TrainSummary) -> None:
@@ -221,6 +268,11 @@ class StepLogger:
             f"builds {s.cache_builds} ({stats.host_to_device_copies} H2D "
             f"copies, {stats.bytes_copied} bytes)"
         )
+        if s.evals:
+            self.print(f"  held-out loss {s.evals[0][1]:.4f} -> {s.eval_loss:.4f} (step "
+                       f"{s.evals[0][0]} -> {s.evals[-1][0]}, {len(s.evals)} evaluations)")
+        for kind, path in (s.artifacts or {}).items():
+            self.print(f"  {kind}: {path}")
         for site in sorted({x for r in s.records for x in r.sync_sites}):
             self.print(f"  sync site: {site}")
         history = self.job.offload.history if self.job.offload is not None else ()

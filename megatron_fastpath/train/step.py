@@ -35,6 +35,8 @@ class StepParts:
     forward_backward: Callable  # (microbatches, global_loss_tokens) -> (loss_sum, sentinel)
     optimizer: object
     scheduler: object
+    # gradient norm of the last step (device tensor or host float; None before the first)
+    grad_norm: Callable = lambda: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,7 @@ def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
         cache_builds=d.builds,
         offload_bytes=off.bytes_offloaded if off else 0,
         offload_mode=off.mode.value if off else "off",
+        grad_norm=job.step.grad_norm(),
     )
 
 
@@ -146,6 +149,7 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _cpu_optimizer(params, train_cfg)
     cpu = torch.device("cpu")
+    last = {}
 
     def forward_backward(mbs, global_loss_tokens: int):
         loss_sum = torch.zeros((), dtype=torch.float32)
@@ -160,12 +164,16 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         if torch.distributed.get_world_size(dp_group) > 1:
             torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log
         if train_cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, train_cfg.clip_grad, foreach=True)
+            last["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, train_cfg.clip_grad, foreach=True)
+        else:
+            last["grad_norm"] = torch.nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None], foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss_sum, fwd_bwd
 
-    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg))
+    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
+                     grad_norm=lambda: last.get("grad_norm"))
 
 
 def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
@@ -205,6 +213,7 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     schedule = get_forward_backward_func()
     device = cache.device
     dp_world = ps.get_data_parallel_world_size()
+    last = {}
 
     def forward_backward(mbs, global_loss_tokens: int):
         handles = []
@@ -237,11 +246,12 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             )
         for pb in handles:
             cache.release(pb)
-        optimizer.step()
+        _, last["grad_norm"], _ = optimizer.step()  # (update ok, grad norm, zeros in grad)
         if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
             torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
         if dp_world > 1:
             torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
         return loss_sum, fwd_bwd
 
-    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg))
+    return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
+                     grad_norm=lambda: last.get("grad_norm"))

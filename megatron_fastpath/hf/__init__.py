@@ -1,0 +1,34 @@
+"""Hugging Face checkpoints in, PEFT adapters / merged checkpoints out, chat JSONL data.
+
+Run-time dependencies: safetensors, tokenizers, jinja2 (no transformers). Modules:
+``config`` (config.json -> model description), ``checkpoint`` (safetensors reads),
+``convert`` (HF <-> Megatron layout), ``model`` (build + load), ``export`` (PEFT / merged),
+``tokenizer`` (tokenizer.json + sandboxed chat template), ``data`` (``data=jsonl``), ``job``
+(the main job's ``model=hf`` / ``data=jsonl`` / evaluation / export pieces).
+"""
+
+from megatron_fastpath.hf.checkpoint import CheckpointError, SafetensorsCheckpoint
+from megatron_fastpath.hf.config import (
+    SUPPORTED,
+    HFModelSpec,
+    UnsupportedCheckpointError,
+    read_hf_config,
+)
+
+_LAZY = {
+    "build_hf_model": "megatron_fastpath.hf.model",
+    "load_hf_model": "megatron_fastpath.hf.model",
+    "load_hf_weights": "megatron_fastpath.hf.model",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_fastpath.hf' has no attribute {name!r}")
+
+
+__all__ = ["CheckpointError", "HFModelSpec", "SUPPORTED", "SafetensorsCheckpoint",
+           "UnsupportedCheckpointError", "read_hf_config", *_LAZY]

@@ -1,0 +1,228 @@
+"""Hugging Face ``config.json`` -> the fastpath model description (no transformers import).
+
+:func:`read_hf_config` parses and validates a checkpoint's ``config.json`` into a frozen
+:class:`HFModelSpec`; unsupported architectures, sliding-window attention and rope types are
+refused here, before any tensor is read, with the list of what is supported. The spec derives
+
+* the :class:`~megatron_fastpath.model.ModelConfig` (shape) and the extra Megatron
+  ``TransformerConfig`` fields (``layernorm_epsilon``, ``add_qkv_bias``, router options), and
+* the packed cache's :class:`~megatron_fastpath.packed_seq.RopeConfig` (Llama 3.1 scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+__all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "read_hf_config"]
+
+# model_type -> (family, is_moe). Each family's weight names live in hf/convert.py.
+SUPPORTED = {
+    "llama": ("llama", False),
+    "mistral": ("llama", False),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+    "mixtral": ("mixtral", True),
+    "qwen3_moe": ("qwen3_moe", True),
+}
+SUPPORTED_TEXT = (
+    "Llama 2/3/3.1/3.2 (model_type llama, rope_scaling none or llama3), Mistral (no sliding "
+    "window), Qwen2, Qwen3, Mixtral, Qwen3-MoE (every layer MoE)"
+)
+
+
+class UnsupportedCheckpointError(ValueError):
+    """The checkpoint's config.json describes something this package cannot load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelSpec:
+    """What the fastpath needs from a Hugging Face decoder config (all host values).
+
+    family: llama | qwen2 | qwen3 | mixtral | qwen3_moe (Mistral loads as llama).
+    head_dim: per-head channels (config ``head_dim`` or hidden / heads).
+    qkv_bias: q/k/v projections carry biases (Qwen2). qk_norm: per-head RMSNorm of q and k
+    (Qwen3). tie_embeddings: the LM head is the embedding matrix.
+    num_experts / topk / moe_ffn_hidden_size / norm_topk_prob / aux_loss_coeff: MoE only.
+    """
+
+    path: str
+    model_type: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    llama3_rope: Optional[tuple] = None  # (factor, low, high, original_max_position)
+    num_experts: Optional[int] = None
+    topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    norm_topk_prob: bool = True
+    aux_loss_coeff: float = 0.0
+    raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def model_config(self):
+        """The ``model`` group dataclass of the main job for this checkpoint."""
+        from megatron_fastpath.model import ModelConfig
+
+        return ModelConfig(
+            num_layers=self.num_layers, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
+            rotary_base=self.rope_theta,
+            rope_scaling_factor=self.llama3_rope[0] if self.llama3_rope else None,
+            kv_channels=self.head_dim, qk_layernorm=self.qk_norm,
+            seq_length=self.max_position_embeddings, num_experts=self.num_experts,
+            moe_router_topk=self.topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+        )
+
+    def transformer_overrides(self) -> dict:
+        """TransformerConfig fields beyond ``build_transformer_config``'s Llama defaults."""
+        out = dict(layernorm_epsilon=self.rms_norm_eps, add_qkv_bias=self.qkv_bias,
+                   perform_initialization=False)  # every weight is overwritten by the loader
+        if self.is_moe:
+            # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron:
+            # pre_softmax=False takes top-k logits then softmax (== renormalised), True keeps
+            # the full-softmax probabilities (== not renormalised).
+            out.update(moe_router_pre_softmax=not self.norm_topk_prob,
+                       moe_aux_loss_coeff=self.aux_loss_coeff,
+                       moe_router_load_balancing_type="aux_loss" if self.aux_loss_coeff else "none")
+        return out
+
+    def rope_config(self):
+        from megatron_fastpath.packed_seq.cache import RopeConfig
+
+        if self.llama3_rope is None:
+            return RopeConfig(dim=self.head_dim, base=self.rope_theta)
+        factor, low, high, orig = self.llama3_rope
+        return RopeConfig(dim=self.head_dim, base=self.rope_theta, llama3_scaling_factor=factor,
+                          llama3_low_freq_factor=low, llama3_high_freq_factor=high,
+                          llama3_original_max_position=orig)
+
+    def check_parallel(self, tp: int, ep: int = 1) -> None:
+        """Refuse TP / EP sizes that do not divide the heads, groups, FFN, vocab or experts."""
+        where = os.path.join(self.path, "config.json")
+        need = {"num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_query_groups, "vocab_size": self.vocab_size}
+        if not self.is_moe:  # experts are not TP-sharded (expert_tensor_parallel_size 1)
+            need["intermediate_size"] = self.ffn_hidden_size
+        for key, value in need.items():
+            if value % tp:
+                raise ValueError(
+                    f"{where}: {key}={value} is not divisible by tensor_model_parallel_size={tp}; "
+                    f"choose a TP size dividing it")
+        if ep > 1 and (not self.is_moe or self.num_experts % ep):
+            raise ValueError(
+                f"{where}: {self.num_experts or 0} experts cannot be split over "
+                f"expert_model_parallel_size={ep}")
+
+
+def _get(cfg: dict, key: str, where: str, default=...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise UnsupportedCheckpointError(f"{where}: required key '{key}' is missing")
+    return default
+
+
+def _refuse(where: str, what: str) -> None:
+    raise UnsupportedCheckpointError(f"{where}: {what} is not supported. Supported: {SUPPORTED_TEXT}")
+
+
+def _llama3_rope(cfg: dict, where: str) -> Optional[tuple]:
+    rs = cfg.get("rope_scaling")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        _refuse(where, f"rope_scaling type {kind!r} (supported rope types: none, default, llama3)")
+    return (float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
+            float(rs.get("high_freq_factor", 4.0)),
+            int(rs.get("original_max_position_embeddings", 8192)))
+
+
+def _check_attention(cfg: dict, mt: str, where: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        _refuse(where, f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU with silu only)")
+    if mt in ("mistral", "mixtral") and cfg.get("sliding_window") is not None:
+        _refuse(where, f"sliding_window={cfg['sliding_window']} (set it to null for full "
+                       "attention, or use a checkpoint without a window)")
+    if cfg.get("use_sliding_window"):
+        _refuse(where, "use_sliding_window=true")
+    if mt in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        _refuse(where, "attention_bias / mlp_bias on a Llama-family model")
+    if mt == "qwen3" and cfg.get("attention_bias"):
+        _refuse(where, "attention_bias on Qwen3")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse(where, f"partial_rotary_factor={cfg['partial_rotary_factor']}")
+
+
+def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
+    if mt == "mixtral":
+        experts, ffn, norm = _get(cfg, "num_local_experts", where), _get(cfg, "intermediate_size", where), True
+    else:
+        experts, ffn = _get(cfg, "num_experts", where), _get(cfg, "moe_intermediate_size", where)
+        norm = bool(cfg.get("norm_topk_prob", False))
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+            _refuse(where, "Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step)")
+    aux = float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0
+    return dict(num_experts=int(experts), topk=int(_get(cfg, "num_experts_per_tok", where)),
+                moe_ffn_hidden_size=int(ffn), norm_topk_prob=norm, aux_loss_coeff=aux)
+
+
+def read_hf_config(path: str) -> HFModelSpec:
+    """Parse ``<path>/config.json``; raise before any weight is touched if unsupported."""
+    where = os.path.join(path, "config.json")
+    if not os.path.isfile(where):
+        raise FileNotFoundError(f"{where} not found: model.path must be a Hugging Face checkpoint "
+                                "directory (config.json + *.safetensors)")
+    try:
+        with open(where, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        _refuse(where, f"model_type {mt!r} (architectures {cfg.get('architectures')})")
+    family, is_moe = SUPPORTED[mt]
+    _check_attention(cfg, mt, where)
+    heads = int(_get(cfg, "num_attention_heads", where))
+    hidden = int(_get(cfg, "hidden_size", where))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kw = dict(
+        path=path, model_type=mt, family=family,
+        num_layers=int(_get(cfg, "num_hidden_layers", where)), hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(_get(cfg, "num_key_value_heads", where, heads)),
+        head_dim=head_dim, ffn_hidden_size=int(_get(cfg, "intermediate_size", where)),
+        vocab_size=int(_get(cfg, "vocab_size", where)),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", where)),
+        rope_theta=float(_get(cfg, "rope_theta", where, 10000.0)),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", where, 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+        llama3_rope=_llama3_rope(cfg, where), raw=cfg,
+    )
+    if heads % kw["num_query_groups"]:
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kw['num_query_groups']}")
+    if is_moe:
+        kw.update(_moe_fields(cfg, mt, where))
+    return HFModelSpec(**kw)

@@ -1,0 +1,204 @@
+"""A checkpoint's tokenizer and chat template without transformers.
+
+:class:`ChatTokenizer` reads ``tokenizer.json`` (the ``tokenizers`` library) and the chat
+template from ``tokenizer_config.json`` (or ``chat_template.jinja``), renders it the way
+transformers' ``apply_chat_template`` does -- in Jinja's ``ImmutableSandboxedEnvironment``
+(a template is untrusted input) with ``trim_blocks`` / ``lstrip_blocks``, loop controls, the
+``tojson`` / ``raise_exception`` / ``strftime_now`` helpers and the ``{% generation %}`` tag --
+and returns token ids with an assistant mask (1 on tokens the model should learn to produce).
+
+Assistant spans: from ``{% generation %}`` blocks when the template has them (exactly as
+transformers' ``return_assistant_tokens_mask``); otherwise by rendering each conversation prefix
+(``messages[:i]`` + generation prompt, then ``messages[:i+1]``): the characters the assistant
+turn adds, up to its last non-space character (the reply and its end-of-turn token, not the
+template's newline after it), are its span. A template whose prefixes do not render as prefixes is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime
+from typing import Optional
+
+__all__ = ["ChatTokenizer", "TokenizerError"]
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+            "mask_token")
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files cannot serve the requested data."""
+
+
+def _token_str(v) -> Optional[str]:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _compile(template: str):
+    """transformers' ``_compile_jinja_template``, reimplemented on jinja2 alone."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTracker(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(tracker=self)
+            self.blocks = None
+            self.spans = None
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+        def _track(self, caller):
+            rv = caller()
+            if self.blocks is not None:
+                start = len("".join(self.blocks))
+                self.spans.append((start, start + len(rv)))
+            return rv
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+class ChatTokenizer:
+    """tokenizer.json + tokenizer_config.json of a checkpoint directory."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.path = path
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise TokenizerError(f"{tok_file} not found: the checkpoint needs a fast tokenizer "
+                                 "(tokenizer.json) for data=jsonl")
+        self.tokenizer = Tokenizer.from_file(tok_file)
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        self.config = json.load(open(cfg_file, encoding="utf-8")) if os.path.isfile(cfg_file) else {}
+        smap = os.path.join(path, "special_tokens_map.json")
+        special = json.load(open(smap, encoding="utf-8")) if os.path.isfile(smap) else {}
+        self.special_tokens = {}
+        for name in _SPECIAL:
+            value = _token_str(self.config.get(name)) or _token_str(special.get(name))
+            if value:
+                self.special_tokens[name] = value
+        extra = self.config.get("additional_special_tokens") or special.get("additional_special_tokens")
+        if extra:
+            self.special_tokens["additional_special_tokens"] = [_token_str(t) for t in extra]
+        self.chat_template = self._find_template()
+        self._compiled = None
+
+    def _find_template(self) -> Optional[str]:
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers uses "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        jinja_file = os.path.join(self.path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            template = open(jinja_file, encoding="utf-8").read()
+        return template
+
+    @property
+    def has_generation_tags(self) -> bool:
+        return bool(self.chat_template and re.search(r"\{\%-?\s*generation\s*-?\%\}", self.chat_template))
+
+    def token_id(self, token: str) -> int:
+        i = self.tokenizer.token_to_id(token)
+        if i is None:
+            raise TokenizerError(f"{self.path}: special token {token!r} is not in tokenizer.json")
+        return i
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        eos = self.special_tokens.get("eos_token")
+        return self.token_id(eos) if eos else None
+
+    def require_template(self) -> None:
+        if not self.chat_template:
+            raise TokenizerError(
+                f"{os.path.join(self.path, 'tokenizer_config.json')} has no 'chat_template' (and no "
+                "chat_template.jinja): chat records need one. Add a template, or use "
+                "prompt/completion records ({\"prompt\": ..., \"completion\": ...})")
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, messages: list, add_generation_prompt: bool = False, track: bool = False):
+        """(text, generation spans in characters) as transformers renders it."""
+        self.require_template()
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template)
+        tracker = self._compiled.environment.tracker
+        kwargs = dict(messages=messages, tools=None, documents=None,
+                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        if not track:
+            return self._compiled.render(**kwargs), []
+        tracker.blocks, tracker.spans = [], []
+        try:
+            for block in self._compiled.generate(**kwargs):
+                tracker.blocks.append(block)
+            return "".join(tracker.blocks), tracker.spans
+        finally:
+            tracker.blocks, tracker.spans = None, None
+
+    def _prefix_spans(self, messages: list, text: str) -> list:
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, _ = self.render(messages[:i], add_generation_prompt=True)
+            upto, _ = self.render(messages[: i + 1])
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise TokenizerError(
+                    f"{self.path}: the chat template does not render conversation prefixes as "
+                    "prefixes (it rewrites earlier turns), so assistant tokens cannot be located; "
+                    "use a template with {% generation %} tags")
+            end = len(upto)
+            while end > len(before) and upto[end - 1].isspace():
+                end -= 1  # the template's separator after the end-of-turn token
+            spans.append((len(before), end))
+        return spans
+
+    def encode_chat(self, messages: list) -> tuple[list, list]:
+        """(token ids, assistant mask) of one conversation; the mask marks the tokens of each
+        assistant span exactly as transformers' ``return_assistant_tokens_mask`` does."""
+        text, spans = self.render(messages, track=self.has_generation_tags)
+        if not self.has_generation_tags:
+            spans = self._prefix_spans(messages, text)
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        mask = [0] * len(ids)
+        for start_c, end_c in spans:
+            if end_c <= start_c:
+                continue
+            start = enc.char_to_token(start_c)
+            end = enc.char_to_token(end_c - 1)
+            if start is None:
+                break
+            for t in range(start, end + 1 if end else len(ids)):
+                mask[t] = 1
+        return ids, mask
+
+    def encode_prompt_completion(self, prompt: str, completion: str) -> tuple[list, list]:
+        """prompt with the tokenizer's own special tokens (BOS), completion + EOS in the loss."""
+        p = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        c = self.tokenizer.encode(completion, add_special_tokens=False).ids
+        eos = self.eos_id
+        c = c + ([eos] if eos is not None else [])
+        return p + c, [0] * len(p) + [1] * len(c)

@@ -1,0 +1,147 @@
+"""Metrics of the main job: TensorBoard event files, Weights & Biases (offline) when installed,
+and a PNG of the loss curves at the end of a run.
+
+:class:`MetricsWriter` receives every finished :class:`~megatron_fastpath.train.logger.StepRecord`
+(host values: the logger reads device values back one step late) and every held-out loss.
+Scalars per step: ``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``train/grad_norm``,
+``train/host_syncs_step``, ``train/host_syncs_fwd_bwd``, ``eval/loss``. Only global rank 0
+writes. Every backend is optional: TensorBoard needs ``tensorboard`` (``torch.utils.tensorboard``
+writes the files), the plot ``matplotlib``; a missing one is reported once in the notes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+__all__ = ["MetricsConfig", "MetricsWriter", "plot_losses"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """The ``metrics`` group.
+
+    dir: where event files, the W&B offline run and loss_curves.png go; None: the Hydra run
+        directory when launched from the command line, else nothing is written.
+    tensorboard / plot: on or off. wandb: auto (offline run when wandb is installed) | on | off.
+    """
+
+    dir: Optional[str] = None
+    tensorboard: bool = True
+    wandb: str = "auto"
+    plot: bool = True
+    project: str = "megatron_fastpath"
+
+    def __post_init__(self):
+        if self.wandb not in ("auto", "on", "off"):
+            raise ValueError(f"metrics.wandb must be auto, on or off; got {self.wandb!r}")
+
+
+def _hydra_run_dir() -> Optional[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return HydraConfig.get().runtime.output_dir
+    except Exception:  # noqa: BLE001 - no Hydra run: nothing to default to
+        return None
+    return None
+
+
+class MetricsWriter:
+    """Fan-out of step records and eval losses to the enabled backends (rank 0 only)."""
+
+    def __init__(self, cfg: MetricsConfig, rank: int, run_config: Optional[dict] = None):
+        self.cfg, self.notes = cfg, []
+        self.dir = cfg.dir or _hydra_run_dir()
+        self.tb = self.wandb = None
+        self.steps, self.evals = [], []
+        if rank != 0 or self.dir is None:
+            self.dir = None
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=os.path.join(self.dir, "tensorboard"))
+            except ImportError as exc:
+                self.notes.append(f"TensorBoard not written ({exc}); pip install tensorboard")
+        if cfg.wandb != "off":
+            self._init_wandb(run_config or {})
+
+    def _init_wandb(self, run_config: dict) -> None:
+        try:
+            import wandb
+        except ImportError:
+            if self.cfg.wandb == "on":
+                raise
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb = wandb.init(project=self.cfg.project, mode="offline", dir=self.dir,
+                                config=run_config, reinit=True)
+
+    def step(self, rec) -> None:
+        if self.dir is None:
+            return
+        grad_norm = getattr(rec, "grad_norm", None)
+        scalars = {"train/loss": rec.loss, "train/lr": rec.lr, "train/tokens_per_s": rec.tokens_per_s,
+                   "train/host_syncs_step": rec.syncs_step, "train/host_syncs_fwd_bwd": rec.syncs_fwd_bwd}
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = grad_norm
+        self.steps.append((rec.step, rec.loss))
+        self._write(scalars, rec.step)
+
+    def eval(self, step: int, loss: float) -> None:
+        if self.dir is None:
+            return
+        self.evals.append((step, loss))
+        self._write({"eval/loss": loss}, step)
+
+    def _write(self, scalars: dict, step: int) -> None:
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> dict:
+        """Flush and close; write the loss-curve PNG. Returns {kind: path} of what was written."""
+        out = {}
+        if self.dir is None:
+            return out
+        if self.tb is not None:
+            self.tb.close()
+            out["tensorboard"] = os.path.join(self.dir, "tensorboard")
+        if self.wandb is not None:
+            out["wandb"] = self.wandb.dir
+            self.wandb.finish()
+        if self.cfg.plot and self.steps:
+            path = os.path.join(self.dir, "loss_curves.png")
+            try:
+                plot_losses(self.steps, self.evals, path)
+                out["plot"] = path
+            except ImportError as exc:
+                self.notes.append(f"loss curves not plotted ({exc}); pip install matplotlib")
+        return out
+
+
+def plot_losses(steps: list, evals: list, path: str) -> None:
+    """Train loss per step and held-out loss per evaluation, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot([s for s, _ in steps], [v for _, v in steps], label="train loss", lw=1)
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss per loss token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

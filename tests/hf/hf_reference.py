@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face checkpoints (built locally with transformers, fp32, GQA, 2 layers)
+and helpers to run our packed model next to the transformers model."""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("llama", "llama3_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+            "qwen3_moe_norm")
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_norm")
+VOCAB = 96
+
+
+def hf_config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=48, rms_norm_eps=1e-5,
+                  max_position_embeddings=256, rope_theta=1000.0, tie_word_embeddings=False)
+    if family == "llama":  # Llama 3.1: llama3 rope scaling (small original context so it bites)
+        return tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if family == "llama3_tied":  # Llama 3.2: tied embeddings
+        return tf.LlamaConfig(**{**common, "tie_word_embeddings": True})
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None, head_dim=16)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, use_sliding_window=False)
+    if family == "qwen3":  # head_dim != hidden / heads, QK-norm
+        return tf.Qwen3Config(**common, head_dim=24, use_sliding_window=False)
+    moe = dict(common, intermediate_size=32, num_experts_per_tok=2)
+    if family == "mixtral":
+        return tf.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
+    if family in ("qwen3_moe", "qwen3_moe_norm"):
+        return tf.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=32, head_dim=16,
+                                 norm_topk_prob=family == "qwen3_moe_norm", decoder_sparse_step=1,
+                                 mlp_only_layers=[], use_sliding_window=False)
+    raise KeyError(family)
+
+
+@torch.no_grad()
+def randomize(model, seed: int = 0) -> None:
+    """Weights large enough that a layout error changes the logits; norms around 1."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+
+
+def make_checkpoint(family: str, path: str, shard: bool = False, seed: int = 0):
+    """Save a tiny random model of ``family`` to ``path``; returns the transformers model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    randomize(model, seed)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True,
+                          max_shard_size="60KB" if shard else "10GB")
+    return model
+
+
+def packed_tokens(lengths, max_tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    tokens = torch.zeros(1, max_tokens, dtype=torch.long)
+    tokens[0, :total] = torch.randint(0, VOCAB, (total,), generator=gen)
+    return tokens

@@ -1,0 +1,98 @@
+"""Bad model=hf / data=jsonl inputs stop the main job before any step, naming file/line/key."""
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from megatron_fastpath.train import config_dir  # noqa: E402
+
+REPO = os.path.dirname(config_dir())
+DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")
+
+
+def cfg(overrides):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import make_tiny_hf_llama
+
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny_hf_llama.main(path, DATA)
+    return path
+
+
+def run_expecting(overrides, exc, match, capsys):
+    from megatron_fastpath.train import run
+
+    with pytest.raises(exc, match=match):
+        run(cfg(["training.steps=2", "metrics.wandb=off", *overrides]))
+    assert "| loss " not in capsys.readouterr().out  # no step ran
+
+
+def test_jsonl_line_without_messages(mcore_parallel, tiny, tmp_path, capsys):
+    from megatron_fastpath.hf.data import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    lines = open(DATA).read().splitlines()[:50]
+    lines[6] = json.dumps({"conversation": []})
+    bad.write_text("\n".join(lines) + "\n")
+    run_expecting(["model=hf", f"model.path={tiny}", "data=jsonl", f"data.path={bad}",
+                   "data.cache=false"], DataError, r"bad.jsonl: 1 malformed line\(s\): line 7 \(no 'messages' key", capsys)
+
+
+def test_tokenizer_without_chat_template(mcore_parallel, tiny, tmp_path, capsys):
+    import shutil
+
+    from megatron_fastpath.hf.tokenizer import TokenizerError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    tc = json.load(open(ckpt / "tokenizer_config.json"))
+    del tc["chat_template"]
+    json.dump(tc, open(ckpt / "tokenizer_config.json", "w"))
+    run_expecting(["model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={DATA}",
+                   "data.cache=false"], TokenizerError, "tokenizer_config.json has no 'chat_template'", capsys)
+
+
+def test_truncated_checkpoint_refused_at_parse(mcore_parallel, tiny, tmp_path, capsys):
+    import shutil
+
+    from megatron_fastpath.hf.checkpoint import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    with open(ckpt / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(ckpt / "model.safetensors") // 2)
+    run_expecting(["model=hf", f"model.path={ckpt}"], CheckpointError,
+                  "model.safetensors: truncated safetensors file", capsys)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.tensor_model_parallel_size=3"], "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
+    (["+model.hidden_size=32"], r"model=hf takes only model.path"),
+])
+def test_bad_hf_job_config(mcore_parallel, tiny, overrides, match, capsys):
+    run_expecting(["model=hf", f"model.path={tiny}", *overrides], ValueError, match, capsys)
+
+
+def test_export_needs_model_hf(mcore_parallel, capsys):
+    run_expecting(["fastpath.lora=true", "lora.export_dir=/tmp/x"], ValueError,
+                  "need model=hf model.path", capsys)
+
+
+def test_unsupported_architecture_refused(mcore_parallel, tmp_path, capsys):
+    from megatron_fastpath.hf.config import UnsupportedCheckpointError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    run_expecting(["model=hf", f"model.path={tmp_path}"], UnsupportedCheckpointError,
+                  "model_type 'gpt2'", capsys)

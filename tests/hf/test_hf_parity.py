@@ -1,0 +1,176 @@
+"""Our GPTModel loaded from a Hugging Face checkpoint equals the transformers model (logits on a
+packed batch vs each sequence alone) and our LoRA gradients equal peft LoRA's on it.
+
+Tolerance: max |ours - transformers| / max |transformers| <= 1e-4 (fp32; measured ~1e-6)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from hf_reference import FAMILIES, MOE, VOCAB, make_checkpoint, packed_tokens  # noqa: E402
+
+from megatron_fastpath.hf.convert import fuse_qkv  # noqa: E402
+
+LENGTHS = [13, 7, 20, 9, 1]
+MAX_TOKENS = 64
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(family, shard=False):
+        key = (family, shard)
+        if key not in made:
+            path = str(tmp_path_factory.mktemp(f"{family}{'_sharded' if shard else ''}"))
+            made[key] = (path, make_checkpoint(family, path, shard=shard))
+        return made[key]
+
+    return get
+
+
+def build_ours(path, lora=None, max_tokens=MAX_TOKENS):
+    from megatron_fastpath.hf.config import read_hf_config
+    from megatron_fastpath.hf.model import load_hf_model
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    spec = read_hf_config(path)
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, rope=spec.rope_config()))
+    model, _, spec = load_hf_model(path, cache, lora=lora, show_progress=False)
+    return model, cache, spec
+
+
+def packed_logits(model, cache, tokens, lengths=LENGTHS):
+    with cache.batch(lengths) as pb:
+        return model(tokens, pb.position_ids_1T, None, packed_seq_params=pb.packed_seq_params)
+
+
+def assert_rel_close(ours, ref, tol=REL_TOL, what=""):
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= tol, f"{what}: relative error {rel:.2e} > {tol:.0e}"
+    return rel
+
+
+def per_sequence(tokens, lengths=LENGTHS):
+    start = 0
+    for n in lengths:
+        yield start, tokens[:, start : start + n]
+        start += n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers(mcore_parallel, checkpoints, family):
+    path, ref = checkpoints(family)
+    model, cache, spec = build_ours(path)
+    model.eval()
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    with torch.no_grad():
+        ours = packed_logits(model, cache, tokens)
+        for start, seq in per_sequence(tokens):
+            want = ref(seq).logits
+            assert_rel_close(ours[:, start : start + seq.shape[1]], want, what=f"{family} @{start}")
+
+
+def test_sharded_checkpoint_loads_the_same(mcore_parallel, checkpoints):
+    path, ref = checkpoints("qwen2", shard=True)
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
+    model, cache, _ = build_ours(path)
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    with torch.no_grad():
+        ours = packed_logits(model.eval(), cache, tokens)
+        for start, seq in per_sequence(tokens):
+            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits)
+
+
+def lora_targets(family):
+    return ("linear_qkv", "linear_proj") if family in MOE else (
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def make_peft(ref, spec, ours, cfg):
+    """peft LoRA on a copy of the transformers model with our adapter weights (via our export)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    from megatron_fastpath.hf.export import PEFT_MODULES, peft_state_dict
+
+    modules = sorted({m for t in cfg.targets for m in PEFT_MODULES[t]})
+    pm = get_peft_model(copy.deepcopy(ref), LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=modules))
+    result = set_peft_model_state_dict(pm, peft_state_dict(ours, spec))
+    assert not result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k]
+    return pm
+
+
+def randomize_adapters(model, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B") or n.endswith("lora_A"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+def peft_grads_as_ours(pm, spec, i, target):
+    """Gradient of our fused adapter from peft's per-module gradients (A shared by the parts)."""
+    from megatron_fastpath.hf.export import PEFT_MODULES
+
+    layer = pm.base_model.model.model.layers[i]
+    owner = layer.self_attn if target in ("linear_qkv", "linear_proj") else layer.mlp
+    mods = [getattr(owner, name) for name in PEFT_MODULES[target]]
+    gA = sum(m.lora_A["default"].weight.grad for m in mods)
+    gBs = [m.lora_B["default"].weight.grad for m in mods]
+    if target == "linear_qkv":
+        gB = fuse_qkv(*gBs, spec.num_query_groups)
+    else:
+        gB = torch.cat(gBs, 0)
+    return gA, gB
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_grads_equal_peft(mcore_parallel, checkpoints, family):
+    from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters
+
+    path, ref = checkpoints(family)
+    cfg = LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=lora_targets(family))
+    model, cache, spec = build_ours(path, lora=cfg)
+    freeze_base_parameters(model)
+    randomize_adapters(model)
+    pm = make_peft(ref, spec, model, cfg)
+
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    labels = packed_tokens(LENGTHS, MAX_TOKENS, seed=1)
+    mask = torch.zeros(1, MAX_TOKENS)
+    mask[0, : sum(LENGTHS)] = 1
+    with cache.batch(LENGTHS) as pb:
+        per_tok = model(tokens, pb.position_ids_1T, None, labels=labels,
+                        packed_seq_params=pb.packed_seq_params)
+        ours_loss = (per_tok * mask).sum()
+        ours_loss.backward()
+    ref_loss = 0.0
+    for start, seq in per_sequence(tokens):
+        logits = pm(input_ids=seq).logits[0]
+        lab = labels[0, start : start + seq.shape[1]]
+        loss = torch.nn.functional.cross_entropy(logits.float(), lab, reduction="sum")
+        loss.backward()
+        ref_loss += loss.item()
+    assert abs(ours_loss.item() - ref_loss) <= 1e-4 * abs(ref_loss)
+
+    checked = 0
+    for i, layer in enumerate(model.decoder.layers):
+        for target in cfg.targets:
+            owner = layer.self_attention if target in ("linear_qkv", "linear_proj") else layer.mlp
+            mod = getattr(owner, target)
+            gA, gB = peft_grads_as_ours(pm, spec, i, target)
+            assert_rel_close(mod.lora_A.grad, gA, what=f"{family} layer {i} {target} A")
+            assert_rel_close(mod.lora_B.grad, gB, what=f"{family} layer {i} {target} B")
+            checked += 2
+    assert checked == 2 * spec.num_layers * len(cfg.targets)
+    assert VOCAB == spec.vocab_size

@@ -1,0 +1,139 @@
+"""Tensor parallel on CPU (torchrun, 2 gloo processes): each rank loads its TP shard of the
+checkpoint (the held-out loss before training equals transformers' on the full model), and the
+TP-gathered exports (PEFT adapter, merged checkpoint) reproduce the TP model's final held-out
+loss in transformers."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from test_hf_main_job import DATA, REPO, held_out_loss  # noqa: E402
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_load_train_export(tmp_path):
+    from peft import PeftModel
+
+    from megatron_fastpath.hf.data import JsonlDataConfig, load_jsonl_splits
+
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import make_tiny_hf_llama
+
+    ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
+    make_tiny_hf_llama.main(ckpt, DATA)
+    shutil.copy(DATA, data)
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_port()}", "-m", "megatron_fastpath.train", "model=hf",
+           f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
+           "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+           f"lora.export_dir={tmp_path / 'adapter'}", f"lora.export_merged_dir={tmp_path / 'merged'}",
+           "parallel.tensor_model_parallel_size=2", "training.steps=4", "training.clip_grad=0",
+           "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false",
+           f"training.summary_json={summary}", f"hydra.run.dir={tmp_path / 'run'}"]
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    s = json.load(open(summary))
+    assert s["world_size"] == 2
+
+    _, held, _ = load_jsonl_splits(JsonlDataConfig(path=data), ckpt, log=lambda m: None)
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    base_loss = held_out_loss(base, held.samples)
+    assert abs(s["evals"][0][1] - base_loss) < 1e-4 * base_loss  # TP shards loaded right
+    ours = s["eval_loss"]
+    assert ours < base_loss - 0.2
+    tuned = held_out_loss(PeftModel.from_pretrained(base, str(tmp_path / "adapter")), held.samples)
+    merged = held_out_loss(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")),
+                           held.samples)
+    assert abs(tuned - ours) < 1e-4 * ours and abs(merged - ours) < 1e-4 * ours
+
+
+def test_ep2_loads_and_exports_expert_shards(tmp_path):
+    """Qwen3-MoE with expert_model_parallel_size=2: same losses as one process, and the merged
+    export gathers both ranks' experts back to exactly the checkpoint's (frozen) tensors."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from hf_reference import make_checkpoint
+
+    ckpt = str(tmp_path / "moe")
+    make_checkpoint("qwen3_moe_norm", ckpt)
+    common = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "fastpath.lora=true",
+              "training.steps=3", "data.num_samples=128", "data.max_tokens=128", "data.max_len=48",
+              "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"]
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    summaries = {}
+    for ep in (1, 2):
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                      f"--master_port={_port()}"] if ep == 2 else [])
+        out = tmp_path / f"ep{ep}"
+        args = common + [f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
+                         f"lora.export_merged_dir={out}", f"training.summary_json={out}.json",
+                         f"hydra.run.dir={tmp_path / f'run{ep}'}"]
+        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        summaries[ep] = json.load(open(f"{out}.json"))
+    for a, b in zip(summaries[1]["records"], summaries[2]["records"]):
+        assert abs(a["loss"] - b["loss"]) <= 2e-4 * abs(a["loss"])
+    src, merged = {}, {}
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")):
+        src.update(load_file(f))
+    for f in glob.glob(str(tmp_path / "ep2" / "*.safetensors")):
+        merged.update(load_file(f))
+    assert set(src) == set(merged)
+    experts = [k for k in src if ".mlp." in k]
+    assert len(experts) == 2 * (1 + 3 * 4)  # per layer: router + 4 experts x (gate, up, down)
+    assert all(src[k].equal(merged[k]) for k in experts)
+
+
+def test_dp2_matches_one_process_including_eval(tmp_path):
+    """data=jsonl under data parallelism: 2 ranks x 1 microbatch == 1 rank x 2 microbatches, per
+    step and for the held-out loss (each rank evaluates its share, sums all-reduced)."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import make_tiny_hf_llama
+
+    ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
+    make_tiny_hf_llama.main(ckpt, DATA)
+    shutil.copy(DATA, data)
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = {}
+    for n in (1, 2):
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                      f"--master_port={_port()}"] if n == 2 else [])
+        args = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "data=jsonl",
+                f"data.path={data}", "fastpath.lora=true", "lora.dropout=0", "training.steps=4",
+                "data.eval_every=2", f"training.micro_batches={3 - n}", "metrics.tensorboard=false",
+                "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={tmp_path}/dp{n}.json",
+                f"hydra.run.dir={tmp_path / f'run{n}'}"]
+        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        out[n] = json.load(open(tmp_path / f"dp{n}.json"))
+    assert out[2]["world_size"] == 2
+    for a, b in zip(out[1]["records"], out[2]["records"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
+    assert [s for s, _ in out[1]["evals"]] == [s for s, _ in out[2]["evals"]] == [0, 2, 4]
+    for (_, a), (_, b) in zip(out[1]["evals"], out[2]["evals"]):
+        assert abs(a - b) <= 1e-5 * a

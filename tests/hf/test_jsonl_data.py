@@ -1,0 +1,195 @@
+"""data=jsonl: token ids and assistant masks equal transformers' apply_chat_template; bad lines
+and over-long records are counted with line numbers; packing, held-out split and cache."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+sys.path.insert(0, EXAMPLES)
+import make_tiny_hf_llama as tiny  # noqa: E402
+
+from megatron_fastpath.hf.data import DataError, JsonlDataConfig, load_jsonl_splits  # noqa: E402
+from megatron_fastpath.hf.tokenizer import ChatTokenizer, TokenizerError  # noqa: E402
+
+DATA = os.path.join(EXAMPLES, "data", "arith_chat.jsonl")
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "3 + 4 = 7."}],
+    [{"role": "system", "content": "You are a careful calculator."},
+     {"role": "user", "content": "Compute 12 * 3."}, {"role": "assistant", "content": "12 * 3 = 36."},
+     {"role": "user", "content": "And plus 4?"}, {"role": "assistant", "content": "36 + 4 = 40."}],
+    [{"role": "user", "content": "Convert 2 km to m."}, {"role": "assistant", "content": " 2 km = 2000 m. "},
+     {"role": "user", "content": "Thanks"}],  # conversation ending on a user turn
+]
+NO_TAGS = tiny.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    tagged = str(tmp_path_factory.mktemp("tagged"))
+    plain = str(tmp_path_factory.mktemp("plain"))
+    tiny.build_tokenizer(tagged, DATA)
+    tiny.build_tokenizer(plain, DATA, template=NO_TAGS)
+    return tagged, plain
+
+
+def hf_reference(path, messages):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    return out["input_ids"], out["assistant_masks"]
+
+
+@pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
+def test_chat_ids_and_masks_equal_transformers(tok_dirs, k):
+    tagged, plain = tok_dirs
+    msgs = CONVERSATIONS[k]
+    want_ids, want_mask = hf_reference(tagged, msgs)
+    assert sum(want_mask) > 0
+    ids, mask = ChatTokenizer(tagged).encode_chat(msgs)
+    assert ids == want_ids and mask == want_mask
+    # a template without {% generation %} tags: same ids from transformers, and our prefix-diff
+    # spans equal transformers' mask of the tagged template (the same rendering)
+    plain_ids = transformers.AutoTokenizer.from_pretrained(plain).apply_chat_template(msgs, tokenize=True)
+    ids2, mask2 = ChatTokenizer(plain).encode_chat(msgs)
+    assert ids2 == plain_ids == want_ids and mask2 == want_mask
+
+
+def test_rendering_is_sandboxed(tmp_path):
+    import jinja2
+
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    tiny.build_tokenizer(str(tmp_path), DATA, template=evil)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        ChatTokenizer(str(tmp_path)).encode_chat(CONVERSATIONS[0])
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return str(path)
+
+
+def test_splits_pack_and_counts(tok_dirs, tmp_path):
+    from megatron_fastpath.data import pack_microbatches
+
+    tagged, _ = tok_dirs
+    cfg = JsonlDataConfig(path=DATA, max_tokens=128, max_seqs=16, eval_fraction=0.1, cache=False)
+    train, held, report = load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    assert report["records"] == 400 and report["malformed"] == 0 and report["too_long"] == 0
+    assert len(train) + len(held) == 400 and len(held) == 40
+    assert not set(train.lines) & set(held.lines)
+    bins = pack_microbatches(train, cfg)
+    assert sum(int(b.lengths.sum()) for b in bins) == int(train.lengths.sum())
+    assert sum(b.num_loss_tokens for b in bins) == train.num_loss_tokens
+    # the loss mask is the assistant mask shifted by one (position j predicts token j+1)
+    tok = ChatTokenizer(tagged)
+    line = train.lines[0]
+    rec = json.loads(open(DATA).readlines()[line - 1])
+    if "messages" in rec:
+        ids, mask = tok.encode_chat(rec["messages"])
+        tokens, loss = train.samples[0]
+        assert tokens.tolist() == ids and loss[:-1].tolist() == mask[1:] and loss[-1] == 0
+
+
+def test_bad_lines_reported_with_line_numbers(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1 + 1 = 2."}]}
+    long = {"messages": [{"role": "user", "content": "1 " * 300}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, "{not json", {"text": "x"}, good, long, good,
+                                              {"messages": [{"role": "user"}]}, good])
+    cfg = JsonlDataConfig(path=path, max_tokens=64, eval_fraction=0.0, cache=False)
+    with pytest.raises(DataError) as e:
+        load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    msg = str(e.value)
+    assert path in msg and "3 malformed line(s)" in msg and "1 record(s) longer than" in msg
+    assert "line 2 (invalid JSON" in msg and "line 3 (no 'messages' key" in msg
+    assert "line 7 (messages[0] needs string 'role' and 'content')" in msg and "line 5 (" in msg
+    logs = []
+    cfg = JsonlDataConfig(path=path, max_tokens=64, eval_fraction=0.0, cache=False, bad_records="skip")
+    train, held, report = load_jsonl_splits(cfg, tagged, log=logs.append)
+    assert len(train) == 4 and held is None and report["malformed"] == 3 and report["too_long"] == 1
+    assert any("skipped" in m and "line 2" in m for m in logs)
+
+
+def test_chat_data_needs_a_template(tmp_path):
+    tiny.build_tokenizer(str(tmp_path), DATA, template=None)
+    cfg_file = tmp_path / "tokenizer_config.json"
+    cfg = json.load(open(cfg_file))
+    cfg.pop("chat_template")
+    json.dump(cfg, open(cfg_file, "w"))
+    with pytest.raises(TokenizerError, match="tokenizer_config.json has no 'chat_template'"):
+        load_jsonl_splits(JsonlDataConfig(path=DATA, cache=False), str(tmp_path), log=lambda m: None)
+
+
+def test_prompt_completion_records(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: 2 + 2?\nA:", "completion": " 4."}] * 3)
+    train, _, _ = load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False), tagged,
+                                    log=lambda m: None)
+    tok = ChatTokenizer(tagged)
+    p = tok.tokenizer.encode("Q: 2 + 2?\nA:").ids
+    c = tok.tokenizer.encode(" 4.", add_special_tokens=False).ids + [tok.eos_id]
+    tokens, loss = train.samples[0]
+    assert p[0] == tok.token_id("<|begin_of_text|>")
+    assert tokens.tolist() == p + c
+    assert loss.tolist() == [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0]
+
+
+def test_tokenized_records_cached_beside_the_data(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    path = str(tmp_path / "copy.jsonl")
+    open(path, "w").write(open(DATA).read())
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    logs = []
+    first = load_jsonl_splits(cfg, tagged, log=logs.append)
+    caches = [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
+    assert len(caches) == 1 and any("cached in" in m for m in logs)
+    logs.clear()
+    second = load_jsonl_splits(cfg, tagged, log=logs.append)
+    assert any("from cache" in m for m in logs)
+    for a, b in zip(first[0].samples, second[0].samples):
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    with open(path, "a") as f:  # changed data -> new cache key
+        f.write(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    logs.clear()
+    load_jsonl_splits(cfg, tagged, log=logs.append)
+    assert any("cached in" in m for m in logs)
+
+
+# A Qwen2.5-style template: whitespace control, default system prompt injected when none is
+# given, tool branch with tojson, namespace-free loop with loop.last.
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- if tools %}{{- '# Tools\\n' + (tools | tojson) + '\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}@@{{- message.content + '<|im_end|>' }}##{{- '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
+def test_qwen_style_template_without_tags(tmp_path, k):
+    """Real-world template features; our prefix spans equal transformers' mask of the same
+    template with {% generation %} tags around each assistant reply."""
+    tagged, plain = str(tmp_path / "t"), str(tmp_path / "p")
+    tiny.build_tokenizer(tagged, DATA, template=QWEN_LIKE.replace("@@", "{% generation %}").replace("##", "{% endgeneration %}"))
+    tiny.build_tokenizer(plain, DATA, template=QWEN_LIKE.replace("@@", "").replace("##", ""))
+    msgs = CONVERSATIONS[k]
+    want_ids, want_mask = hf_reference(tagged, msgs)
+    plain_ids = transformers.AutoTokenizer.from_pretrained(plain).apply_chat_template(msgs, tokenize=True)
+    ids, mask = ChatTokenizer(plain).encode_chat(msgs)
+    assert ids == plain_ids == want_ids and mask == want_mask and sum(mask) > 0
