@@ -166,4 +166,38 @@ class LoRALinear(torch.nn.Module):
             self.base.backward_dw()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        return self.base.sharded_state_dict(f"{prefix}base.", sharded_offsets, metadata)
+        """Megatron's distributed-checkpoint view of this layer.
+
+        Checkpoint keys: the base layer's entries keep exactly the keys of a model without LoRA
+        (``<prefix>weight``, ...), so a base checkpoint loads into a LoRA model and back; the
+        adapters are ``<prefix>lora_A`` / ``<prefix>lora_B``, sharded like the adapter itself
+        (column base: A replicated over TP, B split on dim 0; row base: A split on dim 1, B
+        replicated) after the caller's ``sharded_offsets`` (layer / expert axes). The dict keys
+        are this module's own state-dict names (``<prefix>base.weight``, ``<prefix>lora_A``), so
+        ``load_state_dict`` of the loaded dict works unchanged."""
+        from megatron.core import parallel_state
+        from megatron.core.utils import (
+            make_sharded_tensor_for_checkpoint,
+            make_tp_sharded_tensor_for_checkpoint,
+        )
+
+        base_sd = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        out = {f"{prefix}base.{k[len(prefix):]}": v for k, v in base_sd.items()}
+        tp_group = getattr(self.base, "tp_group", None)
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        if tp_group is None or dp_cp_group is None:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        groups = dict(tp_group=tp_group, dp_cp_group=dp_cp_group)
+        tp_axis = {"lora_A": None if self.parallel == "column" else 1,
+                   "lora_B": 0 if self.parallel == "column" else None}
+        for name, axis in tp_axis.items():
+            tensor, key = getattr(self, name), f"{prefix}{name}"
+            out[key] = (
+                make_sharded_tensor_for_checkpoint(tensor, key, sharded_offsets, **groups)
+                if axis is None
+                else make_tp_sharded_tensor_for_checkpoint(
+                    tensor, key, axis, prepend_offsets=sharded_offsets, **groups
+                )
+            )
+        return out
