@@ -1,0 +1,402 @@
+"""Save and resume a training run through Megatron's distributed checkpointing (torch_dist).
+
+Layout of ``checkpoint.dir``::
+
+    latest                      name of the newest complete checkpoint (written last)
+    step_00000010/
+        model/                  torch_dist: model + optimizer state as sharded tensors
+        train_state.json        step, counters, data position, LR scheduler, optimizer
+                                hyper-parameters, config fingerprint, per-step records
+        rng/rank_00000.json     every RNG of each rank
+        manifest.json           size and CRC32 of every file (written by rank 0 last)
+    .tmp.step_00000012/         a save in progress (never taken as a checkpoint)
+
+A save goes to ``.tmp.step_N``, is published by ``rename`` to ``step_N`` and only then
+``latest`` is replaced (write + ``os.replace``): a crash at any point leaves the previous
+checkpoint loadable and never points ``latest`` at a partial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import zlib
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_fastpath.checkpoint.config import CheckpointConfig
+from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError
+
+__all__ = [
+    "CheckpointManager", "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError",
+    "SaveResult", "ResumeState", "config_fingerprint",
+]
+
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp."
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file of the checkpoint is missing, truncated or corrupted (the message names it)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was written by a different model / configuration."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    step: int
+    path: str
+    bytes: int  # on disk, all files (0 until published for an async save)
+    blocking_s: float  # time the training loop was blocked by this save
+    is_async: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeState:
+    """What a resumed run continues from (``extra``: the trainer's own JSON state)."""
+
+    step: int
+    path: str
+    extra: dict
+    notes: tuple = ()
+
+
+def config_fingerprint(config: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _dist():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        torch.distributed.barrier()
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for d, _, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(d, n), root) for n in names]
+    return sorted(out)
+
+
+def _dir_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for f in _files(root))
+
+
+def _tensor_entries(sharded_sd) -> dict:
+    """checkpoint key -> ShardedTensor (factories applied to a copy, byte objects dropped)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {v.key: v for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor)}
+
+
+def _drop_objects(sharded_sd):
+    """Only tensors: ShardedObjects (``_extra_state``) would be unpickled with
+    ``weights_only=False`` by torch.distributed.checkpoint, so they are neither saved nor read."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if isinstance(sharded_sd, dict):
+        return {k: _drop_objects(v) for k, v in sharded_sd.items() if not isinstance(v, ShardedObject)}
+    return sharded_sd
+
+
+class CheckpointManager:
+    """Checkpoints of one run (see the module docstring).
+
+    ``state_fn(loading) -> sharded state dict`` builds ``{"model": ..., "optimizer": ...}``
+    (``loading``: with fresh tensors to load into); ``apply_fn(loaded, extra)`` puts a loaded
+    dict back into the model and optimizer. ``fingerprint_config``: the JSON-able settings that
+    must match for a resume (compared key by key on mismatch).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print):
+        if not cfg.enabled:
+            raise ValueError("CheckpointManager needs checkpoint.dir")
+        self.cfg = cfg
+        self.root = os.path.abspath(cfg.dir)
+        self.fingerprint_config = fingerprint_config
+        self.fingerprint = config_fingerprint(fingerprint_config)
+        self.log = log
+        self._async_queue = None
+        self._pending: list = []
+        self.saves: list[SaveResult] = []
+
+    # ------------------------------------------------------------------ discovery
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"{STEP_PREFIX}{step:08d}")
+
+    def complete_checkpoints(self) -> list[str]:
+        """Published checkpoints, newest first."""
+        if not os.path.isdir(self.root):
+            return []
+        names = [n for n in os.listdir(self.root) if n.startswith(STEP_PREFIX)
+                 and os.path.exists(os.path.join(self.root, n, "manifest.json"))]
+        return [os.path.join(self.root, n) for n in sorted(names, reverse=True)]
+
+    def latest(self) -> Optional[str]:
+        pointer = os.path.join(self.root, "latest")
+        if os.path.exists(pointer):
+            with open(pointer) as f:
+                name = f.read().strip()
+            if not name.startswith(STEP_PREFIX) or os.sep in name:
+                raise CheckpointCorruptError(f"{pointer} holds {name!r}, not a checkpoint name")
+            return os.path.join(self.root, name)
+        done = self.complete_checkpoints()  # crash between publish and pointer: newest complete
+        return done[0] if done else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state_fn, extra: dict) -> SaveResult:
+        """Write checkpoint ``step`` (all ranks call it). Returns once the step may continue:
+        at once for a sync save, after staging for an async one (published later by
+        :meth:`poll`)."""
+        from megatron.core import dist_checkpointing
+
+        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+
+        self.poll(blocking=True)  # one save in flight at a time
+        t0 = time.perf_counter()
+        tmp = os.path.join(self.root, f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}")
+        if _rank() == 0:
+            os.makedirs(self.root, exist_ok=True)
+            self._remove_partial()
+            os.makedirs(os.path.join(tmp, "model"))
+            os.makedirs(os.path.join(tmp, "rng"))
+        _barrier()
+        from megatron_fastpath.checkpoint.rng import capture_rng
+
+        _write_json(os.path.join(tmp, "rng", f"rank_{_rank():05d}.json"), capture_rng())
+        if _rank() == 0:
+            _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, extra))
+        sharded = _drop_objects(state_fn(False))
+        with dist_checkpointing_on_cpu():
+            request = dist_checkpointing.save(
+                sharded, os.path.join(tmp, "model"), async_sharded_save=self.cfg.async_save
+            )
+        if request is None:
+            self._publish(tmp, step)
+            result = SaveResult(step, self._step_dir(step), _dir_bytes(self._step_dir(step)),
+                                time.perf_counter() - t0, False)
+            self.saves.append(result)
+            return result
+        request.add_finalize_fn(lambda: self._publish(tmp, step))
+        with dist_checkpointing_on_cpu():
+            self._queue().schedule_async_request(request)
+        result = SaveResult(step, self._step_dir(step), 0, time.perf_counter() - t0, True)
+        self._pending.append(result)
+        return result
+
+    def _queue(self):
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue()
+        return self._async_queue
+
+    def poll(self, blocking: bool = False) -> list[SaveResult]:
+        """Publish finished async saves (all ranks call it at the same points)."""
+        if self._async_queue is None or not self._pending:
+            return []
+        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+
+        t0 = time.perf_counter()
+        with dist_checkpointing_on_cpu():
+            done = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        waited = time.perf_counter() - t0
+        published = []
+        for _ in done:
+            r = self._pending.pop(0)
+            r = dataclasses.replace(r, bytes=_dir_bytes(r.path), blocking_s=r.blocking_s + waited)
+            self.saves.append(r)
+            published.append(r)
+        return published
+
+    def _train_state(self, step: int, extra: dict) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": _world(),
+            "adapters_only": self.cfg.adapters_only,
+            "fingerprint": self.fingerprint,
+            "config": self.fingerprint_config,
+            "extra": extra,
+        }
+
+    def _remove_partial(self) -> None:
+        for n in os.listdir(self.root):
+            if n.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+    def _publish(self, tmp: str, step: int) -> None:
+        _barrier()  # every rank's files are written
+        if _rank() == 0:
+            manifest = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
+                            "crc32": _crc32(os.path.join(tmp, f)) if self.cfg.verify else None}
+                        for f in _files(tmp)}
+            _write_json(os.path.join(tmp, "manifest.json"), manifest)
+            final = self._step_dir(step)
+            if os.path.exists(final):  # an older run's checkpoint of the same step
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            pointer = os.path.join(self.root, "latest")
+            with open(f"{pointer}.part", "w") as f:
+                f.write(os.path.basename(final))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(f"{pointer}.part", pointer)
+            _fsync_dir(self.root)
+            for old in self.complete_checkpoints()[self.cfg.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+    # ------------------------------------------------------------------ load
+    def verify(self, path: str) -> dict:
+        """Check every file against the manifest; returns train_state.json."""
+        manifest_path = os.path.join(path, "manifest.json")
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+        for name, info in manifest.items():
+            fp = os.path.join(path, name)
+            if not os.path.exists(fp):
+                raise CheckpointCorruptError(f"{fp} is missing")
+            size = os.path.getsize(fp)
+            if size != info["bytes"]:
+                raise CheckpointCorruptError(f"{fp} is truncated or altered: {size} bytes, expected {info['bytes']}")
+            if info["crc32"] is not None and _crc32(fp) != info["crc32"]:
+                raise CheckpointCorruptError(f"{fp} is corrupted: CRC32 differs from the manifest")
+        with open(os.path.join(path, "train_state.json")) as f:
+            state = json.load(f)
+        if state.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')}, expected {FORMAT_VERSION}")
+        return state
+
+    def check_compatible(self, path: str, state: dict, sharded) -> None:
+        """Config fingerprint and every requested tensor's key and global shape."""
+        from megatron.core import dist_checkpointing
+
+        saved = dist_checkpointing.load_tensors_metadata(os.path.join(path, "model"))
+        problems = []
+        for key, ten in sorted(_tensor_entries(sharded).items()):
+            if key not in saved:
+                problems.append(f"  missing in checkpoint: {key} {tuple(ten.global_shape)}")
+            elif tuple(saved[key].global_shape) != tuple(ten.global_shape):
+                problems.append(f"  shape: {key} saved {tuple(saved[key].global_shape)}, "
+                                f"this model {tuple(ten.global_shape)}")
+        if state.get("adapters_only") != self.cfg.adapters_only:
+            problems.append(f"  checkpoint.adapters_only: saved {state.get('adapters_only')}, now {self.cfg.adapters_only}")
+        diffs = _config_diff(state.get("config", {}), self.fingerprint_config)
+        if problems or diffs:
+            lines = problems[:40] + ([f"  ... {len(problems) - 40} more"] if len(problems) > 40 else [])
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this run:\n" + "\n".join(lines + diffs)
+                + "\nuse another checkpoint.dir or the settings it was written with"
+            )
+
+    def load(self, state_fn, apply_fn) -> Optional[ResumeState]:
+        """Resume from the latest complete checkpoint (None: the directory has none)."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        candidates = [latest] + ([p for p in self.complete_checkpoints() if p != latest]
+                                 if self.cfg.fallback_to_previous else [])
+        notes = []
+        for path in candidates:
+            try:
+                return dataclasses.replace(self._load_one(path, state_fn, apply_fn), notes=tuple(notes))
+            except (CheckpointMismatchError, UnsafeCheckpointError):
+                raise  # another run's checkpoint or a tampered one: never fall back silently
+            except (CheckpointCorruptError, OSError, ValueError, RuntimeError) as exc:
+                if not self.cfg.fallback_to_previous:
+                    if isinstance(exc, CheckpointError):
+                        raise
+                    raise CheckpointCorruptError(f"cannot load {path}: {exc}") from exc
+                notes.append(f"skipped {path}: {str(exc).splitlines()[0]}")
+                self.log(f"checkpoint: {notes[-1]}; trying the previous one")
+        raise CheckpointCorruptError("no loadable checkpoint in " + self.root + ":\n  " + "\n  ".join(notes))
+
+    def _load_one(self, path: str, state_fn, apply_fn) -> ResumeState:
+        from megatron.core import dist_checkpointing
+
+        from megatron_fastpath.checkpoint.rng import restore_rng
+        from megatron_fastpath.checkpoint.safety import check_safe_to_load
+        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+
+        state = self.verify(path)
+        model_dir = os.path.join(path, "model")
+        check_safe_to_load(model_dir)
+        sharded = _drop_objects(state_fn(True, state))
+        self.check_compatible(path, state, sharded)
+        with dist_checkpointing_on_cpu():
+            loaded = dist_checkpointing.load(sharded, model_dir)
+        apply_fn(loaded, state["extra"])
+        notes = []
+        rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.json")
+        if state["world_size"] == _world() and os.path.exists(rng_file):
+            with open(rng_file) as f:
+                restore_rng(json.load(f))
+        else:
+            notes.append(f"RNG states not restored: saved at world {state['world_size']}, now {_world()}")
+        return ResumeState(step=state["step"], path=path, extra=state["extra"], notes=tuple(notes))
+
+
+def _config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"  config {prefix}{k}: saved {a!r}, now {b!r}")
+    return out

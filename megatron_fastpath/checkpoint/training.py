@@ -1,0 +1,63 @@
+"""The model / optimizer / LR-scheduler side of a checkpoint, for :class:`CheckpointManager`.
+
+``training_state(model, optimizer, scheduler, adapters_only)`` returns
+``(state_fn, apply_fn, extra_fn)``:
+
+* ``state_fn(loading, saved=None)``: ``{"model": sharded model state, "optimizer": sharded
+  optimizer state}`` (adapters only: the LoRA tensors and their optimizer state);
+* ``apply_fn(loaded, extra)``: load them back (model, optimizer, scheduler), checking that only
+  what a checkpoint legitimately leaves out is missing;
+* ``extra_fn()``: the JSON part (optimizer step and hyper-parameters, scheduler state).
+"""
+
+from __future__ import annotations
+
+from megatron_fastpath.checkpoint.optim import (
+    common_step,
+    load_optimizer_state,
+    optimizer_hyperparams,
+    optimizer_sharded_state,
+)
+
+__all__ = ["training_state", "is_adapter_key"]
+
+
+def is_adapter_key(key: str) -> bool:
+    return key.endswith((".lora_A", ".lora_B"))
+
+
+def training_state(model, optimizer, scheduler, adapters_only: bool = False):
+    def model_sd():
+        sd = model.sharded_state_dict()
+        if adapters_only:
+            sd = {k: v for k, v in sd.items() if is_adapter_key(k)}
+            if not sd:
+                raise ValueError("checkpoint.adapters_only=true but the model has no LoRA adapters")
+        return sd
+
+    def state_fn(loading: bool, saved: dict = None):
+        msd = model_sd()
+        step = saved["extra"]["optimizer"]["step"] if loading else common_step(optimizer)
+        opt = optimizer_sharded_state(optimizer, msd, loading=loading) if step > 0 else {}
+        return {"model": msd, "optimizer": opt}
+
+    def apply_fn(loaded: dict, extra: dict) -> None:
+        result = model.load_state_dict(loaded["model"], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
+                   and not (adapters_only and not is_adapter_key(k))]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"checkpoint model state does not match the model: missing {missing[:10]}, "
+                f"unexpected {result.unexpected_keys[:10]}"
+            )
+        opt = extra["optimizer"]
+        load_optimizer_state(optimizer, loaded["optimizer"], opt["step"], opt["groups"])
+        scheduler.load_state_dict(extra["scheduler"])
+
+    def extra_fn() -> dict:
+        return {
+            "optimizer": {"step": common_step(optimizer), "groups": optimizer_hyperparams(optimizer)},
+            "scheduler": scheduler.state_dict(),
+        }
+
+    return state_fn, apply_fn, extra_fn

@@ -1,0 +1,89 @@
+"""A small training loop (fastpath GPT + fused AdamW + Megatron's LR scheduler) for the
+checkpoint tests, independent of the main job."""
+
+import torch
+
+from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters, with_lora
+from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
+from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+SHAPE = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=96, vocab_size=97)
+T = 32
+LENGTHS = [9, 1, 14, 8]
+STEPS = 6
+
+
+class Run:
+    def __init__(self, lora=None, seed=0, shape=SHAPE):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+
+        self.shape = shape
+        self.cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(shape)))
+        spec = get_fastpath_layer_spec(self.cache, backend="sdpa")
+        if lora is not None:
+            spec = with_lora(spec, lora)
+        torch.manual_seed(seed)
+        self.model = build_gpt_model(build_transformer_config(shape), spec, shape.vocab_size, T)
+        if lora is not None:
+            freeze_base_parameters(self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), fused=True)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+            lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+            wd_incr_steps=STEPS, wd_incr_style="constant",
+        )
+        self.step = 0
+        self.losses = []
+
+    def batch(self, step):
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(0, self.shape.vocab_size, (1, T), generator=g)
+        return tokens, torch.roll(tokens, -1, 1)
+
+    def train(self, n):
+        self.model.train()
+        for _ in range(n):
+            self.step += 1
+            tokens, labels = self.batch(self.step)
+            with self.cache.batch(LENGTHS) as pb:
+                per_token = self.model(tokens, pb.position_ids_1T, None, labels=labels,
+                                       packed_seq_params=pb.packed_seq_params)
+            loss = per_token[:, : sum(LENGTHS)].mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step(increment=1)
+            self.losses.append(loss.item())
+        return self
+
+    def params(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+
+    def manager(self, directory, adapters_only=False, **kw):
+        from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_state
+
+        cfg = CheckpointConfig(dir=str(directory), adapters_only=adapters_only, **kw)
+        fns = training_state(self.model, self.optimizer, self.scheduler, adapters_only)
+        mgr = CheckpointManager(cfg, {"shape": str(self.shape)}, log=lambda s: None)
+        return mgr, fns
+
+    def save(self, directory, **kw):
+        mgr, (state_fn, _, extra_fn) = self.manager(directory, **kw)
+        return mgr.save(self.step, state_fn, {**extra_fn(), "losses": self.losses})
+
+    def load(self, directory, **kw):
+        mgr, (state_fn, apply_fn, _) = self.manager(directory, **kw)
+        resumed = mgr.load(state_fn, apply_fn)
+        if resumed is not None:
+            self.step = resumed.step
+            self.losses = list(resumed.extra["losses"])
+        return resumed
+
+
+LORA = LoRAConfig(rank=4, alpha=8, dropout=0.1)

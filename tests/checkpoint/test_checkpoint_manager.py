@@ -1,0 +1,192 @@
+"""CheckpointManager on a real training loop (torch_dist through Megatron's dist_checkpointing,
+CPU): exact resume, atomic publish, rotation, corruption / mismatch / unsafe-pickle refusals,
+fallback to the previous checkpoint, async save."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from ckpt_harness import LORA, SHAPE, STEPS, Run
+from megatron_fastpath.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
+from megatron_fastpath.lora import LoRAConfig
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("lora, adapters_only", [(None, False), (LORA, False), (LORA, True)],
+                         ids=["dense", "lora-full", "lora-adapters-only"])
+def test_exact_resume(mcore_parallel, tmp_path, lora, adapters_only):
+    straight = Run(lora, seed=0).train(STEPS)
+    first = Run(lora, seed=0).train(3)
+    first.save(tmp_path, adapters_only=adapters_only)
+    # adapters-only: the base comes from its source (here the same seeded init); full: any init
+    resumed = Run(lora, seed=0 if adapters_only else 5)
+    torch.manual_seed(77)  # the checkpoint's RNG state must win (LoRA dropout draws from it)
+    assert resumed.load(tmp_path, adapters_only=adapters_only).step == 3
+    resumed.train(STEPS - 3)
+    assert resumed.losses == straight.losses
+    assert_same(resumed.params(), straight.params())
+
+
+def test_adapters_only_checkpoint_is_small_and_has_only_adapters(mcore_parallel, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    run = Run(LORA).train(1)
+    full = run.save(tmp_path / "full")
+    small = run.save(tmp_path / "small", adapters_only=True)
+    keys = set(dist_checkpointing.load_tensors_metadata(os.path.join(small.path, "model")))
+    assert keys and all(k.split(".")[-1] in ("lora_A", "lora_B") for k in keys)
+    assert small.bytes < full.bytes / 3
+
+
+def test_no_checkpoint_means_fresh_start(mcore_parallel, tmp_path):
+    assert Run().load(tmp_path / "empty") is None
+
+
+def test_crash_during_save_keeps_previous_latest(mcore_parallel, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    run = Run().train(2)
+    good = run.save(tmp_path)
+    run.train(1)
+    real_save = dist_checkpointing.save
+
+    def crashing_save(sd, path, **kw):
+        real_save(sd, path, **kw)  # all tensor files written ...
+        os.truncate(os.path.join(path, "__0_0.distcp"), 10)
+        raise RuntimeError("simulated crash in the middle of a save")  # ... never published
+
+    monkeypatch.setattr(dist_checkpointing, "save", crashing_save)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run.save(tmp_path)
+    monkeypatch.undo()
+    assert any(n.startswith(".tmp.") for n in os.listdir(tmp_path))
+    assert open(tmp_path / "latest").read() == os.path.basename(good.path)
+    fresh = Run(seed=3)
+    assert fresh.load(tmp_path).step == 2
+    run.save(tmp_path)  # the next save clears the partial directory
+    assert not any(n.startswith(".tmp.") for n in os.listdir(tmp_path))
+
+
+def test_keep_rotates_old_checkpoints(mcore_parallel, tmp_path):
+    run = Run()
+    for _ in range(3):
+        run.train(1).save(tmp_path, keep=2)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [
+        "step_00000002", "step_00000003"]
+
+
+def _two_checkpoints(tmp_path):
+    run = Run().train(1)
+    older = run.save(tmp_path)
+    latest = run.train(1).save(tmp_path)
+    return older, latest
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_checkpoint_named_and_fallback_loads_previous(mcore_parallel, tmp_path, damage):
+    older, latest = _two_checkpoints(tmp_path)
+    victim = os.path.join(latest.path, "model", "__0_0.distcp")
+    if damage == "truncate":
+        os.truncate(victim, os.path.getsize(victim) // 2)
+    else:
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointCorruptError, match="__0_0.distcp") as err:
+        Run(seed=4).load(tmp_path)
+    assert ("truncated" if damage == "truncate" else "CRC32") in str(err.value)
+    fresh = Run(seed=4)
+    resumed = fresh.load(tmp_path, fallback_to_previous=True)
+    assert resumed.path == older.path and resumed.step == 1
+    assert any("__0_0.distcp" in n for n in resumed.notes)
+
+
+def test_other_lora_rank_lists_mismatched_keys(mcore_parallel, tmp_path):
+    Run(LORA).train(1).save(tmp_path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        Run(LoRAConfig(rank=8, alpha=8, dropout=0.1)).load(tmp_path)
+    msg = str(err.value)
+    assert "decoder.layers.self_attention.linear_qkv.lora_A saved (2, 4, 64), this model (2, 8, 64)" in msg
+    assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_proj.lora_B" in msg
+
+
+def test_other_vocab_lists_mismatched_keys(mcore_parallel, tmp_path):
+    import dataclasses
+
+    Run().train(1).save(tmp_path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        Run(shape=dataclasses.replace(SHAPE, vocab_size=101)).load(tmp_path)
+    msg = str(err.value)
+    assert "embedding.word_embeddings.weight saved (97, 64), this model (101, 64)" in msg
+    assert "output_layer.weight saved (97, 64), this model (101, 64)" in msg
+    assert "config shape" in msg  # the fingerprinted settings differ too
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _rewrite_manifest(path, name):
+    from megatron_fastpath.checkpoint.manager import _crc32
+
+    mpath = os.path.join(path, "manifest.json")
+    manifest = json.load(open(mpath))
+    fp = os.path.join(path, name)
+    manifest[name] = {"bytes": os.path.getsize(fp), "crc32": _crc32(fp)}
+    json.dump(manifest, open(mpath, "w"))
+
+
+def test_metadata_needing_arbitrary_unpickling_is_refused(mcore_parallel, tmp_path):
+    saved = Run().train(1).save(tmp_path)
+    with open(os.path.join(saved.path, "model", ".metadata"), "wb") as f:
+        pickle.dump(_Evil(), f)
+    _rewrite_manifest(saved.path, "model/.metadata")
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata would unpickle posix.system"):
+        Run().load(tmp_path)
+
+
+def test_common_pt_needing_arbitrary_unpickling_is_refused(mcore_parallel, tmp_path):
+    saved = Run().train(1).save(tmp_path)
+    torch.save({"x": _Evil()}, os.path.join(saved.path, "model", "common.pt"))
+    _rewrite_manifest(saved.path, "model/common.pt")
+    with pytest.raises(UnsafeCheckpointError, match="common.pt needs arbitrary unpickling"):
+        Run().load(tmp_path)
+
+
+def test_real_metadata_passes_the_allow_list(mcore_parallel, tmp_path):
+    from megatron_fastpath.checkpoint.safety import safe_load_metadata
+
+    saved = Run(LORA).train(1).save(tmp_path)
+    meta = safe_load_metadata(os.path.join(saved.path, "model", ".metadata"))
+    assert "decoder.layers.self_attention.linear_qkv.lora_A" in meta.state_dict_metadata
+
+
+def test_async_save_round_trip(mcore_parallel, tmp_path):
+    run = Run().train(2)
+    mgr, (state_fn, _, extra_fn) = run.manager(tmp_path, async_save=True)
+    pending = mgr.save(run.step, state_fn, {**extra_fn(), "losses": run.losses})
+    run.train(1)  # the step continues while the background process writes
+    assert not os.path.exists(tmp_path / "latest") or open(tmp_path / "latest").read() != "step_00000002"
+    published = mgr.poll(blocking=True)
+    assert [r.step for r in published] == [2] and published[0].bytes > 0
+    assert open(tmp_path / "latest").read() == "step_00000002"
+    fresh = Run(seed=9)
+    assert fresh.load(tmp_path).step == 2
+    straight = Run().train(2)
+    assert_same(fresh.params(), straight.params())
+    assert pending.blocking_s < published[0].blocking_s + 60
