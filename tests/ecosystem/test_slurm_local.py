@@ -149,6 +149,7 @@ def test_srun_command_line_and_environment_for_a_gpu_job(tmp_path):
         "--mpi=pmix", "--label",
         "/opt/venv/bin/python", "-m", "megatron_fastpath.train",
         "cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
+        f"checkpoint.dir={run_dir}/checkpoints",
         # the caller's overrides come last (Hydra: the last value wins), spaces intact
         "model=tiny_moe", "training.device=cpu", "training.summary_json=/x y.json",
     ]
@@ -178,6 +179,7 @@ def test_torchrun_per_node_and_cpu_mode_command_line(tmp_path):
         "--rdzv_backend=c10d", f"--rdzv_endpoint=10.1.2.3:{20000 + 123456 % 20000}",
         "--rdzv_id=123456", "-m", "megatron_fastpath.train",
         "cluster=slurm", "training.device=cpu", f"hydra.run.dir={tmp_path}/logs/fastpath-train-123456",
+        f"checkpoint.dir={tmp_path}/logs/fastpath-train-123456/checkpoints",
         "training.steps=5",
     ]
     assert job_env["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode hides GPUs: gloo
@@ -203,8 +205,8 @@ def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
     argv, _ = _calls(tmp_path)
     tail = argv[argv.index("megatron_fastpath.train") + 1:]
     run_dir = f"{tmp_path}/logs/fastpath-lora-graphs-123456"
-    assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}", *LORA_PRESET,
-                    "training.steps=3"]
+    assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
+                    f"checkpoint.dir={run_dir}/checkpoints", *LORA_PRESET, "training.steps=3"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*LORA_PRESET, "training.device=cuda"])
     assert cfg.fastpath.lora and cfg.fastpath.cuda_graphs and cfg.training.dtype == "bfloat16"
