@@ -30,7 +30,7 @@ class CheckpointConfig:
     adapters_only: bool = False
     base_dir: Optional[str] = None
     fallback_to_previous: bool = False
-    async_save: bool = False
+    async_save: bool = True
     verify: bool = True
 
     def __post_init__(self):

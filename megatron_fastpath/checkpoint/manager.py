@@ -58,8 +58,9 @@ class SaveResult:
     step: int
     path: str
     bytes: int  # on disk, all files (0 until published for an async save)
-    blocking_s: float  # time the training loop was blocked by this save
+    blocking_s: float  # time the save call blocked the training loop (async: staging only)
     is_async: bool
+    wait_s: float = 0.0  # async: time the loop later waited for the background writer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +255,7 @@ class CheckpointManager:
         published = []
         for _ in done:
             r = self._pending.pop(0)
-            r = dataclasses.replace(r, bytes=_dir_bytes(r.path), blocking_s=r.blocking_s + waited)
+            r = dataclasses.replace(r, bytes=_dir_bytes(r.path), wait_s=waited)
             self.saves.append(r)
             published.append(r)
         return published

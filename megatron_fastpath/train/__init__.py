@@ -21,8 +21,8 @@ inside the step (SyncSentinel), packed-cache builds; device values are read one 
 
 from __future__ import annotations
 
-import contextlib
 import os
+from typing import Optional
 
 from megatron_fastpath.train.config import (
     ClusterConfig,
@@ -36,19 +36,37 @@ from megatron_fastpath.train.config import (
 from megatron_fastpath.train.job import Job, build_job
 from megatron_fastpath.train.logger import StepLogger, StepRecord, StepResult, TrainSummary
 from megatron_fastpath.train.step import cpu_train_step, gpu_train_step, train_step
+from megatron_fastpath.train.checkpointing import PREEMPTED_EXIT_CODE
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
            "Job", "StepRecord", "StepResult", "TrainSummary", "StepLogger", "parse_job_config",
            "build_job", "train_step", "cpu_train_step", "gpu_train_step", "train", "run", "main",
-           "config_dir"]
+           "config_dir", "PREEMPTED_EXIT_CODE"]
 
 _section = section  # the name tests and older callers use
 
 
-def train(job: Job, logger: StepLogger) -> TrainSummary:
-    """All steps of ``job``; the first ``job.audit_steps`` run with the graph-safety audit's
-    hooks installed (its context manager removes them, also on error)."""
-    audited, steps = job.audit_steps, job.cfg.training.steps
+def _steps(job: Job, logger: StepLogger, ckpt, steps: range, audit: bool, eval_after) -> Optional[str]:
+    """Run ``steps``; returns why the job stopped early (None: it did not)."""
+    for step in steps:
+        result = train_step(job, job.data.batch(step), audit=audit)
+        logger.log(result, eval_loss=eval_after(step))
+        if ckpt is not None:
+            stop = ckpt.after_step(step)
+        else:
+            stop = "stop_at_step" if step == job.cfg.training.stop_at_step else None
+        if stop:
+            return stop
+    return None
+
+
+def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> TrainSummary:
+    """Steps ``start_step``..``training.steps`` of ``job`` (up to ``training.stop_at_step``); the
+    first ``job.audit_steps`` run with the graph-safety audit's hooks installed (its context
+    manager removes them, also on error). ``ckpt``: a :class:`JobCheckpointer` (saves, signals)."""
+    t = job.cfg.training
+    steps, last = t.steps, t.stop_at_step or t.steps
+    audited = min(job.audit_steps, last)
     evaluate = getattr(job, "evaluator", None)
     every = getattr(job.cfg.data, "eval_every", 0)
 
@@ -58,31 +76,50 @@ def train(job: Job, logger: StepLogger) -> TrainSummary:
             return None
         return evaluate()
 
-    if evaluate is not None:
-        logger.log_eval(0, evaluate())
-    with job.audit if audited else contextlib.nullcontext():
-        for step in range(1, audited + 1):
-            result = train_step(job, job.data.batch(step), audit=True)
-            logger.log(result, eval_loss=eval_after(step))
-    for step in range(audited + 1, steps + 1):
-        result = train_step(job, job.data.batch(step))
-        logger.log(result, eval_loss=eval_after(step))
-    logger.flush()
-    if job.cfg.hf is not None:  # model=hf: PEFT adapter / merged checkpoint (lora.export_*)
-        from megatron_fastpath.hf.job import export_lora
+    try:
+        if evaluate is not None and start_step == 1:
+            logger.log_eval(0, evaluate())
+        stop = None
+        if start_step <= audited:
+            with job.audit:
+                stop = _steps(job, logger, ckpt, range(start_step, audited + 1), True, eval_after)
+        if stop is None:
+            stop = _steps(job, logger, ckpt, range(max(start_step, audited + 1), last + 1), False,
+                          eval_after)
+        logger.flush()
+        if job.cfg.hf is not None and stop is None:  # model=hf: PEFT adapter / merged checkpoint
+            from megatron_fastpath.hf.job import export_lora
 
-        logger.artifacts.update(export_lora(job, log=logger.print))
-    return logger.finish()
+            logger.artifacts.update(export_lora(job, log=logger.print))
+        checkpoint = ckpt.finish() if ckpt is not None else {}
+    except BaseException:
+        if ckpt is not None:
+            ckpt.signals.close()
+        raise
+    return logger.finish(stopped=stop, **checkpoint)
 
 
-def run(cfg) -> TrainSummary:
+def run(cfg, return_job: bool = False):
     """Train per ``cfg`` (an OmegaConf/dict tree with groups model, data, training, fastpath,
-    parallel, cluster and the feature groups lora, offload, cuda_graphs, fp8) and return the
-    summary. All configuration is validated before any model is built or step runs."""
-    job = build_job(parse_job_config(cfg))
+    parallel, cluster, checkpoint and the feature groups lora, offload, cuda_graphs, fp8) and
+    return the summary (and the :class:`Job` with ``return_job``). All configuration is validated
+    before any model is built or step runs. When ``checkpoint.dir`` holds a checkpoint the run
+    resumes from it, and its first line says so."""
+    from megatron_fastpath.train.checkpointing import announce_resume
+
+    announce_resume(cfg)  # the first line: resuming or not (before anything is imported / built)
+    job_cfg = parse_job_config(cfg)
+    job = build_job(job_cfg)
     logger = StepLogger(job)
+    ckpt, start = None, 1
+    if job_cfg.checkpoint.enabled:
+        from megatron_fastpath.train.checkpointing import JobCheckpointer
+
+        ckpt = JobCheckpointer(job, logger)
+        start = ckpt.resume()
     logger.header()
-    return train(job, logger)
+    summary = train(job, logger, ckpt, start)
+    return (summary, job) if return_job else summary
 
 
 def config_dir() -> str:
@@ -99,10 +136,13 @@ def main() -> None:
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        run(cfg)
+        summary = run(cfg)
         from megatron_fastpath.distributed import destroy_distributed
 
         destroy_distributed()
+        if summary.stopped and summary.stopped.startswith("signal"):
+            # saved after SIGTERM/SIGUSR1: tell the launcher (slurm/train.sbatch) to requeue
+            raise SystemExit(PREEMPTED_EXIT_CODE)
 
     from megatron_fastpath._noise import main_job_filters
 

@@ -36,6 +36,9 @@ class TrainingConfig:
     log_all_ranks: bool = False
     summary_json: Optional[str] = None
     skip_memory_check: bool = False  # train/memory.py: refuse jobs that cannot fit
+    # Stop after this step (saving a checkpoint when checkpoint.dir is set); the LR schedule and
+    # data order still span `steps`, so a rerun without it continues the same run.
+    stop_at_step: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,7 @@ class JobConfig:
     plan: Any  # GraphPlan
     hf: Any = None  # Optional[HFJobConfig]: model=hf (megatron_fastpath.hf.job)
     metrics: Any = None  # Optional[MetricsConfig]: None when the tree has no metrics group
+    checkpoint: Any = None  # CheckpointConfig (checkpoint.dir None: off)
 
     @property
     def is_moe(self) -> bool:
@@ -170,6 +174,10 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
         raise ValueError(f"training.dtype must be float32 or bfloat16; got {train.dtype!r}")
     if train.steps <= 0 or train.micro_batches <= 0:
         raise ValueError("training.steps and training.micro_batches must be positive")
+    if train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
+        raise ValueError(
+            f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"
+        )
     if cluster.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster.backend!r}")
     if cluster.backend == "nccl" and device.type != "cuda":
@@ -246,9 +254,21 @@ def parse_job_config(cfg: Any) -> JobConfig:
     )
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
-                    linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics, **features)
+                    linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics,
+                    checkpoint=_checkpoint_section(cfg, fast), **features)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 
         check_memory(job)
     return job
+
+
+def _checkpoint_section(cfg: Any, fast: FastpathConfig):
+    from megatron_fastpath.checkpoint import CheckpointConfig
+
+    ckpt = section(cfg, "checkpoint", CheckpointConfig)
+    if ckpt.adapters_only and not fast.lora:
+        raise ValueError("checkpoint.adapters_only=true needs LoRA (fastpath.lora=true)")
+    if ckpt.base_dir is not None and not os.path.isdir(ckpt.base_dir):
+        raise ValueError(f"checkpoint.base_dir={ckpt.base_dir!r} is not a directory")
+    return ckpt

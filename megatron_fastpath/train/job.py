@@ -34,11 +34,21 @@ class StepData:
     def num_microbatches(self) -> int:
         return len(self.bins)
 
+    @property
+    def per_step(self) -> int:
+        return self.micro_batches * self.dp_world
+
+    def first_microbatch(self, step: int) -> int:
+        """Index in ``bins`` of step ``step``'s first global microbatch (the data position)."""
+        return ((step - 1) * self.per_step) % (len(self.bins) - self.per_step + 1)
+
+    def global_microbatches(self, step: int) -> tuple:
+        first = self.first_microbatch(step)
+        return self.bins[first: first + self.per_step]
+
     def batch(self, step: int) -> StepBatch:
         """Step ``step`` (1-based): the global microbatches and this rank's share of them."""
-        per_step = self.micro_batches * self.dp_world
-        first = ((step - 1) * per_step) % (len(self.bins) - per_step + 1)
-        global_mbs = self.bins[first: first + per_step]
+        global_mbs = self.global_microbatches(step)
         mine = global_mbs[self.dp_rank * self.micro_batches: (self.dp_rank + 1) * self.micro_batches]
         return StepBatch(
             step=step, microbatches=tuple(mine),

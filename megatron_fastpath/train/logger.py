@@ -94,6 +94,12 @@ class TrainSummary:
     eval_loss: Optional[float] = None  # held-out loss at the end (data=jsonl)
     data: Optional[dict] = None  # data=jsonl record counts
     artifacts: Optional[dict] = None  # exported adapter / merged checkpoint / metrics files
+    # checkpoints: where this run resumed from, why it stopped before training.steps (None: it
+    # did not), bytes of the last checkpoint, and each save's step / bytes / blocking ms / async
+    resumed_from: Optional[str] = None
+    stopped: Optional[str] = None
+    checkpoint_bytes: int = 0
+    checkpoint_saves: tuple = ()
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -193,6 +199,10 @@ class StepLogger:
         if self.metrics is not None:
             self.metrics.eval(step, loss)
 
+    def restore(self, records: list) -> None:
+        """Records of the steps a resumed run already did (from its checkpoint)."""
+        self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])}) for r in records]
+
     def _emit(self, prev) -> None:
         if prev is None:
             return
@@ -219,13 +229,14 @@ class StepLogger:
         """Print the pending (last) step now (its loss is read back: call after the steps)."""
         self._emit(self.readback.pop())
 
-    def finish(self) -> TrainSummary:
+    def finish(self, **checkpoint) -> TrainSummary:
+        """Print the last step and the summary; ``checkpoint``: the summary's checkpoint fields."""
         self.flush()
         if self.metrics is not None:
             self.artifacts.update(self.metrics.close())
             for note in self.metrics.notes:
                 self.print(f"  {note}")
-        summary = self.summarize()
+        summary = dataclasses.replace(self.summarize(), **checkpoint)
         self._print_summary(summary)
         if self.job.cfg.training.summary_json and self.job.rank == 0:
             with open(self.job.cfg.training.summary_json, "w") as f:
@@ -234,6 +245,8 @@ class StepLogger:
 
     def summarize(self) -> TrainSummary:
         records, job = self.records, self.job
+        if not records:
+            raise RuntimeError("no step ran and no checkpoint held any: nothing to summarise")
         k = min(SUMMARY_LOSS_STEPS, len(records))
         report = job.audit.report() if job.audit is not None else None
         return TrainSummary(
@@ -287,3 +300,12 @@ class StepLogger:
             )
         if s.audit is not None:
             self.print("\n".join(f"  {line}" for line in s.audit.splitlines()))
+        if s.checkpoint_saves or s.resumed_from:
+            blocked = ", ".join(f"{c['blocking_ms']:.1f}" + (f"+{c['wait_ms']:.0f} wait" if c["wait_ms"] else "")
+                                for c in s.checkpoint_saves)
+            self.print(
+                f"  checkpoints: {len(s.checkpoint_saves)} saved, last {s.checkpoint_bytes:,} B, "
+                f"ms each save blocked the step [{blocked}]"
+                + (f", resumed from {s.resumed_from}" if s.resumed_from else "")
+                + (f", stopped early: {s.stopped}" if s.stopped else "")
+            )

@@ -68,6 +68,7 @@ class Run:
     def manager(self, directory, adapters_only=False, **kw):
         from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_state
 
+        kw.setdefault("async_save", False)
         cfg = CheckpointConfig(dir=str(directory), adapters_only=adapters_only, **kw)
         fns = training_state(self.model, self.optimizer, self.scheduler, adapters_only)
         mgr = CheckpointManager(cfg, {"shape": str(self.shape)}, log=lambda s: None)

@@ -1,0 +1,216 @@
+"""Checkpoints of the main job: resume, periodic / final / stop saves, preemption signals.
+
+* :meth:`JobCheckpointer.resume` loads the latest complete checkpoint of ``checkpoint.dir``
+  (model, optimizer, LR schedule, RNG, step, counters, data position, the logged records) and
+  returns the first step to run; the caller prints its line first.
+* :meth:`JobCheckpointer.after_step` saves when due (every ``checkpoint.interval`` steps, at the
+  last step, at ``training.stop_at_step``, after a SIGTERM / SIGUSR1) and says whether to stop.
+* :class:`PreemptionSignals`: SIGTERM / SIGUSR1 only set a flag; the job finishes the current
+  step, saves and exits with :data:`PREEMPTED_EXIT_CODE` (all ranks agree on the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer", "fingerprint_config"]
+
+# Exit code of a job stopped by SIGTERM/SIGUSR1 after saving: "requeue me" (EX_TEMPFAIL).
+PREEMPTED_EXIT_CODE = 75
+_RUNTIME_ONLY = ("stop_at_step", "summary_json", "log_all_ranks", "device")
+
+
+def fingerprint_config(cfg) -> dict:
+    """Settings a resumed run must share with the saved one: the model, data, training math and
+    LoRA. Not the layout (``parallel``: resharding), logging, offload or graphs (same math)."""
+    training = {k: v for k, v in dataclasses.asdict(cfg.training).items() if k not in _RUNTIME_ONLY}
+    out = {
+        "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
+        "training": training, "moe_capacity_factor": cfg.fastpath.moe_capacity_factor,
+        "lora": dataclasses.asdict(cfg.lora) if cfg.lora is not None else None,
+    }
+    return json.loads(json.dumps(out))  # tuples -> lists, as read back from JSON
+
+
+def announce_resume(cfg) -> Optional[str]:
+    """Print (rank 0) and return the job's first line when ``checkpoint.dir`` is set: which
+    checkpoint it resumes from. Reads only the raw config and the directory, so it runs before
+    the config is parsed or anything is built (a bad config is still reported by the parser)."""
+    import os
+
+    from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager
+
+    directory = (cfg.get("checkpoint") or {}).get("dir")
+    if directory is None:
+        return None
+    steps = (cfg.get("training") or {}).get("steps")
+    latest = CheckpointManager(CheckpointConfig(dir=str(directory)), {}, log=lambda s: None)
+    try:
+        path = latest.latest()
+        line = f"checkpoint: no checkpoint in {latest.root}, starting at step 1"
+        if path is not None:
+            with open(os.path.join(path, "train_state.json")) as f:
+                done = json.load(f)["step"]
+            line = (f"resuming from {path}: {done} of {steps} steps done, continuing at step {done + 1}"
+                    if steps is None or done < steps else
+                    f"resuming from {path}: all {steps} steps already done (nothing to train)")
+    except (OSError, ValueError, KeyError) as exc:
+        line = f"resuming from {latest.root}: its latest checkpoint is unreadable ({exc}); see below"
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(line, flush=True)
+    return line
+
+
+class PreemptionSignals:
+    """SIGTERM / SIGUSR1 -> a flag (handlers restored by :meth:`close`)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._previous = {}
+        self._group = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            gloo = torch.distributed.get_backend() == "gloo"
+            self._group = None if gloo else torch.distributed.new_group(backend="gloo")
+            self._multi = True
+        else:
+            self._multi = False
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> Optional[str]:
+        """The signal any rank received (a CPU all-reduce over gloo: no device sync)."""
+        if not self._multi:
+            return self.received
+        codes = [s.name for s in self.SIGNALS]
+        flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return codes[int(flag) - 1] if int(flag) else None
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class JobCheckpointer:
+    """Checkpoints of one job (``job.cfg.checkpoint.dir`` set)."""
+
+    def __init__(self, job, logger):
+        from megatron_fastpath.checkpoint import CheckpointManager, training_state
+
+        self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
+        self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg), log=logger.print)
+        self.state_fn, self.apply_fn, self.extra_fn = training_state(
+            job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only)
+        self.signals = PreemptionSignals()
+        self.resumed = None
+
+    # ------------------------------------------------------------------ start
+    def load_base(self) -> Optional[str]:
+        """Base weights (every non-adapter tensor) from ``checkpoint.base_dir``."""
+        if self.cfg.base_dir is None:
+            return None
+        from megatron.core import dist_checkpointing
+
+        from megatron_fastpath.checkpoint import check_safe_to_load, is_adapter_key
+        from megatron_fastpath.checkpoint.manager import _drop_objects
+        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+
+        check_safe_to_load(self.cfg.base_dir)
+        wanted = _drop_objects({k: v for k, v in self.job.model.sharded_state_dict().items()
+                                if not is_adapter_key(k)})
+        with dist_checkpointing_on_cpu():
+            loaded = dist_checkpointing.load(wanted, self.cfg.base_dir)
+        result = self.job.model.load_state_dict(loaded, strict=False)
+        missing = [k for k in result.missing_keys if not (k.endswith("_extra_state") or is_adapter_key(k))]
+        if missing:
+            raise RuntimeError(f"checkpoint.base_dir lacks {missing[:10]}")
+        return f"base weights from {self.cfg.base_dir}"
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint; returns the first step to run (1: fresh)."""
+        base = self.load_base()
+        resumed = self.manager.load(self.state_fn, self.apply_fn)
+        total = self.job.cfg.training.steps
+        if base:
+            self.logger.print(f"checkpoint: {base}")
+        if resumed is None:
+            return 1
+        self.resumed = resumed
+        data = resumed.extra["data"]
+        expected = self.job.data.first_microbatch(resumed.step + 1) if resumed.step < total else None
+        if data["per_step"] == self.job.data.per_step and data["next_first_microbatch"] != expected:
+            raise RuntimeError(f"data position {data} does not match this run's ({expected})")
+        self.logger.restore([r for r in resumed.extra["records"]])
+        self.logger.print(
+            f"  loaded {resumed.path}: {resumed.step} of {total} steps done, "
+            f"{data['consumed_samples']} samples consumed, next microbatch {data['next_first_microbatch']}"
+        )
+        for note in resumed.notes:
+            self.logger.print(f"  checkpoint: {note}")
+        return resumed.step + 1
+
+    # ------------------------------------------------------------------ steps
+    def _data_position(self, step: int) -> dict:
+        data = self.job.data
+        samples = sum(len(mb.lengths) for s in range(1, step + 1) for mb in data.global_microbatches(s))
+        nxt = data.first_microbatch(step + 1) if step < self.job.cfg.training.steps else None
+        return {"next_step": step + 1, "per_step": data.per_step, "consumed_microbatches":
+                step * data.per_step, "consumed_samples": samples, "next_first_microbatch": nxt}
+
+    def after_step(self, step: int) -> Optional[str]:
+        """Save if due; returns why to stop now (None: go on)."""
+        for r in self.manager.poll(blocking=False):
+            self._report(r, published=True)
+        t = self.job.cfg.training
+        sig = self.signals.agreed()
+        stop = (f"signal {sig}" if sig else "stop_at_step" if step == t.stop_at_step else None)
+        due = stop or step == t.steps or (self.cfg.interval and step % self.cfg.interval == 0)
+        if due:
+            self.save(step)
+        return stop
+
+    def save(self, step: int) -> None:
+        self.logger.flush()  # the step's record (read one step late) goes into the checkpoint
+        for r in self.manager.poll(blocking=True):  # one save in flight: wait for the previous
+            self._report(r, published=True)
+        extra = {**self.extra_fn(), "data": self._data_position(step),
+                 "records": [dataclasses.asdict(r) for r in self.logger.records]}
+        self._report(self.manager.save(step, self.state_fn, extra), published=False)
+
+    def _report(self, r, published: bool) -> None:
+        if r.is_async and not published:
+            self.logger.print(f"checkpoint step {r.step}: async save blocked the step "
+                              f"{r.blocking_s * 1e3:.1f} ms (staging), written in the background")
+        elif r.is_async:
+            self.logger.print(f"checkpoint step {r.step} -> {r.path}: {r.bytes:,} B published "
+                              f"(async: step blocked {r.blocking_s * 1e3:.1f} ms, waits for the "
+                              f"writer {r.wait_s * 1e3:.1f} ms)")
+        else:
+            self.logger.print(f"checkpoint step {r.step} -> {r.path}: {r.bytes:,} B, blocked "
+                              f"the step {r.blocking_s * 1e3:.1f} ms (sync)")
+
+    def finish(self) -> dict:
+        """Wait for async saves; the checkpoint facts for the summary."""
+        for r in self.manager.poll(blocking=True):
+            self._report(r, published=True)
+        self.signals.close()
+        saves = self.manager.saves
+        return dict(
+            resumed_from=self.resumed.path if self.resumed else None,
+            checkpoint_bytes=saves[-1].bytes if saves else 0,
+            checkpoint_saves=tuple({"step": s.step, "bytes": s.bytes, "blocking_ms": s.blocking_s * 1e3,
+                                    "wait_ms": s.wait_s * 1e3, "async": s.is_async} for s in saves),
+        )

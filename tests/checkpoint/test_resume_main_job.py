@@ -1,0 +1,123 @@
+"""Exact resume of the main job on CPU: ``training.steps=N`` straight vs the same command with
+``checkpoint.dir=D training.stop_at_step=K`` followed by the same command without
+``stop_at_step`` give bit-identical per-step losses (the summary JSON's records), learning
+rates and final parameters -- dense, tiny_moe dropless and capacity, LoRA (full and
+adapters-only checkpoints), activation offload."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from megatron_fastpath.train import PREEMPTED_EXIT_CODE, config_dir, run
+
+STEPS, STOP = 6, 3
+FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
+        "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256",
+        "training.lr=5e-3"]
+MOE = ["model=tiny_moe", "model.moe_ffn_hidden_size=64"]
+LORA = ["fastpath.lora=true", "lora.rank=4"]
+CASES = {
+    "dense": ([], []),
+    "moe-dropless": (MOE, []),
+    "moe-capacity": (MOE + ["fastpath.moe_capacity_factor=1.5"], []),
+    "lora-full": (LORA, []),
+    "lora-adapters-only": (LORA, ["checkpoint.adapters_only=true"]),
+    "offload": (["fastpath.offload=true", "offload.min_offload_bytes=0"], []),
+}
+
+
+def cfg(overrides):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def params(job):
+    return {k: v.detach().clone() for k, v in job.model.state_dict().items() if torch.is_tensor(v)}
+
+
+def losses(path):
+    with open(path) as f:
+        return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exact_resume_main_job(mcore_parallel, tmp_path, capsys, case):
+    model, ckpt_only = CASES[case]
+    d = tmp_path / "ckpt"
+    straight, job_s = run(cfg(FAST + model + [f"training.summary_json={tmp_path}/straight.json"]),
+                          return_job=True)
+    ckpt = [f"checkpoint.dir={d}", *ckpt_only]
+    first = run(cfg(FAST + model + ckpt + [f"training.stop_at_step={STOP}"]))
+    assert first.stopped == "stop_at_step" and first.steps == STOP
+    assert [s["step"] for s in first.checkpoint_saves] == [STOP] and first.checkpoint_bytes > 0
+    capsys.readouterr()
+    resumed, job_r = run(cfg(FAST + model + ckpt + [f"training.summary_json={tmp_path}/resumed.json"]),
+                         return_job=True)
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (f"resuming from {d}/step_{STOP:08d}: {STOP} of {STEPS} steps "
+                                   f"done, continuing at step {STOP + 1}")
+    assert resumed.resumed_from == f"{d}/step_{STOP:08d}" and resumed.stopped is None
+    assert f"step    {STOP}/" not in out and f"step    {STOP + 1}/{STEPS}" in out
+    assert len(losses(tmp_path / "straight.json")) == STEPS
+    assert losses(tmp_path / "resumed.json") == losses(tmp_path / "straight.json")  # bit-identical
+    a, b = params(job_s), params(job_r)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert resumed.checkpoint_saves[-1]["step"] == STEPS
+
+
+def test_adapters_only_checkpoint_is_a_fraction_of_full(mcore_parallel, tmp_path):
+    full = run(cfg(FAST + LORA + [f"checkpoint.dir={tmp_path}/full", "training.stop_at_step=1"]))
+    small = run(cfg(FAST + LORA + [f"checkpoint.dir={tmp_path}/small", "training.stop_at_step=1",
+                                   "checkpoint.adapters_only=true"]))
+    assert 0 < small.checkpoint_bytes < full.checkpoint_bytes / 4
+
+
+def test_rerun_of_a_finished_run_trains_nothing(mcore_parallel, tmp_path, capsys):
+    d = tmp_path / "ckpt"
+    done = run(cfg(FAST + [f"checkpoint.dir={d}", "checkpoint.interval=2", "checkpoint.keep=2"]))
+    assert [s["step"] for s in done.checkpoint_saves] == [2, 4, 6]
+    assert sorted(n for n in os.listdir(d) if n.startswith("step_")) == ["step_00000004", "step_00000006"]
+    capsys.readouterr()
+    again = run(cfg(FAST + [f"checkpoint.dir={d}"]))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"resuming from {d}/step_{STEPS:08d}: all {STEPS} steps already done (nothing to train)"
+    assert "\nstep " not in out and again.records == done.records and again.checkpoint_saves == ()
+
+
+def test_other_config_refused_with_the_differences(mcore_parallel, tmp_path):
+    from megatron_fastpath.checkpoint import CheckpointMismatchError
+
+    run(cfg(FAST + [f"checkpoint.dir={tmp_path}", "training.stop_at_step=1"]))
+    with pytest.raises(CheckpointMismatchError) as err:
+        run(cfg(FAST + [f"checkpoint.dir={tmp_path}", "model.vocab_size=300", "training.lr=1e-3"]))
+    msg = str(err.value)
+    assert "embedding.word_embeddings.weight saved (256, 64), this model (300, 64)" in msg
+    assert "config model.vocab_size: saved 256, now 300" in msg
+    assert "config training.lr: saved 0.005, now 0.001" in msg
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["training.stop_at_step=7"], r"stop_at_step=7 must be in \[1, training.steps=6\]"),
+    (["checkpoint.adapters_only=true"], "adapters_only=true needs LoRA"),
+    (["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+])
+def test_bad_checkpoint_settings_rejected_before_building(bad, match, tmp_path):
+    from megatron_fastpath.train import parse_job_config
+
+    with pytest.raises(ValueError, match=match):
+        parse_job_config(cfg(FAST + [f"checkpoint.dir={tmp_path}", *bad]))
+
+
+def test_checkpoint_group_is_struct(tmp_path):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="intervall"):
+        cfg(FAST + ["checkpoint.intervall=3"])
