@@ -1,0 +1,106 @@
+"""The main job as a process: SIGUSR1 / SIGTERM mid-run -> it finishes the step, saves and exits
+with PREEMPTED_EXIT_CODE; the rerun resumes and ends bit-identical to an uninterrupted run. A
+SIGKILL in the middle of a save leaves the previous checkpoint as latest, and the rerun resumes
+from it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_fastpath.train import PREEMPTED_EXIT_CODE
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 16
+FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
+        "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="1")
+    return env
+
+
+def _cmd(tmp_path, *overrides, launcher=None):
+    head = [sys.executable, str(launcher)] if launcher else [sys.executable, "-m", "megatron_fastpath.train"]
+    return head + FAST + [f"hydra.run.dir={tmp_path}/hydra", *overrides]
+
+
+def _records(path):
+    with open(path) as f:
+        return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
+
+
+def _straight(tmp_path):
+    out = tmp_path / "straight.json"
+    subprocess.run(_cmd(tmp_path, f"training.summary_json={out}"), env=_env(), check=True,
+                   capture_output=True, timeout=600)
+    return _records(out)
+
+
+def _wait_for(proc, pred, what, timeout_s=300):
+    deadline = time.time() + timeout_s
+    while not pred():
+        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, sig):
+    d = tmp_path / "ckpt"
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_cmd(tmp_path, f"checkpoint.dir={d}"), env=_env(), stdout=f,
+                                stderr=subprocess.STDOUT)
+        _wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=300) == PREEMPTED_EXIT_CODE
+    text = log.read_text()
+    stopped = int(open(d / "latest").read().removeprefix("step_"))
+    assert 2 <= stopped < STEPS, text[-2000:]
+    assert f"stopped early: signal {sig.name}" in text
+    assert f"step {stopped + 1:4d}/" not in text  # finished the step it was in, no further
+    summary = tmp_path / "resumed.json"
+    second = subprocess.run(_cmd(tmp_path, f"checkpoint.dir={d}", f"training.summary_json={summary}"),
+                            env=_env(), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.stdout.splitlines()[0].startswith(f"resuming from {d}/step_{stopped:08d}")
+    assert _records(summary) == _straight(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
+    d = tmp_path / "ckpt"
+    marker = tmp_path / "hanging"
+    env = dict(_env(), FASTPATH_TEST_HANG_AT_STEP="4", FASTPATH_TEST_MARKER=str(marker))
+    with open(tmp_path / "first.log", "w") as log:
+        # its own process group: SIGKILL reaches the job and the helper processes its save
+        # started, as when Slurm kills a job step
+        proc = subprocess.Popen(
+            _cmd(tmp_path, f"checkpoint.dir={d}", "checkpoint.interval=2",
+                 "checkpoint.async_save=false",
+                 launcher=Path(__file__).with_name("slow_save_launcher.py")),
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_for(proc, marker.exists, "the save of step 4")
+        os.killpg(proc.pid, signal.SIGKILL)  # step 4's files are written, not published
+        proc.wait(timeout=60)
+    assert (d / ".tmp.step_00000004" / "model" / "metadata.json").exists()  # written, unpublished
+    assert open(d / "latest").read() == "step_00000002"
+    summary = tmp_path / "resumed.json"
+    second = subprocess.run(_cmd(tmp_path, f"checkpoint.dir={d}", "checkpoint.interval=2",
+                                 f"training.summary_json={summary}"),
+                            env=_env(), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.stdout.splitlines()[0] == (
+        f"resuming from {d}/step_00000002: 2 of {STEPS} steps done, continuing at step 3")
+    assert not any(n.startswith(".tmp.") for n in os.listdir(d))  # the partial one was cleared
+    assert _records(summary) == _straight(tmp_path)
