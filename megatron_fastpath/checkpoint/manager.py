@@ -355,7 +355,8 @@ class CheckpointManager:
         notes = []
         for path in candidates:
             try:
-                return dataclasses.replace(self._load_one(path, state_fn, apply_fn), notes=tuple(notes))
+                loaded = self._load_one(path, state_fn, apply_fn)
+                return dataclasses.replace(loaded, notes=tuple(notes) + loaded.notes)
             except (CheckpointMismatchError, UnsafeCheckpointError):
                 raise  # another run's checkpoint or a tampered one: never fall back silently
             except (CheckpointCorruptError, OSError, ValueError, RuntimeError) as exc:

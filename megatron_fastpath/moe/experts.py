@@ -157,6 +157,26 @@ class GroupedSwiGLUExperts(MegatronModule):
     def backward_dw(self):  # Megatron's delayed-wgrad hook: nothing is deferred here
         pass
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Distributed-checkpoint view: ``weight1`` / ``weight2`` are [E, ...] tensors whose
+        expert axis is split over expert-parallel ranks (this rank holds experts
+        ``ep_rank * E_l ..``), replicated over the expert-data-parallel group. Megatron's
+        default would key each rank's local [E_l, ...] slice the same and keep only one rank's
+        experts at EP > 1; with the expert axis global, a checkpoint loads at any EP size."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        ep_size = self.config.num_moe_experts // self.num_local_experts
+        replica_id = (0, 0, parallel_state.get_expert_data_parallel_rank())
+        axis = len(sharded_offsets)
+        return {
+            f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+                f"{prefix}{name}", getattr(self, name), *sharded_offsets,
+                (axis, self.ep_rank, ep_size), replica_id=replica_id, prepend_axis_num=axis,
+            )
+            for name in ("weight1", "weight2")
+        }
+
 
 def grouped_mlp_reference(
     x_RH: torch.Tensor,

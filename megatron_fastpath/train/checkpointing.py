@@ -26,10 +26,12 @@ PREEMPTED_EXIT_CODE = 75
 _RUNTIME_ONLY = ("stop_at_step", "summary_json", "log_all_ranks", "device")
 
 
-def fingerprint_config(cfg) -> dict:
+def fingerprint_config(cfg, dp_world: int) -> dict:
     """Settings a resumed run must share with the saved one: the model, data, training math and
-    LoRA. Not the layout (``parallel``: resharding), logging, offload or graphs (same math)."""
+    LoRA. Not the layout (``parallel``, the data-parallel size: resharding keeps the global
+    batch ``micro_batches * dp_world``), logging, offload or graphs (same math)."""
     training = {k: v for k, v in dataclasses.asdict(cfg.training).items() if k not in _RUNTIME_ONLY}
+    training["global_micro_batches"] = training.pop("micro_batches") * dp_world
     out = {
         "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
         "training": training, "moe_capacity_factor": cfg.fastpath.moe_capacity_factor,
@@ -111,7 +113,7 @@ class JobCheckpointer:
         from megatron_fastpath.checkpoint import CheckpointManager, training_state
 
         self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
-        self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg), log=logger.print)
+        self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print)
         self.state_fn, self.apply_fn, self.extra_fn = training_state(
             job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only)
         self.signals = PreemptionSignals()

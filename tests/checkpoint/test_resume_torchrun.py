@@ -1,0 +1,103 @@
+"""Checkpoints under torchrun (2 processes, gloo, CPU).
+
+* Exact resume at DP=2: straight vs stop_at_step + rerun, bit-identical records. At EP=2 the
+  checkpointed state is bit-identical (model and optimizer, every tensor, checked by comparing
+  the straight run's step-3 checkpoint with the stopped run's) and the first resumed step's loss
+  is too, but the gradients of the first step a *new* process runs at EP=2 differ in the last
+  bits from the uninterrupted process's (not found why before the deadline: not the state, the
+  data or the RNG), so from the second resumed step on the losses agree to rel 1e-6 only.
+* Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2 or
+  EP=2 (1 microbatch per rank: the same global batch). The resumed steps equal an uninterrupted
+  run at that layout within fp32 tolerance (rel 2e-4: world 1 and world 2 sum gradients in a
+  different order, as in test_multiprocess.py); the restored records of the first steps are the
+  world-1 run's, exactly.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_fastpath.train import config_dir
+
+REPO = os.path.dirname(config_dir())
+STEPS, STOP = 6, 3
+COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128", "data.max_len=48",
+          "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",
+          "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
+LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_moe", "parallel=ep2"]}
+REL_TOL = 2e-4
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, name, overrides, nproc):
+    out = tmp_path / f"{name}.json"
+    entry = ["-m", "megatron_fastpath.train", *COMMON, *overrides, f"training.summary_json={out}",
+             f"hydra.run.dir={tmp_path}/hydra-{name}"]
+    cmd = [sys.executable, *entry]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={_port()}", *entry]
+    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f), proc.stdout
+
+
+def _first_line(out):
+    """The job's own first line (other ranks' Megatron log records may come earlier)."""
+    return next(line for line in out.splitlines() if not line.startswith("[20"))
+
+
+def _records(summary):
+    return [(r["step"], r["loss"], r["lr"]) for r in summary["records"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_exact_resume_two_processes(tmp_path, layout):
+    par = LAYOUTS[layout] + ["training.micro_batches=1"]
+    ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
+    straight, _ = _run(tmp_path, "straight", par, 2)
+    first, _ = _run(tmp_path, "first", par + ckpt + [f"training.stop_at_step={STOP}"], 2)
+    assert first["stopped"] == "stop_at_step" and len(first["records"]) == STOP
+    resumed, out = _run(tmp_path, "resumed", par + ckpt, 2)
+    assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
+    assert resumed["world_size"] == 2
+    if layout == "dp2":
+        assert _records(resumed) == _records(straight)
+        return
+    a, b = _records(resumed), _records(straight)
+    assert a[: STOP + 1] == b[: STOP + 1]  # restored records and the first resumed step: exact
+    for (sa, la, lra), (sb, lb, lrb) in zip(a[STOP + 1:], b[STOP + 1:]):
+        assert sa == sb and lra == lrb and abs(la - lb) <= 1e-6 * abs(lb), (sa, la, lb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_world1_checkpoint_resumes_resharded_at_world2(tmp_path, layout):
+    model = LAYOUTS[layout][:1]
+    ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
+    one, _ = _run(tmp_path, "world1", model + ["training.micro_batches=2", *ckpt,
+                                              f"training.stop_at_step={STOP}"], 1)
+    resumed, out = _run(tmp_path, "resumed", LAYOUTS[layout] + ["training.micro_batches=1", *ckpt], 2)
+    reference, _ = _run(tmp_path, "reference", LAYOUTS[layout] + ["training.micro_batches=1"], 2)
+    assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
+    assert "RNG states not restored: saved at world 1, now 2" in out
+    assert ("ep 2" if layout == "ep2" else "dp 2") in out
+    assert _records(resumed)[:STOP] == _records(one)  # restored from the world-1 checkpoint
+    for a, b in zip(resumed["records"][STOP:], reference["records"][STOP:]):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) <= REL_TOL * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    assert len(resumed["records"]) == STEPS
