@@ -130,6 +130,22 @@ def config_dir() -> str:
     )
 
 
+def _exit_preempted() -> None:
+    """Saved after SIGTERM/SIGUSR1: every rank exits with PREEMPTED_EXIT_CODE (the launcher,
+    slurm/train.sbatch, requeues the job). All ranks leave together, right after a barrier and
+    without interpreter teardown: ``srun --kill-on-bad-exit`` would otherwise kill a rank still
+    tearing down when the first one exits with a non-zero code."""
+    import sys
+
+    import torch
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
 def main() -> None:
     import hydra
     from omegaconf import DictConfig
@@ -137,12 +153,11 @@ def main() -> None:
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         summary = run(cfg)
+        if summary.stopped and summary.stopped.startswith("signal"):
+            _exit_preempted()
         from megatron_fastpath.distributed import destroy_distributed
 
         destroy_distributed()
-        if summary.stopped and summary.stopped.startswith("signal"):
-            # saved after SIGTERM/SIGUSR1: tell the launcher (slurm/train.sbatch) to requeue
-            raise SystemExit(PREEMPTED_EXIT_CODE)
 
     from megatron_fastpath._noise import main_job_filters
 

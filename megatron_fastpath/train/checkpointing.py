@@ -178,7 +178,10 @@ class JobCheckpointer:
             self._report(r, published=True)
         t = self.job.cfg.training
         sig = self.signals.agreed()
-        stop = (f"signal {sig}" if sig else "stop_at_step" if step == t.stop_at_step else None)
+        if step == t.steps:  # the run is complete: a late signal changes nothing
+            stop = None
+        else:
+            stop = f"signal {sig}" if sig else "stop_at_step" if step == t.stop_at_step else None
         due = stop or step == t.steps or (self.cfg.interval and step % self.cfg.interval == 0)
         if due:
             self.save(step)

@@ -100,3 +100,94 @@ def test_tasks_failing_after_a_signal_are_not_requeued(tmp_path):
     proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert not (tmp_path / "scontrol.calls").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# The real thing: the local two-node Slurm cluster (2 nodes x 1 task: DP=2 over gloo)
+# ------------------------------------------------------------------------------------------------
+from test_slurm_local import local_slurm  # noqa: E402,F401  (the session's cluster fixture)
+
+STEPS = 40
+FAST = [f"training.steps={STEPS}", "model.num_layers=2", "data.num_samples=256",
+        "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256"]
+LAUNCHER = REPO / "tests" / "checkpoint" / "slow_save_launcher.py"
+
+
+def _submit(cluster, work: Path, *overrides: str, **env_extra: str) -> int:
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    env = clean_submit_env(**{
+        "PYTHON": sys.executable, "DEVICE": "cpu", "FASTPATH_HOME": str(REPO),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **env_extra,
+    })
+    return cluster.sbatch([f"--chdir={work}", "--nodes=2", "--ntasks-per-node=1",
+                           "--gpus-per-node=0", "--time=00:10:00", "--open-mode=append",
+                           str(SBATCH), *FAST, *overrides], env=env)
+
+
+def _out(work: Path, job_id: int) -> str:
+    f = work / "logs" / f"fastpath-train-{job_id}.out"
+    return f.read_text() if f.exists() else ""
+
+
+def _records(path: Path):
+    import json
+
+    return [(r["step"], r["loss"], r["lr"]) for r in json.loads(path.read_text())["records"]]
+
+
+def _wait_text(cluster, work, job_id, text, timeout_s=300):
+    deadline = time.time() + timeout_s
+    while text not in _out(work, job_id):
+        fields = cluster.job(job_id) or {}
+        assert fields.get("JobState") not in ("FAILED", "CANCELLED", "COMPLETED"), _out(work, job_id)
+        assert time.time() < deadline, f"no {text!r} after {timeout_s} s:\n{_out(work, job_id)[-3000:]}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slurm, tmp_path):
+    ref = _submit(local_slurm, tmp_path / "ref", f"training.summary_json={tmp_path}/ref.json")
+    assert local_slurm.wait(ref, timeout_s=600).ok, _out(tmp_path / "ref", ref)[-3000:]
+    work = tmp_path / "pre"
+    job = _submit(local_slurm, work, f"training.summary_json={tmp_path}/pre.json")
+    _wait_text(local_slurm, work, job, "step    3/")
+    # what --signal=B:USR1@<s> does near the time limit: USR1 to the batch script
+    local_slurm._run(["scancel", "--batch", "--signal=USR1", str(job)])
+    result = local_slurm.wait(job, timeout_s=900)
+    out = _out(work, job)
+    assert result.ok, out[-4000:]
+    assert result.fields.get("Restarts") == "1", result.fields
+    assert "got SIGUSR1, forwarding SIGUSR1" in out and "requeueing it" in out
+    assert "stopped early: signal SIGUSR1" in out
+    assert re.search(r"^resuming from \S+/checkpoints/step_\d{8}: \d+ of 40 steps done", out, re.M), out
+    assert _records(tmp_path / "pre.json") == _records(tmp_path / "ref.json")
+
+
+@pytest.mark.slow
+def test_sigkilled_save_resumes_from_the_previous_checkpoint(local_slurm, tmp_path):
+    ref = _submit(local_slurm, tmp_path / "ref", f"training.summary_json={tmp_path}/ref.json")
+    assert local_slurm.wait(ref, timeout_s=600).ok, _out(tmp_path / "ref", ref)[-3000:]
+    ckpt = tmp_path / "ckpt"
+    marker = tmp_path / "hanging"
+    wrapper = tmp_path / "python-slow-save"  # `$PYTHON -m megatron_fastpath.train ARGS` -> launcher
+    wrapper.write_text(f'#!/usr/bin/env bash\nshift 2\nexec {sys.executable} {LAUNCHER} "$@"\n')
+    wrapper.chmod(0o755)
+    work = tmp_path / "killed"
+    job = _submit(local_slurm, work, "checkpoint.interval=2", "checkpoint.async_save=false",
+                  CHECKPOINT_DIR=str(ckpt), PYTHON=str(wrapper), FASTPATH_TEST_HANG_AT_STEP="4",
+                  FASTPATH_TEST_MARKER=str(marker))
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert time.time() < deadline, _out(work, job)[-3000:]
+        time.sleep(0.2)
+    local_slurm._run(["scancel", "--signal=KILL", str(job)])  # SIGKILL the tasks mid-save
+    local_slurm.wait(job, timeout_s=300)
+    assert (ckpt / "latest").read_text() == "step_00000002"
+    again = _submit(local_slurm, tmp_path / "again", f"training.summary_json={tmp_path}/again.json",
+                    CHECKPOINT_DIR=str(ckpt))
+    result = local_slurm.wait(again, timeout_s=600)
+    out = _out(tmp_path / "again", again)
+    assert result.ok, out[-4000:]
+    assert f"resuming from {ckpt}/step_00000002: 2 of {STEPS} steps done" in out
+    assert _records(tmp_path / "again.json") == _records(tmp_path / "ref.json")
