@@ -139,8 +139,13 @@ def _exit_preempted() -> None:
 
     import torch
 
+    import multiprocessing
+
     sys.stdout.flush()
     sys.stderr.flush()
+    for child in multiprocessing.active_children():  # e.g. Megatron's async-save queue manager
+        child.terminate()
+        child.join(timeout=10)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     os._exit(PREEMPTED_EXIT_CODE)

@@ -54,7 +54,7 @@ def _wait_for(proc, pred, what, timeout_s=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, sig):
     d = tmp_path / "ckpt"
     log = tmp_path / "first.log"
