@@ -121,3 +121,19 @@ def test_checkpoint_group_is_struct(tmp_path):
 
     with pytest.raises(ConfigCompositionException, match="intervall"):
         cfg(FAST + ["checkpoint.intervall=3"])
+
+
+def test_lora_run_takes_its_base_from_a_plain_models_checkpoint(mcore_parallel, tmp_path):
+    """checkpoint.base_dir: a LoRA job starts from another run's base weights (the keys of a
+    model without LoRA), its adapters as initialised."""
+    plain, job_p = run(cfg(FAST + [f"checkpoint.dir={tmp_path}/plain", "training.stop_at_step=2"]),
+                       return_job=True)
+    base = f"{tmp_path}/plain/step_00000002/model"
+    lora, job_l = run(cfg(FAST + LORA + [f"checkpoint.dir={tmp_path}/lora", f"checkpoint.base_dir={base}",
+                                         "training.stop_at_step=1"]), return_job=True)
+    p = params(job_p)
+    loaded = {k.replace(".base.", "."): v for k, v in params(job_l).items() if "lora_" not in k}
+    assert loaded.keys() == p.keys()
+    for k in p:  # base frozen: still exactly the plain run's step-2 weights
+        assert torch.equal(loaded[k], p[k]), k
+    assert lora.records[0].loss < plain.records[0].loss  # it starts from trained weights
