@@ -135,11 +135,10 @@ def _exit_preempted() -> None:
     slurm/train.sbatch, requeues the job). All ranks leave together, right after a barrier and
     without interpreter teardown: ``srun --kill-on-bad-exit`` would otherwise kill a rank still
     tearing down when the first one exits with a non-zero code."""
+    import multiprocessing
     import sys
 
     import torch
-
-    import multiprocessing
 
     sys.stdout.flush()
     sys.stderr.flush()

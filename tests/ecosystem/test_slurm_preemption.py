@@ -32,6 +32,7 @@ def test_sbatch_header_requeues_and_asks_for_a_warning_signal():
     text = SBATCH.read_text()
     assert "#SBATCH --requeue\n" in text
     assert "#SBATCH --signal=B:USR1@120\n" in text
+    assert "#SBATCH --open-mode=append\n" in text  # a requeued job keeps its first part
     lora = (REPO / "slurm" / "train_cuda_graphs_lora.sbatch").read_text()
     assert "#SBATCH --requeue\n" in lora and "#SBATCH --signal=B:USR1@120\n" in lora
     from megatron_fastpath.train import PREEMPTED_EXIT_CODE as code
@@ -121,12 +122,12 @@ def _submit(cluster, work: Path, *overrides: str, **env_extra: str) -> int:
         **env_extra,
     })
     return cluster.sbatch([f"--chdir={work}", "--nodes=2", "--ntasks-per-node=1",
-                           "--gpus-per-node=0", "--time=00:10:00", "--open-mode=append",
-                           str(SBATCH), *FAST, *overrides], env=env)
+                           "--gpus-per-node=0", "--time=00:10:00", str(SBATCH), *FAST, *overrides],
+                          env=env)
 
 
 def _out(work: Path, job_id: int) -> str:
-    f = work / "logs" / f"fastpath-train-{job_id}.out"
+    f = work / f"fastpath-train-{job_id}.out"  # the script's default --output (appended on requeue)
     return f.read_text() if f.exists() else ""
 
 
