@@ -41,6 +41,10 @@ def _param_map(optimizer, model_sd):
 
 
 def common_step(optimizer) -> int:
+    """The step every parameter's state is at (0: not stepped). Megatron optimizers keep theirs
+    inside their own sharded state dict (``common_step``): 0 here."""
+    if _is_megatron(optimizer):
+        return 0
     steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
         raise ValueError(f"optimizer parameters are at different steps {sorted(steps)}")
@@ -51,7 +55,7 @@ def optimizer_sharded_state(optimizer, model_sd, loading: bool = False) -> dict:
     """Sharded view of the optimizer state (``loading``: fresh tensors to load into)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    if _is_megatron(optimizer):  # pragma: no cover - Megatron optimizer (GPU path)
+    if _is_megatron(optimizer):  # Megatron optimizer (GPU path)
         return optimizer.sharded_state_dict(model_sd, is_loading=loading)
     params, id_map = _param_map(optimizer, model_sd)
     out = {}
@@ -66,7 +70,10 @@ def optimizer_sharded_state(optimizer, model_sd, loading: bool = False) -> dict:
 
 
 def optimizer_hyperparams(optimizer) -> list:
-    """JSON-able param-group settings (everything but the parameters)."""
+    """JSON-able param-group settings (everything but the parameters); Megatron optimizers save
+    theirs in their own sharded state dict."""
+    if _is_megatron(optimizer):
+        return []
     groups = []
     for g in optimizer.param_groups:
         groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
@@ -76,7 +83,7 @@ def optimizer_hyperparams(optimizer) -> list:
 
 def load_optimizer_state(optimizer, loaded: dict, step: int, hyperparams: list) -> None:
     """Put loaded sharded optimizer tensors (from :func:`optimizer_sharded_state`) back."""
-    if _is_megatron(optimizer):  # pragma: no cover - Megatron optimizer (GPU path)
+    if _is_megatron(optimizer):  # Megatron optimizer (GPU path)
         optimizer.load_state_dict(loaded)
         return
     sd = optimizer.state_dict()

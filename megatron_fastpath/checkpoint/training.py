@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from megatron_fastpath.checkpoint.optim import (
+    _is_megatron,
     common_step,
     load_optimizer_state,
     optimizer_hyperparams,
@@ -38,7 +39,8 @@ def training_state(model, optimizer, scheduler, adapters_only: bool = False):
     def state_fn(loading: bool, saved: dict = None):
         msd = model_sd()
         step = saved["extra"]["optimizer"]["step"] if loading else common_step(optimizer)
-        opt = optimizer_sharded_state(optimizer, msd, loading=loading) if step > 0 else {}
+        stepped = step > 0 or _is_megatron(optimizer)  # Megatron's holds its own step
+        opt = optimizer_sharded_state(optimizer, msd, loading=loading) if stepped else {}
         return {"model": msd, "optimizer": opt}
 
     def apply_fn(loaded: dict, extra: dict) -> None:
