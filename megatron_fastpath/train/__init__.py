@@ -99,15 +99,16 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
     return logger.finish(stopped=stop, **checkpoint)
 
 
-def run(cfg, return_job: bool = False):
+def run(cfg, return_job: bool = False, announce: bool = True):
     """Train per ``cfg`` (an OmegaConf/dict tree with groups model, data, training, fastpath,
     parallel, cluster, checkpoint and the feature groups lora, offload, cuda_graphs, fp8) and
     return the summary (and the :class:`Job` with ``return_job``). All configuration is validated
     before any model is built or step runs. When ``checkpoint.dir`` holds a checkpoint the run
-    resumes from it, and its first line says so."""
-    from megatron_fastpath.train.checkpointing import announce_resume
+    resumes from it, and its first line says so (``announce=False``: the caller printed it)."""
+    if announce:
+        from megatron_fastpath.train.checkpointing import announce_resume
 
-    announce_resume(cfg)  # the first line: resuming or not (before anything is imported / built)
+        announce_resume(cfg)  # the first line: resuming or not (before anything is built)
     job_cfg = parse_job_config(cfg)
     job = build_job(job_cfg)
     logger = StepLogger(job)
@@ -156,7 +157,14 @@ def main() -> None:
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        summary = run(cfg)
+        from megatron_fastpath._noise import absent_packages_line
+        from megatron_fastpath.train.checkpointing import announce_resume
+
+        announce_resume(cfg)  # first: whether this run resumes from a checkpoint
+        line = absent_packages_line()
+        if line and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(line, flush=True)
+        summary = run(cfg, announce=False)
         if summary.stopped and summary.stopped.startswith("signal"):
             _exit_preempted()
         from megatron_fastpath.distributed import destroy_distributed
@@ -165,5 +173,7 @@ def main() -> None:
 
     from megatron_fastpath._noise import main_job_filters
 
-    with main_job_filters():  # one line of absent packages instead of per-module fallbacks
+    # one line of absent packages instead of per-module fallbacks (printed by _main, after the
+    # resume line)
+    with main_job_filters(rank0=False):
         _main()
