@@ -244,6 +244,19 @@ class TEGroupedSwiGLUExperts(MegatronModule):
     def backward_dw(self):
         pass
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's default view (weights of each local expert) at EP = 1; refused at EP > 1,
+        where it would key every EP rank's local experts alike and keep only one rank's."""
+        ep_size = self.config.num_moe_experts // self.num_local_experts
+        if ep_size > 1:
+            raise NotImplementedError(
+                f"distributed checkpoints of the Transformer Engine grouped experts at expert-"
+                f"parallel size {ep_size} are not supported (each rank's local experts would be "
+                "saved under the same keys): use the grouped_mm expert backend, whose weights "
+                "shard over EP, or EP=1"
+            )
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
 
 def expert_class(backend: str):
     """The experts module of ``backend``, a name in ``config.EXPERT_BACKENDS`` (the one list)."""

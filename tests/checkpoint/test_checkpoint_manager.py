@@ -190,3 +190,25 @@ def test_async_save_round_trip(mcore_parallel, tmp_path):
     straight = Run().train(2)
     assert_same(fresh.params(), straight.params())
     assert pending.blocking_s < published[0].blocking_s + 60
+
+
+def test_grouped_experts_shard_over_ep_and_te_experts_refuse_ep(mcore_parallel):
+    """The grouped_mm experts' checkpoint view puts the expert axis in the global shape (EP
+    offset = ep_rank * local experts); the TE experts refuse EP > 1 (Megatron's default view
+    would keep one rank's experts only)."""
+    import types
+
+    from megatron_fastpath.moe.experts import GroupedSwiGLUExperts, TEGroupedSwiGLUExperts
+
+    def config(E):
+        return types.SimpleNamespace(num_moe_experts=E)
+
+    ns = types.SimpleNamespace(config=config(8), num_local_experts=4, ep_rank=1,
+                               weight1=torch.zeros(4, 16, 32), weight2=torch.zeros(4, 16, 16))
+    sd = GroupedSwiGLUExperts.sharded_state_dict(ns, "mlp.experts.", ((0, 3, 4),))
+    w1 = sd["mlp.experts.weight1"]
+    assert w1.key == "mlp.experts.weight1" and w1.global_shape == (4, 8, 16, 32)
+    assert w1.global_offset == (3, 4, 0, 0)  # layer 3, experts 4..7
+    with pytest.raises(NotImplementedError, match="expert-parallel size 2"):
+        TEGroupedSwiGLUExperts.sharded_state_dict(
+            types.SimpleNamespace(config=config(8), num_local_experts=4), "mlp.experts.")
