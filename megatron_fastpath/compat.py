@@ -390,3 +390,108 @@ def dist_checkpointing_on_cpu():
         mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
     )
     return stack
+
+
+# =====================================================================================
+# Sync-free optimizer step: Megatron optimizer internals (megatron_fastpath.optim)
+# =====================================================================================
+# megatron_fastpath.optim.SyncFreeOptimizer drives Megatron's own optimizer objects
+# (FP32Optimizer, Float16OptimizerWithFloat16Params, ChainedOptimizer of those) but replaces
+# the three host reads in their step (clip_grads.py ``total_norm.item()``, optimizer.py
+# ``found_inf.item()``, DynamicGradScaler's host-side trackers) with device-side code. It needs
+# the optimizers' private group lists and copy helpers, which are not public API: checked here
+# for the 0.16 line only.
+
+_OPTIM_CHECKED = ((0, 16),)
+
+
+def _require_checked_optimizer_internals() -> None:
+    if (MCORE_VERSION.major, MCORE_VERSION.minor) not in _OPTIM_CHECKED:
+        raise ImportError(
+            f"megatron-core {MCORE_VERSION}: the sync-free optimizer step reads private fields of "
+            "Megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DynamicGradScaler, "
+            "checked for megatron-core 0.16.x only; use Megatron's own optimizer.step() "
+            "(training.sync_free_optimizer=false) until megatron_fastpath.compat is re-checked"
+        )
+
+
+def optimizer_leaves(optimizer) -> list:
+    """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
+    ChainedOptimizer is flattened); anything else is refused with what to use instead."""
+    _require_checked_optimizer_internals()
+    from megatron.core.optimizer.optimizer import (
+        ChainedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+    )
+
+    leaves = list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [
+        optimizer]
+    for leaf in leaves:
+        if type(leaf) not in (FP32Optimizer, Float16OptimizerWithFloat16Params):
+            raise TypeError(
+                f"the sync-free optimizer step supports Megatron's FP32Optimizer and "
+                f"Float16OptimizerWithFloat16Params (use_distributed_optimizer=False); got "
+                f"{type(leaf).__name__}: use its own step() instead"
+            )
+        cfg = leaf.config
+        if cfg.log_num_zeros_in_grad or cfg.use_precision_aware_optimizer or getattr(
+                cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+            raise ValueError(
+                "the sync-free optimizer step does not support log_num_zeros_in_grad, "
+                "use_precision_aware_optimizer or reuse_grad_buf_for_mxfp8_param_ag (each reads "
+                "values back or keeps state elsewhere); turn them off in OptimizerConfig"
+            )
+    return leaves
+
+
+def leaf_is_mixed_precision(leaf) -> bool:
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    return isinstance(leaf, Float16OptimizerWithFloat16Params)
+
+
+def leaf_copy_model_grads_to_main(leaf) -> None:
+    """Megatron's own (sync-free) first half of ``prepare_grads``: model grads -> main grads.
+    FP32Optimizer.prepare_grads only points ``param.grad`` at ``main_grad``; the mixed-precision
+    optimizer's ``_copy_model_grads_to_main_grads`` casts them into the fp32 main params."""
+    if leaf.is_stub_optimizer:
+        return
+    if leaf_is_mixed_precision(leaf):
+        leaf._copy_model_grads_to_main_grads()
+    else:
+        leaf.prepare_grads()
+
+
+def leaf_main_grads_for_unscaling(leaf) -> list:
+    return [] if leaf.is_stub_optimizer else leaf._collect_main_grad_data_for_unscaling()
+
+
+def leaf_copy_main_params_to_model(leaf) -> None:
+    if leaf_is_mixed_precision(leaf) and not leaf.is_stub_optimizer:
+        leaf._copy_main_params_to_model_params()
+
+
+def dynamic_scaler_fields(scaler):
+    """(kind, fields) of a Megatron grad scaler: kind "dynamic" with its factors / intervals /
+    host-side trackers, "constant", or None for no scaler (bf16 without loss scaling)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if scaler is None:
+        return None, {}
+    if isinstance(scaler, ConstantGradScaler):
+        return "constant", {}
+    if type(scaler) is not DynamicGradScaler:
+        raise TypeError(f"unsupported grad scaler {type(scaler).__name__}")
+    return "dynamic", dict(
+        min_scale=scaler.min_scale, growth_factor=scaler.growth_factor,
+        backoff_factor=scaler.backoff_factor, growth_interval=scaler.growth_interval,
+        hysteresis=scaler.hysteresis, growth_tracker=scaler._growth_tracker,
+        hysteresis_tracker=scaler._hysteresis_tracker,
+    )
+
+
+def set_dynamic_scaler_trackers(scaler, growth_tracker: int, hysteresis_tracker: int) -> None:
+    """Write the device-side trackers back to Megatron's host fields (checkpoint time)."""
+    scaler._growth_tracker = int(growth_tracker)
+    scaler._hysteresis_tracker = int(hysteresis_tracker)

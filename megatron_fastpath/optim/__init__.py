@@ -1,0 +1,5 @@
+"""Optimizer steps without host syncs: :class:`SyncFreeOptimizer` around Megatron's optimizer."""
+
+from megatron_fastpath.optim.sync_free import SyncFreeOptimizer, SyncFreeStepResult
+
+__all__ = ["SyncFreeOptimizer", "SyncFreeStepResult"]

@@ -1,0 +1,277 @@
+"""A sync-free step for Megatron's optimizer: :class:`SyncFreeOptimizer`.
+
+Megatron-Core 0.16.1's ``optimizer.step()`` reads the device back three times per step: the
+gradient norm (``clip_grads.py``: ``total_norm.item()``, and ``float()`` in the local l2-norm
+fallback), ``found_inf`` with a grad scaler (``optimizer.py``: ``self.found_inf.item()``) and,
+without Transformer Engine or Apex, torch AdamW's per-parameter step count (``.item()`` each).
+The wrapper keeps all of it on the device:
+
+* clipping: the norm is computed as Megatron computes it (per-tensor l2 norms, the norm of
+  those, squared, all-reduced over the grad-stats group, square root in float64) and the clip
+  coefficient ``min(1, max_norm / (norm + 1e-6))`` multiplies the gradients as a device tensor
+  (multiplying by exactly 1 when Megatron would not clip);
+* ``found_inf``: Megatron's own ``_amp_foreach_non_finite_check_and_unscale_`` + MAX all-reduce,
+  never read back; the update is then skipped by a device-side select, as MLPerf's sync-free
+  Adam does: every state change is either multiplied by 1 / weighted by 0 or selected with
+  ``torch.where`` on the skip flag, and the step count advances by ``1 - skip``;
+* the dynamic loss scale: ``DynamicGradScaler.update`` as ``torch.where`` on device trackers
+  (written back to Megatron's host fields only when a state dict is taken).
+
+``step()`` returns ``(applied_1, grad_norm_1, None)`` with device tensors in place of Megatron's
+``(bool, float, None)``; read them one step late with the loss (``LaggedReadback``).
+
+Adam kernels (``kernel=``): "exact" mirrors torch's single-tensor AdamW (what Megatron uses
+without TE/Apex) op for op with device scalars, so parameters are bit-identical to Megatron's
+step; "fused" is torch's fused AdamW kernel with its ``found_inf`` skip (one kernel per group;
+last-ulp differences); "auto" picks fused on CUDA, exact elsewhere.
+
+Shape key: ``_1`` a one-element tensor ([1] as Megatron keeps it), ``_0`` a 0-dim tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_fastpath import compat
+
+__all__ = ["SyncFreeOptimizer", "SyncFreeStepResult"]
+
+_KERNELS = ("auto", "exact", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncFreeStepResult:
+    """Device tensors of one step: applied (bool [1]), grad norm (float64 [1]), loss scale."""
+
+    applied_1: torch.Tensor
+    grad_norm_1: torch.Tensor
+    loss_scale_1: torch.Tensor
+
+
+class _DeviceScaler:
+    """Megatron's ``DynamicGradScaler.update`` on device trackers (same fp32 scale math)."""
+
+    def __init__(self, scaler, fields: dict, device):
+        self.scaler = scaler
+        self.f = fields
+        self.growth_1 = torch.full((1,), fields["growth_tracker"], dtype=torch.int64, device=device)
+        self.hyst_1 = torch.full((1,), fields["hysteresis_tracker"], dtype=torch.int64, device=device)
+
+    def update(self, found_inf_1: torch.Tensor) -> None:
+        f, inf_1 = self.f, found_inf_1 > 0
+        scale_1 = self.scaler._scale
+        growth_1 = torch.where(inf_1, 0, self.growth_1 + 1)
+        hyst_1 = torch.where(inf_1, self.hyst_1 - 1, self.hyst_1)
+        back_off_1 = inf_1 & (hyst_1 <= 0)
+        grow_1 = ~inf_1 & (growth_1 == f["growth_interval"])
+        self.growth_1.copy_(torch.where(grow_1, 0, growth_1))
+        self.hyst_1.copy_(torch.where(grow_1, f["hysteresis"], hyst_1))
+        down_1 = torch.max(scale_1 * f["backoff_factor"], f["min_scale"])
+        scale_1.copy_(torch.where(back_off_1, down_1, torch.where(grow_1, scale_1 * f["growth_factor"], scale_1)))
+
+    def write_back(self) -> None:
+        """Host sync (checkpoint time only): Megatron's host trackers <- device trackers."""
+        compat.set_dynamic_scaler_trackers(self.scaler, self.growth_1.item(), self.hyst_1.item())
+
+    def reload(self) -> None:
+        _, fields = compat.dynamic_scaler_fields(self.scaler)
+        self.growth_1.fill_(fields["growth_tracker"])
+        self.hyst_1.fill_(fields["hysteresis_tracker"])
+
+
+def _check_inner(leaf) -> None:
+    opt = leaf.optimizer
+    if opt is None:
+        return
+    if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
+        raise TypeError(
+            f"the sync-free step replaces torch Adam/AdamW's update; Megatron built "
+            f"{type(opt).__name__} (Transformer Engine / Apex FusedAdam keep their step count on "
+            "the host): not supported yet, use Megatron's own step()"
+        )
+    for g in opt.param_groups:
+        if g.get("amsgrad") or g.get("maximize") or g.get("differentiable") or torch.is_tensor(g["lr"]):
+            raise ValueError("the sync-free Adam step supports amsgrad=maximize=False and a float lr")
+
+
+class SyncFreeOptimizer:
+    """Wrap a Megatron optimizer (``get_megatron_optimizer``'s result) for a sync-free step.
+
+    Everything but ``step`` (``zero_grad``, ``scale_loss``, ``param_groups`` for the LR
+    scheduler, ...) is Megatron's. Differences from Megatron's step: the LR scheduler is not
+    told about skipped steps (the host does not know them); ``state_dict`` writes the device-side
+    loss-scale trackers back first (one host read, at checkpoint time)."""
+
+    def __init__(self, optimizer, kernel: str = "auto"):
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {_KERNELS}; got {kernel!r}")
+        self.optimizer = optimizer
+        self.leaves = compat.optimizer_leaves(optimizer)
+        for leaf in self.leaves:
+            _check_inner(leaf)
+        self.kernel = kernel
+        self.device = optimizer.get_loss_scale().device
+        self.scalers = {}
+        for i, leaf in enumerate(self.leaves):
+            if compat.leaf_is_mixed_precision(leaf):
+                kind, fields = compat.dynamic_scaler_fields(leaf.grad_scaler)
+                if kind == "dynamic":
+                    self.scalers[i] = _DeviceScaler(leaf.grad_scaler, fields, self.device)
+        self.last: Optional[SyncFreeStepResult] = None
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optimizer"], name)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        skip_1 = torch.zeros(1, dtype=torch.bool, device=self.device)
+        for i, leaf in enumerate(self.leaves):
+            compat.leaf_copy_model_grads_to_main(leaf)
+            if compat.leaf_is_mixed_precision(leaf) and leaf.grad_scaler is not None:
+                found_inf_1 = self._unscale_and_check(leaf)
+                if i in self.scalers:
+                    self.scalers[i].update(found_inf_1)
+                skip_1 = skip_1 | (found_inf_1 > 0)
+        grad_norm_1 = self._grad_norm()
+        clip = self.leaves[0].config.clip_grad if self.leaves else 0.0
+        if clip > 0.0:
+            coeff_0 = (clip / (grad_norm_1 + 1.0e-6)).clamp(max=1.0).float().reshape(())
+            grads = [p.grad for leaf in self.leaves for p in leaf.get_parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coeff_0)
+        for leaf in self.leaves:
+            if leaf.optimizer is not None and not leaf.is_stub_optimizer:
+                self._adam_step(leaf.optimizer, skip_1)
+            compat.leaf_copy_main_params_to_model(leaf)
+        applied_1 = ~skip_1
+        self.last = SyncFreeStepResult(applied_1, grad_norm_1, self.optimizer.get_loss_scale())
+        return applied_1, grad_norm_1, None
+
+    def _unscale_and_check(self, leaf) -> torch.Tensor:
+        """Megatron's ``_unscale_main_grads_and_check_for_nan`` without its ``.item()``."""
+        leaf.found_inf.fill_(0.0)
+        grads = compat.leaf_main_grads_for_unscaling(leaf)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, leaf.found_inf, leaf.grad_scaler.inv_scale)
+        torch.distributed.all_reduce(
+            leaf.found_inf, op=torch.distributed.ReduceOp.MAX,
+            group=leaf.get_grad_stats_parallel_group())
+        return leaf.found_inf
+
+    def _leaf_norm_sq(self, grads, group) -> torch.Tensor:
+        """Megatron's ``get_grad_norm_fp32`` (norm 2) up to its ``.item()``: norm of the
+        per-tensor norms (fp32), squared, summed over ``group``."""
+        if grads:
+            norms = torch._foreach_norm(grads)
+            norm_1 = torch.linalg.vector_norm(torch.stack(norms)).float().reshape(1)
+        else:
+            norm_1 = torch.zeros(1, dtype=torch.float, device=self.device)
+        norm_sq_1 = norm_1 ** 2.0
+        torch.distributed.all_reduce(norm_sq_1, op=torch.distributed.ReduceOp.SUM, group=group)
+        return norm_sq_1
+
+    def _grad_norm(self) -> torch.Tensor:
+        """As ChainedOptimizer.get_grad_norm: one norm over all leaves when they share the
+        grad-stats group, else the root of the sum of the squared leaf norms (in float64)."""
+        groups = [leaf.get_grad_stats_parallel_group() for leaf in self.leaves]
+        if len(self.leaves) == 1 or all(g == groups[0] for g in groups):
+            grads = [g for leaf in self.leaves for g in leaf.get_main_grads_for_grad_norm()]
+            return self._leaf_norm_sq(grads, groups[0] if groups else None).double().sqrt()
+        sq = [self._leaf_norm_sq(leaf.get_main_grads_for_grad_norm(), g).double().sqrt() ** 2
+              for leaf, g in zip(self.leaves, groups)]
+        return torch.stack(sq).sum(0).sqrt()
+
+    # -- Adam ----------------------------------------------------------------------------
+    def _adam_step(self, opt: torch.optim.Adam, skip_1: torch.Tensor) -> None:
+        for group in opt.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state(opt, p, group) for p in params]
+            fused = self.kernel == "fused" or (self.kernel == "auto" and params[0].is_cuda)
+            (_fused_adam if fused else _exact_adam)(group, params, states, skip_1)
+
+    @staticmethod
+    def _state(opt, p, group) -> dict:
+        st = opt.state[p]
+        if len(st) == 0:  # torch's lazy init, with the step count on the parameter's device
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif st["step"].device != p.device:  # e.g. loaded from a checkpoint: once, no read
+            st["step"] = st["step"].to(p.device, torch.float32)
+        return st
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _write_back(self) -> None:
+        for s in self.scalers.values():
+            s.write_back()
+
+    def state_dict(self, *args, **kwargs):
+        self._write_back()
+        return self.optimizer.state_dict(*args, **kwargs)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        self._write_back()
+        return self.optimizer.sharded_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict):
+        out = self.optimizer.load_state_dict(state_dict)
+        for s in self.scalers.values():
+            s.reload()
+        return out
+
+
+def _exact_adam(group, params, states, skip_1) -> None:
+    """torch's ``_single_tensor_adam`` (capturable=False) op for op, with the host scalars it
+    computes from ``step.item()`` computed on the device in float64, and the skip as weights of
+    0 / factors of 1 / ``where`` (grads of a skipped step are zeroed first: they hold inf/nan)."""
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    decoupled = group.get("decoupled_weight_decay", False)
+    dev = params[0].device
+    skip_0 = skip_1.reshape(())
+    ok_0 = (~skip_0).float()
+    one_0 = torch.ones((), device=dev)
+    decay_0 = torch.where(skip_0, one_0, torch.full((), 1 - lr * wd, device=dev))
+    w1_0 = torch.where(skip_0, 0.0, torch.full((), 1 - beta1, device=dev))
+    b2_0 = torch.where(skip_0, one_0, torch.full((), beta2, device=dev))
+    for p, st in zip(params, states):
+        grad = p.grad.masked_fill_(skip_0, 0.0)
+        if wd != 0:
+            if decoupled:
+                p.mul_(decay_0)
+            else:
+                grad = grad.add(p, alpha=wd)
+        st["exp_avg"].lerp_(grad, w1_0)
+        st["exp_avg_sq"].mul_(b2_0).addcmul_(grad, grad, value=1 - beta2)
+        step_0 = st["step"]
+        step_0.add_(ok_0)
+        n_0 = step_0.double().clamp(min=1.0)  # a first step that is skipped: no 0-division
+        bc1_0 = 1 - beta1 ** n_0
+        bc2_sqrt_0 = (1 - beta2 ** n_0).sqrt()
+        neg_step_size_0 = torch.where(skip_0, 0.0, -(lr / bc1_0)).float()
+        denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt_0.float()).add_(eps)
+        p.addcdiv_(st["exp_avg"] * neg_step_size_0, denom)
+
+
+def _fused_adam(group, params, states, skip_1) -> None:
+    """torch's fused Adam(W) kernel; it skips every update itself when ``found_inf`` is set."""
+    from torch.optim.adam import adam
+
+    adam(
+        params, [p.grad for p in params], [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+        fused=True, found_inf=skip_1.float().reshape(()), grad_scale=None,
+        decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+        amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+    )

@@ -1,0 +1,190 @@
+"""The sync-free optimizer step against Megatron's own ``optimizer.step()`` (the reference),
+both running Megatron's real DDP / optimizer classes on CPU under the test-only CUDA-as-CPU
+mode: 0 host syncs per step, bit-identical parameters over several steps (FP32, bf16, fp16 with
+a dynamic grad scaler), a step with an inf gradient skipped and the loss scale updated as
+Megatron's DynamicGradScaler updates it."""
+
+import copy
+
+import pytest
+import torch
+
+from cuda_as_cpu import cuda_as_cpu
+from megatron_fastpath.optim import SyncFreeOptimizer
+from megatron_fastpath.sync import SyncSentinel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _tiny(cfg):
+    from megatron.core.transformer.module import MegatronModule
+
+    class Tiny(MegatronModule):
+        def __init__(self):
+            super().__init__(cfg)
+            self.a = torch.nn.Linear(8, 16, dtype=cfg.params_dtype)
+            self.b = torch.nn.Linear(16, 4, bias=False, dtype=cfg.params_dtype)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.silu(self.a(x)))
+
+    return Tiny()
+
+
+def _build(mode, seed=0, **opt_kw):
+    """(ddp, Megatron optimizer) of a tiny model; same seed -> same parameters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dt = DTYPES[mode]
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, params_dtype=dt,
+                            bf16=mode == "bf16", fp16=mode == "fp16", use_cpu_initialization=True)
+    torch.manual_seed(seed)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  _tiny(cfg))
+    kw = dict(optimizer="adam", lr=2e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+              clip_grad=0.05, bf16=mode == "bf16", fp16=mode == "fp16")
+    kw.update(opt_kw)
+    return ddp, get_megatron_optimizer(OptimizerConfig(**kw), [ddp])
+
+
+def _backward(ddp, opt, x, inf=False):
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(x).float().pow(2).sum()
+    opt.scale_loss(loss).backward()
+    ddp.finish_grad_sync()
+    if inf:
+        next(ddp.parameters()).main_grad.view(-1)[3] = float("inf")
+
+
+def _params(ddp):
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _run_pair(mode, steps, inf_steps=(), kernel="auto", **opt_kw):
+    """Train two identical copies, Megatron's step vs ours; yield per-step results."""
+    ref_ddp, ref_opt = _build(mode, **opt_kw)
+    our_ddp, megatron_opt = _build(mode, **opt_kw)
+    ours = SyncFreeOptimizer(megatron_opt, kernel=kernel)
+    torch.manual_seed(1)
+    out = []
+    for step in range(steps):
+        x = torch.randn(5, 8, dtype=DTYPES[mode]) * (1 + step)
+        _backward(ref_ddp, ref_opt, x, inf=step in inf_steps)
+        ref = ref_opt.step()
+        _backward(our_ddp, ours, x, inf=step in inf_steps)
+        with SyncSentinel(name="sync-free step") as s:
+            applied_1, norm_1, _ = ours.step()
+        out.append(dict(ref=ref, applied=bool(applied_1), norm=float(norm_1), syncs=s.num_syncs,
+                        sites=s.by_location(), ref_params=_params(ref_ddp),
+                        our_params=_params(our_ddp), ref_scale=ref_opt.get_loss_scale().clone(),
+                        our_scale=ours.get_loss_scale().clone()))
+    return out, ref_opt, ours
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])
+def test_zero_syncs_and_bit_identical_parameters(mcore_parallel, mode):
+    with cuda_as_cpu():
+        kw = dict(initial_loss_scale=2.0 ** 10, loss_scale_window=3) if mode == "fp16" else {}
+        steps, _, _ = _run_pair(mode, 6, **kw)
+    for i, s in enumerate(steps):
+        assert s["syncs"] == 0, s["sites"]
+        success, ref_norm, _ = s["ref"]
+        assert success and s["applied"]
+        assert s["norm"] == ref_norm, (i, s["norm"], ref_norm)  # float64, same bits
+        for a, b in zip(s["ref_params"], s["our_params"]):
+            assert torch.equal(a, b), (mode, i, (a.float() - b.float()).abs().max())
+        assert torch.equal(s["ref_scale"], s["our_scale"])
+    # clipping was active (max_norm 0.05), so the clip path is what is being compared
+    assert max(s["norm"] for s in steps) > 0.05
+
+
+def test_megatron_step_syncs_counted(mcore_parallel):
+    """The baseline the wrapper removes: Megatron's step reads the device back."""
+    with cuda_as_cpu():
+        ddp, opt = _build("fp32")
+        _backward(ddp, opt, torch.randn(5, 8))
+        with SyncSentinel() as s:
+            opt.step()
+    sites = " ".join(s.by_location())
+    assert "clip_grads.py" in sites and s.num_syncs >= 2
+
+
+def test_inf_gradient_step_skipped_and_loss_scale_updated(mcore_parallel):
+    """fp16 + DynamicGradScaler (hysteresis 2, window 2): inf steps 1, 2 (backoff at the
+    second), clean steps 3, 4 (growth at the second), inf step 6: the same skips, parameters,
+    scales and trackers as Megatron's step."""
+    kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2, hysteresis=2)
+    with cuda_as_cpu():
+        steps, ref_opt, ours = _run_pair("fp16", 7, inf_steps=(1, 2, 6), **kw)
+        sd = ours.state_dict()  # writes the device trackers back into Megatron's scaler
+    scales = []
+    for i, s in enumerate(steps):
+        assert s["syncs"] == 0, s["sites"]
+        assert s["ref"][0] == s["applied"], i
+        assert s["applied"] == (i not in (1, 2, 6))
+        for a, b in zip(s["ref_params"], s["our_params"]):
+            assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max())
+        if not s["applied"]:  # skipped: parameters are those of the step before
+            prev = steps[i - 1]["our_params"]
+            assert all(torch.equal(a, b) for a, b in zip(prev, s["our_params"]))
+        assert torch.equal(s["ref_scale"], s["our_scale"]), (i, s["ref_scale"], s["our_scale"])
+        scales.append(float(s["our_scale"]))
+    assert scales[1] == 256.0 and scales[2] == 128.0 and scales[4] == 256.0, scales
+    ref_scaler = ref_opt.chained_optimizers[0].grad_scaler
+    our_scaler = ours.leaves[0].grad_scaler
+    assert (our_scaler._growth_tracker, our_scaler._hysteresis_tracker) == (
+        ref_scaler._growth_tracker, ref_scaler._hysteresis_tracker)
+    assert "grad_scaler" in sd
+
+
+def test_first_step_skipped_keeps_zero_state(mcore_parallel):
+    """An inf on the very first step: nothing moves (no 0/0 from the bias correction)."""
+    kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2, hysteresis=1)
+    with cuda_as_cpu():
+        steps, _, _ = _run_pair("fp16", 3, inf_steps=(0,), **kw)
+    assert [s["applied"] for s in steps] == [False, True, True]
+    for s in steps:
+        for a, b in zip(s["ref_params"], s["our_params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_fused_kernel_close_to_megatron_and_skips(mcore_parallel, mode):
+    """torch's fused AdamW kernel (the CUDA default): last-ulp differences, same skips."""
+    kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2) if mode == "fp16" else {}
+    inf = (2,) if mode == "fp16" else ()
+    with cuda_as_cpu():
+        steps, _, _ = _run_pair(mode, 5, inf_steps=inf, kernel="fused", **kw)
+    for i, s in enumerate(steps):
+        assert s["syncs"] == 0, s["sites"]
+        assert s["applied"] == (i not in inf) == bool(s["ref"][0])
+        for a, b in zip(s["ref_params"], s["our_params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_optimizers_refused(mcore_parallel):
+    with cuda_as_cpu():
+        _, opt = _build("fp32", log_num_zeros_in_grad=True)
+        with pytest.raises(ValueError, match="log_num_zeros_in_grad"):
+            SyncFreeOptimizer(opt)
+        _, opt = _build("fp32", optimizer="sgd")
+        with pytest.raises(TypeError, match="SGD"):
+            SyncFreeOptimizer(opt)
+        _, opt = _build("fp32")
+        with pytest.raises(ValueError, match="kernel"):
+            SyncFreeOptimizer(opt, kernel="triton")
+
+
+def test_unchecked_megatron_version_fails_loudly(monkeypatch, mcore_parallel):
+    from packaging.version import Version
+
+    from megatron_fastpath import compat
+
+    with cuda_as_cpu():
+        _, opt = _build("fp32")
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
+    with pytest.raises(ImportError, match="checked for megatron-core 0.16"):
+        SyncFreeOptimizer(opt)
