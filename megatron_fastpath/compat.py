@@ -495,3 +495,60 @@ def set_dynamic_scaler_trackers(scaler, growth_tracker: int, hysteresis_tracker:
     """Write the device-side trackers back to Megatron's host fields (checkpoint time)."""
     scaler._growth_tracker = int(growth_tracker)
     scaler._hysteresis_tracker = int(hysteresis_tracker)
+
+
+# =====================================================================================
+# dist_checkpointing on a machine without CUDA (CPU main job checkpoints)
+# =====================================================================================
+# megatron-core 0.16.1's torch_dist save path calls two CUDA entry points that have no CPU
+# meaning; with a CUDA device present they are harmless, without one they raise
+# "Torch not compiled with CUDA enabled". Sites (file relative to megatron/core, line, text):
+DIST_CKPT_CUDA_SITES = (
+    # FileSystemWriterAsync.preload_tensors: waits for its non_blocking D2H copies
+    ("dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"),
+    # save_state_dict_async_finalize: the all-reduced "any node failed" flag
+    ("dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device()"),
+)
+
+
+def _require_checked_dist_ckpt() -> None:
+    if (MCORE_VERSION.major, MCORE_VERSION.minor) != (0, 16):
+        raise ImportError(
+            f"megatron-core {MCORE_VERSION}: the CPU dist_checkpointing shim was checked for "
+            "0.16.x only (sites: " + ", ".join(f"{f}:{n}" for f, n, _ in DIST_CKPT_CUDA_SITES)
+            + "); re-check them in megatron_fastpath.compat or save on a CUDA machine"
+        )
+
+
+class _CpuCheckpointSites:
+    """While active (and only when CUDA is unavailable): ``torch.cuda.synchronize`` is a no-op
+    (there is no device work to wait for: every tensor is already on the host) and
+    ``torch.cuda.current_device()`` names the CPU, so the failure flag of the save is a CPU
+    tensor all-reduced over gloo. Nothing is changed when CUDA is available."""
+
+    def __enter__(self):
+        import torch
+
+        self._saved = None
+        if torch.cuda.is_available():
+            return self
+        _require_checked_dist_ckpt()
+        self._saved = (torch.cuda.synchronize, torch.cuda.current_device)
+        torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.current_device = lambda: "cpu"
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self._saved is not None:
+            torch.cuda.synchronize, torch.cuda.current_device = self._saved
+            self._saved = None
+        return False
+
+
+def dist_checkpointing_without_cuda() -> _CpuCheckpointSites:
+    """Context manager around ``megatron.core.dist_checkpointing.save`` / ``load`` for a CPU
+    job (gloo): the two CUDA-only calls of the save path (``DIST_CKPT_CUDA_SITES``) get CPU
+    meanings while CUDA is unavailable; with CUDA present it does nothing."""
+    return _CpuCheckpointSites()
