@@ -9,7 +9,8 @@ Never imported by the package (``tests/support/test_cuda_as_cpu.py`` asserts so)
 What it does while active:
 
 * a ``TorchFunctionMode`` rewrites a ``device=`` argument naming CUDA (``'cuda'``, ``'cuda:0'``,
-  ``torch.device('cuda')`` or a bare index) to ``cpu``, keeps ``Tensor.cuda()`` and
+  ``torch.device('cuda')`` or a bare index) to ``cpu``, ``pin_memory=True`` to pageable memory
+  (``Tensor.pin_memory()`` returns the tensor), keeps ``Tensor.cuda()`` and
   ``Tensor.to('cuda')`` on the CPU, and answers ``Tensor.type()`` with the CUDA type name
   (``torch.cuda.FloatTensor``) so Megatron's type asserts hold;
 * ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
