@@ -23,6 +23,12 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
+    """optimizer_step (GPU path): "sync_free" wraps Megatron's optimizer in
+    :class:`~megatron_fastpath.optim.SyncFreeOptimizer` (clip, inf skip and loss scale on the
+    device; grad norm logged one step late), "megatron" is Megatron's own ``step()`` (reads the
+    grad norm back every step), "auto" is sync_free where its Adam is supported (torch's
+    Adam/AdamW, Megatron's choice without TE/Apex) and megatron otherwise."""
+
     steps: int = 40
     micro_batches: int = 2
     lr: float = 3e-3
@@ -39,6 +45,7 @@ class TrainingConfig:
     # Stop after this step (saving a checkpoint when checkpoint.dir is set); the LR schedule and
     # data order still span `steps`, so a rerun without it continues the same run.
     stop_at_step: Optional[int] = None
+    optimizer_step: str = "auto"  # auto | sync_free | megatron
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +179,9 @@ def resolve_device(name: str) -> torch.device:
 def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, device) -> None:
     if train.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"training.dtype must be float32 or bfloat16; got {train.dtype!r}")
+    if train.optimizer_step not in ("auto", "sync_free", "megatron"):
+        raise ValueError(
+            f"training.optimizer_step must be auto, sync_free or megatron; got {train.optimizer_step!r}")
     if train.steps <= 0 or train.micro_batches <= 0:
         raise ValueError("training.steps and training.micro_batches must be positive")
     if train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:

@@ -132,11 +132,19 @@ def build_transformer(cfg: JobConfig):
 
 
 def build_cache(cfg: JobConfig):
-    """The packed-sequence cache: one slot per microbatch in flight (all of a step's on GPU,
-    whose schedule holds them until backward; one on CPU)."""
-    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+    """The packed-sequence cache: one slot per microbatch in flight -- on the GPU path as many
+    as Megatron's 1F1B schedule holds between a forward and its backward on this pipeline
+    stage (``slots_for_1f1b``: one without pipelining), one on the CPU path."""
+    from megatron.core import parallel_state as ps
 
-    in_flight = cfg.training.micro_batches if cfg.device.type == "cuda" else 1
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+    from megatron_fastpath.packed_seq.inflight import slots_for_1f1b
+
+    in_flight = 1
+    if cfg.device.type == "cuda":
+        in_flight = slots_for_1f1b(cfg.training.micro_batches,
+                                   ps.get_pipeline_model_parallel_world_size(),
+                                   ps.get_pipeline_model_parallel_rank())
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         num_slots=in_flight,

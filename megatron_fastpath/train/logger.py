@@ -37,6 +37,7 @@ class StepResult:
     offload_mode: str = "off"
     grad_norm: object = None  # device tensor (read back with the loss) or host float
     eval_loss: Optional[float] = None  # held-out loss measured right after this step
+    applied: Optional[torch.Tensor] = None  # sync-free step: False = update skipped (inf/nan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +58,25 @@ class StepRecord:
     offload_mode: str = "off"
     grad_norm: Optional[float] = None
     eval_loss: Optional[float] = None
+    skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
 
     @classmethod
-    def from_result(cls, r: StepResult, loss_sum: float, grad_norm=None) -> "StepRecord":
+    def from_result(cls, r: StepResult, loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
         return cls(
+            skipped=None if applied is None else not _scalar(applied),
             step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
             step_ms=r.step_ms, tokens_per_s=r.tokens / (r.step_ms / 1e3),
             syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
             cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
-            grad_norm=None if grad_norm is None else float(grad_norm), eval_loss=r.eval_loss,
+            grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
         )
+
+
+def _scalar(v):
+    """A read-back value: a host number, or the one-element list of a [1] tensor (Megatron
+    keeps its norm / flags as [1] tensors)."""
+    return v[0] if isinstance(v, (list, tuple)) else v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +193,8 @@ class StepLogger:
         values = {"loss_sum": result.loss_sum}
         if isinstance(result.grad_norm, torch.Tensor):
             values["grad_norm"] = result.grad_norm
+        if isinstance(result.applied, torch.Tensor):
+            values["applied"] = result.applied
         if eval_loss is not None:
             result = dataclasses.replace(result, eval_loss=eval_loss)
             self._record_eval(result.step, eval_loss)
@@ -208,14 +219,14 @@ class StepLogger:
             return
         values, result = prev
         grad_norm = values.get("grad_norm", result.grad_norm)
-        rec = StepRecord.from_result(result, values["loss_sum"], grad_norm)
+        rec = StepRecord.from_result(result, values["loss_sum"], grad_norm, values.get("applied"))
         self.records.append(rec)
         if self.metrics is not None:
             self.metrics.step(rec)
         off = (f" | offload {rec.offload_mode} {rec.offload_bytes / 2**20:.1f} MiB"
                if self.job.offload is not None else "")
         if rec.grad_norm is not None:
-            off += f" | grad norm {rec.grad_norm:.3f}"
+            off += f" | grad norm {rec.grad_norm:.3f}{' (skipped: inf/nan)' if rec.skipped else ''}"
         if rec.eval_loss is not None:
             off += f" | eval loss {rec.eval_loss:.4f}"
         self.print(

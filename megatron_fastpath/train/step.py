@@ -32,11 +32,14 @@ __all__ = ["StepParts", "StepBatch", "cpu_train_step", "gpu_train_step", "train_
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
+    """``in_flight``: the GPU path's cache-slot bookkeeping (None on the CPU path)."""
+
     forward_backward: Callable  # (microbatches, global_loss_tokens) -> (loss_sum, sentinel)
     optimizer: object
     scheduler: object
     # gradient norm of the last step (device tensor or host float; None before the first)
     grad_norm: Callable = lambda: None
+    in_flight: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,8 @@ def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
             loss_sum, fwd_bwd = job.step.forward_backward(batch.microbatches, batch.global_loss_tokens)
     step_ms = (time.perf_counter() - t0) * 1e3
     off = job.offload.end_step() if job.offload is not None else None
+    # the sync-free optimizer step's applied flag: a device tensor, logged a step late
+    sync_free = getattr(job.step.optimizer, "last", None)
     lr = job.step.optimizer.param_groups[0]["lr"]
     job.step.scheduler.step(increment=1)
     d = job.cache.stats.since(stats_before)
@@ -73,6 +78,7 @@ def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
         offload_bytes=off.bytes_offloaded if off else 0,
         offload_mode=off.mode.value if off else "off",
         grad_norm=job.step.grad_norm(),
+        applied=sync_free.applied_1 if sync_free is not None else None,
     )
 
 
@@ -132,9 +138,11 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
 def _cpu_optimizer(params, train_cfg: TrainingConfig):
     decay = [p for p in params if p.dim() > 1]
     no_decay = [p for p in params if p.dim() <= 1]
-    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay}]
+    # wd_mult as Megatron's param groups carry it: OptimizerParamScheduler sets each group's
+    # weight_decay to wd * wd_mult (1.0 when missing), so without it 1-dim parameters would decay.
+    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay, "wd_mult": 1.0}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0})
     return torch.optim.AdamW(
         # fused AdamW keeps its step counters on the device: no per-parameter .item()
         # (foreach AdamW on CPU reads each step count back: one host sync per parameter).
@@ -151,8 +159,18 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     cpu = torch.device("cpu")
     last = {}
 
+    dp_world = ps.get_data_parallel_world_size()
+    aux_scale = torch.ones(())
+
     def forward_backward(mbs, global_loss_tokens: int):
         loss_sum = torch.zeros((), dtype=torch.float32)
+        if getattr(tcfg, "num_moe_experts", None):
+            # As Megatron's schedule (schedules.py forward_step_calc_loss) and DDP weigh the MoE
+            # aux loss: its mean over the microbatches of the global batch (we sum gradients
+            # over DP where DDP averages them).
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(aux_scale.fill_(1.0 / (len(mbs) * dp_world)))
         with SyncSentinel(name="fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
@@ -177,8 +195,9 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
 
 
 def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
-    """Megatron DDP around ``model``, ``get_megatron_optimizer``, and the model-config hooks
-    Megatron's training loop wires in for its schedules."""
+    """Megatron DDP around ``model``, ``get_megatron_optimizer`` (wrapped in the sync-free step
+    per ``training.optimizer_step``), and the model-config hooks Megatron's training loop wires
+    in for its schedules."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -197,35 +216,53 @@ def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
         clip_grad=train_cfg.clip_grad, bf16=train_cfg.dtype == "bfloat16",
         use_distributed_optimizer=False,
     )
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = _optimizer_step(get_megatron_optimizer(opt_cfg, [ddp]), train_cfg.optimizer_step)
     tcfg.grad_scale_func = optimizer.scale_loss
     tcfg.no_sync_func = ddp.no_sync
     tcfg.finalize_model_grads_func = finalize_model_grads
     return ddp, optimizer
 
 
+def _optimizer_step(optimizer, mode: str):
+    """Megatron's optimizer, wrapped for the sync-free step unless ``mode`` is "megatron" (or
+    "auto" and the wrapper does not support Megatron's choice of Adam)."""
+    from megatron_fastpath.optim import SyncFreeOptimizer
+
+    if mode == "megatron":
+        return optimizer
+    try:
+        return SyncFreeOptimizer(optimizer)
+    except TypeError:
+        if mode == "sync_free":
+            raise
+        return optimizer
+
+
 def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
-    """Megatron's schedule (PP included), DDP, gradient finalisation and optimizer."""
+    """Megatron's schedule (PP 1F1B included), DDP, gradient finalisation and optimizer. Each
+    microbatch holds a cache slot from its forward until its backward has run on this stage
+    (:class:`~megatron_fastpath.packed_seq.inflight.InFlightBatches`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_fastpath.packed_seq.inflight import InFlightBatches
 
     ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
     schedule = get_forward_backward_func()
     device = cache.device
     dp_world = ps.get_data_parallel_world_size()
     last = {}
+    in_flight = InFlightBatches(cache)
 
     def forward_backward(mbs, global_loss_tokens: int):
-        handles = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         n = len(mbs)
 
         def forward_step(data_iterator, module):
             mb = next(data_iterator)
-            pb = cache.set_batch(mb.lengths)  # slot held until the schedule's backward is done
-            handles.append(pb)
+            pb = in_flight.acquire(mb.lengths)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
-            output = forward(module, mb, pb, device)
+            output = in_flight.mark(forward(module, mb, pb, device), pb)
 
             def loss_func(per_token_1T):  # last pipeline stage only
                 loss = masked_loss_sum(per_token_1T, mb, device)
@@ -238,14 +275,14 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        in_flight.reset_stats()
         with SyncSentinel(name="fwd+bwd") as fwd_bwd:
             schedule(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
                 num_microbatches=n, seq_length=cache.config.max_tokens,
                 micro_batch_size=1, forward_only=False,
             )
-        for pb in handles:
-            cache.release(pb)
+        in_flight.release_all()
         _, last["grad_norm"], _ = optimizer.step()  # (update ok, grad norm, zeros in grad)
         if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
             torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
@@ -254,4 +291,4 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         return loss_sum, fwd_bwd
 
     return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
-                     grad_norm=lambda: last.get("grad_norm"))
+                     grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight)
