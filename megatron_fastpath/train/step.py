@@ -232,7 +232,7 @@ def _optimizer_step(optimizer, mode: str):
         return optimizer
     try:
         return SyncFreeOptimizer(optimizer)
-    except TypeError:
+    except (TypeError, ImportError):  # unsupported optimizer class / unchecked megatron-core
         if mode == "sync_free":
             raise
         return optimizer

@@ -188,3 +188,29 @@ def test_unchecked_megatron_version_fails_loudly(monkeypatch, mcore_parallel):
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
     with pytest.raises(ImportError, match="checked for megatron-core 0.16"):
         SyncFreeOptimizer(opt)
+
+
+def test_main_job_choice_of_step(mcore_parallel):
+    """training.optimizer_step: auto falls back to Megatron's step where the wrapper does not
+    apply (here SGD); sync_free refuses; megatron never wraps."""
+    from megatron_fastpath.train.step import _optimizer_step
+
+    with cuda_as_cpu():
+        _, sgd = _build("fp32", optimizer="sgd")
+        _, adam = _build("fp32")
+    assert _optimizer_step(sgd, "auto") is sgd
+    with pytest.raises(TypeError, match="SGD"):
+        _optimizer_step(sgd, "sync_free")
+    assert isinstance(_optimizer_step(adam, "auto"), SyncFreeOptimizer)
+    assert _optimizer_step(adam, "megatron") is adam
+
+
+def test_optimizer_step_setting_validated():
+    from hydra import compose, initialize_config_dir
+
+    from megatron_fastpath.train import config_dir, parse_job_config
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["training.optimizer_step=fast"])
+    with pytest.raises(ValueError, match="optimizer_step must be auto, sync_free or megatron"):
+        parse_job_config(cfg)
