@@ -125,6 +125,10 @@ def build_transformer(cfg: JobConfig):
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
+        # Megatron's default waits for the whole device (torch.cuda.synchronize) after every
+        # batched pipeline send/recv, "to work around a bug in older versions of PyTorch"
+        # (model_parallel_config.py); torch >= 2.6 here: no host sync per p2p.
+        batch_p2p_sync=False,
         **moe,
         **(hf_transformer_overrides(cfg) if cfg.hf is not None else {}),
         **cfg.plan.transformer_config,

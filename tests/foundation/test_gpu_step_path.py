@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from cuda_as_cpu import cuda_as_cpu
+from cuda_as_cpu import CALLS, cuda_as_cpu
 from megatron_fastpath.train import StepLogger, build_job, config_dir, parse_job_config, train
 
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
@@ -49,9 +49,12 @@ def _train(overrides, capsys=None):
 
 def _run_both(name, optimizer_step):
     cpu, cpu_params, _ = _train(MODELS[name] + ["training.device=cpu"])
+    waits = CALLS["torch.cuda.synchronize"]
     with cuda_as_cpu():
         gpu, gpu_params, job = _train(MODELS[name] + ["training.device=cuda",
                                                       f"training.optimizer_step={optimizer_step}"])
+    # no explicit device-wide wait anywhere in the run (build included)
+    assert CALLS["torch.cuda.synchronize"] == waits
     return cpu, cpu_params, gpu, gpu_params, job
 
 

@@ -54,6 +54,8 @@ def test_pp2_1f1b_equals_pp1(mcore_parallel, tmp_path):
         torch.testing.assert_close(torch.tensor(s["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                    atol=0, rtol=1e-6)
         assert all(x == (0, 0) for x in s["syncs"]), s["syncs"]  # sync-free optimizer step
+        # and no torch.cuda.synchronize either (Megatron's batch_p2p_sync is turned off)
+        assert s["device_waits"] == [0, 0, 0], s["device_waits"]
     grads = {**stages[0]["grads"], **stages[1]["grads"]}
     params = {**stages[0]["params"], **stages[1]["params"]}
     assert not stages[0]["grads"].keys() & stages[1]["grads"].keys()  # each layer on one stage

@@ -22,6 +22,7 @@ Megatron-Core 0.16.1 sites this covers (file:line, checked against the installed
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Iterator
 from unittest import mock
@@ -41,6 +42,11 @@ MEGATRON_SITES = (
     ("optimizer/clip_grads.py", 207, "device='cuda'"),
     ("dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"),
     ("dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device()"),
+    # the main job's GPU step path (tests/foundation/test_gpu_step_path.py, test_pipeline_parallel.py)
+    ("pipeline_parallel/schedules.py", 596, 'device="cuda"'),  # no pipelining: token count
+    ("pipeline_parallel/schedules.py", 2138, 'device="cuda"'),  # 1F1B: token count
+    ("pipeline_parallel/p2p_communication.py", 313, "device=torch.cuda.current_device()"),  # recv
+    ("pipeline_parallel/p2p_communication.py", 398, "torch.cuda.synchronize()"),  # batched p2p
 )
 __doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
 
@@ -137,6 +143,14 @@ class _FakeEvent:
 
 _STREAM = _FakeStream()
 
+# Explicit device-wide waits the code under test asked for (a host sync on a GPU that neither
+# SyncSentinel nor CUDA's sync debug mode reports): counted here while the mode is active.
+CALLS: collections.Counter = collections.Counter()
+
+
+def _synchronize(*args, **kwargs):
+    CALLS["torch.cuda.synchronize"] += 1
+
 
 @contextlib.contextmanager
 def cuda_as_cpu() -> Iterator[None]:
@@ -145,7 +159,7 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.is_available", lambda: True),
         mock.patch("torch.cuda.current_device", lambda: 0),
         mock.patch("torch.cuda.device_count", lambda: 1),
-        mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
+        mock.patch("torch.cuda.synchronize", _synchronize),
         mock.patch("torch.cuda.current_stream", lambda *a, **k: _STREAM),
         mock.patch("torch.cuda.default_stream", lambda *a, **k: _STREAM),
         mock.patch("torch.cuda.set_device", lambda *a, **k: None),

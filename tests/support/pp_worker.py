@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cuda_as_cpu import cuda_as_cpu  # noqa: E402
+from cuda_as_cpu import CALLS, cuda_as_cpu  # noqa: E402
 
 
 def _global_names(model) -> dict:
@@ -71,12 +71,14 @@ def collect(overrides, save_init=None, load_init=None) -> dict:
                        save_init)
         if load_init:
             _load_initial(job.model, names, load_init)
-        out = dict(losses=[], grad_norms=[], max_in_flight=[], backward_checks=[], syncs=[],
+        out = dict(losses=[], grad_norms=[], device_waits=[], max_in_flight=[], backward_checks=[], syncs=[],
                    num_slots=job.cache.config.num_slots, rank=torch.distributed.get_rank(),
                    pp_rank=_pp_rank())
         for step in range(1, job.cfg.training.steps + 1):
             batch = job.data.batch(step)
+            waits = CALLS["torch.cuda.synchronize"]
             r = train_step(job, batch)
+            out["device_waits"].append(CALLS["torch.cuda.synchronize"] - waits)
             out["losses"].append(float(r.loss_sum) / batch.global_loss_tokens)
             out["grad_norms"].append(None if r.grad_norm is None else float(r.grad_norm))
             out["max_in_flight"].append(job.step.in_flight.max_in_flight)

@@ -71,3 +71,13 @@ def test_packed_cache_on_cuda_device_runs_with_pinned_staging():
         with cache.batch([5, 3]) as pb:
             assert pb.packed_seq_params.cu_seqlens_q.tolist()[:4] == [0, 5, 8, 16]
         assert torch.ones(2).pin_memory().device.type == "cpu"
+
+
+def test_explicit_device_waits_counted():
+    from cuda_as_cpu import CALLS
+
+    before = CALLS["torch.cuda.synchronize"]
+    with cuda_as_cpu():
+        torch.cuda.synchronize()
+        torch.cuda.synchronize(0)
+    assert CALLS["torch.cuda.synchronize"] - before == 2
