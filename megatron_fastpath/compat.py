@@ -411,7 +411,7 @@ def _require_checked_optimizer_internals() -> None:
             f"megatron-core {MCORE_VERSION}: the sync-free optimizer step reads private fields of "
             "Megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DynamicGradScaler, "
             "checked for megatron-core 0.16.x only; use Megatron's own optimizer.step() "
-            "(training.sync_free_optimizer=false) until megatron_fastpath.compat is re-checked"
+            "(training.optimizer_step=megatron) until megatron_fastpath.compat is re-checked"
         )
 
 
