@@ -103,3 +103,21 @@ def test_pipeline_with_offload_refused():
         with pytest.raises(ValueError, match="offload with pipeline parallelism is not supported"):
             parse_job_config(_cfg(FAST + ["training.device=cuda", "fastpath.offload=true",
                                           "parallel.pipeline_model_parallel_size=2"]))
+
+
+def test_bf16_sync_free_step_equals_megatron_step(mcore_parallel):
+    """bf16 (Megatron's Float16OptimizerWithFloat16Params, fp32 main params) on the GPU path:
+    the sync-free step gives exactly Megatron's losses and parameters, with 0 syncs."""
+    runs = {}
+    for mode in ("megatron", "sync_free"):
+        with cuda_as_cpu():
+            runs[mode] = _train(["training.device=cuda", "training.dtype=bfloat16",
+                                 f"training.optimizer_step={mode}"])
+    (ref, ref_params, ref_job), (ours, our_params, our_job) = runs["megatron"], runs["sync_free"]
+    assert [type(l).__name__ for l in our_job.step.optimizer.leaves] == [
+        "Float16OptimizerWithFloat16Params"]
+    assert [r.loss for r in ours.records] == [r.loss for r in ref.records]
+    assert sum(p.dtype == torch.bfloat16 for p in ref_params.values()) > len(ref_params) // 2
+    for n, p in ref_params.items():
+        assert torch.equal(our_params[n], p), n
+    assert ours.syncs_per_step == 0 and ref.syncs_per_step > 2
