@@ -495,3 +495,46 @@ def set_dynamic_scaler_trackers(scaler, growth_tracker: int, hysteresis_tracker:
     """Write the device-side trackers back to Megatron's host fields (checkpoint time)."""
     scaler._growth_tracker = int(growth_tracker)
     scaler._hysteresis_tracker = int(hysteresis_tracker)
+
+
+_FUSED_ADAM_CLASSES = (
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
+    ("apex.optimizers.fused_adam", "FusedAdam"),
+)
+
+
+def torch_adam_in_place_of_fused_adam(leaf) -> bool:
+    """Swap a leaf's Transformer Engine / Apex ``FusedAdam`` (Megatron's choice when either is
+    installed) for torch's Adam/AdamW over the *same* param-group dicts, before its first step.
+
+    Their ``step()`` keeps the step count in ``group['step']`` on the host and skips nothing on
+    the device; the sync-free step runs torch's Adam math (one fused kernel per group on CUDA)
+    on torch-layout state instead -- what Megatron itself builds without TE/Apex, so its
+    checkpoint code (per-parameter ``step``) applies unchanged. Only the plain configuration is
+    taken over (fp32 states, no master weights, no decoupled grads, bias correction on);
+    anything else raises TypeError (``optimizer_step=auto`` then keeps Megatron's step).
+    Returns True when swapped."""
+    import torch
+
+    opt = getattr(leaf, "optimizer", None)
+    kind = (type(opt).__module__, type(opt).__name__)
+    if opt is None or kind not in _FUSED_ADAM_CLASSES:
+        return False
+    plain = (
+        not getattr(opt, "capturable", False) and not getattr(opt, "master_weights", False)
+        and not getattr(opt, "use_decoupled_grad", False)
+        and not getattr(opt, "store_param_remainders", False)
+        and getattr(opt, "exp_avg_dtype", torch.float32) == torch.float32
+        and getattr(opt, "exp_avg_sq_dtype", torch.float32) == torch.float32
+        and all(g.get("bias_correction", True) for g in opt.param_groups)
+    )
+    if not plain or len(opt.state) != 0:
+        raise TypeError(
+            f"{kind[0]}.FusedAdam with master weights / low-precision states / capturable / "
+            "decoupled grads, or after its first step, is not taken over by the sync-free step"
+        )
+    cls = torch.optim.AdamW if opt.adam_w_mode else torch.optim.Adam
+    d = opt.defaults
+    leaf.optimizer = cls(opt.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                         weight_decay=d["weight_decay"])
+    return True

@@ -88,9 +88,8 @@ def _check_inner(leaf) -> None:
         return
     if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
         raise TypeError(
-            f"the sync-free step replaces torch Adam/AdamW's update; Megatron built "
-            f"{type(opt).__name__} (Transformer Engine / Apex FusedAdam keep their step count on "
-            "the host): not supported yet, use Megatron's own step()"
+            f"the sync-free step runs torch Adam/AdamW's update; Megatron built "
+            f"{type(opt).__name__}: not supported, use Megatron's own step()"
         )
     for g in opt.param_groups:
         if g.get("amsgrad") or g.get("maximize") or g.get("differentiable") or torch.is_tensor(g["lr"]):
@@ -111,6 +110,7 @@ class SyncFreeOptimizer:
         self.optimizer = optimizer
         self.leaves = compat.optimizer_leaves(optimizer)
         for leaf in self.leaves:
+            compat.torch_adam_in_place_of_fused_adam(leaf)  # TE / Apex FusedAdam -> torch's
             _check_inner(leaf)
         self.kernel = kernel
         self.device = optimizer.get_loss_scale().device

@@ -26,8 +26,9 @@ class TrainingConfig:
     """optimizer_step (GPU path): "sync_free" wraps Megatron's optimizer in
     :class:`~megatron_fastpath.optim.SyncFreeOptimizer` (clip, inf skip and loss scale on the
     device; grad norm logged one step late), "megatron" is Megatron's own ``step()`` (reads the
-    grad norm back every step), "auto" is sync_free where its Adam is supported (torch's
-    Adam/AdamW, Megatron's choice without TE/Apex) and megatron otherwise."""
+    grad norm back every step), "auto" is sync_free where the wrapper applies (torch's
+    Adam/AdamW; TE/Apex FusedAdam in its plain configuration, swapped for torch's) and megatron
+    otherwise."""
 
     steps: int = 40
     micro_batches: int = 2

@@ -214,3 +214,78 @@ def test_optimizer_step_setting_validated():
         cfg = compose(config_name="config", overrides=["training.optimizer_step=fast"])
     with pytest.raises(ValueError, match="optimizer_step must be auto, sync_free or megatron"):
         parse_job_config(cfg)
+
+
+class _TEFusedAdamStandIn(torch.optim.Optimizer):
+    """Stand-in for transformer_engine.pytorch.optimizers.FusedAdam (TE needs CUDA): its
+    constructor signature, defaults and attributes; its step must never run."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, bias_correction=True, adam_w_mode=True, capturable=False,
+                 master_weights=False, master_weight_dtype=torch.float32,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None):
+        defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
+                    "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable, self.master_weights = capturable, master_weights
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.use_decoupled_grad = use_decoupled_grad
+        self.store_param_remainders = store_param_remainders
+
+    def step(self, closure=None):
+        raise AssertionError("the sync-free step must not call FusedAdam.step")
+
+
+_TEFusedAdamStandIn.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"
+_TEFusedAdamStandIn.__name__ = _TEFusedAdamStandIn.__qualname__ = "FusedAdam"
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_te_fused_adam_taken_over(mcore_parallel, monkeypatch, mode):
+    """Megatron builds TE's FusedAdam when TE is installed: the wrapper swaps it for torch's
+    AdamW over the same param groups before the first step, and the parameters are those of
+    Megatron's step with its TE-less torch AdamW, bit for bit."""
+    import megatron.core.optimizer as mopt
+
+    with cuda_as_cpu():
+        ref_ddp, ref_opt = _build(mode)
+        monkeypatch.setattr(mopt, "Adam", _TEFusedAdamStandIn)
+        monkeypatch.setattr(mopt, "USING_PYTORCH_OPTIMIZER", False)
+        our_ddp, te_opt = _build(mode)
+        assert type(te_opt.chained_optimizers[0].optimizer).__name__ == "FusedAdam"
+        ours = SyncFreeOptimizer(te_opt)
+        inner = ours.leaves[0].optimizer
+        assert type(inner) is torch.optim.AdamW
+        assert inner.param_groups[0]["params"] is te_opt.param_groups[0]["params"]
+        torch.manual_seed(1)
+        for step in range(4):
+            x = torch.randn(5, 8, dtype=DTYPES[mode])
+            _backward(ref_ddp, ref_opt, x)
+            ref_opt.step()
+            _backward(our_ddp, ours, x)
+            with SyncSentinel() as s:
+                ours.step()
+            assert s.num_syncs == 0
+            for a, b in zip(ref_ddp.parameters(), our_ddp.parameters()):
+                assert torch.equal(a, b), step
+
+
+def test_te_fused_adam_with_master_weights_not_taken_over(mcore_parallel, monkeypatch):
+    import megatron.core.optimizer as mopt
+
+    from megatron_fastpath.train.step import _optimizer_step
+
+    class MasterWeights(_TEFusedAdamStandIn):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k, master_weights=True)
+
+    MasterWeights.__module__, MasterWeights.__name__ = _TEFusedAdamStandIn.__module__, "FusedAdam"
+    with cuda_as_cpu():
+        monkeypatch.setattr(mopt, "Adam", MasterWeights)
+        monkeypatch.setattr(mopt, "USING_PYTORCH_OPTIMIZER", False)
+        _, opt = _build("fp32")
+    with pytest.raises(TypeError, match="master weights"):
+        SyncFreeOptimizer(opt)
+    assert _optimizer_step(opt, "auto") is opt  # auto keeps Megatron's step
