@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import pp_worker
@@ -43,6 +44,7 @@ def _torchrun(tmp_path, overrides, init):
     return [torch.load(f"{out}.rank{r}") for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_pp2_1f1b_equals_pp1(mcore_parallel, tmp_path):
     init = str(tmp_path / "init.pt")
     ref = pp_worker.collect(COMMON, save_init=init)
