@@ -402,23 +402,15 @@ def dist_checkpointing_on_cpu():
 # the optimizers' private group lists and copy helpers, which are not public API: checked here
 # for the 0.16 line only.
 
-_OPTIM_CHECKED = ((0, 16),)
-
-
-def _require_checked_optimizer_internals() -> None:
-    if (MCORE_VERSION.major, MCORE_VERSION.minor) not in _OPTIM_CHECKED:
-        raise ImportError(
-            f"megatron-core {MCORE_VERSION}: the sync-free optimizer step reads private fields of "
-            "Megatron's FP32Optimizer / Float16OptimizerWithFloat16Params / DynamicGradScaler, "
-            "checked for megatron-core 0.16.x only; use Megatron's own optimizer.step() "
-            "(training.optimizer_step=megatron) until megatron_fastpath.compat is re-checked"
-        )
-
-
 def optimizer_leaves(optimizer) -> list:
     """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
     ChainedOptimizer is flattened); anything else is refused with what to use instead."""
-    _require_checked_optimizer_internals()
+    _require_checked_mcore(
+        "optimizer_leaves",
+        "the sync-free optimizer step reads private fields of Megatron's FP32Optimizer / "
+        "Float16OptimizerWithFloat16Params / DynamicGradScaler; use Megatron's own step "
+        "(training.optimizer_step=megatron) until they are re-checked",
+    )
     from megatron.core.optimizer.optimizer import (
         ChainedOptimizer,
         Float16OptimizerWithFloat16Params,
