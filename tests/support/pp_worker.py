@@ -29,23 +29,6 @@ def _global_names(model) -> dict:
             for n, _ in model.named_parameters()}
 
 
-def _with_pipeline_dtype():
-    """TEMPORARY until main's model.py sets TransformerConfig.pipeline_dtype (the 'cache'
-    branch does): PP > 1 needs it."""
-    import megatron_fastpath.train.job as job_mod
-
-    build = job_mod.build_transformer_config
-    if getattr(build, "_pp_dtype", False):
-        return
-
-    def with_dtype(model, params_dtype=torch.float32, **kw):
-        kw.setdefault("pipeline_dtype", params_dtype)
-        return build(model, params_dtype=params_dtype, **kw)
-
-    with_dtype._pp_dtype = True
-    job_mod.build_transformer_config = with_dtype
-
-
 def _load_initial(model, names, path) -> None:
     """Start from another run's initial parameters (global names): with PP each stage would
     otherwise draw its layers' weights from its own position in the RNG stream."""
@@ -62,7 +45,6 @@ def collect(overrides, save_init=None, load_init=None) -> dict:
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
-    _with_pipeline_dtype()
     with cuda_as_cpu():
         job = build_job(parse_job_config(cfg))
         names = _global_names(job.model)
