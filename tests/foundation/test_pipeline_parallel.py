@@ -17,7 +17,8 @@ import pp_worker
 COMMON = ["training.steps=3", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
           "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
           "training.lr=5e-3", "cluster.backend=gloo", "training.device=cuda",
-          "training.micro_batches=4"]
+          "training.micro_batches=4",
+          "training.skip_memory_check=true"]  # reads GPU properties; the mode has no GPU
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support",
                       "pp_worker.py")
 # Measured: losses, gradients and parameters bit-identical; the grad norm (a sum of per-stage
