@@ -45,7 +45,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 

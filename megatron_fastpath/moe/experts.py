@@ -18,7 +18,6 @@ size (F1 = 2F for SwiGLU's gate | up), E (E_l) local experts.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import sys
 import traceback
 import warnings
 from typing import Callable, Optional

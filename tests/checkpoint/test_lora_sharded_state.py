@@ -2,7 +2,6 @@
 adapters are saved under stable keys, base weights keep the keys of a model without LoRA, a
 base checkpoint loads into a LoRA model and a LoRA checkpoint's base into a plain model."""
 
-import pytest
 import torch
 
 from megatron_fastpath.compat import dist_checkpointing_on_cpu

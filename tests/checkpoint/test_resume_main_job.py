@@ -6,15 +6,12 @@ adapters-only checkpoints), activation offload."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from megatron_fastpath.train import PREEMPTED_EXIT_CODE, config_dir, run
+from megatron_fastpath.train import config_dir, run
 
 STEPS, STOP = 6, 3
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",

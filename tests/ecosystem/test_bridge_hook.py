@@ -15,7 +15,6 @@ from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.integrations import (
     FastpathLayerSpec,
     FastpathSettings,
-    InFlightBatches,
     cache_for,
     clear_caches,
     host_cu_seqlens,

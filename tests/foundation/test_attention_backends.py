@@ -6,7 +6,7 @@ import torch
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.sync import SyncSentinel
-from test_packed_gpt_equivalence import grads, packed_inputs
+from test_packed_gpt_equivalence import packed_inputs
 
 
 def run(model, cache, lengths, inputs):
@@ -88,7 +88,6 @@ def test_cpu_backends_make_no_cuda_calls(build_pair, monkeypatch):
 def test_gpu_backends_match_cpu_reference_and_are_sync_free(mcore_parallel, backend):
     """On a GPU: every available backend equals the sdpa result computed on the CPU, with no
     host sync (CUDA sync debug mode armed by the sentinel)."""
-    import dataclasses
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for

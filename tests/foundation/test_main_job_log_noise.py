@@ -2,12 +2,10 @@
 of Megatron's per-module TE/Apex fallback warnings, torch's pynvml FutureWarning and one
 "Unknown MLP type" per MoE layer -- filtered in the main job only, not for library users."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -146,7 +146,6 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    import os
 
     env = child_env()
     losses = {}

@@ -141,7 +141,6 @@ def test_cuda_graph_capture_matches_eager(model, fp8):
 
     if fp8 and not have("transformer_engine.pytorch"):
         pytest.skip("FP8 needs Transformer Engine")
-    import os
 
     env = child_env()
     losses = {}

@@ -2,7 +2,6 @@
 merging preserves outputs, parameter counts match r*(in+out), and locked adapters refuse
 toggling (what CUDA-graph capture requires)."""
 
-import dataclasses
 
 import pytest
 import torch

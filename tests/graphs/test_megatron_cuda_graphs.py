@@ -52,7 +52,6 @@ def _forward_step(tokens, model):
 
 
 def _eager_and_graphed(shim: bool):
-    from megatron_fastpath.compat import keep_cudagraph_input_buffers
     from megatron_fastpath.graphs import prepare_cuda_graphs
 
     setup = prepare_cuda_graphs(1234, use_te_rng_tracker=False)

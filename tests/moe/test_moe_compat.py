@@ -4,7 +4,6 @@ they set exactly the state megatron-core's own constructors set (compared agains
 megatron-core version they were not checked against."""
 
 import pytest
-import torch
 import torch.nn.functional as F
 from packaging.version import Version
 

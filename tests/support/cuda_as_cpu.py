@@ -173,3 +173,19 @@ def cuda_as_cpu() -> Iterator[None]:
             stack.enter_context(p)
         stack.enter_context(CudaAsCpuMode())
         yield
+
+
+def moved_megatron_sites(sites) -> list:
+    """The (file under megatron/core, line, text) sites whose line no longer contains the text
+    in the installed megatron-core: what an upgrade moved (empty when every site still holds)."""
+    import os
+
+    import megatron.core
+
+    root = os.path.dirname(megatron.core.__file__)
+    moved = []
+    for rel, line_no, text in sites:
+        lines = open(os.path.join(root, rel), encoding="utf-8").read().splitlines()
+        if line_no > len(lines) or text not in lines[line_no - 1]:
+            moved.append(f"megatron/core/{rel}:{line_no} no longer contains {text!r}")
+    return moved

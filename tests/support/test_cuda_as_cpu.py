@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cuda_as_cpu import MEGATRON_SITES, cuda_as_cpu
+from cuda_as_cpu import MEGATRON_SITES, cuda_as_cpu, moved_megatron_sites
 
 
 def test_device_arguments_stay_on_cpu():
@@ -30,14 +30,7 @@ def test_device_arguments_stay_on_cpu():
 
 def test_covered_sites_still_exist():
     """Each Megatron line the mode was written for still says what it said in 0.16.1."""
-    import megatron.core
-
-    root = os.path.dirname(megatron.core.__file__)
-    moved = []
-    for rel, line_no, text in MEGATRON_SITES:
-        lines = open(os.path.join(root, rel), encoding="utf-8").read().splitlines()
-        if line_no > len(lines) or text not in lines[line_no - 1]:
-            moved.append(f"megatron/core/{rel}:{line_no} no longer contains {text!r}")
+    moved = moved_megatron_sites(MEGATRON_SITES)
     assert not moved, "megatron-core moved the CUDA sites this mode covers:\n" + "\n".join(moved)
 
 
