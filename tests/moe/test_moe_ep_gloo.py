@@ -56,39 +56,60 @@ def _reference(tc, cfg, router_w, w1, w2, x_TH, g_TH):
     return out.detach(), x.grad, rw.grad, full.weight1.grad, full.weight2.grad
 
 
-def _worker(rank, world, port, result_path):
+def _init_ep(rank, world, port):
+    """One spawned rank: rendezvous on the loopback port, EP = world, one thread."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_fastpath.distributed import destroy_distributed, init_distributed
-    from megatron_fastpath.moe.config import MoEDispatchConfig
-    from megatron_fastpath.moe.spec import get_moe_mlp_spec
-    from megatron_fastpath.sync import SyncSentinel
+    from megatron_fastpath.distributed import init_distributed
 
     init_distributed(backend="gloo", expert_model_parallel_size=world)
+
+
+def _weights(gen):
+    """(router [E, H], weight1 [E, H, 2F], weight2 [E, F, H]) of all E experts."""
+    return (torch.randn(E, H, generator=gen) / H**0.5,
+            torch.randn(E, H, 2 * FF, generator=gen) / H**0.5,
+            torch.randn(E, FF, H, generator=gen) / FF**0.5)
+
+
+def _ep_layer(tc, overrides, router_w, w1, w2, local):
+    """This rank's MoE layer (dispatch overrides) holding the ``local`` experts' weights."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+    spec = get_moe_mlp_spec(num_experts=E)
+    spec.params = {"dispatch_config": MoEDispatchConfig.from_transformer_config(tc, **overrides)}
+    layer = build_module(spec, config=tc, layer_number=1)
+    with torch.no_grad():
+        layer.router.weight.copy_(router_w)
+        layer.experts.weight1.copy_(w1[local])
+        layer.experts.weight2.copy_(w2[local])
+    return layer
+
+
+def _worker(rank, world, port, result_path):
+    _init_ep(rank, world, port)
+    import torch.distributed as dist
+
+    from megatron_fastpath.distributed import destroy_distributed
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.sync import SyncSentinel
+
     results = {}
     try:
         tc = _tc()
         gen = torch.Generator().manual_seed(0)
-        router_w = torch.randn(E, H, generator=gen) / H**0.5
-        w1 = torch.randn(E, H, 2 * FF, generator=gen) / H**0.5
-        w2 = torch.randn(E, FF, H, generator=gen) / FF**0.5
+        router_w, w1, w2 = _weights(gen)
         xs = [torch.randn(S * B, H, generator=gen) for _ in range(world)]
         gs = [torch.randn(S * B, H, generator=gen) for _ in range(world)]
         E_l = E // world
         local = slice(rank * E_l, (rank + 1) * E_l)
         for name, (overrides, expected_syncs) in MODES.items():
             cfg = MoEDispatchConfig.from_transformer_config(tc, **overrides)
-            spec = get_moe_mlp_spec(num_experts=E)
-            spec.params = {"dispatch_config": cfg}
-            layer = build_module(spec, config=tc, layer_number=1)
-            with torch.no_grad():
-                layer.router.weight.copy_(router_w)
-                layer.experts.weight1.copy_(w1[local])
-                layer.experts.weight2.copy_(w2[local])
+            layer = _ep_layer(tc, overrides, router_w, w1, w2, local)
             x = xs[rank].view(S, B, H).clone().requires_grad_()
             with SyncSentinel(name=f"EP=2 {name}") as s:
                 out, _ = layer(x)
@@ -139,18 +160,11 @@ PAD_LENGTHS = {0: (9, 5), 1: (12, 3)}  # real tokens per row on each rank
 
 
 def _padding_worker(rank, world, port, result_path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_fastpath.distributed import destroy_distributed, init_distributed
-    from megatron_fastpath.moe.config import MoEDispatchConfig
-    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+    _init_ep(rank, world, port)
+    from megatron_fastpath.distributed import destroy_distributed
     from megatron_fastpath.sync import SyncSentinel
     from test_moe_padding import compare_runs, padding_mask_BS, run_layer, two_paddings
 
-    init_distributed(backend="gloo", expert_model_parallel_size=world)
     results = {}
     try:
         import dataclasses
@@ -158,22 +172,14 @@ def _padding_worker(rank, world, port, result_path):
         tc = dataclasses.replace(_tc(), moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
                                  moe_router_dtype="fp32")
         gen = torch.Generator().manual_seed(0)
-        router_w = torch.randn(E, H, generator=gen) / H**0.5
-        w1 = torch.randn(E, H, 2 * FF, generator=gen) / H**0.5
-        w2 = torch.randn(E, FF, H, generator=gen) / FF**0.5
+        router_w, w1, w2 = _weights(gen)
         x = torch.randn(S, B, H, generator=gen) + rank
         g = torch.randn(S, B, H, generator=gen)
         pad = padding_mask_BS(PAD_LENGTHS[rank], S)
         local = slice(rank * (E // world), (rank + 1) * (E // world))
         for name, (overrides, expected_syncs) in PAD_MODES.items():
-            spec = get_moe_mlp_spec(num_experts=E)
-            spec.params = {"dispatch_config": MoEDispatchConfig.from_transformer_config(tc, **overrides)}
-            layer = build_module(spec, config=tc, layer_number=1)
+            layer = _ep_layer(tc, overrides, router_w, w1, w2, local)
             layer.set_layer_number(1)
-            with torch.no_grad():
-                layer.router.weight.copy_(router_w)
-                layer.experts.weight1.copy_(w1[local])
-                layer.experts.weight2.copy_(w2[local])
             xa, xb = two_paddings(x, pad, router_w)
             ra = run_layer(layer, xa, pad, g)
             with SyncSentinel(name=f"EP=2 {name} padded") as s:
