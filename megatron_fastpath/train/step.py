@@ -135,6 +135,32 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
             g.copy_(synced)
 
 
+def global_grad_norm(params) -> torch.Tensor:
+    """The gradient norm Megatron's (chained) optimizer clips with, on the device: dense
+    gradients over the model-parallel group (TP x PP), expert gradients over the expert
+    tensor-model-pipeline group (ETP x EP x PP), skipping shared and TP-duplicate parameters
+    (``get_main_grads_for_grad_norm``), combined as sqrt(dense^2 + expert^2) like
+    ``ChainedOptimizer.get_grad_norm``. A local ``clip_grad_norm_`` would clip each rank with
+    its own norm: at EP > 1 (or TP > 1) the replicas of the dense parameters then drift apart."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    dense, expert = [], []
+    for p in params:
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            (expert if getattr(p, "allreduce", True) is False else dense).append(p.grad)
+    total_sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    for grads, group in ((dense, ps.get_model_parallel_group()),
+                         (expert, ps.get_expert_tensor_model_pipeline_parallel_group())):
+        sq = (torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2 if grads
+              else torch.zeros_like(total_sq))
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(sq, group=group)
+        total_sq = total_sq + sq
+    return total_sq.sqrt()
+
+
 def _cpu_optimizer(params, train_cfg: TrainingConfig):
     decay = [p for p in params if p.dim() > 1]
     no_decay = [p for p in params if p.dim() <= 1]
@@ -181,11 +207,10 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         dp_group = ps.get_data_parallel_group()
         if torch.distributed.get_world_size(dp_group) > 1:
             torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log
+        last["grad_norm"] = global_grad_norm(params)
         if train_cfg.clip_grad > 0:
-            last["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, train_cfg.clip_grad, foreach=True)
-        else:
-            last["grad_norm"] = torch.nn.utils.get_total_norm(
-                [p.grad for p in params if p.grad is not None], foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(
+                params, train_cfg.clip_grad, last["grad_norm"], foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss_sum, fwd_bwd

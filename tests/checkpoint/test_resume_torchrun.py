@@ -1,11 +1,10 @@
 """Checkpoints under torchrun (2 processes, gloo, CPU).
 
-* Exact resume at DP=2: straight vs stop_at_step + rerun, bit-identical records. At EP=2 the
-  checkpointed state is bit-identical (model and optimizer, every tensor, checked by comparing
-  the straight run's step-3 checkpoint with the stopped run's) and the first resumed step's loss
-  is too, but the gradients of the first step a *new* process runs at EP=2 differ in the last
-  bits from the uninterrupted process's (not found why before the deadline: not the state, the
-  data or the RNG), so from the second resumed step on the losses agree to rel 1e-6 only.
+* Exact resume at DP=2 and EP=2: straight vs stop_at_step + rerun, bit-identical records. (At
+  EP=2 this once held for the first resumed step only: each rank clipped with its own gradient
+  norm, so the replicated dense parameters drifted apart and the checkpoint, which keeps one
+  replica, handed rank 1 rank 0's copy. The CPU path now clips with the global norm,
+  ``train.step.global_grad_norm``; tests/optim/test_global_grad_norm.py.)
 * Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2 or
   EP=2 (1 microbatch per rank: the same global batch). The resumed steps equal an uninterrupted
   run at that layout within fp32 tolerance (rel 2e-4: world 1 and world 2 sum gradients in a
@@ -75,13 +74,8 @@ def test_exact_resume_two_processes(tmp_path, layout):
     resumed, out = _run(tmp_path, "resumed", par + ckpt, 2)
     assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
     assert resumed["world_size"] == 2
-    if layout == "dp2":
-        assert _records(resumed) == _records(straight)
-        return
-    a, b = _records(resumed), _records(straight)
-    assert a[: STOP + 1] == b[: STOP + 1]  # restored records and the first resumed step: exact
-    for (sa, la, lra), (sb, lb, lrb) in zip(a[STOP + 1:], b[STOP + 1:]):
-        assert sa == sb and lra == lrb and abs(la - lb) <= 1e-6 * abs(lb), (sa, la, lb)
+    assert _records(resumed) == _records(straight)
+    assert [r["grad_norm"] for r in resumed["records"]] == [r["grad_norm"] for r in straight["records"]]
 
 
 @pytest.mark.slow
