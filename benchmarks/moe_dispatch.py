@@ -25,12 +25,17 @@ dispatch plus (e)'s host read. At width 32 the time is the routing glue; at widt
 (Qwen3-30B-A3B's expert width) it is mostly expert GEMMs.
 
 Gradient buffers persist across steps and are zeroed in place (as Megatron's DDP keeps
-``main_grad``): the stacked [E, H, F] weight gradient is not re-allocated every step.
+``main_grad``). The grouped GEMM's backward still returns its [E, H, F] weight gradient as a
+new tensor (``torch._grouped_mm`` has no ``out=``), accumulated into that buffer: the script
+re-executes itself with glibc's mmap / trim thresholds raised so such blocks are reused from
+the heap, as the GPU's caching allocator reuses them, instead of page-faulting afresh
+(``--system-malloc`` keeps glibc's defaults; the JSON records which).
 
 Columns: host_syncs_per_layer (SyncSentinel, one forward+backward), aten_ops (same region),
 fwd_ms / fwd_bwd_ms: the MINIMUM over --reps interleaved rounds after --warmup rounds (medians
 are in the JSON too). Ratios: baseline / ours, > 1 means ours is faster. The 1-minute load
-average is recorded at start and end; a run with load > 0.5 per core is marked noisy.
+average is recorded at start and end, with the cores other processes kept busy during the run
+(``load_meter.py``); a run above 0.5 per core by either is marked noisy.
 
     python benchmarks/moe_dispatch.py --json benchmarks/results/moe_dispatch.json
         # T=4096, H=1024, E in {8,128}, k in {2,8}, expert widths {32,768}; table -> .md beside
@@ -50,6 +55,9 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # load_meter, beside this file
+
+from load_meter import LoadMeter  # noqa: E402
 from megatron_fastpath.moe.config import MoEDispatchConfig
 from megatron_fastpath.moe.dispatch import (
     build_dispatch_plan,
@@ -272,6 +280,19 @@ def check_equal(outs):
             raise RuntimeError(f"variant {name} disagrees with ours: max abs err {err}")
 
 
+# glibc hands blocks >= 32 MiB to mmap and returns them on free, so every large temporary of
+# every variant page-faults afresh (~10 ms per 32 MiB here): noise that lands on whichever
+# variant allocates one more buffer. A GPU's caching allocator reuses blocks; raising the
+# thresholds makes glibc do the same, for all variants alike.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+
+
+def _reexec_with_caching_malloc() -> None:
+    if all(os.environ.get(k) == v for k, v in ALLOCATOR_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+
+
 def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
@@ -290,7 +311,11 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--quick", action="store_true", help="T=512, H=256, E in {8,128}, widths {32,256}")
     p.add_argument("--json", type=str, default=None, help="write results here (+ table as .md)")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="keep glibc's default mmap thresholds (large blocks not reused)")
     args = p.parse_args(argv)
+    if argv is None and not args.system_malloc:
+        _reexec_with_caching_malloc()
     if args.quick:
         args.tokens, args.hidden, args.expert_widths, args.reps = 512, 256, [32, 256], 3
     if args.threads:
@@ -298,19 +323,18 @@ def main(argv=None):
     if OURS not in args.variants:
         args.variants.append(OURS)
 
-    load_start = load_per_core()
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, T={args.tokens}, "
           f"H={args.hidden}, expert widths={args.expert_widths}, reps={args.reps} (min), "
-          f"load/core at start {load_start:.2f}", flush=True)
+          f"load/core at start {load_per_core():.2f}", flush=True)
     results = []
-    for width in args.expert_widths:
-        for k in args.topk:
-            for E in args.experts:
-                if k <= E:
-                    results += run_config(args, args.tokens, args.hidden, E, k, width)
-    load_end = load_per_core()
-    noisy = max(load_start, load_end) > 0.5
-    table = format_table(results, noisy, load_start, load_end)
+    with LoadMeter() as meter:
+        for width in args.expert_widths:
+            for k in args.topk:
+                for E in args.experts:
+                    if k <= E:
+                        results += run_config(args, args.tokens, args.hidden, E, k, width)
+    load = meter.report()
+    table = format_table(results, meter.line())
     print(table)
     if args.json:
         with open(args.json, "w") as f:
@@ -318,10 +342,10 @@ def main(argv=None):
                                       expert_widths=args.expert_widths, reps=args.reps,
                                       statistic="min over reps",
                                       threads=torch.get_num_threads(), torch=torch.__version__,
-                                      cores=os.cpu_count()),
+                                      cores=os.cpu_count(),
+                                      allocator={k: os.environ.get(k) for k in ALLOCATOR_ENV}),
                        "ratio_direction": "baseline / ours: > 1 means ours is faster",
-                       "load_per_core_start": load_start, "load_per_core_end": load_end,
-                       "noisy": noisy, "results": results}, f, indent=1)
+                       **load, "results": results}, f, indent=1)
         with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
             f.write(table + "\n")
         print(f"wrote {args.json}")
@@ -345,11 +369,10 @@ def run_config(args, T, H, E, k, width):
     return rows
 
 
-def format_table(results, noisy, load_start, load_end) -> str:
+def format_table(results, load_line: str) -> str:
     lines = [
         "ratio: baseline / ours (fwd+bwd, min over repeats): > 1 means ours is faster",
-        f"load per core: start {load_start:.2f}, end {load_end:.2f}"
-        + ("  NOISY (> 0.5 per core)" if noisy else ""),
+        load_line,
         "",
         "| F | E | k | variant | host syncs/layer | aten ops | fwd ms | fwd+bwd ms | baseline / ours |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -371,7 +394,7 @@ def format_table(results, noisy, load_start, load_end) -> str:
         lines.append(
             f"F={key[0]:4d} E={key[1]:4d} k={key[2]}: "
             + (f"dispatch only {disp['fwd_bwd_ratio_vs_ours']:.2f}, " if disp else "")
-            + f"best Megatron ({best}) / ours = {ratio:.2f}" + ("" if ratio >= 1 else "  MISS"))
+            + f"best Megatron ({best}) / ours = {ratio:.3f}" + ("" if ratio >= 1 else "  MISS"))
     return "\n".join(lines)
 
 

@@ -21,7 +21,11 @@ CPU section (always runs, < 1 min):
      ``double_buffer`` (the most layers -- ``OffloadConfig.max_offloaded_layers`` -- whose
      whole-step hidden fraction is >= 0.9 at that c/g; the last offloads finish last but are
      reloaded first, so with a link slower than the forward they cannot all be hidden).
-     ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row saves;
+     ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row copies;
+     ``offloads_pending_at_fwd_end``: offloads still running when the forward ends -- those
+     activation sets are still on the device at the activation peak, so offloading them saved
+     no peak memory (at c/g = 1 the all-layers row and the planned row leave the same number of
+     sets off the device at that point);
      ``extra_device_bytes``: peak bytes of the reload buffers.
      ``single_over_ours``: modelled step time single_buffer / this row
      ("baseline / ours: > 1 means ours is faster").
@@ -50,7 +54,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from load_meter import LoadMeter  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
 
@@ -179,6 +185,10 @@ def _row(name, rec, compute_s, bw, act_bytes, g, label, single_step) -> dict:
         layers=len({t for _, t in compute_s}), offloaded_layers=stats.layers_offloaded,
         offloaded_bytes_per_step=stats.bytes_offloaded, mode=stats.mode.value,
         hidden_fraction=None if stats.layers_offloaded == 0 else round(frac, 4),
+        # offloads still running when the forward ends: those activations are still on the
+        # device at the step's memory peak, so they save no peak memory
+        offloads_pending_at_fwd_end=sum(
+            1 for iv in step.intervals if iv.kind == "d2h" and iv.end > step.fwd_end + 1e-12),
         c_ms=round(c * 1e3, 4), step_ms=round(step.makespan * 1e3, 4),
         free_copy_step_ms=round(free.makespan * 1e3, 4), compute_ms=round(step.compute_busy * 1e3, 4),
         exposed_copy_ms=round((step.makespan - free.makespan) * 1e3, 4),
@@ -314,6 +324,7 @@ def gpu_section(args) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "mode", "c_ms",
             "compute_ms", "step_ms", "free_copy_step_ms", "exposed_copy_ms", "copy_ms", "hidden_fraction",
+            "offloads_pending_at_fwd_end",
             "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
@@ -324,11 +335,8 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _environment(load_start: float) -> dict:
-    cores = os.cpu_count() or 1
-    load = max(load_start, os.getloadavg()[0])
-    return dict(torch=torch.__version__, cores=cores, load_average_1min_at_start=load_start,
-                load_average_1min_at_end=os.getloadavg()[0], noisy=load / cores > 0.5)
+def _environment(meter: LoadMeter) -> dict:
+    return dict(torch=torch.__version__, **meter.report())
 
 
 def _summary(rows: list[dict], env: dict) -> str:
@@ -336,8 +344,9 @@ def _summary(rows: list[dict], env: dict) -> str:
         "ratio: single_over_ours = modelled step time single_buffer / this row "
         "(baseline / ours: > 1 means ours is faster)",
         f"load average {env['load_average_1min_at_start']:.2f} -> "
-        f"{env['load_average_1min_at_end']:.2f} on {env['cores']} cores"
-        + ("  [NOISY: load > 0.5 per core]" if env["noisy"] else ""),
+        f"{env['load_average_1min_at_end']:.2f} (this run included) on {env['cores']} cores; "
+        f"other processes kept {env['external_cores_busy']} cores busy"
+        + ("  [NOISY]" if env["noisy"] else ""),
     ]
     for r in rows:
         if r["section"] == "cpu_model" and r["variant"] == "double_buffer":
@@ -372,13 +381,13 @@ def main(argv=None) -> dict:
 
     from megatron_fastpath.distributed import init_distributed
 
-    load_start = os.getloadavg()[0]
-    init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")
-    t0 = time.perf_counter()
-    rows = cpu_section(args)
-    if torch.cuda.is_available() and not args.no_gpu:
-        rows += gpu_section(args)
-    env = _environment(load_start)
+    with LoadMeter() as meter:
+        init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")
+        t0 = time.perf_counter()
+        rows = cpu_section(args)
+        if torch.cuda.is_available() and not args.no_gpu:
+            rows += gpu_section(args)
+    env = _environment(meter)
     text = _table(rows) + "\n\n" + _summary(rows, env) + (
         f"\nwall time {time.perf_counter() - t0:.1f}s")
     print(text)

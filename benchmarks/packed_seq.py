@@ -128,7 +128,9 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a script from a checkout: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # load_meter, beside this file
 
+from load_meter import LoadMeter  # noqa: E402
 from megatron_fastpath.attention.core_attention import PackedCoreAttention
 from megatron_fastpath.attention.rope import apply_rope_cached
 from megatron_fastpath.model import (
@@ -612,7 +614,7 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
     from megatron_fastpath.distributed import init_distributed
 
     t_start = time.perf_counter()
-    load_start = os.getloadavg()[0]
+    meter = LoadMeter().__enter__()
     init_distributed(backend="gloo")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -627,7 +629,7 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
         f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; rebuild mask style: {mask_style}; load average "
         f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    if _noisy(os.getloadavg()[0]):
+    if os.getloadavg()[0] / (os.cpu_count() or 1) > NOISY_LOAD_PER_CORE:
         log(f"WARNING: other processes are using the cores (load average above {NOISY_LOAD_PER_CORE}"
             " per core): times are marked noisy; prefer --threads 1 and compare the cpu columns")
 
@@ -695,6 +697,8 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
         del variants, counted
         gc.collect()
 
+    meter.__exit__(None, None, None)
+    log(meter.line())
     return {
         "config": dataclasses.asdict(cfg) | {"lengths": lengths, "rebuild_mask_style": mask_style,
                                                "torch_threads": torch.get_num_threads(),
@@ -706,16 +710,9 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
                    "fwd_gain_from_caching": UNSLOTH_FWD_ANCHOR},
         "sync_locations": {f"{n}@L={l}": dict(c) for (n, l), c in locations.items()},
         "wall_time_s": time.perf_counter() - t_start,
-        "load_average_1min_at_start": load_start,
-        "load_average_1min_at_end": os.getloadavg()[0],
-        "cores": os.cpu_count(),
-        "noisy": _noisy(max(load_start, os.getloadavg()[0])),
+        **meter.report(),
         "ratio_direction": RATIO_DIRECTION,
     }
-
-
-def _noisy(load: float) -> bool:
-    return load / (os.cpu_count() or 1) > NOISY_LOAD_PER_CORE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,10 +15,16 @@ def _load(path):
         return json.load(f)
 
 
+def _load_line(d) -> str:
+    return (f"load average {d['load_average_1min_at_start']:.2f} -> "
+            f"{d['load_average_1min_at_end']:.2f} (the run's own threads included) on "
+            f"{d['cores']} cores; other processes kept {d['external_cores_busy']} cores busy "
+            f"on average; noisy: {d['noisy']}")
+
+
 def packed_seq(d) -> str:
     rows = {(r["variant"], r["layers"]): r for r in d["results"]}
-    out = [f"load average {d['load_average_1min_at_start']:.2f} -> "
-           f"{d['load_average_1min_at_end']:.2f} on {d['cores']} cores, noisy: {d['noisy']}", "",
+    out = [_load_line(d), "",
            "| L | variant | host syncs / step | metadata ops / step | mask tensors saved / step "
            "| cache KiB | fwd ms (min) | fwd+bwd ms (min) | baseline / ours fwd+bwd |",
            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -33,8 +39,7 @@ def packed_seq(d) -> str:
 
 
 def moe_dispatch(d) -> str:
-    out = [f"load per core {d['load_per_core_start']:.2f} -> {d['load_per_core_end']:.2f}, "
-           f"noisy: {d['noisy']}; config {d['config']}", "",
+    out = [_load_line(d) + f"; config {d['config']}", "",
            "| E | k | width | variant | host syncs / layer | aten ops | fwd+bwd ms (min) "
            "| baseline / ours |", "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     key = lambda r: (r["experts"], r["topk"], r["expert_width"], r["variant"])
@@ -46,8 +51,7 @@ def moe_dispatch(d) -> str:
 
 
 def offload(d) -> str:
-    env = d["environment"]
-    out = [f"environment: {json.dumps(env)}", "",
+    out = [_load_line(d["environment"]), "",
            "| c/g | variant | hidden_fraction | layers offloaded |", "| ---: | --- | ---: | ---: |"]
     for r in d["results"]:
         if r.get("hidden_fraction") is None:

@@ -1,0 +1,80 @@
+"""How busy the machine was with OTHER work while a benchmark ran.
+
+The 1-minute load average counts the benchmark's own threads: a run using both cores of a
+2-core machine ends at a load of ~2 (1.0 per core) on an otherwise idle machine, and a
+busy machine can start at 0.2. So each benchmark records both:
+
+* ``load_average_1min_at_start`` / ``_at_end`` (``os.getloadavg``, as asked), and
+* ``external_cores_busy``: CPU time the whole machine spent busy (``/proc/stat``) minus the
+  CPU time of this process and its children (``os.times``), divided by the wall time -- the
+  mean number of cores other processes kept busy during the run.
+
+A run is ``noisy`` when the load average at the start, or the other processes' mean use over
+the run, exceeds 0.5 per core (``NOISY_PER_CORE``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+NOISY_PER_CORE = 0.5
+
+
+def _busy_seconds() -> float | None:
+    """Machine-wide busy CPU seconds (all fields of /proc/stat's cpu line but idle, iowait)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class LoadMeter:
+    """``with LoadMeter() as m: ...`` then ``m.report()`` (a dict for the benchmark's JSON)."""
+
+    def __enter__(self) -> "LoadMeter":
+        self.cores = os.cpu_count() or 1
+        self.load_start = os.getloadavg()[0]
+        self.t0, self.busy0, self.own0 = time.monotonic(), _busy_seconds(), _own_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.load_end = os.getloadavg()[0]
+        self.t1, self.busy1, self.own1 = time.monotonic(), _busy_seconds(), _own_seconds()
+
+    def external_cores_busy(self) -> float | None:
+        if self.busy0 is None or self.busy1 is None:
+            return None
+        wall = max(self.t1 - self.t0, 1e-9)
+        other = (self.busy1 - self.busy0) - (self.own1 - self.own0)
+        return max(other, 0.0) / wall
+
+    def report(self) -> dict:
+        ext = self.external_cores_busy()
+        noisy = self.load_start / self.cores > NOISY_PER_CORE or (
+            ext is not None and ext / self.cores > NOISY_PER_CORE)
+        return dict(
+            cores=self.cores,
+            load_average_1min_at_start=round(self.load_start, 3),
+            load_average_1min_at_end=round(self.load_end, 3),
+            external_cores_busy=None if ext is None else round(ext, 3),
+            noisy=bool(noisy),
+            noisy_rule=f"load average at start or other processes' mean CPU use over the run "
+                       f"> {NOISY_PER_CORE} per core (the end load average includes this run)",
+        )
+
+    def line(self) -> str:
+        r = self.report()
+        ext = "n/a" if r["external_cores_busy"] is None else f"{r['external_cores_busy']:.2f}"
+        return (f"load average {r['load_average_1min_at_start']:.2f} -> "
+                f"{r['load_average_1min_at_end']:.2f} (this run included) on {r['cores']} cores; "
+                f"other processes kept {ext} cores busy"
+                + ("  [NOISY]" if r["noisy"] else ""))
