@@ -52,12 +52,14 @@ def moe_dispatch(d) -> str:
 
 def offload(d) -> str:
     out = [_load_line(d["environment"]), "",
-           "| c/g | variant | hidden_fraction | layers offloaded |", "| ---: | --- | ---: | ---: |"]
+           "| c/g | variant | hidden_fraction | layers offloaded | offloads pending at forward end "
+           "| single / this row (step time) |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         if r.get("hidden_fraction") is None:
             continue
         out.append(f"| {r['c_over_g']} | {r['variant']} | {r['hidden_fraction']:.2f} | "
-                   f"{r.get('offloaded_layers', r.get('layers_offloaded', ''))} |")
+                   f"{r['offloaded_layers']} | {r['offloads_pending_at_fwd_end']} | "
+                   f"{r['single_over_ours']:.2f} |")
     return "\n".join(out)
 
 

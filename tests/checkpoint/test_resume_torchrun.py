@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_fastpath.train import config_dir
 
@@ -68,7 +69,7 @@ def _records(summary):
 def test_exact_resume_two_processes(tmp_path, layout):
     par = LAYOUTS[layout] + ["training.micro_batches=1"]
     ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
-    straight, _ = _run(tmp_path, "straight", par, 2)
+    straight, _ = _run(tmp_path, "straight", par + [f"checkpoint.dir={tmp_path}/straight_ckpt"], 2)
     first, _ = _run(tmp_path, "first", par + ckpt + [f"training.stop_at_step={STOP}"], 2)
     assert first["stopped"] == "stop_at_step" and len(first["records"]) == STOP
     resumed, out = _run(tmp_path, "resumed", par + ckpt, 2)
@@ -76,6 +77,19 @@ def test_exact_resume_two_processes(tmp_path, layout):
     assert resumed["world_size"] == 2
     assert _records(resumed) == _records(straight)
     assert [r["grad_norm"] for r in resumed["records"]] == [r["grad_norm"] for r in straight["records"]]
+    final = f"step_{STEPS:08d}/model"  # final parameters and optimizer state, every tensor
+    a, b = _tensors(tmp_path / "ckpt" / final, tmp_path), _tensors(tmp_path / "straight_ckpt" / final, tmp_path)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def _tensors(model_dir, tmp_path):
+    """Every tensor of a torch_dist checkpoint directory (torch DCP), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{model_dir.parent.parent.name}.pt"
+    dcp_to_torch_save(str(model_dir), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=True).items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.slow
