@@ -8,6 +8,7 @@ Layout of ``checkpoint.dir``::
         train_state.json        step, counters, data position, LR scheduler, optimizer
                                 hyper-parameters, config fingerprint, per-step records
         rng/rank_00000.json     every RNG of each rank
+        fp8/rank_00000.safetensors  TE FP8 delayed-scaling state of each rank (FP8 runs only)
         manifest.json           size and CRC32 of every file (written by rank 0 last)
     .tmp.step_00000012/         a save in progress (never taken as a checkpoint)
 
@@ -195,10 +196,10 @@ class CheckpointManager:
         return done[0] if done else None
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state_fn, extra: dict) -> SaveResult:
+    def save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict] = None) -> SaveResult:
         """Write checkpoint ``step`` (all ranks call it). Returns once the step may continue:
         at once for a sync save, after staging for an async one (published later by
-        :meth:`poll`)."""
+        :meth:`poll`). ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``)."""
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.compat import dist_checkpointing_on_cpu
@@ -215,6 +216,9 @@ class CheckpointManager:
         from megatron_fastpath.checkpoint.rng import capture_rng
 
         _write_json(os.path.join(tmp, "rng", f"rank_{_rank():05d}.json"), capture_rng())
+        from megatron_fastpath.checkpoint.fp8 import save_fp8_state
+
+        save_fp8_state(os.path.join(tmp, "fp8"), _rank(), fp8_state or {})
         if _rank() == 0:
             _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, extra))
         sharded = _drop_objects(state_fn(False))
@@ -345,8 +349,9 @@ class CheckpointManager:
                 + "\nuse another checkpoint.dir or the settings it was written with"
             )
 
-    def load(self, state_fn, apply_fn) -> Optional[ResumeState]:
-        """Resume from the latest complete checkpoint (None: the directory has none)."""
+    def load(self, state_fn, apply_fn, restore_fp8=None) -> Optional[ResumeState]:
+        """Resume from the latest complete checkpoint (None: the directory has none).
+        ``restore_fp8(tensors) -> modules restored``: where this rank's FP8 state goes."""
         latest = self.latest()
         if latest is None:
             return None
@@ -355,7 +360,7 @@ class CheckpointManager:
         notes = []
         for path in candidates:
             try:
-                loaded = self._load_one(path, state_fn, apply_fn)
+                loaded = self._load_one(path, state_fn, apply_fn, restore_fp8)
                 return dataclasses.replace(loaded, notes=tuple(notes) + loaded.notes)
             except (CheckpointMismatchError, UnsafeCheckpointError):
                 raise  # another run's checkpoint or a tampered one: never fall back silently
@@ -368,7 +373,7 @@ class CheckpointManager:
                 self.log(f"checkpoint: {notes[-1]}; trying the previous one")
         raise CheckpointCorruptError("no loadable checkpoint in " + self.root + ":\n  " + "\n  ".join(notes))
 
-    def _load_one(self, path: str, state_fn, apply_fn) -> ResumeState:
+    def _load_one(self, path: str, state_fn, apply_fn, restore_fp8=None) -> ResumeState:
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.checkpoint.rng import restore_rng
@@ -390,6 +395,15 @@ class CheckpointManager:
                 restore_rng(json.load(f))
         else:
             notes.append(f"RNG states not restored: saved at world {state['world_size']}, now {_world()}")
+        fp8_dir = os.path.join(path, "fp8")
+        if os.path.isdir(fp8_dir):
+            from megatron_fastpath.checkpoint.fp8 import load_fp8_state
+
+            if restore_fp8 is None:
+                notes.append("FP8 scaling history not restored: this run has no FP8 modules")
+            else:
+                note = load_fp8_state(fp8_dir, _rank(), restore_fp8)
+                notes += [note] if note else []
         return ResumeState(step=state["step"], path=path, extra=state["extra"], notes=tuple(notes))
 
 

@@ -144,7 +144,7 @@ class JobCheckpointer:
     def resume(self) -> int:
         """Load the latest complete checkpoint; returns the first step to run (1: fresh)."""
         base = self.load_base()
-        resumed = self.manager.load(self.state_fn, self.apply_fn)
+        resumed = self.manager.load(self.state_fn, self.apply_fn, self._restore_fp8())
         total = self.job.cfg.training.steps
         if base:
             self.logger.print(f"checkpoint: {base}")
@@ -163,6 +163,17 @@ class JobCheckpointer:
         for note in resumed.notes:
             self.logger.print(f"  checkpoint: {note}")
         return resumed.step + 1
+
+    def _restore_fp8(self):
+        """Where the checkpoint's TE FP8 delayed-scaling state goes (None: no FP8 in this run)."""
+        if not getattr(self.job.tcfg, "fp8", None):
+            return None
+        from megatron.core.fp8_utils import get_fp8_recipe
+
+        from megatron_fastpath.checkpoint.fp8 import restore_fp8_state
+
+        recipe = get_fp8_recipe(self.job.tcfg)
+        return lambda tensors: restore_fp8_state(self.job.model, tensors, recipe)
 
     # ------------------------------------------------------------------ steps
     def _data_position(self, step: int) -> dict:
@@ -193,7 +204,10 @@ class JobCheckpointer:
             self._report(r, published=True)
         extra = {**self.extra_fn(), "data": self._data_position(step),
                  "records": [dataclasses.asdict(r) for r in self.logger.records]}
-        self._report(self.manager.save(step, self.state_fn, extra), published=False)
+        from megatron_fastpath.checkpoint.fp8 import collect_fp8_state
+
+        fp8 = collect_fp8_state(self.job.model)
+        self._report(self.manager.save(step, self.state_fn, extra, fp8_state=fp8), published=False)
 
     def _report(self, r, published: bool) -> None:
         if r.is_async and not published:
