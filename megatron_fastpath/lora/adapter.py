@@ -61,6 +61,14 @@ class LoRALinear(torch.nn.Module):
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row'; got {parallel!r}")
         self.base = base(*args, **kwargs)
+        if getattr(getattr(self.base, "config", None), "sequence_parallel", False):
+            # The base gathers a sequence-sharded input (column) or reduce-scatters its output
+            # (row); the adapter would need the same collectives and sequence-parallel gradient
+            # all-reduces of A / B, which are not built (nor testable on gloo) yet.
+            raise NotImplementedError(
+                f"LoRA on {type(self.base).__name__} with sequence_parallel=True is not supported: "
+                "the adapter would see the sequence-sharded input and its output would not match "
+                "the base's shape. Set sequence_parallel=False (tensor parallelism still works).")
         self.lora_config = lora
         self.parallel = parallel
         self.scale = lora.alpha / lora.rank
