@@ -61,16 +61,35 @@ def cudagraph_arg_tools():
 
 
 # =============================================================================================
-# Activation offload shims (megatron_fastpath/offload/layer.py). Checked against 0.16.x only.
+# The one version gate. Every shim below touches megatron-core internals that were read in the
+# 0.16.x sources; each calls ``_require_checked_mcore`` (directly, or with its own exception
+# type), so widening support to a new line means re-reading what each shim says and adding the
+# line here -- in one place.
 # =============================================================================================
-def _require_checked_mcore(shim: str, reason: str) -> None:
-    """The 0.16.x gate of the offload shims: raise on any megatron-core outside that line."""
-    if not (Version("0.16.0") <= MCORE_VERSION < Version("0.17.0")):
-        raise ImportError(
-            f"megatron_fastpath.compat.{shim} was checked against megatron-core 0.16.x only and "
-            f"megatron-core {MCORE_VERSION} is installed: {reason}. Check that against the "
-            "installed release and widen the gate in megatron_fastpath/compat.py"
+CHECKED_MCORE_LINES = ((0, 16),)  # (major, minor) release lines every shim was checked against
+
+
+def _mcore_line_checked(version: Optional["Version"] = None) -> bool:
+    version = version or MCORE_VERSION
+    return (version.major, version.minor) in CHECKED_MCORE_LINES
+
+
+def _require_checked_mcore(shim: str, reason: str, exc: type = ImportError,
+                           version: Optional["Version"] = None) -> None:
+    """Raise ``exc`` on a megatron-core outside :data:`CHECKED_MCORE_LINES`, saying what the
+    shim relies on (``reason``) and so what to re-read before widening the gate."""
+    if not _mcore_line_checked(version):
+        lines = ", ".join("%d.%d.x" % v for v in CHECKED_MCORE_LINES)
+        raise exc(
+            f"megatron_fastpath.compat.{shim} was checked against megatron-core {lines} only and "
+            f"megatron-core {version or MCORE_VERSION} is installed: {reason}. Check that against "
+            "the installed release and widen CHECKED_MCORE_LINES in megatron_fastpath/compat.py"
         )
+
+
+# =============================================================================================
+# Activation offload shims (megatron_fastpath/offload/layer.py).
+# =============================================================================================
 
 
 def all_rng_state_tools():
@@ -230,9 +249,6 @@ def init_moe_layer_state(layer, config, submodules, layer_number, pg_collection)
 # grad-output buffers, whose recycling is sound). Cost: one input-sized buffer per graphed
 # layer stays allocated, as on upstream main.
 
-_CG_SHIM_VERSIONS = ((0, 16),)  # (major, minor) lines whose create_fwd_graph was checked
-
-
 class CudaGraphShimError(RuntimeError):
     """A CUDA-graph shim met a megatron-core whose code it was not checked against."""
 
@@ -259,15 +275,12 @@ def keep_cudagraph_input_buffers(version: Optional["Version"] = None) -> bool:
     True when the shim is (already) installed. Raises :class:`CudaGraphShimError` on a
     megatron-core line it was not checked against, saying what to check.
     """
-    version = version or MCORE_VERSION
-    if (version.major, version.minor) not in _CG_SHIM_VERSIONS:
-        raise CudaGraphShimError(
-            f"megatron-core {version}: the CUDA-graph input-buffer shim was checked against "
-            f"{['%d.%d.x' % v for v in _CG_SHIM_VERSIONS]} only. Read "
-            "transformer/cuda_graphs.py _CudaGraphRunner.create_fwd_graph: if it still returns "
-            "input buffers to tensor_reuse_pool, add this line to _CG_SHIM_VERSIONS; if not "
-            "(fixed upstream by NVIDIA/Megatron-LM#4433 / #5975), gate the shim off for it"
-        )
+    _require_checked_mcore(
+        "keep_cudagraph_input_buffers",
+        "transformer/cuda_graphs.py _CudaGraphRunner.create_fwd_graph returning forward-graph input "
+        "buffers to tensor_reuse_pool (if it no longer does -- fixed upstream by "
+        "NVIDIA/Megatron-LM#4433 / #5975 -- gate the shim off for that line)",
+        exc=CudaGraphShimError, version=version)
     from megatron.core.transformer import cuda_graphs as cg
 
     record = cg._CudagraphGlobalRecord
@@ -366,12 +379,9 @@ DIST_CKPT_CPU_SITES = (
 
 
 def _check_dist_ckpt_cpu_version() -> None:
-    if (MCORE_VERSION.major, MCORE_VERSION.minor) != (0, 16):
-        raise ImportError(
-            f"dist_checkpointing_on_cpu is checked against megatron-core 0.16.x, found "
-            f"{MCORE_VERSION}: re-read {', '.join(f for f, _ in DIST_CKPT_CPU_SITES)} and update "
-            "megatron_fastpath/compat.py"
-        )
+    _require_checked_mcore(
+        "dist_checkpointing_on_cpu",
+        f"the torch.cuda calls of {', '.join(f for f, _ in DIST_CKPT_CPU_SITES)}")
 
 
 def dist_checkpointing_on_cpu():

@@ -157,7 +157,7 @@ def test_graphed_model_needs_the_graph_safe_rng_tracker_set_up_first():
 def test_shim_refuses_an_unchecked_megatron_line():
     from megatron_fastpath.compat import CudaGraphShimError, keep_cudagraph_input_buffers
 
-    with pytest.raises(CudaGraphShimError, match="_CG_SHIM_VERSIONS"):
+    with pytest.raises(CudaGraphShimError, match="CHECKED_MCORE_LINES"):
         keep_cudagraph_input_buffers(Version("0.17.0"))
 
 
