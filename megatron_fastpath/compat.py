@@ -565,15 +565,16 @@ TE_FP8_STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history
 
 
 def te_fp8_delayed_scaling_state(module) -> Optional[dict]:
-    """A TE module's delayed-scaling tensors (CPU copies) keyed like TE's extra state, or None
-    for a module that is not TE, not initialised for FP8, or on a stateless recipe."""
+    """A TE module's delayed-scaling tensors (the live device tensors, detached: copy them)
+    keyed like TE's extra state, or None for a module that is not TE, not initialised for FP8,
+    or on a stateless recipe."""
     meta = getattr(module, "fp8_meta", None)
     if not isinstance(meta, dict) or not getattr(module, "fp8_meta_tensors_initialized", False):
         return None
     fwd, bwd = meta.get("scaling_fwd"), meta.get("scaling_bwd")
     if not all(hasattr(s, "scale") and hasattr(s, "amax_history") for s in (fwd, bwd)):
         return None
-    return {f"{name}_{d}": getattr(s, name).detach().to("cpu", copy=True)
+    return {f"{name}_{d}": getattr(s, name).detach()
             for d, s in (("fwd", fwd), ("bwd", bwd)) for name in ("scale", "amax_history")}
 
 

@@ -36,11 +36,18 @@ def collect_fp8_state(model: torch.nn.Module) -> dict:
     for every TE module with delayed-scaling state (empty without FP8 / on stateless recipes)."""
     from megatron_fastpath.compat import te_fp8_delayed_scaling_state
 
-    out = {}
+    out, on_device = {}, False
     for name, module in model.named_modules():
-        state = te_fp8_delayed_scaling_state(module)
-        for key, t in (state or {}).items():
-            out[f"{name}.{key}"] = t.contiguous()
+        for key, t in (te_fp8_delayed_scaling_state(module) or {}).items():
+            if t.is_cuda:  # pinned + non-blocking: one synchronize for all, not one per tensor
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                on_device = True
+            else:
+                host = t.clone(memory_format=torch.contiguous_format)
+            out[f"{name}.{key}"] = host
+    if on_device:
+        torch.cuda.synchronize()
     return out
 
 
