@@ -147,9 +147,15 @@ def global_grad_norm(params) -> torch.Tensor:
     from megatron.core.transformer.module import param_is_not_shared
 
     dense, expert = [], []
+    expert_tp = ps.get_expert_tensor_parallel_group()  # experts' duplicates are over expert-TP
     for p in params:
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            (expert if getattr(p, "allreduce", True) is False else dense).append(p.grad)
+        if p.grad is None or not param_is_not_shared(p):
+            continue
+        if getattr(p, "allreduce", True) is False:
+            if param_is_not_tensor_parallel_duplicate(p, expert_tp):
+                expert.append(p.grad)
+        elif param_is_not_tensor_parallel_duplicate(p):
+            dense.append(p.grad)
     total_sq = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for grads, group in ((dense, ps.get_model_parallel_group()),
                          (expert, ps.get_expert_tensor_model_pipeline_parallel_group())):
