@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -310,7 +309,7 @@ def gpu_section(args) -> list[dict]:
             peak_over_model_mb=round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
             mode=None if mgr is None else mgr.history[-1].mode.value,
         ))
-        del model
+        model = mgr = None  # free the stack before the next variant
     if {"no_offload", "single_buffer", "double_buffer"} <= times.keys():
         denom = times["single_buffer"] - times["no_offload"]
         for r in rows:

@@ -20,12 +20,15 @@ size P, microbatch m's forward starts after microbatch m-P's backward finished.
 # values by their field types, which must be real types, not strings.
 import collections
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 import torch
 
 from megatron_fastpath.moe.config import EXPERT_BACKENDS
+
+if TYPE_CHECKING:
+    from megatron_fastpath.packed_seq import PackedBatch
 
 __all__ = [
     "FastpathSettings",

@@ -214,7 +214,7 @@ def _layer(tc, **dispatch_overrides):
 
 def _layer_vs_reference(layer, x_SBH, aux_coeff=0.0, score_function="softmax"):
     tc = layer.config
-    E, k = tc.num_moe_experts, tc.moe_router_topk
+    k = tc.moe_router_topk
     g = torch.randn(x_SBH.shape)
     out, bias = layer(x_SBH)
     assert bias is None and out.shape == x_SBH.shape and out.dtype == x_SBH.dtype
