@@ -568,7 +568,9 @@ def te_fp8_delayed_scaling_state(module) -> Optional[dict]:
     """A TE module's delayed-scaling tensors (the live device tensors, detached: copy them)
     keyed like TE's extra state, or None for a module that is not TE, not initialised for FP8,
     or on a stateless recipe."""
-    meta = getattr(module, "fp8_meta", None)
+    # the module's own attribute: wrappers that forward attribute reads to a wrapped TE module
+    # (LoRALinear.__getattr__) must not be taken for a second TE module
+    meta = vars(module).get("fp8_meta")
     if not isinstance(meta, dict) or not getattr(module, "fp8_meta_tensors_initialized", False):
         return None
     fwd, bwd = meta.get("scaling_fwd"), meta.get("scaling_bwd")

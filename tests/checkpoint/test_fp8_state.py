@@ -70,6 +70,20 @@ class StandInTEModule(torch.nn.Module):
         return self
 
 
+class _Forwarding(torch.nn.Module):
+    """Forwards unknown attribute reads to the wrapped module, as LoRALinear does."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+
 def _state(m):
     return [getattr(m.fp8_meta[k], f).clone() for k in ("scaling_fwd", "scaling_bwd")
             for f in ("scale", "amax_history")]
@@ -89,8 +103,11 @@ def test_collect_takes_delayed_scaling_modules_only():
     stateless.fp8_meta.update(scaling_fwd=types.SimpleNamespace(scale=None), scaling_bwd=None)
     stateless.fp8_meta_tensors_initialized = True  # e.g. MXFP8: no amax history
     model.add_module("stateless", stateless)
+    model.add_module("wrapper", _Forwarding(StandInTEModule().after_steps(1)))  # as LoRALinear
     state = collect_fp8_state(model)
-    assert sorted(state) == ["a.amax_history_bwd", "a.amax_history_fwd", "a.scale_bwd", "a.scale_fwd"]
+    assert sorted(state) == ["a.amax_history_bwd", "a.amax_history_fwd", "a.scale_bwd", "a.scale_fwd",
+                             "wrapper.base.amax_history_bwd", "wrapper.base.amax_history_fwd",
+                             "wrapper.base.scale_bwd", "wrapper.base.scale_fwd"]
     assert state["a.scale_fwd"].shape == (6,) and state["a.amax_history_bwd"].shape == (16, 4)
 
 
