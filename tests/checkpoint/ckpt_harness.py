@@ -3,13 +3,9 @@ checkpoint tests, independent of the main job."""
 
 import torch
 
-from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters, with_lora
-from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
-from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters
+from tiny_gpt import SHAPE, T, build_tiny_gpt  # noqa: F401  (SHAPE: re-exported to the tests)
 
-SHAPE = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=96, vocab_size=97)
-T = 32
 LENGTHS = [9, 1, 14, 8]
 STEPS = 6
 
@@ -18,15 +14,8 @@ class Run:
     def __init__(self, lora=None, seed=0, shape=SHAPE):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-
         self.shape = shape
-        self.cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(shape)))
-        spec = get_fastpath_layer_spec(self.cache, backend="sdpa")
-        if lora is not None:
-            spec = with_lora(spec, lora)
-        torch.manual_seed(seed)
-        self.model = build_gpt_model(build_transformer_config(shape), spec, shape.vocab_size, T)
+        self.model, self.cache = build_tiny_gpt(lora, seed, shape)
         if lora is not None:
             freeze_base_parameters(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]

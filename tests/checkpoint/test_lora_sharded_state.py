@@ -5,26 +5,12 @@ base checkpoint loads into a LoRA model and a LoRA checkpoint's base into a plai
 import torch
 
 from megatron_fastpath.compat import dist_checkpointing_on_cpu
-from megatron_fastpath.lora import LoRAConfig, lora_modules, with_lora
-from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
-from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+from megatron_fastpath.lora import LoRAConfig, lora_modules
+from tiny_gpt import SHAPE
+from tiny_gpt import build_tiny_gpt as build
 
-SHAPE = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=96, vocab_size=97)
-T = 32
 LORA = LoRAConfig(rank=4, alpha=8, dropout=0.0,
                   targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
-
-
-def build(lora=None, seed=0):
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-
-    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(SHAPE)))
-    spec = get_fastpath_layer_spec(cache, backend="sdpa")
-    if lora is not None:
-        spec = with_lora(spec, lora)
-    torch.manual_seed(seed)
-    return build_gpt_model(build_transformer_config(SHAPE), spec, SHAPE.vocab_size, T), cache
 
 
 def perturb_adapters(model, seed):

@@ -2,7 +2,6 @@
 merging preserves outputs, parameter counts match r*(in+out), and locked adapters refuse
 toggling (what CUDA-graph capture requires)."""
 
-
 import pytest
 import torch
 
@@ -16,27 +15,12 @@ from megatron_fastpath.lora import (
     lora_parameter_count,
     merge_lora,
     set_lora_enabled,
-    with_lora,
 )
-from megatron_fastpath.model import ModelConfig, build_gpt_model, build_transformer_config, rope_config_for
-from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+from megatron_fastpath.model import ModelConfig, build_transformer_config
+from tiny_gpt import SHAPE, T
+from tiny_gpt import build_tiny_gpt as build
 
-SHAPE = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=96, vocab_size=97)
-T = 32
 LENGTHS = [9, 1, 14, 8]
-
-
-def build(lora=None, seed=0):
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-
-    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(SHAPE)))
-    spec = get_fastpath_layer_spec(cache, backend="sdpa")
-    if lora is not None:
-        spec = with_lora(spec, lora)
-    torch.manual_seed(seed)
-    model = build_gpt_model(build_transformer_config(SHAPE), spec, SHAPE.vocab_size, T)
-    return model, cache
 
 
 def batch(seed=0):
