@@ -293,10 +293,6 @@ def _reexec_with_caching_malloc() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
 
 
-def load_per_core() -> float:
-    return os.getloadavg()[0] / (os.cpu_count() or 1)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -323,11 +319,11 @@ def main(argv=None):
     if OURS not in args.variants:
         args.variants.append(OURS)
 
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, T={args.tokens}, "
-          f"H={args.hidden}, expert widths={args.expert_widths}, reps={args.reps} (min), "
-          f"load/core at start {load_per_core():.2f}", flush=True)
     results = []
     with LoadMeter() as meter:
+        print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, T={args.tokens}, "
+              f"H={args.hidden}, expert widths={args.expert_widths}, reps={args.reps} (min), "
+              f"load/core at start {meter.load_start / meter.cores:.2f}", flush=True)
         for width in args.expert_widths:
             for k in args.topk:
                 for E in args.experts:

@@ -116,7 +116,6 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -130,7 +129,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make the packa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load_meter, beside this file
 
-from load_meter import LoadMeter  # noqa: E402
+from load_meter import NOISY_PER_CORE, LoadMeter  # noqa: E402
 from megatron_fastpath.attention.core_attention import PackedCoreAttention
 from megatron_fastpath.attention.rope import apply_rope_cached
 from megatron_fastpath.model import (
@@ -144,7 +143,6 @@ from megatron_fastpath.sync import SyncSentinel
 
 VARIANTS = ("cache", "rebuild_per_layer", "megatron_thd_rope")
 RATIO_DIRECTION = "baseline / ours: > 1 means ours is faster"
-NOISY_LOAD_PER_CORE = 0.5  # a run whose 1-min load average exceeds this per core is "noisy"
 UNSLOTH_FWD_ANCHOR = 0.433  # Qwen3-14B QLoRA SFT, forward +43.3% from caching packed metadata
 
 
@@ -628,9 +626,9 @@ def run(cfg: BenchConfig, mask_style: str = "loop", breakdown: bool = False,
         f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} query groups, ffn "
         f"{cfg.ffn_hidden_size}, vocab {cfg.vocab_size}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; rebuild mask style: {mask_style}; load average "
-        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    if os.getloadavg()[0] / (os.cpu_count() or 1) > NOISY_LOAD_PER_CORE:
-        log(f"WARNING: other processes are using the cores (load average above {NOISY_LOAD_PER_CORE}"
+        f"{meter.load_start:.2f} on {meter.cores} cores")
+    if meter.load_start / meter.cores > NOISY_PER_CORE:
+        log(f"WARNING: other processes are using the cores (load average above {NOISY_PER_CORE}"
             " per core): times are marked noisy; prefer --threads 1 and compare the cpu columns")
 
     results, ratios, checks, locations = [], [], [], {}
