@@ -19,8 +19,8 @@ __all__ = ["collect_fp8_state", "restore_fp8_state", "save_fp8_state", "load_fp8
 
 
 def layout() -> str:
-    """World size and TP / PP / EP sizes with this rank's coordinates: the FP8 state of a rank
-    belongs to the modules (and experts) this exact layout gave it."""
+    """World size and TP / PP / EP sizes (the rank is in the file name): the FP8 state of a
+    rank belongs to the modules (and experts) this exact layout gave it."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -83,12 +83,10 @@ def save_fp8_state(directory: str, rank: int, tensors: dict) -> Optional[str]:
     return path
 
 
-def load_fp8_state(directory: str, rank: int, restore: Callable[[dict], int]) -> Optional[str]:
-    """Restore this rank's saved FP8 state through ``restore``; returns a note for the log when
-    there is something to say (a layout change, or what was restored), else None."""
+def load_fp8_state(directory: str, rank: int, restore: Callable[[dict], int]) -> str:
+    """Restore this rank's saved FP8 state (``directory``: a checkpoint's ``fp8/``) through
+    ``restore``; returns the note for the log: what was restored, or why not."""
     path = os.path.join(directory, f"rank_{rank:05d}.safetensors")
-    if not os.path.isdir(directory):
-        return None
     if not os.path.exists(path):
         return "FP8 scaling history not restored: this rank has no saved state (layout changed)"
     from safetensors import safe_open

@@ -402,8 +402,7 @@ class CheckpointManager:
             if restore_fp8 is None:
                 notes.append("FP8 scaling history not restored: this run has no FP8 modules")
             else:
-                note = load_fp8_state(fp8_dir, _rank(), restore_fp8)
-                notes += [note] if note else []
+                notes.append(load_fp8_state(fp8_dir, _rank(), restore_fp8))
         return ResumeState(step=state["step"], path=path, extra=state["extra"], notes=tuple(notes))
 
 
