@@ -114,6 +114,12 @@ def build_scheduler(optimizer, train_cfg: TrainingConfig):
     )
 
 
+def is_expert_param(p: torch.Tensor) -> bool:
+    """Megatron's mark of an expert-parallel parameter (``allreduce=False``, read by its DDP):
+    reduced over the expert-DP group, its norm summed over the expert groups."""
+    return getattr(p, "allreduce", True) is False
+
+
 def all_reduce_grads(model: torch.nn.Module) -> None:
     """Sum gradients over data-parallel replicas (CPU path): dense parameters over the DP group,
     expert parameters (Megatron marks them ``allreduce=False``) over the expert-DP group. The
@@ -124,7 +130,7 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.grad is None:
             continue
-        expert = getattr(p, "allreduce", True) is False
+        expert = is_expert_param(p)
         group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
         if torch.distributed.get_world_size(group) > 1:
             buckets.setdefault(expert, (group, []))[1].append(p.grad)
@@ -151,7 +157,7 @@ def global_grad_norm(params) -> torch.Tensor:
     for p in params:
         if p.grad is None or not param_is_not_shared(p):
             continue
-        if getattr(p, "allreduce", True) is False:
+        if is_expert_param(p):
             if param_is_not_tensor_parallel_duplicate(p, expert_tp):
                 expert.append(p.grad)
         elif param_is_not_tensor_parallel_duplicate(p):
