@@ -69,20 +69,16 @@ def cudagraph_arg_tools():
 CHECKED_MCORE_LINES = ((0, 16),)  # (major, minor) release lines every shim was checked against
 
 
-def _mcore_line_checked(version: Optional["Version"] = None) -> bool:
-    version = version or MCORE_VERSION
-    return (version.major, version.minor) in CHECKED_MCORE_LINES
-
-
 def _require_checked_mcore(shim: str, reason: str, exc: type = ImportError,
                            version: Optional["Version"] = None) -> None:
     """Raise ``exc`` on a megatron-core outside :data:`CHECKED_MCORE_LINES`, saying what the
     shim relies on (``reason``) and so what to re-read before widening the gate."""
-    if not _mcore_line_checked(version):
+    version = version or MCORE_VERSION
+    if (version.major, version.minor) not in CHECKED_MCORE_LINES:
         lines = ", ".join("%d.%d.x" % v for v in CHECKED_MCORE_LINES)
         raise exc(
             f"megatron_fastpath.compat.{shim} was checked against megatron-core {lines} only and "
-            f"megatron-core {version or MCORE_VERSION} is installed: {reason}. Check that against "
+            f"megatron-core {version} is installed: {reason}. Check that against "
             "the installed release and widen CHECKED_MCORE_LINES in megatron_fastpath/compat.py"
         )
 
@@ -378,12 +374,6 @@ DIST_CKPT_CPU_SITES = (
 )
 
 
-def _check_dist_ckpt_cpu_version() -> None:
-    _require_checked_mcore(
-        "dist_checkpointing_on_cpu",
-        f"the torch.cuda calls of {', '.join(f for f, _ in DIST_CKPT_CPU_SITES)}")
-
-
 def dist_checkpointing_on_cpu():
     """Context manager around ``dist_checkpointing.save`` / ``load`` (see the section above)."""
     import contextlib
@@ -393,7 +383,9 @@ def dist_checkpointing_on_cpu():
 
     if torch.cuda.is_available():
         return contextlib.nullcontext()
-    _check_dist_ckpt_cpu_version()
+    _require_checked_mcore(
+        "dist_checkpointing_on_cpu",
+        f"the torch.cuda calls of {', '.join(f for f, _ in DIST_CKPT_CPU_SITES)}")
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda device=None: None))
     stack.enter_context(
