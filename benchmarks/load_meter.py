@@ -72,9 +72,13 @@ class LoadMeter:
         )
 
     def line(self) -> str:
-        r = self.report()
-        ext = "n/a" if r["external_cores_busy"] is None else f"{r['external_cores_busy']:.2f}"
-        return (f"load average {r['load_average_1min_at_start']:.2f} -> "
-                f"{r['load_average_1min_at_end']:.2f} (this run included) on {r['cores']} cores; "
-                f"other processes kept {ext} cores busy"
-                + ("  [NOISY]" if r["noisy"] else ""))
+        return describe(self.report())
+
+
+def describe(report: dict) -> str:
+    """One line for a :meth:`LoadMeter.report` (also as read back from a results JSON)."""
+    ext = report["external_cores_busy"]
+    ext = "n/a" if ext is None else f"{ext:.2f}"
+    return (f"load average {report['load_average_1min_at_start']:.2f} -> "
+            f"{report['load_average_1min_at_end']:.2f} (this run included) on {report['cores']} "
+            f"cores; other processes kept {ext} cores busy" + ("  [NOISY]" if report["noisy"] else ""))

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_meter import LoadMeter  # noqa: E402
+from load_meter import LoadMeter, describe  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
 
@@ -342,10 +342,7 @@ def _summary(rows: list[dict], env: dict) -> str:
     lines = [
         "ratio: single_over_ours = modelled step time single_buffer / this row "
         "(baseline / ours: > 1 means ours is faster)",
-        f"load average {env['load_average_1min_at_start']:.2f} -> "
-        f"{env['load_average_1min_at_end']:.2f} (this run included) on {env['cores']} cores; "
-        f"other processes kept {env['external_cores_busy']} cores busy"
-        + ("  [NOISY]" if env["noisy"] else ""),
+        describe(env),
     ]
     for r in rows:
         if r["section"] == "cpu_model" and r["variant"] == "double_buffer":

@@ -10,6 +10,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # load_meter, beside this file
+from load_meter import describe  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PACKED_NAMES = {"cache": "ours (cache)", "rebuild_per_layer": "(a) rebuild per layer",
                 "megatron_thd_rope": "(b) Megatron THD RoPE"}
@@ -20,13 +23,6 @@ MOE_OURS, MOE_MEGATRON = "d_fastpath_dispatch_only", (
 def _load(path):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def load_line(d) -> str:
-    return (f"load average {d['load_average_1min_at_start']:.2f} -> "
-            f"{d['load_average_1min_at_end']:.2f} (the run's own threads included) on "
-            f"{d['cores']} cores; other processes kept {d['external_cores_busy']} cores busy "
-            f"on average; noisy: {d['noisy']}")
 
 
 def packed_seq(d) -> str:
@@ -83,7 +79,7 @@ def tables(results_dir: str = RESULTS) -> dict:
         path = os.path.join(results_dir, f"{name}.json")
         if os.path.exists(path):
             d = _load(path)
-            out[name] = (load_line(d.get("environment", d)), fmt(d))
+            out[name] = (describe(d.get("environment", d)), fmt(d))
     return out
 
 
