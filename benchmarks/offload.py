@@ -17,10 +17,15 @@ CPU section (always runs, < 1 min):
      all offload + reload time that did not lengthen the step (T_free: the same step with free
      copies). A prefetch issued late on the host starts late in this model.
   3. Variants: ``single_buffer`` (every layer but the last offloaded, reload just in time),
-     ``double_buffer_all_layers`` (every layer but the last, prefetch one layer ahead) and
-     ``double_buffer`` (the most layers -- ``OffloadConfig.max_offloaded_layers`` -- whose
-     whole-step hidden fraction is >= 0.9 at that c/g; the last offloads finish last but are
-     reloaded first, so with a link slower than the forward they cannot all be hidden).
+     ``double_buffer_all_layers`` (``max_offloaded_layers=None``: every layer but the last,
+     prefetch one layer ahead) and ``double_buffer`` (the default, ``max_offloaded_layers=
+     "auto"``: the window the manager's own planner, ``megatron_fastpath.offload.plan.
+     plan_window``, picks from these per-layer times and c -- on a GPU it is fed device
+     timings of a calibration step; the last offloads finish last but are reloaded first, so
+     with a link slower than the forward they cannot all be hidden).
+     ``offload_window``: the row's ``max_offloaded_layers`` ("None" or "auto");
+     ``planned_window`` / ``modelled_hidden_fraction``: the planner's choice and its own
+     (host-ahead) figure; ``hidden_fraction`` is the replay with host issue times.
      ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row copies;
      ``offloads_pending_at_fwd_end``: offloads still running when the forward ends -- those
      activation sets are still on the device at the activation peak, so offloading them saved
@@ -57,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_meter import LoadMeter, describe  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
+from megatron_fastpath.offload.plan import LayerTimes, plan_window  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
 
 
@@ -211,7 +217,7 @@ def cpu_section(args) -> list[dict]:
         "double_buffer_all_layers": _record(args, config, x, OffloadConfig(**base)),
     }
     windows = {n: _record(args, config, x, OffloadConfig(max_offloaded_layers=n, **base))
-               for n in range(1, L - 1)}
+               for n in range(0, L - 1)}
     windows[L - 1] = recs["double_buffer_all_layers"]
     # per-layer compute times: min over repeats and variants (the compute is the same)
     compute_s: dict = {}
@@ -220,6 +226,7 @@ def cpu_section(args) -> list[dict]:
             compute_s[key] = min(compute_s.get(key, float("inf")), t)
     g = statistics.median(t for (ph, _), t in compute_s.items() if ph == "bwd")
     f = statistics.median(t for (ph, _), t in compute_s.items() if ph == "fwd")
+    keys = sorted({tag for _, tag in compute_s}, key=lambda k: int(k[1:]))
     scenarios = [(f"c/g={r:g}", act_bytes / (r * g)) for r in RATIOS]
     scenarios.append(("measured", _measure_copy_bandwidth(act_bytes, max(5, args.reps * 5))))
     rows = []
@@ -228,10 +235,17 @@ def cpu_section(args) -> list[dict]:
                                       prior_events_done=True)[1].makespan
         for name, rec in recs.items():
             rows.append(_row(name, rec, compute_s, bw, act_bytes, g, label, single))
-        planned = [_row("double_buffer", windows[n], compute_s, bw, act_bytes, g, label, single)
-                   for n in sorted(windows)]
-        ok = [r for r in planned if r["hidden_fraction"] >= TARGET]
-        rows.append(ok[-1] if ok else planned[0])
+            rows[-1]["offload_window"] = "None"  # OffloadConfig.max_offloaded_layers
+        c = act_bytes / bw
+        times = LayerTimes(tuple(compute_s[("fwd", k)] for k in keys),
+                           tuple(compute_s[("bwd", k)] for k in keys), (c,) * L, (c,) * L,
+                           offload_at_layer_start=True)
+        plan = plan_window(times, TARGET)  # what max_offloaded_layers="auto" picks
+        row = _row("double_buffer", windows[plan.window], compute_s, bw, act_bytes, g, label,
+                   single)
+        row.update(offload_window="auto", planned_window=plan.window,
+                   modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4))
+        rows.append(row)
     for r in rows:
         r.update(f_ms=round(f * 1e3, 4), g_ms=round(g * 1e3, 4), reps=args.reps,
                  activation_bytes=act_bytes)
@@ -251,7 +265,7 @@ def gpu_section(args) -> list[dict]:
     variants = {
         "no_offload": OffloadConfig(enabled=False, headroom_margin_bytes=0),
         "single_buffer": OffloadConfig(allow_double_buffer=False, headroom_margin_bytes=0),
-        "double_buffer": OffloadConfig(headroom_margin_bytes=0),
+        "double_buffer": OffloadConfig(headroom_margin_bytes=0),  # window "auto"
     }
     rows, times = [], {}
     for name, ocfg in list(variants.items()) + [("te_cpu_offload", None)]:
@@ -323,7 +337,7 @@ def gpu_section(args) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "mode", "c_ms",
             "compute_ms", "step_ms", "free_copy_step_ms", "exposed_copy_ms", "copy_ms", "hidden_fraction",
-            "offloads_pending_at_fwd_end",
+            "offloads_pending_at_fwd_end", "planned_window", "modelled_hidden_fraction",
             "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
@@ -349,7 +363,7 @@ def _summary(rows: list[dict], env: dict) -> str:
             lines.append(
                 f"double_buffer at c/g={r['c_over_g']:g}: whole-step hidden fraction "
                 f"{r['hidden_fraction']} with {r['offloaded_layers']} of {r['layers'] - 1} "
-                f"layers offloaded (target >= {TARGET})")
+                f"layers offloaded (window 'auto', target >= {TARGET})")
     return "\n".join(lines)
 
 

@@ -56,15 +56,18 @@ def moe_dispatch(d) -> str:
 
 
 def offload(d) -> str:
-    out = ["| c/g | variant | hidden_fraction | layers offloaded | offloads pending at forward end "
-           "| single / this row (step time) |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    out = ["| c/g | variant | `max_offloaded_layers` | hidden_fraction | layers offloaded "
+           "| offloads pending at forward end | single / this row (step time) |",
+           "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         if r.get("hidden_fraction") is None or r["scenario"] == "measured":
             continue
         frac = f"{r['hidden_fraction']:.2f}"
         if r["c_over_g"] == 1.0 and "double" in r["variant"]:
             frac = f"**{frac}**"  # the target (>= 0.9 at c/g = 1), met or not
-        out.append(f"| {r['c_over_g']} | {r['variant']} | {frac} | {r['offloaded_layers']} | "
+        window = r["offload_window"] if r["offload_window"] != "None" else "None (all)"
+        out.append(f"| {r['c_over_g']} | {r['variant']} | `{window}` | {frac} | "
+                   f"{r['offloaded_layers']} | "
                    f"{r['offloads_pending_at_fwd_end']} | {r['single_over_ours']:.2f} |")
     return "\n".join(out)
 

@@ -2,7 +2,8 @@
 
 Public API::
 
-    OffloadConfig, BufferMode, OffloadStepStats        -- config.py
+    OffloadConfig, BufferMode, OffloadStepStats, AUTO  -- config.py
+    LayerTimes, model_step, plan_window, WindowPlan    -- plan.py
     ActivationOffloadManager                           -- manager.py
     OffloadDevice, CudaOffloadDevice, RecordingDevice,
     TraceEvent, MemoryInfo, default_offload_device     -- device.py
@@ -14,7 +15,7 @@ Importing this package does not import Megatron-Core: config / device / manager 
 and layer.py / spec.py (which import Megatron-Core) load on first use of their names.
 """
 
-from megatron_fastpath.offload.config import BufferMode, OffloadConfig, OffloadStepStats
+from megatron_fastpath.offload.config import AUTO, BufferMode, OffloadConfig, OffloadStepStats
 from megatron_fastpath.offload.device import (
     CudaOffloadDevice,
     MemoryInfo,
@@ -24,6 +25,7 @@ from megatron_fastpath.offload.device import (
     default_offload_device,
 )
 from megatron_fastpath.offload.manager import ActivationOffloadManager
+from megatron_fastpath.offload.plan import LayerTimes, WindowPlan, model_step, plan_window
 
 _LAZY = {
     "OffloadedTransformerLayer": "megatron_fastpath.offload.layer",
@@ -46,7 +48,12 @@ def __getattr__(name):
 
 
 __all__ = [
+    "AUTO",
     "ActivationOffloadManager",
+    "LayerTimes",
+    "WindowPlan",
+    "model_step",
+    "plan_window",
     "BufferMode",
     "CudaOffloadDevice",
     "MemoryInfo",

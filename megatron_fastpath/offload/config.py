@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Union
 
-__all__ = ["BufferMode", "OffloadConfig", "OffloadStepStats"]
+__all__ = ["AUTO", "BufferMode", "OffloadConfig", "OffloadStepStats"]
+
+AUTO = "auto"
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -43,10 +45,18 @@ class OffloadConfig:
             tensors split into their data tensors) is offloaded as one group per layer.
         min_offload_bytes: tensors (and layer inputs) smaller than this stay on the device.
         max_offloaded_layers: offload only the first N registered layers (forward order); the
-            rest stay on the device. None: every layer but the last. The offloads of the last
-            layers finish last but are reloaded first, so when the link is slower than the
-            forward (copy time per layer > forward time per layer) they cannot be hidden; keep
-            them on the device (``benchmarks/offload.py`` reports the trade-off).
+            rest stay on the device. The offloads of the last layers finish last but are
+            reloaded first, so when the link is slower than the forward (copy time per layer >
+            forward time per layer) they cannot be hidden (``megatron_fastpath.offload.plan``).
+            ``"auto"`` (default): on a device whose copies overlap compute (CUDA), the first
+            step offloads every layer but the last and times each layer's forward, backward and
+            copies with device events; once those events have completed (read without blocking
+            at a later step's start) the manager keeps the largest window whose modelled
+            whole-step hidden fraction is >= ``target_hidden_fraction``, logs it, and reports it
+            in each step's ``offload_window``. On a synchronous device (CPU) nothing overlaps:
+            every layer but the last. None: every layer but the last. An int N: exactly N.
+        target_hidden_fraction: the fraction of the step's copy time that must stay hidden for
+            ``"auto"`` to offload a layer (in [0, 1]).
         headroom_margin_bytes: device memory that must stay free after the reload buffers are
             accounted for; checked every step against the allocator's statistics.
         allow_double_buffer: False forces the single-buffer schedule.
@@ -60,7 +70,8 @@ class OffloadConfig:
     enabled: bool = True
     recompute: bool = True
     min_offload_bytes: int = 1 * MiB
-    max_offloaded_layers: Optional[int] = None
+    max_offloaded_layers: Union[int, str, None] = AUTO
+    target_hidden_fraction: float = 0.9
     headroom_margin_bytes: int = 1 * GiB
     allow_double_buffer: bool = True
     pinned: bool = True
@@ -73,9 +84,16 @@ class OffloadConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}")
         n = self.max_offloaded_layers
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        if n is not None and n != AUTO and (not isinstance(n, int) or isinstance(n, bool)
+                                            or n < 0):
             raise ValueError(
-                f"OffloadConfig.max_offloaded_layers must be None or an int >= 0, got {n!r}"
+                f"OffloadConfig.max_offloaded_layers must be {AUTO!r}, None or an int >= 0, "
+                f"got {n!r}"
+            )
+        t = self.target_hidden_fraction
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+            raise ValueError(
+                f"OffloadConfig.target_hidden_fraction must be a number in [0, 1], got {t!r}"
             )
         a = self.alignment_bytes
         if not isinstance(a, int) or a < 16 or a & (a - 1):
@@ -103,6 +121,10 @@ class OffloadStepStats:
         ``copy_bandwidth_bytes_per_s`` (an estimate: no timing is read back from the device).
     device_buffer_bytes: bytes held by the reload buffers; host_pool_bytes: host pool size;
     host_pinned: False once the pool fell back to pageable memory.
+    offload_window: how many leading layers were eligible for offload this step (the last
+        layer never is); window_source: "config" (an int or None), "calibrating" ("auto"
+        before its device timings are in: every layer but the last), "planned" ("auto" with a
+        plan), "synchronous device" ("auto" on a device whose copies do not overlap compute).
     """
 
     step: int
@@ -118,6 +140,8 @@ class OffloadStepStats:
     device_buffer_bytes: int
     host_pool_bytes: int
     host_pinned: bool
+    offload_window: int = 0
+    window_source: str = "config"
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

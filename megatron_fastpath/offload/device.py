@@ -124,6 +124,20 @@ class OffloadDevice(abc.ABC):
     def mark(self, kind: str, tag: str, **info: Any) -> None:
         """Compute-stream marker: kind is "compute_begin" / "compute_end"."""
 
+    #: copies on the side streams run concurrently with compute (False: a synchronous device,
+    #: on which an offload window has nothing to hide and is not planned).
+    overlaps_copies: bool = False
+
+    def timestamp(self, stream: Any, label: tuple) -> Any:
+        """Record a timing point on ``stream`` (device time, no host wait); ``label`` names it
+        (("fwd"|"bwd"|"d2h"|"h2d", "begin"|"end", layer key)). None: this device has no timer."""
+        return None
+
+    def elapsed_s(self, start: Any, end: Any) -> Optional[float]:
+        """Seconds between two timestamps once both have completed on the device; None while
+        either is still pending (never blocks the host)."""
+        return None
+
 
 # --------------------------------------------------------------------------------------------
 # Real CUDA
@@ -210,6 +224,19 @@ class CudaOffloadDevice(OffloadDevice):
             torch.cuda.nvtx.range_push(f"offload/{info.get('phase', '')}/{tag}")
         elif kind == "compute_end":
             torch.cuda.nvtx.range_pop()
+
+    overlaps_copies = True
+
+    def timestamp(self, stream, label: tuple):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def elapsed_s(self, start, end) -> Optional[float]:
+        # query() polls without blocking; elapsed_time on two completed events does not wait
+        if start is None or end is None or not (start.query() and end.query()):
+            return None
+        return start.elapsed_time(end) / 1e3
 
 
 # --------------------------------------------------------------------------------------------

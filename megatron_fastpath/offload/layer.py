@@ -108,10 +108,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.group = group
         ctx.save_for_backward(*kw_tensors)
 
-        manager.device.mark("compute_begin", key, phase="fwd")
+        manager.mark("compute_begin", key, phase="fwd")
         with ctx.fp8.forward_context():
             outputs = run_fn(hidden_states, dict(zip(kw_names, kw_tensors)))
-        manager.device.mark("compute_end", key, phase="fwd")
+        manager.mark("compute_end", key, phase="fwd")
         return outputs
 
     @staticmethod
@@ -240,12 +240,12 @@ class ActivationOffloadMixin:
         hidden_states = make_viewless_tensor(
             call_in_backward(hidden_states, ends), requires_grad=True, keep_graph=True
         )
-        manager.device.mark("compute_begin", self.offload_key, phase="fwd")
+        manager.mark("compute_begin", self.offload_key, phase="fwd")
         with torch.autograd.graph.saved_tensors_hooks(
             lambda t: manager.pack(group, t), manager.unpack
         ):
             output, context = super().forward(hidden_states=hidden_states, **bound)
-        manager.device.mark("compute_end", self.offload_key, phase="fwd")
+        manager.mark("compute_end", self.offload_key, phase="fwd")
         manager.close_group(group)
         begins = functools.partial(manager.begin_backward, group)
         output = make_viewless_tensor(

@@ -11,7 +11,9 @@ Forward, layer i (compute stream C, offload stream O, reload stream R)::
 
 The device tensors are handed to the allocator with ``record_stream(O)`` so their memory is not
 reused before the copy has read them. The last registered layer is never offloaded (its backward
-starts right after its forward), nor are layers past ``OffloadConfig.max_offloaded_layers``.
+starts right after its forward), nor are layers past the offload window
+(``OffloadConfig.max_offloaded_layers``; ``"auto"`` plans it from device timings of a calibration
+step, see :mod:`megatron_fastpath.offload.plan`).
 
 Backward, when layer i's backward starts (an autograd Function at the layer boundary)::
 
@@ -47,8 +49,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_fastpath.offload.config import BufferMode, OffloadConfig, OffloadStepStats
+from megatron_fastpath.offload.config import AUTO, BufferMode, OffloadConfig, OffloadStepStats
 from megatron_fastpath.offload.device import OffloadDevice, default_offload_device
+from megatron_fastpath.offload.plan import LayerTimes, WindowPlan, plan_window
 from megatron_fastpath.offload.te_compat import (
     is_quantized,
     never_offload,
@@ -88,6 +91,16 @@ class _Quantized:
 class _Packed:
     group: "OffloadGroup"
     index: int
+
+
+@dataclasses.dataclass
+class _Calibration:
+    """Device timestamps of one step, for the ``"auto"`` window: label -> device handle."""
+
+    step: int
+    stamps: dict = dataclasses.field(default_factory=dict)
+    nbytes: dict = dataclasses.field(default_factory=dict)  # layer key -> group bytes
+    closed: bool = False
 
 
 class OffloadGroup:
@@ -165,6 +178,12 @@ class ActivationOffloadManager:
         self._counters = self._zero_counters()
         self._grad_anchor: Optional[torch.Tensor] = None
         self.history: list[OffloadStepStats] = []
+        # offload window: a fixed limit (int / None) or "auto" (planned from a calibration step)
+        self._auto = config.max_offloaded_layers == AUTO
+        self._window: Optional[int] = None if self._auto else config.max_offloaded_layers
+        self._window_source = "calibrating" if self._auto else "config"
+        self._calib: Optional[_Calibration] = None
+        self.window_plan: Optional[WindowPlan] = None
 
     # ---------------------------------------------------------------------------------------
     # properties
@@ -232,6 +251,7 @@ class ActivationOffloadManager:
         self._mode = None
         self._mode_reason = ""
         self._counters = self._zero_counters()
+        self._advance_window()
 
     def end_step(self) -> OffloadStepStats:
         """Close the step and return its telemetry (no host sync: counts kept on the host)."""
@@ -253,7 +273,11 @@ class ActivationOffloadManager:
             device_buffer_bytes=self.device_buffer_bytes,
             host_pool_bytes=self.host_pool_bytes,
             host_pinned=self._host_pinned,
+            offload_window=self._effective_window(),
+            window_source=self._window_source,
         )
+        if self._calib is not None and self._calib.step == self._step:
+            self._calib.closed = True
         self.history.append(stats)
         self._in_step = False
         return stats
@@ -281,8 +305,7 @@ class ActivationOffloadManager:
         if self.config.enabled:
             self._refuse_capture()
         self._seq += 1
-        limit = self.config.max_offloaded_layers
-        beyond = limit is not None and self._layer_keys.index(key) >= limit
+        beyond = self._layer_keys.index(key) >= self._effective_window()
         return OffloadGroup(key, self._seq, (key == self._layer_keys[-1]) or beyond)
 
     def _refuse_capture(self) -> None:
@@ -339,6 +362,8 @@ class ActivationOffloadManager:
         """Decide offload vs keep for the whole group and issue its device->host copies."""
         group.closed = True
         group._dedup.clear()
+        if self._calib is not None and self._calib.step == self._step:
+            self._calib.nbytes.setdefault(group.key, group.nbytes)
         if not group.items:
             return
         if not self._offload_group_allowed(group):
@@ -352,11 +377,13 @@ class ActivationOffloadManager:
         if self._slot_read.get(group.key) is not None:  # the slot's last reload has read it
             dev.wait_event(offload, self._slot_read[group.key])
         host = group.host
+        self._stamp(("d2h", "begin", group.key), offload)
         for item in group.items:
             src = item.device_tensor
             dev.copy(self._view(host, item), src, offload, tag=group.key, direction="d2h")
             dev.record_stream(src, offload)
             item.device_tensor = None
+        self._stamp(("d2h", "end", group.key), offload)
         group.offload_event = dev.new_event()
         dev.record_event(group.offload_event, offload)
         group.offloaded = True
@@ -539,10 +566,19 @@ class ActivationOffloadManager:
                 if b >= 0:
                     self._issue_reload(prev, b)
                     self._counters["prefetched"] += 1
-        dev.mark("compute_begin", group.key, phase="bwd", buffer=group.buffer)
+        self.mark("compute_begin", group.key, phase="bwd", buffer=group.buffer)
 
     def end_backward(self, group: OffloadGroup) -> None:
-        self.device.mark("compute_end", group.key, phase="bwd", buffer=group.buffer)
+        self.mark("compute_end", group.key, phase="bwd", buffer=group.buffer)
+
+    def mark(self, kind: str, key: str, phase: str, buffer: int = -1) -> None:
+        """Compute-stream marker around a layer's forward / backward compute ("compute_begin" /
+        "compute_end"): the device's marker (NVTX ranges, the recording device's trace) and, in
+        an ``"auto"`` calibration step, a device timestamp."""
+        self.device.mark(kind, key, phase=phase, buffer=buffer)
+        edge = {"compute_begin": "begin", "compute_end": "end"}.get(kind)
+        if edge is not None:
+            self._stamp((phase, edge, key), self.device.compute_stream())
 
     def _free_buffer(self) -> int:
         for b, owner in enumerate(self._owner):
@@ -566,9 +602,11 @@ class ActivationOffloadManager:
             dev.wait_event(reload, self._free_event[b])
         dev.wait_event(reload, group.offload_event)  # its host slot is fully written
         buf = self._buffers[b]
+        self._stamp(("h2d", "begin", group.key), reload)
         for item in group.items:
             dev.copy(self._view(buf, item), self._view(group.host, item), reload,
                      tag=group.key, direction="h2d", buffer=b)
+        self._stamp(("h2d", "end", group.key), reload)
         ev = dev.new_event()
         dev.record_event(ev, reload)
         group.reload_event = ev
@@ -591,3 +629,75 @@ class ActivationOffloadManager:
             parts = [None if p is None else self.unpack(p) for p in packed.parts]
             return restore_quantized(packed.obj, parts)
         return packed
+
+    # ---------------------------------------------------------------------------------------
+    # offload window ("auto": calibrate one step on the device, then plan)
+    # ---------------------------------------------------------------------------------------
+    def _effective_window(self) -> int:
+        """Layers (forward order) eligible for offload; the last layer never is."""
+        n = len(self._layer_keys) - 1
+        return n if self._window is None else min(self._window, n)
+
+    def _stamp(self, label: tuple, stream: Any) -> None:
+        c = self._calib
+        if c is None or c.closed or c.step != self._step or label in c.stamps:
+            return  # first micro-batch of the calibration step only
+        c.stamps[label] = self.device.timestamp(stream, label)
+
+    def _advance_window(self) -> None:
+        """At a step's start: open the calibration step, or plan from a finished one whose
+        device timestamps have all completed (polled, never waited for)."""
+        if not self._auto or self.window_plan is not None or not self.config.enabled:
+            return
+        if self._window_source.startswith("unplanned"):
+            return
+        if not self.device.overlaps_copies:
+            self._window_source = "synchronous device"
+            return
+        if self._calib is None:
+            self._calib = _Calibration(step=self._step)
+        elif self._calib.step < self._step:
+            self._try_plan()
+
+    def _try_plan(self) -> None:
+        c, dev, cfg = self._calib, self.device, self.config
+        missing = object()
+
+        def span(kind: str, key: str):
+            a, b = c.stamps.get((kind, "begin", key)), c.stamps.get((kind, "end", key))
+            if a is None or b is None:
+                return missing
+            return dev.elapsed_s(a, b)
+
+        keys = self._layer_keys
+        spans = {kind: [span(kind, k) for k in keys] for kind in ("fwd", "bwd", "d2h", "h2d")}
+        if any(v is missing for kind in ("fwd", "bwd") for v in spans[kind]):
+            self._calib = None
+            self._window_source = "unplanned: no compute timings"
+            self._log_once("autowindow", "offload window 'auto': the calibration step has no "
+                           "forward/backward timings for every layer (layers not marked); "
+                           "offloading every layer but the last. Set "
+                           "OffloadConfig.max_offloaded_layers to an int to choose the window")
+            return
+        if any(v is None for vals in spans.values() for v in vals):
+            return  # the device has not finished the calibration step yet: ask next step
+
+        def copy_times(kind: str) -> tuple[float, ...]:
+            measured = [(c.nbytes.get(k, 0), t) for k, t in zip(keys, spans[kind])
+                        if t is not missing]
+            secs = sum(t for _, t in measured)
+            bw = (sum(n for n, _ in measured) / secs if measured and secs > 0
+                  else cfg.copy_bandwidth_bytes_per_s)
+            return tuple(t if t is not missing else c.nbytes.get(k, 0) / bw
+                         for k, t in zip(keys, spans[kind]))
+
+        times = LayerTimes(tuple(spans["fwd"]), tuple(spans["bwd"]), copy_times("d2h"),
+                           copy_times("h2d"), offload_at_layer_start=cfg.recompute)
+        plan = plan_window(times, cfg.target_hidden_fraction)
+        self.window_plan, self._window, self._window_source = plan, plan.window, "planned"
+        self._calib = None
+        level = logging.WARNING if plan.window == 0 else logging.INFO
+        logger.log(level, "activation offload: %s (from device timings of step %d)%s",
+                   plan.describe(len(keys)), c.step,
+                   "; the link is too slow to hide any offload: nothing is offloaded"
+                   if plan.window == 0 else "")

@@ -31,6 +31,9 @@ def test_offload_benchmark_quick_json(tmp_path):
     planned = {r["c_over_g"]: r for r in double if r["variant"] == "double_buffer"}
     assert {0.5, 1.0, 2.0} <= planned.keys()
     assert planned[1.0]["hidden_fraction"] >= 0.9
+    for r in planned.values():  # the row runs the window the manager's "auto" planner picks
+        assert r["offload_window"] == "auto" and r["planned_window"] == r["offloaded_layers"]
+        assert r["modelled_hidden_fraction"] >= 0.9 or r["planned_window"] == 0
     for r in rows:  # the whole-step figure, from the step's own numbers
         if r["hidden_fraction"] is not None and r["copy_ms"] > 1:  # ms rounded to 4 places
             exposed = r["step_ms"] - r["free_copy_step_ms"]

@@ -105,7 +105,7 @@ def test_cuda_peak_memory_bound():
     act = x.numel() * x.element_size()
     peaks = {}
     for name, cfg in {"off": OffloadConfig(enabled=False, **CFG),
-                      "double": OffloadConfig(**CFG)}.items():
+                      "double": OffloadConfig(max_offloaded_layers=None, **CFG)}.items():
         _, model, mgr = _pair(cfg)
         _run(model, x, mgr)
         torch.cuda.synchronize()
@@ -128,7 +128,29 @@ def test_cuda_no_host_syncs_added():
         with SyncSentinel(count_ops=False, cuda_debug=True) as sentinel:
             _run(model, x, mgr)
         counts[enabled] = sentinel.num_syncs
+        if enabled:  # the "auto" window was planned inside the sentinel, from polled events
+            assert mgr.window_plan is not None and mgr.history[-1].window_source == "planned"
     assert counts[True] <= counts[False], counts
+
+
+def test_cuda_auto_window_from_device_timings():
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
+    _, model, mgr = _pair(OffloadConfig(**CFG))  # max_offloaded_layers="auto"
+    _run(model, x, mgr)  # calibration step: timed with CUDA events
+    assert mgr.history[-1].window_source == "calibrating"
+    torch.cuda.synchronize()  # (a test's wait: the manager itself only polls)
+    _, stats = _run(model, x, mgr)
+    plan = mgr.window_plan
+    assert plan is not None and stats.window_source == "planned"
+    assert stats.offload_window == plan.window == stats.layers_offloaded
+    assert all(m.free_step_s > 0 for m in plan.candidates)
+    dev = mgr.device
+    a, b = dev.timestamp(dev.compute_stream(), ("t", "begin", "x")), None
+    torch.cuda._sleep(10_000_000)
+    b = dev.timestamp(dev.compute_stream(), ("t", "end", "x"))
+    assert dev.elapsed_s(a, b) is None  # still running: not waited for
+    torch.cuda.synchronize()
+    assert dev.elapsed_s(a, b) > 0
 
 
 def test_cuda_pinned_failure_falls_back_to_pageable(monkeypatch):
