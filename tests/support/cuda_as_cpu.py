@@ -42,7 +42,7 @@ MEGATRON_SITES = (
     ("optimizer/clip_grads.py", 207, "device='cuda'"),
     ("dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"),
     ("dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device()"),
-    # the main job's GPU step path (tests/foundation/test_gpu_step_path.py, test_pipeline_parallel.py)
+    # the main job's GPU step path (tests/train/test_gpu_step_path.py, test_pipeline_parallel.py)
     ("pipeline_parallel/schedules.py", 596, 'device="cuda"'),  # no pipelining: token count
     ("pipeline_parallel/schedules.py", 2138, 'device="cuda"'),  # 1F1B: token count
     ("pipeline_parallel/p2p_communication.py", 313, "device=torch.cuda.current_device()"),  # recv

@@ -23,3 +23,16 @@ def build_tiny_gpt(lora=None, seed=0, shape=SHAPE):
         spec = with_lora(spec, lora)
     torch.manual_seed(seed)
     return build_gpt_model(build_transformer_config(shape), spec, shape.vocab_size, T), cache
+
+
+# a packed batch for the tiny model: four sequences (one of length 1) in T tokens
+LENGTHS = [9, 1, 14, 8]
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 97, (1, T), generator=g)
+    labels = torch.randint(0, 97, (1, T), generator=g)
+    mask = torch.zeros(1, T)
+    mask[0, : sum(LENGTHS)] = 1
+    return tokens, labels, mask

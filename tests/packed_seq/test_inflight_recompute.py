@@ -18,7 +18,7 @@ from megatron_fastpath.offload import OffloadConfig, RecordingDevice, with_activ
 from megatron_fastpath.offload.spec import get_offload_manager
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 from packed_reference import TINY
-from test_packed_gpt_equivalence import packed_inputs
+from packed_reference import packed_inputs
 
 T = 32
 BATCHES = {"A": [5, 11, 16], "B": [30, 1]}  # different packings

@@ -51,3 +51,14 @@ def reference_layer_spec(rope):
     core = ModuleSpec(module=ReferenceCausalAttention, params={"rope": rope})
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
     return dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
+
+
+def packed_inputs(lengths, max_tokens, vocab, gen):
+    total = sum(lengths)
+    tokens = torch.zeros(1, max_tokens, dtype=torch.long)
+    labels = torch.zeros(1, max_tokens, dtype=torch.long)
+    tokens[0, :total] = torch.randint(0, vocab, (total,), generator=gen)
+    labels[0, :total] = torch.randint(0, vocab, (total,), generator=gen)
+    loss_mask = torch.zeros(1, max_tokens)
+    loss_mask[0, :total] = 1
+    return tokens, labels, loss_mask

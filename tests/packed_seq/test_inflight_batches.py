@@ -1,5 +1,5 @@
 """InFlightBatches + slots_for_1f1b: the packed cache's slots under Megatron's 1F1B order
-(simulated here; tests/foundation/test_gpu_step_path.py runs Megatron's real schedule with PP=2)."""
+(simulated here; tests/train/test_gpu_step_path.py runs Megatron's real schedule with PP=2)."""
 
 import pytest
 import torch

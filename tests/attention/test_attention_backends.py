@@ -6,7 +6,7 @@ import torch
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.sync import SyncSentinel
-from test_packed_gpt_equivalence import packed_inputs
+from packed_reference import packed_inputs
 
 
 def run(model, cache, lengths, inputs):

@@ -17,20 +17,8 @@ from megatron_fastpath.lora import (
     set_lora_enabled,
 )
 from megatron_fastpath.model import ModelConfig, build_transformer_config
-from tiny_gpt import SHAPE, T
+from tiny_gpt import LENGTHS, SHAPE, batch
 from tiny_gpt import build_tiny_gpt as build
-
-LENGTHS = [9, 1, 14, 8]
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 97, (1, T), generator=g)
-    labels = torch.randint(0, 97, (1, T), generator=g)
-    mask = torch.zeros(1, T)
-    mask[0, : sum(LENGTHS)] = 1
-    return tokens, labels, mask
-
 
 def loss_of(model, cache, seed=0):
     tokens, labels, mask = batch(seed)

@@ -1,5 +1,5 @@
 """Issue 9 findings 1-5 and 8 on CPU: the te / flash backends run over stand-ins that honour
-the real libraries' contracts (tests/foundation/gpu_standins.py), and the configuration errors a
+the real libraries' contracts (tests/support/gpu_standins.py), and the configuration errors a
 first GPU run would hit are refused before anything is built."""
 
 import ast
@@ -23,7 +23,7 @@ from gpu_standins import (
     te_apply_rotary_pos_emb,
 )
 from packed_reference import TINY
-from test_packed_gpt_equivalence import packed_inputs
+from packed_reference import packed_inputs
 
 T = 32
 

@@ -6,17 +6,7 @@ import pytest
 import torch
 
 from megatron_fastpath.sync import SyncSentinel
-
-
-def packed_inputs(lengths, max_tokens, vocab, gen):
-    total = sum(lengths)
-    tokens = torch.zeros(1, max_tokens, dtype=torch.long)
-    labels = torch.zeros(1, max_tokens, dtype=torch.long)
-    tokens[0, :total] = torch.randint(0, vocab, (total,), generator=gen)
-    labels[0, :total] = torch.randint(0, vocab, (total,), generator=gen)
-    loss_mask = torch.zeros(1, max_tokens)
-    loss_mask[0, :total] = 1
-    return tokens, labels, loss_mask
+from packed_reference import packed_inputs
 
 
 def packed_loss(model, cache, lengths, tokens, labels, loss_mask):
