@@ -37,13 +37,20 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_moe_aux_loss_scale():
-    """Megatron keeps the MoE aux-loss backward scale in a class attribute: a backward outside
+def _fresh_megatron_moe_globals():
+    """Megatron keeps the MoE aux-loss backward scale in a class attribute (a backward outside
     its schedules creates it 0-dim, and a later schedule's ``copy_`` of a [1] scale into it
-    fails. Every test starts as a fresh process would."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    fails) and the layer-wise aux-loss tracker in a module global. Every test starts as a fresh
+    process would."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+    )
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    # the layer-wise aux-loss tracker is a module global sized by the first model's num_layers:
+    # a later model with more MoE layers indexes past it (the main job clears it at build)
+    get_moe_layer_wise_logging_tracker().clear()
     yield
 
 
