@@ -52,8 +52,9 @@ class OffloadConfig:
             step offloads every layer but the last and times each layer's forward, backward and
             copies with device events; once those events have completed (read without blocking
             at a later step's start) the manager keeps the largest window whose modelled
-            whole-step hidden fraction is >= ``target_hidden_fraction``, logs it, and reports it
-            in each step's ``offload_window``. On a synchronous device (CPU) nothing overlaps:
+            whole-step hidden fraction is >= ``target_hidden_fraction`` -- never dropping an
+            offload that would finish before the end of the forward (peak memory first) --,
+            logs it, and reports it in each step's ``offload_window``. On a synchronous device (CPU) nothing overlaps:
             every layer but the last. None: every layer but the last. An int N: exactly N.
         target_hidden_fraction: the fraction of the step's copy time that must stay hidden for
             ``"auto"`` to offload a layer (in [0, 1]).

@@ -696,8 +696,8 @@ class ActivationOffloadManager:
         plan = plan_window(times, cfg.target_hidden_fraction)
         self.window_plan, self._window, self._window_source = plan, plan.window, "planned"
         self._calib = None
-        level = logging.WARNING if plan.window == 0 else logging.INFO
+        level = logging.INFO if plan.meets_target and plan.window > 0 else logging.WARNING
         logger.log(level, "activation offload: %s (from device timings of step %d)%s",
                    plan.describe(len(keys)), c.step,
-                   "; the link is too slow to hide any offload: nothing is offloaded"
-                   if plan.window == 0 else "")
+                   "; no offload would finish before the end of the forward or stay hidden: "
+                   "nothing is offloaded" if plan.window == 0 else "")

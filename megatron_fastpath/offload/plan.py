@@ -14,7 +14,9 @@ the peak). Keeping the last layers on the device removes the stall at no peak-me
 :func:`model_step` is the closed-form replay of the manager's DOUBLE schedule (the same rules as
 :func:`megatron_fastpath.offload.timing.replay_schedule` applied to the manager's recorded
 trace, with the host ahead of the device); :func:`plan_window` returns the largest window whose
-whole-step hidden fraction reaches the target. ``ActivationOffloadManager`` calls it with device
+whole-step hidden fraction reaches the target, but never one that keeps an activation set on the
+device at the peak that offloading every layer would have freed. ``ActivationOffloadManager``
+calls it with device
 times it measured in a calibration step (``OffloadConfig.max_offloaded_layers="auto"``);
 ``benchmarks/offload.py`` calls it with the per-layer times it measured on the CPU.
 """
@@ -79,18 +81,30 @@ class StepModel:
 
 @dataclasses.dataclass(frozen=True)
 class WindowPlan:
-    """The chosen window and the model of every candidate (window 0 .. L-1)."""
+    """The chosen window and the model of every candidate (window 0 .. L-1).
+
+    peak_window: the smallest window that frees, by the end of the forward, as many activation
+    sets as offloading every layer does (offloads finish in layer order, so window w frees
+    min(w, peak_window) of them): the chosen window is never below it."""
 
     window: int
     target: float
     chosen: StepModel
     candidates: tuple[StepModel, ...]
+    peak_window: int = 0
+
+    @property
+    def meets_target(self) -> bool:
+        return self.chosen.hidden_fraction >= self.target - 1e-12
 
     def describe(self, layers: int) -> str:
         m = self.chosen
+        why = "" if self.meets_target else (
+            f"; below the target to keep the {self.peak_window} activation sets that offloading "
+            "every layer frees by the end of the forward")
         return (f"offload window {self.window} of {layers - 1} layers: modelled whole-step hidden "
                 f"fraction {m.hidden_fraction:.3f} (target {self.target}), "
-                f"{m.pending_at_fwd_end} offloads still running at the end of the forward")
+                f"{m.pending_at_fwd_end} offloads still running at the end of the forward{why}")
 
 
 def model_step(times: LayerTimes, window: Optional[int]) -> StepModel:
@@ -145,11 +159,17 @@ def model_step(times: LayerTimes, window: Optional[int]) -> StepModel:
 def plan_window(times: LayerTimes, target: float = 0.9,
                 candidates: Optional[Sequence[int]] = None) -> WindowPlan:
     """The largest window (0 .. L-1) whose modelled whole-step hidden fraction is >= ``target``
-    (window 0 -- nothing offloaded -- always qualifies)."""
+    (window 0 -- nothing offloaded -- always qualifies), raised to ``peak_window`` if it is
+    smaller: offloading exists to lower the peak, so the plan drops only copies that would not
+    have finished by the end of the forward (those save no peak memory), never one that would."""
     if not 0.0 <= target <= 1.0:
         raise ValueError(f"target hidden fraction must be in [0, 1], got {target!r}")
     windows = range(times.num_layers) if candidates is None else candidates
-    models = tuple(model_step(times, w) for w in windows)
-    ok = [m for m in models if m.window == 0 or m.hidden_fraction >= target - 1e-12]
-    chosen = max(ok, key=lambda m: m.window) if ok else model_step(times, 0)
-    return WindowPlan(window=chosen.window, target=target, chosen=chosen, candidates=models)
+    models = {m.window: m for m in (model_step(times, w) for w in windows)}
+    every = model_step(times, None)
+    peak_window = every.window - every.pending_at_fwd_end
+    ok = [w for w, m in models.items() if w == 0 or m.hidden_fraction >= target - 1e-12]
+    window = max(max(ok, default=0), peak_window)
+    chosen = models.get(window) or model_step(times, window)
+    return WindowPlan(window=window, target=target, chosen=chosen,
+                      candidates=tuple(models.values()), peak_window=peak_window)

@@ -95,8 +95,23 @@ def test_plan_window_is_the_largest_window_reaching_the_target():
     assert [m.window for m in plan.candidates] == list(range(L))
     # a link far slower than compute: nothing can be hidden, nothing is offloaded
     assert plan_window(LayerTimes.uniform(L, f=g / 3, g=g, c=100 * g)).window == 0
+    # never below the window that frees what offloading every layer frees by the forward's end:
+    # offloads finish in layer order, so window w frees min(w, peak_window) activation sets
+    every = model_step(times, None)
+    assert plan.peak_window == every.window - every.pending_at_fwd_end == 2
+    for m in plan.candidates:
+        assert m.window - m.pending_at_fwd_end == min(m.window, plan.peak_window)
     # the target moves the choice
     assert plan_window(times, 0.5).window >= plan.window
+    # a fast device->host link with a slow way back: every offload finishes during the forward
+    # (peak_window = L-1) but the reloads cannot hide; the plan keeps the peak savings and says
+    # it misses the target rather than giving memory back
+    lopsided = LayerTimes((g / 3,) * L, (g,) * L, (0.1 * g,) * L, (3 * g,) * L)
+    kept = plan_window(lopsided, 0.9)
+    assert kept.peak_window == L - 1 and kept.window == L - 1 and not kept.meets_target
+    assert max(m.window for m in kept.candidates if m.hidden_fraction >= 0.9) < L - 1
+    assert "below the target to keep the 7 activation sets" in kept.describe(L)
+    assert plan.meets_target and "below the target" not in plan.describe(L)
     with pytest.raises(ValueError, match="target hidden fraction"):
         plan_window(times, 1.5)
     with pytest.raises(ValueError, match="bwd_s has 2 entries"):
