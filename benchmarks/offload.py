@@ -25,7 +25,9 @@ CPU section (always runs, < 1 min):
      with a link slower than the forward they cannot all be hidden).
      ``offload_window``: the row's ``max_offloaded_layers`` ("None" or "auto");
      ``planned_window`` / ``modelled_hidden_fraction``: the planner's choice and its own
-     (host-ahead) figure; ``hidden_fraction`` is the replay with host issue times.
+     (host-ahead) figure; ``peak_window``: the window below which the planner never goes (it
+     frees, by the end of the forward, what offloading every layer frees); ``hidden_fraction``
+     is the replay with host issue times.
      ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row copies;
      ``offloads_pending_at_fwd_end``: offloads still running when the forward ends -- those
      activation sets are still on the device at the activation peak, so offloading them saved
@@ -244,7 +246,8 @@ def cpu_section(args) -> list[dict]:
         row = _row("double_buffer", windows[plan.window], compute_s, bw, act_bytes, g, label,
                    single)
         row.update(offload_window="auto", planned_window=plan.window,
-                   modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4))
+                   modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4),
+                   peak_window=plan.peak_window)
         rows.append(row)
     for r in rows:
         r.update(f_ms=round(f * 1e3, 4), g_ms=round(g * 1e3, 4), reps=args.reps,
@@ -337,7 +340,7 @@ def gpu_section(args) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "mode", "c_ms",
             "compute_ms", "step_ms", "free_copy_step_ms", "exposed_copy_ms", "copy_ms", "hidden_fraction",
-            "offloads_pending_at_fwd_end", "planned_window", "modelled_hidden_fraction",
+            "offloads_pending_at_fwd_end", "planned_window", "peak_window", "modelled_hidden_fraction",
             "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
