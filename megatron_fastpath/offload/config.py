@@ -49,8 +49,8 @@ class OffloadConfig:
             reloaded first, so when the link is slower than the forward (copy time per layer >
             forward time per layer) they cannot be hidden (``megatron_fastpath.offload.plan``).
             ``"auto"`` (default): on a device whose copies overlap compute (CUDA), the first
-            step offloads every layer but the last and times each layer's forward, backward and
-            copies with device events; once those events have completed (read without blocking
+            steps offload every layer but the last and the second step times each layer's
+            forward, backward and copies with device events (the first pays one-time costs); once those events have completed (read without blocking
             at a later step's start) the manager keeps the largest window whose modelled
             whole-step hidden fraction is >= ``target_hidden_fraction`` -- never dropping an
             offload that would finish before the end of the forward (peak memory first) --,

@@ -93,6 +93,11 @@ class _Packed:
     index: int
 
 
+#: the step "auto" times: not the first, which pays one-time costs (kernel loading, autotuning,
+#: allocator growth, host pool allocation) that would make compute look slower than it is
+CALIBRATION_STEP = 1
+
+
 @dataclasses.dataclass
 class _Calibration:
     """Device timestamps of one step, for the ``"auto"`` window: label -> device handle."""
@@ -655,7 +660,8 @@ class ActivationOffloadManager:
             self._window_source = "synchronous device"
             return
         if self._calib is None:
-            self._calib = _Calibration(step=self._step)
+            if self._step >= CALIBRATION_STEP:
+                self._calib = _Calibration(step=self._step)
         elif self._calib.step < self._step:
             self._try_plan()
 

@@ -162,9 +162,14 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
     assert mgr.config.max_offloaded_layers == "auto"  # the default
     tensors = [torch.randn(NBYTES // 4) for _ in keys]
 
+    warm = _run_step(mgr, keys, tensors)  # the first step pays one-time costs: not timed
+    assert (warm.window_source, warm.layers_offloaded, dev.stamps) == ("calibrating", L - 1, [])
+    dev.completed = True  # (even with every event complete, nothing to plan from yet)
     s0 = _run_step(mgr, keys, tensors)  # calibration: every layer but the last, timed
     assert (s0.window_source, s0.offload_window, s0.layers_offloaded) == ("calibrating", L - 1,
                                                                           L - 1)
+    assert mgr.window_plan is None
+    dev.completed = False
     labels = {label for _, label in dev.stamps}
     assert len(dev.stamps) == len(labels) == 2 * L + 2 * L + 2 * (L - 1) + 2 * (L - 1)
     assert {stream for stream, (kind, _, _) in dev.stamps if kind == "d2h"} == {"offload"}
@@ -185,6 +190,7 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
                                                                           expected)
     assert mgr.window_plan == plan_window(times, 0.9)
     assert f"offload window {expected} of {L - 1} layers" in caplog.text
+    assert "from device timings of step 1" in caplog.text
     assert len(dev.stamps) == n_stamps  # only the calibration step was timed
     dev.clear_trace()
     s3 = _run_step(mgr, keys, tensors)  # the rest stay on the device: never copied
@@ -199,8 +205,10 @@ def test_auto_window_estimates_copies_it_did_not_time_from_the_measured_bandwidt
     times = LayerTimes.uniform(L, f=1 / 3, g=1.0, c=0.5)
     mgr, dev, keys = _auto_manager(L, times)
     tensors = [torch.randn(NBYTES // 4) for _ in keys]
-    _run_step(mgr, keys, tensors)
+    _run_step(mgr, keys, tensors)  # warm-up
+    _run_step(mgr, keys, tensors)  # timed
     dev.completed = True
+    assert mgr.window_plan is None
     _run_step(mgr, keys, tensors)
     # measured: NBYTES per 0.5 s, so the last layer's estimate is 0.5 s: the same plan as from
     # the full times
