@@ -105,7 +105,6 @@ class _Calibration:
     step: int
     stamps: dict = dataclasses.field(default_factory=dict)
     nbytes: dict = dataclasses.field(default_factory=dict)  # layer key -> group bytes
-    closed: bool = False
 
 
 class OffloadGroup:
@@ -183,10 +182,11 @@ class ActivationOffloadManager:
         self._counters = self._zero_counters()
         self._grad_anchor: Optional[torch.Tensor] = None
         self.history: list[OffloadStepStats] = []
-        # offload window: a fixed limit (int / None) or "auto" (planned from a calibration step)
-        self._auto = config.max_offloaded_layers == AUTO
-        self._window: Optional[int] = None if self._auto else config.max_offloaded_layers
-        self._window_source = "calibrating" if self._auto else "config"
+        # offload window: a fixed limit (int / None) or "auto" (planned from a calibration step;
+        # _to_plan stays True until it is planned or cannot be)
+        self._to_plan = config.max_offloaded_layers == AUTO
+        self._window: Optional[int] = None if self._to_plan else config.max_offloaded_layers
+        self._window_source = "calibrating" if self._to_plan else "config"
         self._calib: Optional[_Calibration] = None
         self.window_plan: Optional[WindowPlan] = None
 
@@ -281,8 +281,6 @@ class ActivationOffloadManager:
             offload_window=self._effective_window(),
             window_source=self._window_source,
         )
-        if self._calib is not None and self._calib.step == self._step:
-            self._calib.closed = True
         self.history.append(stats)
         self._in_step = False
         return stats
@@ -645,19 +643,17 @@ class ActivationOffloadManager:
 
     def _stamp(self, label: tuple, stream: Any) -> None:
         c = self._calib
-        if c is None or c.closed or c.step != self._step or label in c.stamps:
+        if c is None or c.step != self._step or not self._in_step or label in c.stamps:
             return  # first micro-batch of the calibration step only
         c.stamps[label] = self.device.timestamp(stream, label)
 
     def _advance_window(self) -> None:
         """At a step's start: open the calibration step, or plan from a finished one whose
         device timestamps have all completed (polled, never waited for)."""
-        if not self._auto or self.window_plan is not None or not self.config.enabled:
-            return
-        if self._window_source.startswith("unplanned"):
+        if not self._to_plan or not self.config.enabled:
             return
         if not self.device.overlaps_copies:
-            self._window_source = "synchronous device"
+            self._to_plan, self._window_source = False, "synchronous device"
             return
         if self._calib is None:
             if self._step >= CALIBRATION_STEP:
@@ -678,7 +674,7 @@ class ActivationOffloadManager:
         keys = self._layer_keys
         spans = {kind: [span(kind, k) for k in keys] for kind in ("fwd", "bwd", "d2h", "h2d")}
         if any(v is missing for kind in ("fwd", "bwd") for v in spans[kind]):
-            self._calib = None
+            self._calib, self._to_plan = None, False
             self._window_source = "unplanned: no compute timings"
             self._log_once("autowindow", "offload window 'auto': the calibration step has no "
                            "forward/backward timings for every layer (layers not marked); "
@@ -701,7 +697,7 @@ class ActivationOffloadManager:
                            copy_times("h2d"), offload_at_layer_start=cfg.recompute)
         plan = plan_window(times, cfg.target_hidden_fraction)
         self.window_plan, self._window, self._window_source = plan, plan.window, "planned"
-        self._calib = None
+        self._calib, self._to_plan = None, False
         level = logging.INFO if plan.meets_target and plan.window > 0 else logging.WARNING
         logger.log(level, "activation offload: %s (from device timings of step %d)%s",
                    plan.describe(len(keys)), c.step,

@@ -24,7 +24,7 @@ times it measured in a calibration step (``OffloadConfig.max_offloaded_layers="a
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 __all__ = ["LayerTimes", "StepModel", "WindowPlan", "model_step", "plan_window"]
 
@@ -156,20 +156,17 @@ def model_step(times: LayerTimes, window: Optional[int]) -> StepModel:
                      pending_at_fwd_end=sum(1 for e in off_end.values() if e > fwd_end + 1e-15))
 
 
-def plan_window(times: LayerTimes, target: float = 0.9,
-                candidates: Optional[Sequence[int]] = None) -> WindowPlan:
+def plan_window(times: LayerTimes, target: float = 0.9) -> WindowPlan:
     """The largest window (0 .. L-1) whose modelled whole-step hidden fraction is >= ``target``
     (window 0 -- nothing offloaded -- always qualifies), raised to ``peak_window`` if it is
     smaller: offloading exists to lower the peak, so the plan drops only copies that would not
     have finished by the end of the forward (those save no peak memory), never one that would."""
     if not 0.0 <= target <= 1.0:
         raise ValueError(f"target hidden fraction must be in [0, 1], got {target!r}")
-    windows = range(times.num_layers) if candidates is None else candidates
-    models = {m.window: m for m in (model_step(times, w) for w in windows)}
+    models = tuple(model_step(times, w) for w in range(times.num_layers))
     every = model_step(times, None)
     peak_window = every.window - every.pending_at_fwd_end
-    ok = [w for w, m in models.items() if w == 0 or m.hidden_fraction >= target - 1e-12]
-    window = max(max(ok, default=0), peak_window)
-    chosen = models.get(window) or model_step(times, window)
-    return WindowPlan(window=window, target=target, chosen=chosen,
-                      candidates=tuple(models.values()), peak_window=peak_window)
+    ok = [m.window for m in models if m.window == 0 or m.hidden_fraction >= target - 1e-12]
+    window = max(max(ok), peak_window)
+    return WindowPlan(window=window, target=target, chosen=models[window], candidates=models,
+                      peak_window=peak_window)
