@@ -150,3 +150,43 @@ def run_step(model: torch.nn.Module, x: torch.Tensor, seed: int = 7,
     (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
 
+
+def run_manager_step(mgr, keys, tensors, at_layer_start=True, marks=True):
+    """One step through an ActivationOffloadManager's API, one tensor per layer, in the order the
+    offload layers call it (``at_layer_start``: recompute mode, the layer input is offloaded
+    before its forward; False: saved-tensor mode, packed during and offloaded after it); every
+    unpacked tensor equals what was packed. Returns the step's stats."""
+    mgr.begin_step()
+    groups, packed = [], []
+    for key, t in zip(keys, tensors):
+        g = mgr.open_group(key)
+        if at_layer_start:
+            packed.append(mgr.pack(g, t))
+            mgr.close_group(g)
+        if marks:
+            mgr.mark("compute_begin", key, phase="fwd")
+        if not at_layer_start:
+            packed.append(mgr.pack(g, t))
+        if marks:
+            mgr.mark("compute_end", key, phase="fwd")
+        if not at_layer_start:
+            mgr.close_group(g)
+        groups.append(g)
+    for i in reversed(range(len(keys))):
+        mgr.begin_backward(groups[i])
+        torch.testing.assert_close(mgr.unpack(packed[i]), tensors[i], rtol=0, atol=0)
+        mgr.end_backward(groups[i])
+    return mgr.end_step()
+
+
+def manager_step_trace(L: int, nbytes: int = 4000, at_layer_start: bool = True, **cfg):
+    """(layer keys, the RecordingDevice trace of one real manager step over L layers with compute
+    markers, host times zeroed); ``cfg``: OffloadConfig fields beyond the zero thresholds."""
+    from megatron_fastpath.offload import ActivationOffloadManager, OffloadConfig, RecordingDevice
+
+    dev = RecordingDevice()
+    config = OffloadConfig(**{"min_offload_bytes": 0, "headroom_margin_bytes": 0, **cfg})
+    mgr = ActivationOffloadManager(config, device=dev)
+    keys = [mgr.register_layer(i + 1) for i in range(L)]
+    run_manager_step(mgr, keys, [torch.randn(nbytes // 4) for _ in keys], at_layer_start)
+    return keys, [dataclasses.replace(e, host_s=0.0) for e in dev.trace]

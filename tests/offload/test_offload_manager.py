@@ -17,6 +17,7 @@ from megatron_fastpath.offload import (
 )
 from megatron_fastpath.offload.te_compat import is_quantized, never_offload
 from megatron_fastpath.offload.timing import replay_schedule, step_hidden_fraction
+from offload_models import manager_step_trace
 
 CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 
@@ -350,27 +351,6 @@ def test_timing_model_matches_closed_form(c, g):
     assert single.stall > double.stall
 
 
-def _manager_step_trace(L: int, nbytes: int = 4000, **cfg):
-    """A real manager schedule (DOUBLE) over L layers with compute markers, host times zeroed."""
-    mgr, dev, keys = _manager(num_layers=L, **cfg)
-    tensors = [[torch.randn(nbytes // 4)] for _ in keys]
-    mgr.begin_step()
-    groups, packed = [], []
-    for key, ts in zip(keys, tensors):
-        g = mgr.open_group(key)
-        packed.append([mgr.pack(g, t) for t in ts])
-        mgr.close_group(g)
-        dev.mark("compute_begin", key, phase="fwd")
-        dev.mark("compute_end", key, phase="fwd")
-        groups.append(g)
-    for i in reversed(range(L)):
-        mgr.begin_backward(groups[i])
-        [mgr.unpack(p) for p in packed[i]]
-        mgr.end_backward(groups[i])
-    mgr.end_step()
-    return [dataclasses.replace(e, host_s=0.0) for e in dev.trace]
-
-
 def _issued(trace, times, launch=0.9, late_by=None):
     """Host issue times for ``trace``: the host spends ``launch`` x a compute region's device
     time issuing it (a host nearly as busy as the device), manager calls cost nothing.
@@ -401,7 +381,7 @@ def test_late_prefetch_scores_lower():
     """Issue 14: a prefetch issued late on the host must show in the whole-step figure."""
     L, g, nbytes = 6, 1.0, 4000
     times = {"fwd": g / 3, "bwd": g}
-    trace = _manager_step_trace(L, nbytes)
+    trace = manager_step_trace(L, nbytes)[1]
     bw = nbytes / (0.5 * g)  # c/g = 0.5
     on_time, tl, _ = step_hidden_fraction(_issued(trace, times), times, bw)
     assert tl.hazards == () and on_time > 0.9
@@ -419,7 +399,7 @@ def test_whole_step_replay_includes_forward_offload_backlog():
     its reload is needed first; keeping the last layers on the device
     (max_offloaded_layers) hides the rest. Per-layer times, non-uniform."""
     L, nbytes = 8, 4000
-    trace = _manager_step_trace(L, nbytes)
+    trace = manager_step_trace(L, nbytes)[1]
     times = {(ph, f"L{i}"): (1.0 if ph == "bwd" else 1 / 3) * (1 + 0.1 * i)
              for i in range(1, L + 1) for ph in ("fwd", "bwd")}
     c_bw = nbytes / 1.0
@@ -428,7 +408,7 @@ def test_whole_step_replay_includes_forward_offload_backlog():
     first_reload = min(iv.start for iv in tl.intervals if iv.kind == "h2d")
     last_d2h = max(iv.end for iv in tl.intervals if iv.kind == "d2h")
     assert first_reload == pytest.approx(last_d2h)  # waits for its own (last) offload only
-    window = _manager_step_trace(L, nbytes, max_offloaded_layers=4)
+    window = manager_step_trace(L, nbytes, max_offloaded_layers=4)[1]
     assert {e.tag for e in window if e.op == "copy"} == {"L1", "L2", "L3", "L4"}
     frac_window, tl, _ = step_hidden_fraction(window, times, c_bw)
     assert tl.hazards == () and frac_window >= 0.9 > frac_all

@@ -11,42 +11,10 @@ import torch
 from megatron_fastpath.offload import ActivationOffloadManager, OffloadConfig, RecordingDevice
 from megatron_fastpath.offload.plan import LayerTimes, model_step, plan_window
 from megatron_fastpath.offload.timing import step_hidden_fraction
+from offload_models import manager_step_trace, run_manager_step
 
 NBYTES = 4000
 BASE = dict(min_offload_bytes=0, headroom_margin_bytes=0)
-
-
-def _run_step(mgr, keys, tensors, at_layer_start=True, marks=True):
-    """One step through the manager's API in the order the offload layers call it."""
-    mgr.begin_step()
-    groups, packed = [], []
-    for key, t in zip(keys, tensors):
-        g = mgr.open_group(key)
-        if at_layer_start:  # recompute mode: the layer input is offloaded before its forward
-            packed.append(mgr.pack(g, t))
-            mgr.close_group(g)
-        if marks:
-            mgr.mark("compute_begin", key, phase="fwd")
-        if not at_layer_start:  # saved-tensors mode: packed during, offloaded after the forward
-            packed.append(mgr.pack(g, t))
-        if marks:
-            mgr.mark("compute_end", key, phase="fwd")
-        if not at_layer_start:
-            mgr.close_group(g)
-        groups.append(g)
-    for i in reversed(range(len(keys))):
-        mgr.begin_backward(groups[i])
-        torch.testing.assert_close(mgr.unpack(packed[i]), tensors[i], rtol=0, atol=0)
-        mgr.end_backward(groups[i])
-    return mgr.end_step()
-
-
-def _recorded_trace(L, window, at_layer_start):
-    dev = RecordingDevice()
-    mgr = ActivationOffloadManager(OffloadConfig(max_offloaded_layers=window, **BASE), device=dev)
-    keys = [mgr.register_layer(i + 1) for i in range(L)]
-    _run_step(mgr, keys, [torch.randn(NBYTES // 4) for _ in keys], at_layer_start)
-    return keys, dev.trace
 
 
 @pytest.mark.parametrize("at_layer_start", [True, False], ids=["recompute", "saved_tensors"])
@@ -61,7 +29,7 @@ def test_model_step_equals_replay_of_the_managers_recorded_schedule(at_layer_sta
     g = [rng.uniform(0.8, 1.5) for _ in range(L)]
     checked = 0
     for window in range(L):
-        keys, trace = _recorded_trace(L, window, at_layer_start)
+        keys, trace = manager_step_trace(L, NBYTES, at_layer_start, max_offloaded_layers=window)
         durations = {**{("fwd", k): f[i] for i, k in enumerate(keys)},
                      **{("bwd", k): g[i] for i, k in enumerate(keys)}}
         for c in (0.3, 0.5, 1.0, 2.0):
@@ -162,10 +130,10 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
     assert mgr.config.max_offloaded_layers == "auto"  # the default
     tensors = [torch.randn(NBYTES // 4) for _ in keys]
 
-    warm = _run_step(mgr, keys, tensors)  # the first step pays one-time costs: not timed
+    warm = run_manager_step(mgr, keys, tensors)  # the first step pays one-time costs: not timed
     assert (warm.window_source, warm.layers_offloaded, dev.stamps) == ("calibrating", L - 1, [])
     dev.completed = True  # (even with every event complete, nothing to plan from yet)
-    s0 = _run_step(mgr, keys, tensors)  # calibration: every layer but the last, timed
+    s0 = run_manager_step(mgr, keys, tensors)  # calibration: every layer but the last, timed
     assert (s0.window_source, s0.offload_window, s0.layers_offloaded) == ("calibrating", L - 1,
                                                                           L - 1)
     assert mgr.window_plan is None
@@ -177,7 +145,7 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
     assert {stream for stream, (kind, _, _) in dev.stamps if kind in ("fwd", "bwd")} == {
         "compute"}
 
-    s1 = _run_step(mgr, keys, tensors)  # the device has not finished step 0: keep going
+    s1 = run_manager_step(mgr, keys, tensors)  # the device has not finished step 0: keep going
     assert (s1.window_source, s1.offload_window, s1.layers_offloaded) == ("calibrating", L - 1,
                                                                           L - 1)
     assert mgr.window_plan is None
@@ -185,7 +153,7 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
 
     dev.completed = True
     with caplog.at_level(logging.INFO, logger="megatron_fastpath.offload.manager"):
-        s2 = _run_step(mgr, keys, tensors)
+        s2 = run_manager_step(mgr, keys, tensors)
     assert (s2.window_source, s2.offload_window, s2.layers_offloaded) == ("planned", expected,
                                                                           expected)
     assert mgr.window_plan == plan_window(times, 0.9)
@@ -193,7 +161,7 @@ def test_auto_window_calibrates_one_step_then_plans_without_waiting(caplog):
     assert "from device timings of step 1" in caplog.text
     assert len(dev.stamps) == n_stamps  # only the calibration step was timed
     dev.clear_trace()
-    s3 = _run_step(mgr, keys, tensors)  # the rest stay on the device: never copied
+    s3 = run_manager_step(mgr, keys, tensors)  # the rest stay on the device: never copied
     assert s3.layers_offloaded == expected
     assert {e.tag for e in dev.trace if e.op == "copy"} == {f"L{i + 1}" for i in range(expected)}
 
@@ -205,11 +173,11 @@ def test_auto_window_estimates_copies_it_did_not_time_from_the_measured_bandwidt
     times = LayerTimes.uniform(L, f=1 / 3, g=1.0, c=0.5)
     mgr, dev, keys = _auto_manager(L, times)
     tensors = [torch.randn(NBYTES // 4) for _ in keys]
-    _run_step(mgr, keys, tensors)  # warm-up
-    _run_step(mgr, keys, tensors)  # timed
+    run_manager_step(mgr, keys, tensors)  # warm-up
+    run_manager_step(mgr, keys, tensors)  # timed
     dev.completed = True
     assert mgr.window_plan is None
-    _run_step(mgr, keys, tensors)
+    run_manager_step(mgr, keys, tensors)
     # measured: NBYTES per 0.5 s, so the last layer's estimate is 0.5 s: the same plan as from
     # the full times
     assert mgr.window_plan == plan_window(times, 0.9)
@@ -223,7 +191,7 @@ def test_fixed_windows_are_not_timed(window, source, expected):
     mgr, dev, keys = _auto_manager(L, times, max_offloaded_layers=window)
     dev.completed = True
     for _ in range(3):
-        s = _run_step(mgr, keys, [torch.randn(NBYTES // 4) for _ in keys])
+        s = run_manager_step(mgr, keys, [torch.randn(NBYTES // 4) for _ in keys])
         assert (s.window_source, s.offload_window, s.layers_offloaded) == (source, expected,
                                                                            expected)
     assert dev.stamps == [] and mgr.window_plan is None
@@ -232,7 +200,7 @@ def test_fixed_windows_are_not_timed(window, source, expected):
 def test_auto_on_a_synchronous_device_offloads_every_layer_but_the_last():
     mgr, dev, keys = _auto_manager(5)
     for _ in range(3):
-        s = _run_step(mgr, keys, [torch.randn(NBYTES // 4) for _ in keys])
+        s = run_manager_step(mgr, keys, [torch.randn(NBYTES // 4) for _ in keys])
         assert (s.window_source, s.offload_window, s.layers_offloaded) == (
             "synchronous device", 4, 4)
     assert mgr.window_plan is None
@@ -245,7 +213,7 @@ def test_auto_without_compute_markers_says_so_and_keeps_every_layer(caplog):
     tensors = [torch.randn(NBYTES // 4) for _ in keys]
     with caplog.at_level(logging.WARNING, logger="megatron_fastpath.offload.manager"):
         for _ in range(3):
-            s = _run_step(mgr, keys, tensors, marks=False)
+            s = run_manager_step(mgr, keys, tensors, marks=False)
     assert s.window_source == "unplanned: no compute timings" and s.layers_offloaded == L - 1
     assert caplog.text.count("no forward/backward timings") == 1
     assert "max_offloaded_layers to an int" in caplog.text
