@@ -14,7 +14,17 @@ What it does while active:
   ``Tensor.to('cuda')`` on the CPU, and answers ``Tensor.type()`` with the CUDA type name
   (``torch.cuda.FloatTensor``) so Megatron's type asserts hold;
 * ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
-  few other ``torch.cuda`` entry points are patched for the block's duration.
+  few other ``torch.cuda`` entry points are patched for the block's duration;
+* a TorchFunctionMode is not active inside an ``autograd.Function.backward`` (Megatron's
+  sequence-parallel linear allocates its reduce-scatter output there on
+  ``torch.cuda.current_device()``), so ``torch.empty`` / ``torch.zeros`` are also wrapped to
+  rewrite their ``device`` for the block's duration;
+* the "CUDA" generator is the CPU one (the mode's CUDA tensors are CPU tensors and draw from
+  it): ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and Megatron's
+  ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (not their
+  ``graph_safe`` variants) read and set the CPU generator, so Megatron's
+  ``CudaRNGStatesTracker`` (``model_parallel_cuda_manual_seed``, ``fork()``) works and a
+  dropout inside ``fork()`` draws from the forked state.
 
 Megatron-Core 0.16.1 sites this covers (file:line, checked against the installed package by
 ``test_cuda_as_cpu.py::test_covered_sites_still_exist``, so an upgrade shows what moved):
@@ -47,6 +57,13 @@ MEGATRON_SITES = (
     ("pipeline_parallel/schedules.py", 2138, 'device="cuda"'),  # 1F1B: token count
     ("pipeline_parallel/p2p_communication.py", 313, "device=torch.cuda.current_device()"),  # recv
     ("pipeline_parallel/p2p_communication.py", 398, "torch.cuda.synchronize()"),  # batched p2p
+    # sequence parallelism (tests/lora/test_lora_sequence_parallel.py)
+    ("tensor_parallel/mappings.py", 141, "device=torch.cuda.current_device()"),  # all-gather
+    ("tensor_parallel/layers.py", 552, "device=torch.cuda.current_device()"),  # bwd: in backward
+    ("tensor_parallel/random.py", 422, "torch.cuda.manual_seed(data_parallel_seed)"),
+    ("tensor_parallel/random.py", 235, "torch.cuda.get_rng_state()"),  # tracker.add
+    ("tensor_parallel/random.py", 250, "_get_cuda_rng_state("),  # tracker.fork
+    ("tensor_parallel/random.py", 255, "_set_cuda_rng_state("),
 )
 __doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
 
@@ -152,9 +169,33 @@ def _synchronize(*args, **kwargs):
     CALLS["torch.cuda.synchronize"] += 1
 
 
+def _on_cpu(factory):
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _keep_on_cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+def _cpu_unless_graph_safe(megatron_fn, cpu_fn):
+    """Megatron's tracker state accessor on the CPU generator; its graph-safe variant (the
+    graph-safe tracker's generator objects, see fake_cuda_graph.py) is left as it is."""
+
+    def wrapped(*args, graph_safe=False, **kwargs):
+        if graph_safe:
+            return megatron_fn(*args, graph_safe=True, **kwargs)
+        state = [a for a in args if torch.is_tensor(a)]  # _set_cuda_rng_state(new_state, ...)
+        return cpu_fn(*state)
+
+    return wrapped
+
+
 @contextlib.contextmanager
 def cuda_as_cpu() -> Iterator[None]:
     """Activate the mode and the ``torch.cuda`` patches for the block's duration."""
+    from megatron.core.tensor_parallel import random as random_mod
+
     patches = [
         mock.patch("torch.cuda.is_available", lambda: True),
         mock.patch("torch.cuda.current_device", lambda: 0),
@@ -167,6 +208,15 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.Stream", _FakeStream),
         mock.patch("torch.cuda.Event", _FakeEvent),
         mock.patch("torch.cuda.stream", lambda s=None: contextlib.nullcontext()),
+        mock.patch("torch.empty", _on_cpu(torch.empty)),
+        mock.patch("torch.zeros", _on_cpu(torch.zeros)),
+        mock.patch("torch.cuda.get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        mock.patch("torch.cuda.set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
+        mock.patch("torch.cuda.manual_seed", torch.manual_seed),
+        mock.patch("megatron.core.tensor_parallel.random._get_cuda_rng_state",
+                   _cpu_unless_graph_safe(random_mod._get_cuda_rng_state, torch.get_rng_state)),
+        mock.patch("megatron.core.tensor_parallel.random._set_cuda_rng_state",
+                   _cpu_unless_graph_safe(random_mod._set_cuda_rng_state, torch.set_rng_state)),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:
