@@ -125,6 +125,7 @@ def build_transformer(cfg: JobConfig):
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
         # Megatron's default waits for the whole device (torch.cuda.synchronize) after every
         # batched pipeline send/recv, "to work around a bug in older versions of PyTorch"
         # (model_parallel_config.py); torch >= 2.6 here: no host sync per p2p.
@@ -218,6 +219,15 @@ def build_job(cfg: JobConfig) -> Job:
 
     env_set = apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise
     _init_distributed(cfg)
+    if cfg.device.type == "cuda":
+        # Megatron's CUDA RNG tracker, seeded as Megatron's own training seeds it
+        # (training/initialize.py _set_random_seed): its states are forked by LoRA dropout and, with
+        # sequence parallelism, by the embedding dropout; unseeded, the first fork raises "cuda
+        # rng state model-parallel-rng is not added". Before torch.manual_seed: on CPU-initialised
+        # weights the CPU stream stays the seed's.
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.training.seed)
     torch.manual_seed(cfg.training.seed)
     # Megatron keeps MoE aux-loss trackers in a process-wide dict sized by the first model's
     # layer count; a job (or a second run in one process) starts from an empty one.

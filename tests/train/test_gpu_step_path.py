@@ -50,13 +50,19 @@ def _train(overrides, capsys=None):
 
 
 def _run_both(name, optimizer_step):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     cpu, cpu_params, _ = _train(MODELS[name] + ["training.device=cpu"])
     waits = CALLS["torch.cuda.synchronize"]
+    get_cuda_rng_tracker().reset()
     with cuda_as_cpu():
         gpu, gpu_params, job = _train(MODELS[name] + ["training.device=cuda",
                                                       f"training.optimizer_step={optimizer_step}"])
     # no explicit device-wide wait anywhere in the run (build included)
     assert CALLS["torch.cuda.synchronize"] == waits
+    # the job seeded Megatron's CUDA RNG tracker, which LoRA dropout (and, under sequence
+    # parallelism, the embedding dropout) fork on a GPU: unseeded, the first fork raises
+    assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
     return cpu, cpu_params, gpu, gpu_params, job
 
 
