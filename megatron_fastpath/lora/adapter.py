@@ -14,6 +14,17 @@ Tensor parallelism (as NeMo's ``ParallelLinearAdapter``):
 * row-parallel base (input sharded, output reduced): A is sharded (in / tp -> r), its partial
   output is summed with ``reduce_from_tensor_model_parallel_region``; B is replicated.
 
+Sequence parallelism (``config.sequence_parallel``, TP > 1): the column base's input is this
+rank's sequence shard [S/tp, B, in] (the base all-gathers it; TE's ``LayerNormLinear`` returns
+its normalised input ungathered), the row base's output is reduce-scattered to [S/tp, B, out].
+The adapter moves its rank-r activation instead of the base's: column, A runs on the shard and
+``gather_from_sequence_parallel_region`` all-gathers h [S, B, r] (backward: reduce-scatter, the
+sum copy_to_tensor_model_parallel_region's all-reduce did); row, the partial h [S, B, r] is
+``reduce_scatter_to_sequence_parallel_region``-ed to [S/tp, B, r] before B. The weight that then
+sees only this rank's sequence shard (column: A, row: B) gets a partial gradient, so it is
+marked ``sequence_parallel = True``: Megatron's ``finalize_model_grads`` sums such gradients
+over the TP group, as it does for the layernorm weights.
+
 Dropout draws from Megatron's CUDA RNG tracker on CUDA (the Transformer Engine tracker when
 ``use_te_rng_tracker``), which is what CUDA graphs can replay; on CPU from the default generator.
 
@@ -61,14 +72,6 @@ class LoRALinear(torch.nn.Module):
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row'; got {parallel!r}")
         self.base = base(*args, **kwargs)
-        if getattr(getattr(self.base, "config", None), "sequence_parallel", False):
-            # The base gathers a sequence-sharded input (column) or reduce-scatters its output
-            # (row); the adapter would need the same collectives and sequence-parallel gradient
-            # all-reduces of A / B, which are not built (nor testable on gloo) yet.
-            raise NotImplementedError(
-                f"LoRA on {type(self.base).__name__} with sequence_parallel=True is not supported: "
-                "the adapter would see the sequence-sharded input and its output would not match "
-                "the base's shape. Set sequence_parallel=False (tensor parallelism still works).")
         self.lora_config = lora
         self.parallel = parallel
         self.scale = lora.alpha / lora.rank
@@ -85,6 +88,10 @@ class LoRALinear(torch.nn.Module):
         # Kaiming-uniform A (as PEFT / NeMo), zero B: the adapter starts as an exact no-op.
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.tp_size = tp
+        self.sequence_parallel = tp > 1 and bool(
+            getattr(getattr(self.base, "config", None), "sequence_parallel", False))
+        if self.sequence_parallel:  # partial gradient: summed over TP by finalize_model_grads
+            setattr(self.lora_A if parallel == "column" else self.lora_B, "sequence_parallel", True)
         self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else None
         self._fused_layernorm = hasattr(self.base, "layer_norm_weight")
         if self._fused_layernorm:
@@ -119,22 +126,26 @@ class LoRALinear(torch.nn.Module):
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
         """delta = scale * B(A(dropout(x))): [..., in_local] -> [..., out_local]."""
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
         if self.dropout is not None:
             with self._dropout_rng():
                 x = self.dropout(x)
         h = torch.nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
         if self.tp_size > 1:
-            h = (
-                copy_to_tensor_model_parallel_region(h)
-                if self.parallel == "column"
-                else reduce_from_tensor_model_parallel_region(h)
-            )
+            h = self._between_a_and_b(h)
         return torch.nn.functional.linear(h, self.lora_B) * self.scale
+
+    def _between_a_and_b(self, h: torch.Tensor) -> torch.Tensor:
+        """The TP collective on A's output h [.., r] (see the module docstring)."""
+        from megatron.core.tensor_parallel import mappings
+
+        group = getattr(self.base, "tp_group", None)
+        if self.parallel == "column":
+            if self.sequence_parallel:
+                return mappings.gather_from_sequence_parallel_region(h, group=group)
+            return mappings.copy_to_tensor_model_parallel_region(h, group=group)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
+        return mappings.reduce_from_tensor_model_parallel_region(h, group=group)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out = self.base(x, *args, **kwargs)

@@ -74,10 +74,15 @@ class FastpathConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    """Megatron's parallel sizes. sequence_parallel: shard the sequence of the non-TP regions
+    (norms, dropout, residuals) over the TP group (Megatron's ``sequence_parallel``; needs
+    TP > 1 and CUDA)."""
+
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +206,8 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
         )
 
 
-def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, offload, device) -> None:
+def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, offload, device,
+                    max_tokens: int) -> None:
     if device.type == "cpu" and par.pipeline_model_parallel_size > 1:
         raise ValueError(
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
@@ -222,6 +228,24 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
             "fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
             "per offload manager); use parallel.pipeline_model_parallel_size=1"
         )
+    if par.sequence_parallel:
+        if par.tensor_model_parallel_size < 2:
+            raise ValueError("parallel.sequence_parallel=true needs "
+                             "parallel.tensor_model_parallel_size >= 2 (it shards over the TP group)")
+        if device.type == "cpu":
+            raise ValueError(
+                "parallel.sequence_parallel needs CUDA: Megatron 0.16.1's sequence-parallel "
+                "all-gathers allocate on torch.cuda.current_device(); use "
+                "parallel.sequence_parallel=false on CPU (tensor parallelism still works)")
+        if is_moe:
+            raise ValueError("parallel.sequence_parallel with the fastpath MoE layer is not "
+                             "supported: use parallel.sequence_parallel=false")
+        tp = par.tensor_model_parallel_size
+        if max_tokens % tp:
+            raise ValueError(
+                f"parallel.sequence_parallel splits each packed batch of data.max_tokens="
+                f"{max_tokens} tokens over the {tp} TP ranks: make data.max_tokens a multiple "
+                f"of {tp}")
 
 
 def parse_job_config(cfg: Any) -> JobConfig:
@@ -248,11 +272,16 @@ def parse_job_config(cfg: Any) -> JobConfig:
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
-    _check_parallel(par, fast, is_moe, features["offload"], device)
+    _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
     backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384,
                               dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
+    if par.sequence_parallel and linear_impl != "te":
+        raise ValueError(
+            "parallel.sequence_parallel needs Transformer Engine's norms and linears "
+            "(fastpath.linear_impl=te): Megatron's local spec uses torch norms, which refuse "
+            "sequence parallelism")
     lora = features["lora"]
     plan = plan_graphs_and_fp8(
         features["cuda_graphs"], features["fp8"], device,

@@ -218,18 +218,3 @@ def test_layernorm_output_shims_refuse_an_unchecked_megatron(monkeypatch):
                  lambda: compat.split_layernorm_linear_output(((1, 2), None))):
         with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only and megatron-core 0\.17\.0 is installed"):
             call()
-
-
-def test_lora_refuses_sequence_parallel_base():
-    """A sequence-parallel base gathers / scatters along the sequence; the adapter does not (yet):
-    refused when the layer is built, not at its first forward on a GPU."""
-    import types
-
-    class SequenceParallelBase(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(8, 4))
-            self.config = types.SimpleNamespace(sequence_parallel=True)
-
-    with pytest.raises(NotImplementedError, match="sequence_parallel=True is not supported"):
-        LoRALinear(base=SequenceParallelBase, lora=LoRAConfig(rank=2, alpha=4), parallel="column")
