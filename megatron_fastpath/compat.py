@@ -343,6 +343,10 @@ def return_layernorm_output(linear) -> None:
             "LayerNormLinear"
         )
     linear.return_layernorm_output = True
+    if hasattr(linear, "return_layernorm_output_gathered"):
+        # Under sequence parallelism the adapter takes this rank's shard [S/tp, ...] and gathers
+        # its own rank-r output (lora/adapter.py); TE's default, pinned here.
+        linear.return_layernorm_output_gathered = False
 
 
 def split_layernorm_linear_output(out) -> tuple:

@@ -204,6 +204,17 @@ def test_lora_on_te_layernorm_linear_sees_the_normalised_input(mcore_parallel, t
     assert (bias is layer.base.bias) if te_return_bias else bias is None
 
 
+def test_layernorm_output_shim_keeps_te_ln_out_ungathered(mcore_parallel):
+    """Sequence parallelism: the adapter expects this rank's shard of the normalised input (TE's
+    default); a linear set to return it gathered is set back."""
+    from megatron_fastpath import compat
+
+    linear = _TELayerNormLinearStandIn(4, 4)
+    linear.return_layernorm_output_gathered = True
+    compat.return_layernorm_output(linear)
+    assert linear.return_layernorm_output is True and linear.return_layernorm_output_gathered is False
+
+
 def test_layernorm_output_shims_refuse_an_unchecked_megatron(monkeypatch):
     from packaging.version import Version
 
