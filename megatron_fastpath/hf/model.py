@@ -71,6 +71,10 @@ def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "s
         tcfg, layer_spec, spec.vocab_size, cache.config.max_tokens,
         share_embeddings_and_output_weights=spec.tie_embeddings,
         pre_process=ranks["first"], post_process=ranks["last"])
+    if not tcfg.perform_initialization:  # the loader overwrites every weight: no random init,
+        from megatron_fastpath import compat  # and so none of the TP marks Megatron sets there
+
+        compat.mark_tensor_parallel_weights(model)
     return model.to(cache.device)
 
 

@@ -1,0 +1,50 @@
+"""compat's TP gradient bookkeeping on its own (the TP = 2 vs one-process runs in
+tests/hf/test_hf_tp.py show why it matters): Megatron 0.16.1 leaves a weight it did not
+initialise without TP marks; the shim gives it the ones Megatron's initialiser sets."""
+
+import pytest
+import torch
+from packaging.version import Version
+
+from megatron_fastpath import compat
+from megatron_fastpath.model import build_transformer_config
+from tiny_gpt import SHAPE
+
+
+def _layers(perform_initialization):
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    cfg = build_transformer_config(SHAPE, perform_initialization=perform_initialization)
+    kw = dict(config=cfg, init_method=cfg.init_method, bias=False)
+    return [VocabParallelEmbedding(98, 64, init_method=cfg.init_method, config=cfg),
+            ColumnParallelLinear(64, 32, gather_output=False, **kw),
+            RowParallelLinear(32, 64, input_is_parallel=True, skip_bias_add=True, **kw)]
+
+
+def _marks(layers):
+    return [(getattr(m.weight, "tensor_model_parallel", None), getattr(m.weight, "partition_dim", None),
+             getattr(m.weight, "partition_stride", None)) for m in layers]
+
+
+def test_marks_equal_what_megatron_sets_when_it_initialises(mcore_parallel):
+    reference = _marks(_layers(perform_initialization=True))
+    assert reference == [(True, 0, 1), (True, 0, 1), (True, 1, 1)]
+    unloaded = torch.nn.ModuleList(_layers(perform_initialization=False))
+    assert _marks(unloaded) == [(None, None, None)] * 3  # what the shim is for
+    assert compat.mark_tensor_parallel_weights(unloaded) == 3
+    assert _marks(unloaded) == reference
+    assert compat.mark_tensor_parallel_weights(unloaded) == 0  # marked weights are left alone
+
+
+def test_tp_shims_refuse_an_unchecked_megatron(mcore_parallel, monkeypatch):
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
+    model = torch.nn.ModuleList(_layers(perform_initialization=False))
+    config = build_transformer_config(SHAPE)
+    for call in (lambda: compat.mark_tensor_parallel_weights(model),
+                 lambda: compat.allreduce_tp_partial_grads(model, config)):
+        with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only"):
+            call()
