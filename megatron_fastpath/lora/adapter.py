@@ -48,13 +48,14 @@ class AdaptersLockedError(RuntimeError):
     """Adapters were toggled or merged after CUDA-graph capture froze the layer."""
 
 
-def _tp_world(base) -> int:
+def _tp_world_and_rank(base) -> tuple:
     group = getattr(base, "tp_group", None)
     if group is not None:
-        return torch.distributed.get_world_size(group)
+        return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_world_size()
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())
 
 
 class LoRALinear(torch.nn.Module):
@@ -79,14 +80,29 @@ class LoRALinear(torch.nn.Module):
         self._locked = False
         weight = self.base.weight
         out_local, in_local = weight.shape
-        tp = _tp_world(self.base)
-        in_a = in_local  # column: full input; row: this rank's input shard
+        tp, tp_rank = _tp_world_and_rank(self.base)
         out_b = out_local  # column: this rank's output shard; row: full output
         dtype = lora.dtype_or(weight.dtype)
-        self.lora_A = torch.nn.Parameter(torch.empty(lora.rank, in_a, device=weight.device, dtype=dtype))
+        # Kaiming-uniform A (as PEFT / NeMo) drawn over the full input on every rank (same
+        # stream) and sliced to this rank's shard for a row base: the fan-in and the values are
+        # those of TP = 1 at any TP. Zero B: the adapter starts as an exact no-op.
+        in_full = in_local * tp if parallel == "row" else in_local
+        a_full = torch.empty(lora.rank, in_full, device=weight.device, dtype=dtype)
+        torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5))
+        a_local = a_full.narrow(1, tp_rank * in_local, in_local) if in_full != in_local else a_full
+        self.lora_A = torch.nn.Parameter(a_local.clone())
         self.lora_B = torch.nn.Parameter(torch.zeros(out_b, lora.rank, device=weight.device, dtype=dtype))
-        # Kaiming-uniform A (as PEFT / NeMo), zero B: the adapter starts as an exact no-op.
-        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        # Megatron's TP marks, read by the gradient norm (param_is_not_tensor_parallel_duplicate:
+        # a sharded weight counts on every rank, a replicated one on TP rank 0 only).
+        from megatron.core.tensor_parallel import (
+            set_defaults_if_not_set_tensor_model_parallel_attributes,
+            set_tensor_model_parallel_attributes,
+        )
+
+        sharded, replicated, dim = ((self.lora_B, self.lora_A, 0) if parallel == "column"
+                                    else (self.lora_A, self.lora_B, 1))
+        set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+        set_defaults_if_not_set_tensor_model_parallel_attributes(replicated)
         self.tp_size = tp
         self.sequence_parallel = tp > 1 and bool(
             getattr(getattr(self.base, "config", None), "sequence_parallel", False))

@@ -15,6 +15,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from subproc import child_env  # noqa: E402
 from test_hf_main_job import DATA, REPO, held_out_loss  # noqa: E402
 
 
@@ -137,3 +138,39 @@ def test_dp2_matches_one_process_including_eval(tmp_path):
     assert [s for s, _ in out[1]["evals"]] == [s for s, _ in out[2]["evals"]] == [0, 2, 4]
     for (_, a), (_, b) in zip(out[1]["evals"], out[2]["evals"]):
         assert abs(a - b) <= 1e-5 * a
+
+
+@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True)],
+                         ids=["qwen3_full_finetune", "llama_lora"])
+def test_tp2_trains_as_one_process(tmp_path, family, lora):
+    """TP = 2 on the CPU path takes the same steps as one process, with gradient clipping on
+    (every step's norm > clip_grad = 1): the clip uses Megatron's TP-aware norm, which needs
+    the TP marks of the sharded weights (the loaded base: Megatron sets them only when it
+    initialises; the LoRA adapters) and the qk layernorm gradients summed over TP (Qwen3)."""
+    from hf_reference import make_checkpoint
+
+    ckpt = str(tmp_path / family)
+    make_checkpoint(family, ckpt)
+    common = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}",
+              f"fastpath.lora={str(lora).lower()}", "lora.dropout=0.0",
+              "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "training.lr=1e-2",
+              "training.steps=4", "training.micro_batches=1", "data.num_samples=128",
+              "data.max_tokens=128", "data.max_len=48", "metrics.tensorboard=false",
+              "metrics.wandb=off", "metrics.plot=false"]
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    records = {}
+    for tp in (1, 2):
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                      f"--master_port={_port()}"] if tp == 2 else [])
+        out = tmp_path / f"tp{tp}.json"
+        args = common + [f"parallel.tensor_model_parallel_size={tp}", f"training.summary_json={out}",
+                         f"hydra.run.dir={tmp_path / f'run{tp}'}"]
+        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        records[tp] = json.load(open(out))["records"]
+    assert len(records[1]) == len(records[2]) == 4
+    for a, b in zip(records[1], records[2]):
+        assert a["grad_norm"] > 1.0  # clipped
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
