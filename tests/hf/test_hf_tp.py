@@ -25,6 +25,18 @@ def _port():
         return s.getsockname()[1]
 
 
+def _main_job(tmp_path, nproc: int, args, summary) -> dict:
+    """Run the main job with ``args`` (under torchrun when ``nproc`` > 1); its summary JSON."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                  f"--master_port={_port()}"] if nproc > 1 else [])
+    cmd = launch + ["-m", "megatron_fastpath.train", *args, "metrics.tensorboard=false",
+                    "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={summary}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.load(open(summary))
+
+
 def test_tp2_load_train_export(tmp_path):
     from peft import PeftModel
 
@@ -36,21 +48,12 @@ def test_tp2_load_train_export(tmp_path):
     ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
     make_tiny_hf_llama.main(ckpt, DATA)
     shutil.copy(DATA, data)
-    summary = tmp_path / "s.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_port()}", "-m", "megatron_fastpath.train", "model=hf",
-           f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
-           "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
-           f"lora.export_dir={tmp_path / 'adapter'}", f"lora.export_merged_dir={tmp_path / 'merged'}",
-           "parallel.tensor_model_parallel_size=2", "training.steps=4", "training.clip_grad=0",
-           "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false",
-           f"training.summary_json={summary}", f"hydra.run.dir={tmp_path / 'run'}"]
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    s = json.load(open(summary))
+    s = _main_job(tmp_path, 2, [
+        "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
+        "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+        f"lora.export_dir={tmp_path / 'adapter'}", f"lora.export_merged_dir={tmp_path / 'merged'}",
+        "parallel.tensor_model_parallel_size=2", "training.steps=4", "training.clip_grad=0",
+        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "s.json")
     assert s["world_size"] == 2
 
     _, held, _ = load_jsonl_splits(JsonlDataConfig(path=data), ckpt, log=lambda m: None)
@@ -76,24 +79,14 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
 
     ckpt = str(tmp_path / "moe")
     make_checkpoint("qwen3_moe_norm", ckpt)
-    common = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "fastpath.lora=true",
-              "training.steps=3", "data.num_samples=128", "data.max_tokens=128", "data.max_len=48",
-              "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"]
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    common = ["model=hf", f"model.path={ckpt}", "fastpath.lora=true", "training.steps=3",
+              "data.num_samples=128", "data.max_tokens=128", "data.max_len=48"]
     summaries = {}
     for ep in (1, 2):
-        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                      f"--master_port={_port()}"] if ep == 2 else [])
         out = tmp_path / f"ep{ep}"
-        args = common + [f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
-                         f"lora.export_merged_dir={out}", f"training.summary_json={out}.json",
-                         f"hydra.run.dir={tmp_path / f'run{ep}'}"]
-        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        summaries[ep] = json.load(open(f"{out}.json"))
+        summaries[ep] = _main_job(tmp_path, ep, common + [
+            f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
+            f"lora.export_merged_dir={out}", f"hydra.run.dir={tmp_path / f'run{ep}'}"], f"{out}.json")
     for a, b in zip(summaries[1]["records"], summaries[2]["records"]):
         assert abs(a["loss"] - b["loss"]) <= 2e-4 * abs(a["loss"])
     src, merged = {}, {}
@@ -116,22 +109,13 @@ def test_dp2_matches_one_process_including_eval(tmp_path):
     ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
     make_tiny_hf_llama.main(ckpt, DATA)
     shutil.copy(DATA, data)
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = {}
     for n in (1, 2):
-        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                      f"--master_port={_port()}"] if n == 2 else [])
-        args = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}", "data=jsonl",
-                f"data.path={data}", "fastpath.lora=true", "lora.dropout=0", "training.steps=4",
-                "data.eval_every=2", f"training.micro_batches={3 - n}", "metrics.tensorboard=false",
-                "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={tmp_path}/dp{n}.json",
-                f"hydra.run.dir={tmp_path / f'run{n}'}"]
-        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        out[n] = json.load(open(tmp_path / f"dp{n}.json"))
+        out[n] = _main_job(tmp_path, n, [
+            "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
+            "lora.dropout=0", "training.steps=4", "data.eval_every=2",
+            f"training.micro_batches={3 - n}", f"hydra.run.dir={tmp_path / f'run{n}'}"],
+            tmp_path / f"dp{n}.json")
     assert out[2]["world_size"] == 2
     for a, b in zip(out[1]["records"], out[2]["records"]):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"]
@@ -151,24 +135,13 @@ def test_tp2_trains_as_one_process(tmp_path, family, lora):
 
     ckpt = str(tmp_path / family)
     make_checkpoint(family, ckpt)
-    common = ["-m", "megatron_fastpath.train", "model=hf", f"model.path={ckpt}",
-              f"fastpath.lora={str(lora).lower()}", "lora.dropout=0.0",
-              "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]", "training.lr=1e-2",
-              "training.steps=4", "training.micro_batches=1", "data.num_samples=128",
-              "data.max_tokens=128", "data.max_len=48", "metrics.tensorboard=false",
-              "metrics.wandb=off", "metrics.plot=false"]
-    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    records = {}
-    for tp in (1, 2):
-        launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                      f"--master_port={_port()}"] if tp == 2 else [])
-        out = tmp_path / f"tp{tp}.json"
-        args = common + [f"parallel.tensor_model_parallel_size={tp}", f"training.summary_json={out}",
-                         f"hydra.run.dir={tmp_path / f'run{tp}'}"]
-        proc = subprocess.run(launch + args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        records[tp] = json.load(open(out))["records"]
+    common = ["model=hf", f"model.path={ckpt}", f"fastpath.lora={str(lora).lower()}",
+              "lora.dropout=0.0", "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+              "training.lr=1e-2", "training.steps=4", "training.micro_batches=1",
+              "data.num_samples=128", "data.max_tokens=128", "data.max_len=48"]
+    records = {tp: _main_job(tmp_path, tp, common + [f"parallel.tensor_model_parallel_size={tp}",
+                                                      f"hydra.run.dir={tmp_path / f'run{tp}'}"],
+                             tmp_path / f"tp{tp}.json")["records"] for tp in (1, 2)}
     assert len(records[1]) == len(records[2]) == 4
     for a, b in zip(records[1], records[2]):
         assert a["grad_norm"] > 1.0  # clipped
