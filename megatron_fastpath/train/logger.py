@@ -177,10 +177,14 @@ class StepLogger:
         j, c = self.job, self.job.cfg
         m = c.model
         experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if c.is_moe else ""
+        p = c.parallel
+        model_parallel = "".join(f", {name} {size}" for name, size in (
+            ("tp", p.tensor_model_parallel_size), ("pp", p.pipeline_model_parallel_size)) if size > 1)
+        sp = ", sequence parallel" if p.sequence_parallel else ""
         self.print(
             f"megatron_fastpath: {m.num_layers} layers, hidden {m.hidden_size}{experts}, "
             f"{j.total_params:,} params ({j.trainable_params:,} trainable) on {c.device} (world "
-            f"{j.world}, dp {j.dp_world}, ep {c.parallel.expert_model_parallel_size}), "
+            f"{j.world}, dp {j.dp_world}, ep {p.expert_model_parallel_size}{model_parallel}{sp}), "
             f"{j.data.num_microbatches} packed microbatches, attention {c.attention_backend}, "
             f"features: {', '.join(c.features) or 'none'}"
         )

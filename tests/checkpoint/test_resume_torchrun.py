@@ -1,12 +1,12 @@
 """Checkpoints under torchrun (2 processes, gloo, CPU).
 
-* Exact resume at DP=2 and EP=2: straight vs stop_at_step + rerun, bit-identical records. (At
+* Exact resume at DP=2, EP=2 and TP=2: straight vs stop_at_step + rerun, bit-identical records. (At
   EP=2 this once held for the first resumed step only: each rank clipped with its own gradient
   norm, so the replicated dense parameters drifted apart and the checkpoint, which keeps one
   replica, handed rank 1 rank 0's copy. The CPU path now clips with the global norm,
   ``train.step.global_grad_norm``; tests/optim/test_global_grad_norm.py.)
-* Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2 or
-  EP=2 (1 microbatch per rank: the same global batch). The resumed steps equal an uninterrupted
+* Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2,
+  EP=2 (1 microbatch per rank: the same global batch) or TP=2 (each rank loads its shards). The resumed steps equal an uninterrupted
   run at that layout within fp32 tolerance (rel 2e-4: world 1 and world 2 sum gradients in a
   different order, as in test_multiprocess.py); the restored records of the first steps are the
   world-1 run's, exactly.
@@ -28,7 +28,8 @@ STEPS, STOP = 6, 3
 COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128", "data.max_len=48",
           "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",
           "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
-LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_moe", "parallel=ep2"]}
+LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_moe", "parallel=ep2"],
+           "tp2": ["model=tiny_dense", "parallel=single", "parallel.tensor_model_parallel_size=2"]}
 REL_TOL = 2e-4
 
 
@@ -99,11 +100,12 @@ def test_world1_checkpoint_resumes_resharded_at_world2(tmp_path, layout):
     ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
     one, _ = _run(tmp_path, "world1", model + ["training.micro_batches=2", *ckpt,
                                               f"training.stop_at_step={STOP}"], 1)
-    resumed, out = _run(tmp_path, "resumed", LAYOUTS[layout] + ["training.micro_batches=1", *ckpt], 2)
-    reference, _ = _run(tmp_path, "reference", LAYOUTS[layout] + ["training.micro_batches=1"], 2)
+    per_rank = [f"training.micro_batches={2 if layout == 'tp2' else 1}"]  # global batch: 2
+    resumed, out = _run(tmp_path, "resumed", LAYOUTS[layout] + per_rank + ckpt, 2)
+    reference, _ = _run(tmp_path, "reference", LAYOUTS[layout] + per_rank, 2)
     assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
     assert "RNG states not restored: saved at world 1, now 2" in out
-    assert ("ep 2" if layout == "ep2" else "dp 2") in out
+    assert {"ep2": "ep 2", "dp2": "dp 2", "tp2": "tp 2"}[layout] in out
     assert _records(resumed)[:STOP] == _records(one)  # restored from the world-1 checkpoint
     for a, b in zip(resumed["records"][STOP:], reference["records"][STOP:]):
         assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
