@@ -14,7 +14,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from megatron_fastpath.train import config_dir
+from subproc import child_env, free_port
 
 REPO = os.path.dirname(config_dir())
 STEPS, STOP = 6, 3
@@ -33,12 +33,6 @@ LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_m
 REL_TOL = 2e-4
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path, name, overrides, nproc):
     out = tmp_path / f"{name}.json"
     entry = ["-m", "megatron_fastpath.train", *COMMON, *overrides, f"training.summary_json={out}",
@@ -46,10 +40,8 @@ def _run(tmp_path, name, overrides, nproc):
     cmd = [sys.executable, *entry]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_port()}", *entry]
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+               f"--master_port={free_port()}", *entry]
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:

@@ -6,7 +6,6 @@ loss in transformers."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -15,20 +14,14 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from subproc import child_env  # noqa: E402
+from subproc import child_env, free_port  # noqa: E402
 from test_hf_main_job import DATA, REPO, held_out_loss  # noqa: E402
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _main_job(tmp_path, nproc: int, args, summary) -> dict:
     """Run the main job with ``args`` (under torchrun when ``nproc`` > 1); its summary JSON."""
     launch = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                  f"--master_port={_port()}"] if nproc > 1 else [])
+                                  f"--master_port={free_port()}"] if nproc > 1 else [])
     cmd = launch + ["-m", "megatron_fastpath.train", *args, "metrics.tensorboard=false",
                     "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={summary}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),

@@ -5,7 +5,6 @@ without it -- per-token losses bit-identical, every gradient equal once Megatron
 and the job refuses the layouts it cannot run, before any device work."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,16 +12,10 @@ import pytest
 import torch
 
 from cuda_as_cpu import cuda_as_cpu
-from subproc import child_env
+from subproc import child_env, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _expected_sequence_parallel_params(num_layers=2) -> set:
@@ -41,7 +34,7 @@ def _expected_sequence_parallel_params(num_layers=2) -> set:
 def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
     out = str(tmp_path / "sp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_port()}", os.path.join(HERE, "sp_worker.py"), out]
+           f"--master_port={free_port()}", os.path.join(HERE, "sp_worker.py"), out]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

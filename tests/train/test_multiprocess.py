@@ -3,14 +3,13 @@ parallel give the same per-step losses as one process running the same global ba
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from megatron_fastpath.train import config_dir
-from subproc import child_env
+from subproc import child_env, free_port
 
 REPO = os.path.dirname(config_dir())
 
@@ -19,18 +18,12 @@ COMMON = ["training.steps=6", "data.num_samples=192", "data.max_tokens=128", "da
           "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path, name, overrides, nproc=1):
     out = tmp_path / f"{name}.json"
     entry = ["-m", "megatron_fastpath.train", *COMMON, *overrides, f"training.summary_json={out}"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_port()}", *entry]
+               f"--master_port={free_port()}", *entry]
     else:
         cmd = [sys.executable, *entry]
     env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)

@@ -5,7 +5,6 @@ and LoRA: losses, step-1 gradients and final parameters equal; each stage's cach
 (2 on stage 0, 1 on stage 1), never runs out and never refills a slot before its backward."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import pp_worker
+from subproc import child_env, free_port
 
 COMMON = ["training.steps=3", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
           "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
@@ -26,20 +26,12 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 TOL = dict(atol=1e-6, rtol=1e-6)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(tmp_path, overrides, init):
     out = str(tmp_path / "pp.pt")
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
     repo = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))  # tests/support/.. /..
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=repo, PP_WORKER_INIT=init)
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=repo, PP_WORKER_INIT=init)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_port()}", WORKER, out, *overrides]
+           f"--master_port={free_port()}", WORKER, out, *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(f"{out}.rank{r}") for r in (0, 1)]
