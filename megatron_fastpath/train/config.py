@@ -228,8 +228,9 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
             "fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
             "per offload manager); use parallel.pipeline_model_parallel_size=1"
         )
+    tp = par.tensor_model_parallel_size
     if par.sequence_parallel:
-        if par.tensor_model_parallel_size < 2:
+        if tp < 2:
             raise ValueError("parallel.sequence_parallel=true needs "
                              "parallel.tensor_model_parallel_size >= 2 (it shards over the TP group)")
         if device.type == "cpu":
@@ -240,7 +241,6 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
         if is_moe:
             raise ValueError("parallel.sequence_parallel with the fastpath MoE layer is not "
                              "supported: use parallel.sequence_parallel=false")
-        tp = par.tensor_model_parallel_size
         if max_tokens % tp:
             raise ValueError(
                 f"parallel.sequence_parallel splits each packed batch of data.max_tokens="
