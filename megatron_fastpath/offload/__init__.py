@@ -3,7 +3,7 @@
 Public API::
 
     OffloadConfig, BufferMode, OffloadStepStats, AUTO  -- config.py
-    LayerTimes, model_step, plan_window, WindowPlan    -- plan.py
+    LayerTimes, model_step, plan_order, plan_window, WindowPlan -- plan.py
     ActivationOffloadManager                           -- manager.py
     OffloadDevice, CudaOffloadDevice, RecordingDevice,
     TraceEvent, MemoryInfo, default_offload_device     -- device.py
@@ -25,7 +25,13 @@ from megatron_fastpath.offload.device import (
     default_offload_device,
 )
 from megatron_fastpath.offload.manager import ActivationOffloadManager
-from megatron_fastpath.offload.plan import LayerTimes, WindowPlan, model_step, plan_window
+from megatron_fastpath.offload.plan import (
+    LayerTimes,
+    WindowPlan,
+    model_step,
+    plan_order,
+    plan_window,
+)
 
 _LAZY = {
     "OffloadedTransformerLayer": "megatron_fastpath.offload.layer",
@@ -53,6 +59,7 @@ __all__ = [
     "LayerTimes",
     "WindowPlan",
     "model_step",
+    "plan_order",
     "plan_window",
     "BufferMode",
     "CudaOffloadDevice",

@@ -45,17 +45,28 @@ class OffloadConfig:
             tensors split into their data tensors) is offloaded as one group per layer.
         min_offload_bytes: tensors (and layer inputs) smaller than this stay on the device.
         max_offloaded_layers: offload only the first N registered layers (forward order); the
-            rest stay on the device. The offloads of the last layers finish last but are
-            reloaded first, so when the link is slower than the forward (copy time per layer >
-            forward time per layer) they cannot be hidden (``megatron_fastpath.offload.plan``).
+            rest stay on the device. When the link is slower than the forward (copy time per
+            layer > forward time per layer) the offloads fall behind, and the last layers' round
+            trips cannot all be hidden in any order (``megatron_fastpath.offload.plan``).
             ``"auto"`` (default): on a device whose copies overlap compute (CUDA), the first
             steps offload every layer but the last and the second step times each layer's
-            forward, backward and copies with device events (the first pays one-time costs); once those events have completed (read without blocking
-            at a later step's start) the manager keeps the largest window whose modelled
-            whole-step hidden fraction is >= ``target_hidden_fraction`` -- never dropping an
+            forward, backward and copies with device events (the first pays one-time costs);
+            once those events have completed (read without blocking at a later step's start)
+            the manager keeps the largest window whose modelled whole-step hidden fraction (in
+            its ``eager_offloads`` order) is >= ``target_hidden_fraction`` -- never dropping an
             offload that would finish before the end of the forward (peak memory first) --,
-            logs it, and reports it in each step's ``offload_window``. On a synchronous device (CPU) nothing overlaps:
-            every layer but the last. None: every layer but the last. An int N: exactly N.
+            logs it, and reports it in each step's ``offload_window``. On a synchronous device
+            (CPU) nothing overlaps: every layer but the last. None: every layer but the last.
+            An int N: exactly N.
+        eager_offloads: the order the offloads are issued in. An int K: the offloads of the
+            first K offloaded layers are issued as their layers run, those of the rest are held
+            back and issued when the window's last layer's is, latest layer first -- the order
+            the backward reloads them in -- so a copy backlog delays the reloads needed last,
+            not first. None: every offload as its layer runs (forward order). ``"auto"``
+            (default): planned from the same calibration step (also for a fixed window): the K
+            with the highest modelled whole-step hidden fraction among those that leave no more
+            offloads running at the end of the forward than forward order (no less memory freed
+            at the peak); forward order until then and on a synchronous device.
         target_hidden_fraction: the fraction of the step's copy time that must stay hidden for
             ``"auto"`` to offload a layer (in [0, 1]).
         headroom_margin_bytes: device memory that must stay free after the reload buffers are
@@ -72,6 +83,7 @@ class OffloadConfig:
     recompute: bool = True
     min_offload_bytes: int = 1 * MiB
     max_offloaded_layers: Union[int, str, None] = AUTO
+    eager_offloads: Union[int, str, None] = AUTO
     target_hidden_fraction: float = 0.9
     headroom_margin_bytes: int = 1 * GiB
     allow_double_buffer: bool = True
@@ -84,13 +96,12 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}")
-        n = self.max_offloaded_layers
-        if n is not None and n != AUTO and (not isinstance(n, int) or isinstance(n, bool)
-                                            or n < 0):
-            raise ValueError(
-                f"OffloadConfig.max_offloaded_layers must be {AUTO!r}, None or an int >= 0, "
-                f"got {n!r}"
-            )
+        for name in ("max_offloaded_layers", "eager_offloads"):
+            n = getattr(self, name)
+            if n is not None and n != AUTO and (not isinstance(n, int) or isinstance(n, bool)
+                                                or n < 0):
+                raise ValueError(
+                    f"OffloadConfig.{name} must be {AUTO!r}, None or an int >= 0, got {n!r}")
         t = self.target_hidden_fraction
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
             raise ValueError(
@@ -123,9 +134,12 @@ class OffloadStepStats:
     device_buffer_bytes: bytes held by the reload buffers; host_pool_bytes: host pool size;
     host_pinned: False once the pool fell back to pageable memory.
     offload_window: how many leading layers were eligible for offload this step (the last
-        layer never is); window_source: "config" (an int or None), "calibrating" ("auto"
-        before its device timings are in: every layer but the last), "planned" ("auto" with a
-        plan), "synchronous device" ("auto" on a device whose copies do not overlap compute).
+        layer never is); eager_offloads: how many of them were issued as their layers ran (the
+        rest latest layer first after the window's last; == offload_window: forward order);
+        window_source: how window and order were chosen: "config" (both given), "calibrating"
+        (an "auto" before its device timings are in: every layer but the last, forward order),
+        "planned" (with a plan), "synchronous device" ("auto" on a device whose copies do not
+        overlap compute).
     """
 
     step: int
@@ -143,6 +157,7 @@ class OffloadStepStats:
     host_pinned: bool
     offload_window: int = 0
     window_source: str = "config"
+    eager_offloads: int = 0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

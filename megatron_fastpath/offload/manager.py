@@ -12,8 +12,12 @@ Forward, layer i (compute stream C, offload stream O, reload stream R)::
 The device tensors are handed to the allocator with ``record_stream(O)`` so their memory is not
 reused before the copy has read them. The last registered layer is never offloaded (its backward
 starts right after its forward), nor are layers past the offload window
-(``OffloadConfig.max_offloaded_layers``; ``"auto"`` plans it from device timings of a calibration
-step, see :mod:`megatron_fastpath.offload.plan`).
+(``OffloadConfig.max_offloaded_layers``). Offload order (``OffloadConfig.eager_offloads`` = K):
+the offloads of the first K offloaded layers are issued as above; the groups of the others are
+held (their device tensors stay referenced) and issued when the window's last layer closes its
+group, latest layer first, so the copies the backward needs back first are not queued behind
+the ones it needs last. ``"auto"`` plans window and order from device timings of a calibration
+step (:mod:`megatron_fastpath.offload.plan`).
 
 Backward, when layer i's backward starts (an autograd Function at the layer boundary)::
 
@@ -171,6 +175,7 @@ class ActivationOffloadManager:
         self._max_group_bytes = 0  # largest offloadable group seen (sizes the buffers)
         # per-pass state
         self._pending: list[OffloadGroup] = []  # offloaded groups not yet reloaded
+        self._held: list[OffloadGroup] = []  # offloads held back (eager_offloads), not issued
         self._seq = 0
         # per-step state
         self._step = -1
@@ -182,10 +187,13 @@ class ActivationOffloadManager:
         self._counters = self._zero_counters()
         self._grad_anchor: Optional[torch.Tensor] = None
         self.history: list[OffloadStepStats] = []
-        # offload window: a fixed limit (int / None) or "auto" (planned from a calibration step;
-        # _to_plan stays True until it is planned or cannot be)
-        self._to_plan = config.max_offloaded_layers == AUTO
-        self._window: Optional[int] = None if self._to_plan else config.max_offloaded_layers
+        # offload window and order: fixed (int / None) or "auto" (planned from a calibration
+        # step; _to_plan stays True until it is planned or cannot be)
+        self._to_plan = AUTO in (config.max_offloaded_layers, config.eager_offloads)
+        self._window: Optional[int] = (None if config.max_offloaded_layers == AUTO
+                                       else config.max_offloaded_layers)
+        self._eager: Optional[int] = (None if config.eager_offloads == AUTO
+                                      else config.eager_offloads)
         self._window_source = "calibrating" if self._to_plan else "config"
         self._calib: Optional[_Calibration] = None
         self.window_plan: Optional[WindowPlan] = None
@@ -251,6 +259,7 @@ class ActivationOffloadManager:
         the step's first offload, reset the counters."""
         self._release_all_buffers()
         self._pending.clear()
+        self._held.clear()
         self._step += 1
         self._in_step = True
         self._mode = None
@@ -280,6 +289,7 @@ class ActivationOffloadManager:
             host_pinned=self._host_pinned,
             offload_window=self._effective_window(),
             window_source=self._window_source,
+            eager_offloads=self._effective_eager(),
         )
         self.history.append(stats)
         self._in_step = False
@@ -362,16 +372,30 @@ class ActivationOffloadManager:
         return _Packed(group, index)
 
     def close_group(self, group: OffloadGroup) -> None:
-        """Decide offload vs keep for the whole group and issue its device->host copies."""
+        """Decide offload vs keep for the whole group and issue (or hold back) its device->host
+        copies; at the window's last layer, issue the held-back groups, latest layer first."""
         group.closed = True
         group._dedup.clear()
         if self._calib is not None and self._calib.step == self._step:
             self._calib.nbytes.setdefault(group.key, group.nbytes)
-        if not group.items:
-            return
-        if not self._offload_group_allowed(group):
+        index, last = self._layer_keys.index(group.key), self._effective_window() - 1
+        if group.items and not self._offload_group_allowed(group):
             self._counters["layers_kept"] += 1
-            return
+        elif group.items:
+            self._counters["bytes_offloaded"] += group.nbytes
+            self._counters["layers_offloaded"] += 1
+            if self._effective_eager() <= index < last:
+                self._held.append(group)
+            else:
+                self._issue_offload(group)
+        if index >= last:
+            self._issue_held()
+
+    def _issue_held(self) -> None:
+        while self._held:
+            self._issue_offload(self._held.pop())
+
+    def _issue_offload(self, group: OffloadGroup) -> None:
         dev = self.device
         compute, offload = dev.compute_stream(), dev.offload_stream()
         ready = dev.new_event()
@@ -391,8 +415,6 @@ class ActivationOffloadManager:
         dev.record_event(group.offload_event, offload)
         group.offloaded = True
         self._pending.append(group)
-        self._counters["bytes_offloaded"] += group.nbytes
-        self._counters["layers_offloaded"] += 1
 
     def _offload_group_allowed(self, group: OffloadGroup) -> bool:
         self._max_group_bytes = max(self._max_group_bytes, group.nbytes)
@@ -407,7 +429,7 @@ class ActivationOffloadManager:
                 f"({self._buffer_bytes} B) this step; kept on device, buffers grow next step",
             )
             return False
-        busy = [g for g in self._pending if g.key == group.key]
+        busy = [g for g in self._pending + self._held if g.key == group.key]
         if busy:
             self._log_once("busy", f"host slot of {group.key} still holds an activation that was "
                            "not reloaded (several forwards in flight); kept on device")
@@ -545,6 +567,7 @@ class ActivationOffloadManager:
         dev = self.device
         if self.config.enabled:
             self._refuse_capture()
+        self._issue_held()  # (a forward that ended before the window's last layer)
         compute = dev.compute_stream()
         for b, owner in enumerate(self._owner):
             if owner is not None and owner is not group and owner.bwd_started:
@@ -641,6 +664,11 @@ class ActivationOffloadManager:
         n = len(self._layer_keys) - 1
         return n if self._window is None else min(self._window, n)
 
+    def _effective_eager(self) -> int:
+        """Offloads issued as their layers run; the window's others are held back."""
+        n = self._effective_window()
+        return n if self._eager is None else min(self._eager, n)
+
     def _stamp(self, label: tuple, stream: Any) -> None:
         c = self._calib
         if c is None or c.step != self._step or not self._in_step or label in c.stamps:
@@ -695,8 +723,10 @@ class ActivationOffloadManager:
 
         times = LayerTimes(tuple(spans["fwd"]), tuple(spans["bwd"]), copy_times("d2h"),
                            copy_times("h2d"), offload_at_layer_start=cfg.recompute)
-        plan = plan_window(times, cfg.target_hidden_fraction)
-        self.window_plan, self._window, self._window_source = plan, plan.window, "planned"
+        plan = plan_window(times, cfg.target_hidden_fraction, eager=cfg.eager_offloads,
+                           window=cfg.max_offloaded_layers)
+        self.window_plan, self._window_source = plan, "planned"
+        self._window, self._eager = plan.window, plan.eager
         self._calib, self._to_plan = None, False
         level = logging.INFO if plan.meets_target and plan.window > 0 else logging.WARNING
         logger.log(level, "activation offload: %s (from device timings of step %d)%s",

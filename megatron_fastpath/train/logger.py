@@ -312,7 +312,8 @@ class StepLogger:
                 f"{last.prefetched_reloads} prefetched / {last.just_in_time_reloads} just-in-time "
                 f"reloads (est. exposed copy {last.est_exposed_copy_s * 1e3:.3f} ms), device "
                 f"buffers {last.device_buffer_bytes:,} B, host pool {last.host_pool_bytes:,} B, "
-                f"window {last.offload_window} layers ({last.window_source})"
+                f"window {last.offload_window} layers, {last.eager_offloads} issued in forward "
+                f"order ({last.window_source})"
             )
         if s.audit is not None:
             self.print("\n".join(f"  {line}" for line in s.audit.splitlines()))

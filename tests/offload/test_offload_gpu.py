@@ -136,7 +136,7 @@ def test_cuda_no_host_syncs_added():
 
 def test_cuda_auto_window_from_device_timings():
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
-    _, model, mgr = _pair(OffloadConfig(**CFG))  # max_offloaded_layers="auto"
+    _, model, mgr = _pair(OffloadConfig(**CFG))  # window and order "auto"
     _run(model, x, mgr)  # warm-up: not timed
     _run(model, x, mgr)  # calibration step: timed with CUDA events
     assert mgr.history[-1].window_source == "calibrating"
@@ -145,6 +145,7 @@ def test_cuda_auto_window_from_device_timings():
     plan = mgr.window_plan
     assert plan is not None and stats.window_source == "planned"
     assert stats.offload_window == plan.window == stats.layers_offloaded
+    assert stats.eager_offloads == plan.eager  # and the order planned with it
     assert all(m.free_step_s > 0 for m in plan.candidates)
     dev = mgr.device
     a, b = dev.timestamp(dev.compute_stream(), ("t", "begin", "x")), None

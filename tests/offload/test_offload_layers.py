@@ -65,10 +65,11 @@ CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved_tensors"])
 @pytest.mark.parametrize("moe", [False, True, "tiny"], ids=["dense", "moe", "tiny_moe"])
-def test_gradients_bit_identical(dtype, recompute, moe):
+@pytest.mark.parametrize("eager", [None, 0], ids=["forward_order", "held_back"])
+def test_gradients_bit_identical(dtype, recompute, moe, eager):
     dev = RecordingDevice()
-    ref, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, **CFG), dev, dtype=dtype,
-                                   moe=moe)
+    ref, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, eager_offloads=eager, **CFG),
+                                   dev, dtype=dtype, moe=moe)
     x = torch.randn(S, B, H, dtype=dtype)
     expected = run_step(ref, x)
     for seed_step in range(2):  # second step reuses pool and buffers
@@ -78,6 +79,7 @@ def test_gradients_bit_identical(dtype, recompute, moe):
         assert stats.layers_offloaded == 3 and stats.prefetched_reloads == 3
         assert stats.bytes_offloaded == stats.bytes_reloaded > 0
         assert stats.just_in_time_reloads == 0 and stats.est_exposed_copy_s == 0.0
+        assert stats.eager_offloads == (3 if eager is None else 0)
 
 
 def _plenty(unit):
@@ -191,10 +193,12 @@ def _index(trace, op, tag, **kw):
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved_tensors"])
-def test_double_buffer_schedule(recompute):
+@pytest.mark.parametrize("eager", [None, 1], ids=["forward_order", "held_back"])
+def test_double_buffer_schedule(recompute, eager):
     L = 6
     dev = RecordingDevice()
-    _, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, **CFG), dev, num_layers=L)
+    _, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, eager_offloads=eager, **CFG),
+                                 dev, num_layers=L)
     x = torch.randn(S, B, H)
     _step(mgr, off, x)
     dev.clear_trace()
@@ -205,6 +209,18 @@ def test_double_buffer_schedule(recompute):
     for k in keys[:-1]:
         assert _index(trace, "copy", k, direction="d2h") >= 0
     assert not any(e.op == "copy" and e.tag == keys[-1] for e in trace)
+    # in order: the eager ones as their layers run; the held ones once the window's last layer
+    # (L5) has closed its group -- at its start (recompute) or after its forward -- latest first
+    k = L - 1 if eager is None else eager
+    d2h = [e.tag for e in trace if e.op == "copy" and e.direction == "d2h"]
+    assert [t for j, t in enumerate(d2h) if j == 0 or d2h[j - 1] != t] == [
+        keys[i] for i in [*range(k), *reversed(range(k, L - 1))]]
+    closed_last = _index(trace, "compute_begin" if recompute else "compute_end", keys[L - 2],
+                         phase="fwd")
+    for key in keys[k:L - 2]:
+        held = _index(trace, "copy", key, direction="d2h")
+        assert held > _index(trace, "compute_end", keys[L - 3], phase="fwd")
+        assert (held < closed_last) if recompute else (held > closed_last)
     # backward: the reload of layer i-1 is issued before layer i's backward compute, for every
     # layer that has a predecessor (in particular every middle layer)
     for i in range(1, L):

@@ -266,6 +266,42 @@ def test_begin_step_drops_a_pass_without_backward():
     assert stats.prefetched_reloads == 2 and stats.just_in_time_reloads == 0
 
 
+def test_held_back_offloads_are_issued_by_a_backward_that_starts_early():
+    """Offloads held back for the window's last layer (eager_offloads) are issued, latest first,
+    when a backward starts before that layer ran (a forward that stopped early), so every
+    unpacked tensor is what was packed; a step that drops such a pass drops them too."""
+    mgr, dev, keys = _manager(num_layers=6, eager_offloads=1)
+    tensors = [[torch.full((64,), float(i))] for i in range(3)]
+    mgr.begin_step()
+    groups, packed = [], []
+    for key, ts in zip(keys[:3], tensors):
+        g = mgr.open_group(key)
+        packed.append([mgr.pack(g, t) for t in ts])
+        mgr.close_group(g)
+        groups.append(g)
+    assert [e.tag for e in dev.trace if e.op == "copy"] == ["L1"]  # L2, L3 held for L5
+    for i in reversed(range(3)):
+        mgr.begin_backward(groups[i])
+        if i == 2:
+            assert [e.tag for e in dev.trace if e.op == "copy" and e.direction == "d2h"] == [
+                "L1", "L3", "L2"]
+        torch.testing.assert_close(mgr.unpack(packed[i][0]), tensors[i][0], rtol=0, atol=0)
+        mgr.end_backward(groups[i])
+    stats = mgr.end_step()
+    assert stats.layers_offloaded == stats.prefetched_reloads + stats.just_in_time_reloads == 3
+    assert stats.bytes_offloaded == stats.bytes_reloaded == 3 * 256
+    # a pass without backward: its held groups are dropped with it, the next step is whole
+    mgr.begin_step()
+    for key in keys[:3]:
+        g = mgr.open_group(key)
+        mgr.pack(g, torch.randn(64))
+        mgr.close_group(g)
+    mgr.end_step()
+    out, stats, _ = _forward_backward(mgr, keys, [[torch.full((64,), float(i))] for i in range(6)])
+    assert [o[0][0].item() for o in out] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert stats.layers_offloaded == 5 and stats.eager_offloads == 1
+
+
 def test_device_buffer_oom_falls_back():
     """alloc_device fails even though the statistics said it fits: next mode down."""
     mgr, dev, keys = _manager(num_layers=3)
