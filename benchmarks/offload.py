@@ -16,22 +16,28 @@ CPU section (always runs, < 1 min):
      copy ("measured"). ``hidden_fraction`` = 1 - (T_step - T_free) / copy time: the fraction of
      all offload + reload time that did not lengthen the step (T_free: the same step with free
      copies). A prefetch issued late on the host starts late in this model.
-  3. Variants: ``single_buffer`` (every layer but the last offloaded, reload just in time),
-     ``double_buffer_all_layers`` (``max_offloaded_layers=None``: every layer but the last,
-     prefetch one layer ahead) and ``double_buffer`` (the default, ``max_offloaded_layers=
-     "auto"``: the window the manager's own planner, ``megatron_fastpath.offload.plan.
-     plan_window``, picks from these per-layer times and c -- on a GPU it is fed device
-     timings of a calibration step; the last offloads finish last but are reloaded first, so
-     with a link slower than the forward they cannot all be hidden).
+  3. Variants: ``single_buffer`` (every layer but the last offloaded in forward order, reload
+     just in time), ``double_buffer_all_layers`` (``max_offloaded_layers=None``: every layer
+     but the last, prefetch one layer ahead, in the order the manager's planner picks for that
+     window -- ``eager_offloads="auto"``, the default) and ``double_buffer`` (the default,
+     ``max_offloaded_layers="auto"``: the window and order the manager's own planner,
+     ``megatron_fastpath.offload.plan.plan_window``, picks from these per-layer times and c --
+     on a GPU it is fed device timings of a calibration step).
      ``offload_window``: the row's ``max_offloaded_layers`` ("None" or "auto");
-     ``planned_window`` / ``modelled_hidden_fraction``: the planner's choice and its own
-     (host-ahead) figure; ``peak_window``: the window below which the planner never goes (it
-     frees, by the end of the forward, what offloading every layer frees); ``hidden_fraction``
-     is the replay with host issue times.
+     ``eager_offloads``: offloads issued as their layers ran, the others held back and issued
+     after the window's last layer, latest first (== offloaded_layers: forward order);
+     ``forward_order_hidden_fraction`` / ``forward_order_pending_at_fwd_end``: the same window
+     with every offload issued in forward order (``eager_offloads=None``) -- in forward order
+     the last offloads finish last but are reloaded first (the planner takes an order only if
+     it leaves no more offloads running at the end of the forward); ``planned_window`` /
+     ``modelled_hidden_fraction``: the planner's choice and its own (host-ahead) figure;
+     ``peak_window``: the window below which the planner never goes (it frees, by the end of
+     the forward, what the largest window frees); ``hidden_fraction`` is the replay with host
+     issue times.
      ``offloaded_layers`` / ``offloaded_bytes_per_step`` say what each row copies;
      ``offloads_pending_at_fwd_end``: offloads still running when the forward ends -- those
      activation sets are still on the device at the activation peak, so offloading them saved
-     no peak memory (at c/g = 1 the all-layers row and the planned row leave the same number of
+     no peak memory (at c/g = 2 the all-layers row and the planned row leave the same number of
      sets off the device at that point);
      ``extra_device_bytes``: peak bytes of the reload buffers.
      ``single_over_ours``: modelled step time single_buffer / this row
@@ -190,6 +196,7 @@ def _row(name, rec, compute_s, bw, act_bytes, g, label, single_step) -> dict:
     return dict(
         section="cpu_model", variant=name, scenario=label, c_over_g=round(c / g, 4),
         layers=len({t for _, t in compute_s}), offloaded_layers=stats.layers_offloaded,
+        eager_offloads=stats.eager_offloads,
         offloaded_bytes_per_step=stats.bytes_offloaded, mode=stats.mode.value,
         hidden_fraction=None if stats.layers_offloaded == 0 else round(frac, 4),
         # offloads still running when the forward ends: those activations are still on the
@@ -212,18 +219,20 @@ def cpu_section(args) -> list[dict]:
     act_bytes = x.numel() * x.element_size()
     L = args.layers
     base = dict(min_offload_bytes=0, headroom_margin_bytes=0)
-    recs = {
-        "no_offload": _record(args, config, x, OffloadConfig(enabled=False, **base)),
-        "single_buffer": _record(args, config, x,
-                                 OffloadConfig(allow_double_buffer=False, **base)),
-        "double_buffer_all_layers": _record(args, config, x, OffloadConfig(**base)),
-    }
-    windows = {n: _record(args, config, x, OffloadConfig(max_offloaded_layers=n, **base))
-               for n in range(0, L - 1)}
-    windows[L - 1] = recs["double_buffer_all_layers"]
+
+    recorded: dict = {}
+
+    def run(window, eager, **kw):  # each configuration recorded once
+        ocfg = OffloadConfig(max_offloaded_layers=window, eager_offloads=eager, **kw, **base)
+        if ocfg not in recorded:
+            recorded[ocfg] = _record(args, config, x, ocfg)
+        return recorded[ocfg]
+
+    recs = {"no_offload": run(None, None, enabled=False),
+            "single_buffer": run(None, None, allow_double_buffer=False)}
     # per-layer compute times: min over repeats and variants (the compute is the same)
     compute_s: dict = {}
-    for rec in [*recs.values(), *windows.values()]:
+    for rec in [*recs.values(), *(run(n, None) for n in [*range(L - 1), None])]:
         for key, t in rec["times"].items():
             compute_s[key] = min(compute_s.get(key, float("inf")), t)
     g = statistics.median(t for (ph, _), t in compute_s.items() if ph == "bwd")
@@ -242,13 +251,20 @@ def cpu_section(args) -> list[dict]:
         times = LayerTimes(tuple(compute_s[("fwd", k)] for k in keys),
                            tuple(compute_s[("bwd", k)] for k in keys), (c,) * L, (c,) * L,
                            offload_at_layer_start=True)
-        plan = plan_window(times, TARGET)  # what max_offloaded_layers="auto" picks
-        row = _row("double_buffer", windows[plan.window], compute_s, bw, act_bytes, g, label,
-                   single)
-        row.update(offload_window="auto", planned_window=plan.window,
-                   modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4),
-                   peak_window=plan.peak_window)
-        rows.append(row)
+        # what the manager's planner picks: the order for every layer but the last
+        # (max_offloaded_layers=None), window and order for "auto"
+        for name, window in (("double_buffer_all_layers", None), ("double_buffer", "auto")):
+            plan = plan_window(times, TARGET, window=window)
+            row = _row(name, run(None if window is None else plan.window, plan.eager),
+                       compute_s, bw, act_bytes, g, label, single)
+            forward = _row(name, run(None if window is None else plan.window, None),
+                           compute_s, bw, act_bytes, g, label, single)
+            row.update(offload_window=str(window), planned_window=plan.window,
+                       modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4),
+                       peak_window=plan.peak_window,
+                       forward_order_hidden_fraction=forward["hidden_fraction"],
+                       forward_order_pending_at_fwd_end=forward["offloads_pending_at_fwd_end"])
+            rows.append(row)
     for r in rows:
         r.update(f_ms=round(f * 1e3, 4), g_ms=round(g * 1e3, 4), reps=args.reps,
                  activation_bytes=act_bytes)
@@ -338,9 +354,11 @@ def gpu_section(args) -> list[dict]:
 
 # -- main ----------------------------------------------------------------------------------
 def _table(rows: list[dict]) -> str:
-    cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "mode", "c_ms",
+    cols = ["section", "variant", "scenario", "c_over_g", "offloaded_layers", "eager_offloads",
+            "mode", "c_ms",
             "compute_ms", "step_ms", "free_copy_step_ms", "exposed_copy_ms", "copy_ms", "hidden_fraction",
-            "offloads_pending_at_fwd_end", "planned_window", "peak_window", "modelled_hidden_fraction",
+            "offloads_pending_at_fwd_end", "forward_order_hidden_fraction", "planned_window",
+            "peak_window", "modelled_hidden_fraction",
             "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
@@ -362,11 +380,13 @@ def _summary(rows: list[dict], env: dict) -> str:
         describe(env),
     ]
     for r in rows:
-        if r["section"] == "cpu_model" and r["variant"] == "double_buffer":
+        if r["section"] == "cpu_model" and "double" in r["variant"]:
             lines.append(
-                f"double_buffer at c/g={r['c_over_g']:g}: whole-step hidden fraction "
+                f"{r['variant']} at c/g={r['c_over_g']:g}: whole-step hidden fraction "
                 f"{r['hidden_fraction']} with {r['offloaded_layers']} of {r['layers'] - 1} "
-                f"layers offloaded (window 'auto', target >= {TARGET})")
+                f"layers offloaded, {r['eager_offloads']} in forward order (window "
+                f"{r['offload_window']!r}; all in forward order: "
+                f"{r['forward_order_hidden_fraction']}; target >= {TARGET})")
     return "\n".join(lines)
 
 

@@ -57,8 +57,9 @@ def moe_dispatch(d) -> str:
 
 def offload(d) -> str:
     out = ["| c/g | variant | `max_offloaded_layers` | hidden_fraction | layers offloaded "
-           "| offloads pending at forward end | single / this row (step time) |",
-           "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+           "| of them in forward order | offloads pending at forward end "
+           "| all in forward order: hidden / pending | single / this row (step time) |",
+           "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         if r.get("hidden_fraction") is None or r["scenario"] == "measured":
             continue
@@ -66,9 +67,13 @@ def offload(d) -> str:
         if r["c_over_g"] == 1.0 and "double" in r["variant"]:
             frac = f"**{frac}**"  # the target (>= 0.9 at c/g = 1), met or not
         window = r["offload_window"] if r["offload_window"] != "None" else "None (all)"
+        forward = ("" if r.get("forward_order_hidden_fraction") is None else
+                   f"{r['forward_order_hidden_fraction']:.2f} / "
+                   f"{r['forward_order_pending_at_fwd_end']}")
         out.append(f"| {r['c_over_g']} | {r['variant']} | `{window}` | {frac} | "
-                   f"{r['offloaded_layers']} | "
-                   f"{r['offloads_pending_at_fwd_end']} | {r['single_over_ours']:.2f} |")
+                   f"{r['offloaded_layers']} | {r['eager_offloads']} | "
+                   f"{r['offloads_pending_at_fwd_end']} | {forward} | "
+                   f"{r['single_over_ours']:.2f} |")
     return "\n".join(out)
 
 

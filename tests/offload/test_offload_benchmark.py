@@ -30,7 +30,16 @@ def test_offload_benchmark_quick_json(tmp_path):
     assert double and all(r["hidden_fraction"] is not None and "c_over_g" in r for r in double)
     planned = {r["c_over_g"]: r for r in double if r["variant"] == "double_buffer"}
     assert {0.5, 1.0, 2.0} <= planned.keys()
-    assert planned[1.0]["hidden_fraction"] >= 0.9
+    assert all(r["hidden_fraction"] >= 0.9 for r in double if r["c_over_g"] == 1.0)
+    for r in double:  # the planned order: never worse than forward order, no less freed
+        assert r["forward_order_hidden_fraction"] <= r["hidden_fraction"] + 1e-4
+        assert r["offloads_pending_at_fwd_end"] <= r["forward_order_pending_at_fwd_end"]
+        assert 0 <= r["eager_offloads"] <= r["offloaded_layers"]
+    # at c/g = 1 every layer cannot hide in forward order; the planned order hides it
+    every = next(r for r in double if r["variant"] == "double_buffer_all_layers"
+                 and r["c_over_g"] == 1.0)
+    assert every["forward_order_hidden_fraction"] < 0.9 and every["eager_offloads"] < (
+        every["offloaded_layers"] - 1)
     for r in planned.values():  # the row runs the window the manager's "auto" planner picks
         assert r["offload_window"] == "auto" and r["planned_window"] == r["offloaded_layers"]
         assert r["modelled_hidden_fraction"] >= 0.9 or r["planned_window"] == 0
