@@ -114,8 +114,9 @@ class _Calibration:
 class OffloadGroup:
     """The tensors of one layer's forward, offloaded (or kept) and reloaded together."""
 
-    def __init__(self, key: str, seq: int, stays_on_device: bool):
+    def __init__(self, key: str, index: int, seq: int, stays_on_device: bool):
         self.key = key
+        self.index = index  # the layer's position in forward (registration) order
         self.seq = seq
         self.stays_on_device = stays_on_device  # the last layer, or past max_offloaded_layers
         self.items: list[_Item] = []
@@ -318,8 +319,9 @@ class ActivationOffloadManager:
         if self.config.enabled:
             self._refuse_capture()
         self._seq += 1
-        beyond = self._layer_keys.index(key) >= self._effective_window()
-        return OffloadGroup(key, self._seq, (key == self._layer_keys[-1]) or beyond)
+        index = self._layer_keys.index(key)
+        # the window never includes the last layer: index >= window covers it
+        return OffloadGroup(key, index, self._seq, index >= self._effective_window())
 
     def _refuse_capture(self) -> None:
         if self.device.is_capturing():
@@ -378,17 +380,17 @@ class ActivationOffloadManager:
         group._dedup.clear()
         if self._calib is not None and self._calib.step == self._step:
             self._calib.nbytes.setdefault(group.key, group.nbytes)
-        index, last = self._layer_keys.index(group.key), self._effective_window() - 1
+        last = self._effective_window() - 1
         if group.items and not self._offload_group_allowed(group):
             self._counters["layers_kept"] += 1
         elif group.items:
             self._counters["bytes_offloaded"] += group.nbytes
             self._counters["layers_offloaded"] += 1
-            if self._effective_eager() <= index < last:
+            if self._effective_eager() <= group.index < last:
                 self._held.append(group)
             else:
                 self._issue_offload(group)
-        if index >= last:
+        if group.index >= last:
             self._issue_held()
 
     def _issue_held(self) -> None:
