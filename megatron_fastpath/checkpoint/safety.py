@@ -3,17 +3,38 @@
 A torch_dist checkpoint holds three kinds of files: tensor data (``__<rank>_<i>.distcp``, read
 by torch.distributed.checkpoint with ``torch.load(weights_only=True)``), ``common.pt`` (read by
 Megatron with torch.load's default, ``weights_only=True`` in torch >= 2.6) and ``.metadata``, a
-plain pickle that torch.distributed.checkpoint reads with ``pickle.load``. Before anything is
-loaded, :func:`check_safe_to_load` unpickles ``.metadata`` with an allow-list (the
-torch.distributed.checkpoint metadata classes, torch.Size, dtypes) and ``common.pt`` with
-``weights_only=True``; a file that needs anything else is refused with the global it asked for.
+plain pickle that torch.distributed.checkpoint reads with ``pickle.load``
+(``FileSystemReader.read_metadata``). Before anything is loaded, :func:`check_safe_to_load`
+reads ``.metadata`` with :class:`_MetadataUnpickler` and ``common.pt`` with
+``weights_only=True``; a file that needs anything else is refused with what it asked for.
 Byte items (Megatron ``ShardedObject``s, which torch.distributed.checkpoint would unpickle with
-``weights_only=False``) are never requested: our loads ask for tensors only.
-Everything else we write is JSON.
+``weights_only=False``) are never written nor requested, and a ``.metadata`` that describes any
+entry as bytes is refused: the planner would read it with full unpickling whatever was asked.
+Everything else we write is JSON or safetensors.
+
+The metadata unpickler closes the class of bug, not one payload:
+
+* globals are explicit ``(module, name)`` pairs (:data:`_CLASSES`, :data:`_TORCH_VALUES`);
+  a dotted name (``pickle`` resolves protocol-4 names as attribute paths, so an allowed module
+  plus ``os.system`` would otherwise reach any object) is refused, and so is every name not
+  listed, whatever its module;
+* the resolved object must be what the table says: a class whose ``__module__`` and
+  ``__qualname__`` are the listed ones (so a name re-exported from elsewhere, or replaced by
+  an attribute of the module, is refused), or a ``torch.dtype`` / ``torch.memory_format`` /
+  ``torch.layout`` value of module ``torch``;
+* every opcode that calls something checks what it calls: REDUCE, NEWOBJ, NEWOBJ_EX, OBJ and
+  INST only call a listed class (REDUCE also the one listed lookup function, torch's
+  ``_get_layout``, with one string argument); BUILD only sets the state of an instance of a listed class;
+  EXT1/2/4 (the ``copyreg`` extension registry) and
+  persistent ids are refused.
+
+It runs on pickle's pure-Python ``_Unpickler`` (whose opcode table can be checked per opcode),
+which reads the same bytes as the C unpickler torch.distributed.checkpoint uses afterwards.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 
@@ -21,53 +42,155 @@ import torch
 
 __all__ = ["UnsafeCheckpointError", "check_safe_to_load", "safe_load_metadata"]
 
-# module -> allowed names (None: every name the module defines is a plain metadata class)
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,
-    "torch.distributed.checkpoint.planner": {
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem",
-        "LoadItemType",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch._utils": {"_rebuild_tensor_v2"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
+# The classes a torch_dist ``.metadata`` holds (torch 2.6-2.13 torch.distributed.checkpoint,
+# Megatron 0.16's ``mcore_data``), each as (module, qualified name). Nothing else is resolved.
+_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+              "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.planner", n)
+    for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+              "LoadPlan", "ReadItem", "LoadItemType")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
 }
+# Functions a pickle may call (REDUCE only), each with the one argument type it takes: torch
+# pickles a layout as ``_get_layout("torch.strided")`` (torch/serialization.py, copyreg.pickle
+# for torch.layout), a lookup in a table of torch's layouts.
+_FUNCTIONS = {("torch.serialization", "_get_layout"): str}
+# Values of module ``torch`` a pickle may name (dtypes, layouts and memory formats pickle
+# themselves as globals); checked by type, not by name.
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 class UnsafeCheckpointError(RuntimeError):
     """The checkpoint would need arbitrary unpickling (or an unsafe loader) to be read."""
 
 
-class _AllowListUnpickler(pickle.Unpickler):
+def _refuse(path: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} would {what}: refusing to load it (unpickling it could run arbitrary code "
+        "from the file). A torch_dist .metadata holds only torch.distributed.checkpoint "
+        "metadata classes, torch.Size, dtypes and plain containers; if this checkpoint was "
+        "written by torch.distributed.checkpoint itself, report the class named above."
+    )
+
+
+def _resolve(path: str, module: str, name: str):
+    """The object ``module.name`` if the table allows it, else UnsafeCheckpointError."""
+    if "." in name:
+        raise _refuse(path, f"look up the attribute path {module}.{name}")
+    listed = (module, name) in _CLASSES or (module, name) in _FUNCTIONS
+    if not listed and module != "torch":
+        raise _refuse(path, f"unpickle {module}.{name}, which is not a checkpoint-metadata class")
+    try:
+        obj = vars(importlib.import_module(module))[name]
+    except (ImportError, KeyError) as exc:
+        raise _refuse(path, f"unpickle {module}.{name}, which does not exist") from exc
+    if listed:
+        kind = type if (module, name) in _CLASSES else type(_resolve)
+        if not (isinstance(obj, kind) and obj.__module__ == module and obj.__qualname__ == name):
+            raise _refuse(path, f"unpickle {module}.{name}, which is not the listed {kind.__name__}")
+        return obj
+    if type(obj) in _TORCH_VALUE_TYPES:
+        return obj
+    raise _refuse(path, f"unpickle {module}.{name}, which is not a dtype, layout or memory format")
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """pickle's pure-Python unpickler with every calling opcode checked (module docstring)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, f, path: str):
         super().__init__(f)
         self.path = path
+        self.classes: set = set()  # the listed classes this file resolved, by identity
+        self.functions: dict = {}  # the listed functions it resolved -> their argument type
 
     def find_class(self, module: str, name: str):
-        allowed = _ALLOWED.get(module, set())
-        ok = allowed is None or name in allowed
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            ok = True
-        if not ok:
-            raise UnsafeCheckpointError(
-                f"{self.path} would unpickle {module}.{name}, which is not a checkpoint-metadata "
-                "class: refusing to load it (loading it would run arbitrary code from the file). "
-                "Only torch.distributed.checkpoint metadata, torch.Size and dtypes are accepted."
-            )
-        return super().find_class(module, name)
+        if self.proto < 3 and self.fix_imports:  # the same renaming the C unpickler applies
+            from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+            if (module, name) in NAME_MAPPING:
+                module, name = NAME_MAPPING[(module, name)]
+            elif module in IMPORT_MAPPING:
+                module = IMPORT_MAPPING[module]
+        obj = _resolve(self.path, module, name)
+        if isinstance(obj, type):
+            self.classes.add(obj)
+        elif (module, name) in _FUNCTIONS:
+            self.functions[obj] = _FUNCTIONS[(module, name)]
+        return obj
+
+    def persistent_load(self, pid):
+        raise _refuse(self.path, "resolve a persistent id")
+
+    def _callable(self, cls, opcode: str):
+        if not (isinstance(cls, type) and cls in self.classes):
+            raise _refuse(self.path, f"call {cls!r} ({opcode})")
+        return cls
+
+    def _load_reduce(self):
+        func, args = self.stack[-2], self.stack[-1]
+        if type(func) is type(_resolve) and func in self.functions:
+            if not (type(args) is tuple and len(args) == 1 and type(args[0]) is self.functions[func]):
+                raise _refuse(self.path, f"call {func.__qualname__} with {args!r:.80} (REDUCE)")
+        else:
+            self._callable(func, "REDUCE")
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj(self):
+        self._callable(self.stack[-2], "NEWOBJ")
+        pickle._Unpickler.load_newobj(self)
+
+    def _load_newobj_ex(self):
+        self._callable(self.stack[-3], "NEWOBJ_EX")
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _instantiate(self, klass, args):
+        self._callable(klass, "INST/OBJ")
+        return pickle._Unpickler._instantiate(self, klass, args)
+
+    def _load_build(self):
+        inst = self.stack[-2]
+        if type(inst) not in self.classes:
+            raise _refuse(self.path, f"set the state of a {type(inst).__qualname__} (BUILD)")
+        pickle._Unpickler.load_build(self)
+
+    def _load_ext(self):
+        raise _refuse(self.path, "call through the copyreg extension registry (EXT1/2/4)")
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
+    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _load_ext
+    del _op
 
 
 def safe_load_metadata(path: str):
-    """torch.distributed.checkpoint's ``.metadata`` unpickled with the allow-list."""
+    """torch.distributed.checkpoint's ``.metadata`` unpickled with every call checked."""
     with open(path, "rb") as f:
         try:
-            return _AllowListUnpickler(f, path).load()
+            meta = _MetadataUnpickler(f, path).load()
         except UnsafeCheckpointError:
             raise
         except Exception as exc:
             raise UnsafeCheckpointError(f"{path} is not a readable checkpoint metadata file: {exc}") from exc
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata):
+        raise UnsafeCheckpointError(f"{path} holds a {type(meta).__qualname__}, not torch.distributed."
+                                    "checkpoint Metadata: not a torch_dist checkpoint")
+    return meta
 
 
 def check_safe_to_load(model_dir: str) -> None:
@@ -86,7 +209,19 @@ def check_safe_to_load(model_dir: str) -> None:
     meta = os.path.join(model_dir, ".metadata")
     if not os.path.exists(meta):
         raise UnsafeCheckpointError(f"{model_dir} has no .metadata: not a torch_dist checkpoint")
-    safe_load_metadata(meta)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    not_tensors = sorted(k for k, v in safe_load_metadata(meta).state_dict_metadata.items()
+                         if not isinstance(v, TensorStorageMetadata))
+    if not_tensors:
+        # torch.distributed.checkpoint's planner reads an entry described as bytes with
+        # torch.load(weights_only=False) (default_planner.py, load_bytes), even for a key the
+        # caller asked as a tensor: a metadata file could route a tensor through full unpickling.
+        raise UnsafeCheckpointError(
+            f"{meta} describes {not_tensors[:3]}{' ...' if len(not_tensors) > 3 else ''} as byte "
+            "objects, which torch.distributed.checkpoint would read with full unpickling; "
+            "checkpoints written by megatron_fastpath hold tensors only: refusing to load"
+        )
     common = os.path.join(model_dir, "common.pt")
     if os.path.exists(common):
         try:
