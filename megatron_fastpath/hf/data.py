@@ -174,12 +174,24 @@ def _save_cache(path: str, data: TokenizedData) -> None:
 
 
 def _load_cache(path: str) -> TokenizedData:
-    z = np.load(path)
-    cuts = np.cumsum(z["lengths"])[:-1]
-    malformed = [(int(s.split("\t", 1)[0]), s.split("\t", 1)[1]) for s in z["malformed"].tolist()]
-    return TokenizedData(list(np.split(z["ids"], cuts)) if len(z["lengths"]) else [],
-                         list(np.split(z["masks"], cuts)) if len(z["lengths"]) else [],
-                         z["lines"].tolist(), malformed)
+    """The cached tokens, read without unpickling (``allow_pickle=False``: an object array in a
+    planted or damaged cache raises instead of running code) and checked for consistency;
+    ValueError when the file is not a cache this module wrote."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("ids", "masks", "lengths", "lines", "malformed")}
+    except (OSError, KeyError, ValueError, EOFError) as exc:  # zipfile.BadZipFile is an OSError
+        raise ValueError(f"{path} is not a readable token cache ({exc})") from exc
+    ids, masks, lengths, lines = (arrays[k] for k in ("ids", "masks", "lengths", "lines"))
+    if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines))
+            and arrays["malformed"].dtype.kind == "U" and len(ids) == len(masks)
+            and len(lengths) == len(lines) and (lengths >= 0).all() and int(lengths.sum()) == len(ids)):
+        raise ValueError(f"{path} is not a token cache this version wrote (inconsistent arrays)")
+    cuts = np.cumsum(lengths)[:-1]
+    malformed = [(int(s.split("\t", 1)[0]), s.split("\t", 1)[1]) for s in arrays["malformed"].tolist()]
+    return TokenizedData(list(np.split(ids, cuts)) if len(lengths) else [],
+                         list(np.split(masks, cuts)) if len(lengths) else [],
+                         lines.tolist(), malformed)
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:
@@ -188,8 +200,12 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
         raise DataError(f"data.path {cfg.path!r}: no such file")
     cache = _cache_path(cfg, tok_dir) if cfg.cache else None
     if cache and os.path.isfile(cache):
-        log(f"data: tokenized records from cache {cache}")
-        return _load_cache(cache)
+        try:
+            data = _load_cache(cache)
+            log(f"data: tokenized records from cache {cache}")
+            return data
+        except ValueError as exc:
+            log(f"data: {exc}; tokenizing again")
     data = tokenize_jsonl(cfg.path, tokenizer)
     if cache:
         try:

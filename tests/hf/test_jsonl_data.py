@@ -193,3 +193,46 @@ def test_qwen_style_template_without_tags(tmp_path, k):
     plain_ids = transformers.AutoTokenizer.from_pretrained(plain).apply_chat_template(msgs, tokenize=True)
     ids, mask = ChatTokenizer(plain).encode_chat(msgs)
     assert ids == plain_ids == want_ids and mask == want_mask and sum(mask) > 0
+
+
+class _RunsOnLoad:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("planted", ["object-array", "not-a-zip", "inconsistent"])
+def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_path, planted):
+    """The token cache is a file beside the user's data: a planted one holding a pickled object
+    array is read with allow_pickle=False (nothing runs), and any cache that is not one this
+    module wrote is tokenized again -- the samples equal a fresh tokenization."""
+    tagged, _ = tok_dirs
+    path = str(tmp_path / "copy.jsonl")
+    open(path, "w").write(open(DATA).read())
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    fresh = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=128, cache=False), tagged, log=lambda m: None)
+    load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    (cache,) = [tmp_path / f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
+    marker = tmp_path / "ran"
+    with np.load(cache) as z:
+        arrays = dict(z)
+    if planted == "object-array":
+        arrays["ids"] = np.array([_RunsOnLoad(marker)], dtype=object)
+        np.savez(cache, **arrays)  # np.savez pickles object arrays
+        with np.load(cache, allow_pickle=True) as z:  # the payload is live ...
+            z["ids"]
+        assert marker.exists()
+        marker.unlink()  # ... and must not run again below
+    elif planted == "not-a-zip":
+        cache.write_bytes(b"\x80\x04garbage")
+    else:
+        arrays["lengths"] = arrays["lengths"] + 1
+        np.savez(cache, **arrays)
+    logs = []
+    again = load_jsonl_splits(cfg, tagged, log=logs.append)
+    assert not marker.exists()
+    assert any("is not a" in m and "tokenizing again" in m for m in logs), logs
+    for a, b in zip(fresh[0].samples, again[0].samples, strict=True):
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
