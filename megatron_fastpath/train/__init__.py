@@ -80,6 +80,7 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
         if evaluate is not None and start_step == 1:
             logger.log_eval(0, evaluate())
         stop = None
+        logger.start_clock(start_step)
         if start_step <= audited:
             with job.audit:
                 stop = _steps(job, logger, ckpt, range(start_step, audited + 1), True, eval_after)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Optional
 
 import torch
@@ -82,13 +83,17 @@ def _scalar(v):
 @dataclasses.dataclass(frozen=True)
 class TrainSummary:
     """first_loss / last_loss: mean loss of the first / last ``SUMMARY_LOSS_STEPS`` steps.
-    mean_tokens_per_s: mean over all steps but the first (warm-up)."""
+    tokens_per_s: the tokens of the steps this process ran over the wall time from the start of
+    its first step to the end of its last (evaluations and checkpoint saves included: what the
+    run took); mean_tokens_per_s: the mean of the per-step rates over all steps but the first
+    (warm-up), which overstates throughput when steps differ in length."""
 
     steps: int
     world_size: int
     device: str
     first_loss: float
     last_loss: float
+    tokens_per_s: float
     mean_tokens_per_s: float
     syncs_fwd_bwd_per_step: float
     syncs_per_step: float
@@ -168,10 +173,19 @@ class StepLogger:
         self.evals: list[tuple] = []
         self.artifacts: dict = {}
         self.metrics = getattr(job, "metrics", None)
+        self.first_step: Optional[int] = None  # the first step this process ran
+        self.wall: list = [None, None]  # perf_counter at its start and after its last step
 
     def print(self, text: str) -> None:
         if self.show:
-            print("\n".join(f"{self.prefix}{line}" for line in text.splitlines()), flush=True)
+            text = "\n".join(f"{self.prefix}{line}" for line in text.splitlines())
+            print(text, flush=True)
+            if self.metrics is not None:
+                self.metrics.text(text)
+
+    def start_clock(self, step: int) -> None:
+        """The run's first step starts now (the summary's tok/s counts from here)."""
+        self.first_step, self.wall[0] = step, time.perf_counter()
 
     def header(self) -> None:
         j, c = self.job, self.job.cfg
@@ -214,9 +228,20 @@ class StepLogger:
         if self.metrics is not None:
             self.metrics.eval(step, loss)
 
-    def restore(self, records: list) -> None:
-        """Records of the steps a resumed run already did (from its checkpoint)."""
-        self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])}) for r in records]
+    def history(self) -> dict:
+        """The run's history for a checkpoint: the step records and the held-out losses."""
+        return {"records": [dataclasses.asdict(r) for r in self.records],
+                "evals": [list(e) for e in self.evals]}
+
+    def restore(self, history: dict) -> None:
+        """The history of the steps a resumed run already did (from its checkpoint; one saved
+        before evaluations were kept has none)."""
+        self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])})
+                        for r in history["records"]]
+        self.evals = [tuple(e) for e in history.get("evals", [])]
+        if self.metrics is not None:  # the loss curves of the whole run, not of this process
+            self.metrics.steps[:0] = [(r.step, r.loss) for r in self.records]
+            self.metrics.evals[:0] = list(self.evals)
 
     def _emit(self, prev) -> None:
         if prev is None:
@@ -243,6 +268,8 @@ class StepLogger:
     def flush(self) -> None:
         """Print the pending (last) step now (its loss is read back: call after the steps)."""
         self._emit(self.readback.pop())
+        if self.wall[0] is not None:
+            self.wall[1] = time.perf_counter()
 
     def finish(self, **checkpoint) -> TrainSummary:
         """Print the last step and the summary; ``checkpoint``: the summary's checkpoint fields."""
@@ -253,6 +280,8 @@ class StepLogger:
                 self.print(f"  {note}")
         summary = dataclasses.replace(self.summarize(), **checkpoint)
         self._print_summary(summary)
+        if self.metrics is not None:
+            self.metrics.close_log()
         if self.job.cfg.training.summary_json and self.job.rank == 0:
             with open(self.job.cfg.training.summary_json, "w") as f:
                 json.dump(summary.to_json(), f, indent=1)
@@ -270,6 +299,7 @@ class StepLogger:
             device=str(job.cfg.device),
             first_loss=sum(r.loss for r in records[:k]) / k,
             last_loss=sum(r.loss for r in records[-k:]) / k,
+            tokens_per_s=self._tokens_per_s(),
             mean_tokens_per_s=sum(r.tokens_per_s for r in records[1:] or records) / max(len(records) - 1, 1),
             syncs_fwd_bwd_per_step=sum(r.syncs_fwd_bwd for r in records) / len(records),
             syncs_per_step=sum(r.syncs_step for r in records) / len(records),
@@ -286,12 +316,19 @@ class StepLogger:
             artifacts=dict(self.artifacts) or None,
         )
 
+    def _tokens_per_s(self) -> float:
+        """Tokens of the steps this process ran / their wall time (0.0: it ran none)."""
+        start, end = self.wall
+        if self.first_step is None or end is None or end <= start:
+            return 0.0
+        return sum(r.tokens for r in self.records if r.step >= self.first_step) / (end - start)
+
     def _print_summary(self, s: TrainSummary) -> None:
         k = min(SUMMARY_LOSS_STEPS, s.steps)
         stats = self.job.cache.stats
         self.print(
             f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
-            f"the first / last {k} steps) | {s.mean_tokens_per_s:.0f} tok/s | host syncs per "
+            f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | host syncs per "
             f"step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step {s.syncs_per_step:g} | cache "
             f"builds {s.cache_builds} ({stats.host_to_device_copies} H2D "
             f"copies, {stats.bytes_copied} bytes)"
