@@ -155,7 +155,7 @@ class JobCheckpointer:
         expected = self.job.data.first_microbatch(resumed.step + 1) if resumed.step < total else None
         if data["per_step"] == self.job.data.per_step and data["next_first_microbatch"] != expected:
             raise RuntimeError(f"data position {data} does not match this run's ({expected})")
-        self.logger.restore([r for r in resumed.extra["records"]])
+        self.logger.restore(resumed.extra)
         self.logger.print(
             f"  loaded {resumed.path}: {resumed.step} of {total} steps done, "
             f"{data['consumed_samples']} samples consumed, next microbatch {data['next_first_microbatch']}"
@@ -202,8 +202,7 @@ class JobCheckpointer:
         self.logger.flush()  # the step's record (read one step late) goes into the checkpoint
         for r in self.manager.poll(blocking=True):  # one save in flight: wait for the previous
             self._report(r, published=True)
-        extra = {**self.extra_fn(), "data": self._data_position(step),
-                 "records": [dataclasses.asdict(r) for r in self.logger.records]}
+        extra = {**self.extra_fn(), "data": self._data_position(step), **self.logger.history()}
         from megatron_fastpath.checkpoint.fp8 import collect_fp8_state
 
         fp8 = collect_fp8_state(self.job.model)

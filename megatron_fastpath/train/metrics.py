@@ -55,12 +55,15 @@ class MetricsWriter:
     def __init__(self, cfg: MetricsConfig, rank: int, run_config: Optional[dict] = None):
         self.cfg, self.notes = cfg, []
         self.dir = cfg.dir or _hydra_run_dir()
-        self.tb = self.wandb = None
+        self.tb = self.wandb = self.log_file = None
         self.steps, self.evals = [], []
         if rank != 0 or self.dir is None:
             self.dir = None
             return
         os.makedirs(self.dir, exist_ok=True)
+        # the printed lines (header, steps, summary), as the console shows them; beside Hydra's
+        # own log records when the directory is the Hydra run directory (both append)
+        self.log_file = open(os.path.join(self.dir, "train.log"), "a", encoding="utf-8")
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -93,6 +96,12 @@ class MetricsWriter:
         self.steps.append((rec.step, rec.loss))
         self._write(scalars, rec.step)
 
+    def text(self, text: str) -> None:
+        """A printed line (or lines) into ``train.log``."""
+        if self.log_file is not None:
+            self.log_file.write(text + "\n")
+            self.log_file.flush()
+
     def eval(self, step: int, loss: float) -> None:
         if self.dir is None:
             return
@@ -106,8 +115,15 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def close_log(self) -> None:
+        """Close ``train.log`` (after the summary, the last lines printed)."""
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
     def close(self) -> dict:
-        """Flush and close; write the loss-curve PNG. Returns {kind: path} of what was written."""
+        """Flush and close the backends (``train.log`` stays open for the summary: see
+        :meth:`close_log`); write the loss-curve PNG. Returns {kind: path} of what was written."""
         out = {}
         if self.dir is None:
             return out
@@ -117,6 +133,8 @@ class MetricsWriter:
         if self.wandb is not None:
             out["wandb"] = self.wandb.dir
             self.wandb.finish()
+        if self.log_file is not None:
+            out["log"] = self.log_file.name
         if self.cfg.plot and self.steps:
             path = os.path.join(self.dir, "loss_curves.png")
             try:

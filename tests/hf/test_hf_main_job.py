@@ -150,3 +150,28 @@ def test_readme_shows_the_documented_command():
     assert ("python -m megatron_fastpath.train model=hf model.path=/tmp/tiny-llama data=jsonl "
             "data.path=examples/data/arith_chat.jsonl fastpath.lora=true "
             "lora.export_dir=/tmp/tiny-llama-lora") in readme
+
+
+def test_step_lines_reach_train_log(finetuned):
+    """Every printed step line and the summary are in the metrics directory's train.log."""
+    log = open(os.path.join(finetuned["metrics"], "train.log")).read().splitlines()
+    printed = finetuned["stdout"].splitlines()
+    steps = [line for line in printed if line.startswith("step ")]
+    assert len(steps) == STEPS and [line for line in log if line.startswith("step ")] == steps
+    assert [line for line in log if line.startswith("summary: ")] == [
+        line for line in printed if line.startswith("summary: ")]
+
+
+def test_eval_history_survives_a_resume(finetuned, tmp_path):
+    """Stopped at step 15 (after the evaluation at step 10) and resumed: the summary holds every
+    evaluation of the run, equal to the straight run's, and the loss-curve data too."""
+    ckpt_dir, summary = str(tmp_path / "ckpt"), str(tmp_path / "summary.json")
+    common = ["model=hf", f"model.path={finetuned['ckpt']}", "data=jsonl", f"data.path={finetuned['data']}",
+              "fastpath.lora=true", f"training.steps={STEPS}", f"checkpoint.dir={ckpt_dir}",
+              f"hydra.run.dir={tmp_path}/run", "metrics.tensorboard=false", "metrics.wandb=off"]
+    run_job(common + ["training.stop_at_step=15"], cwd=str(tmp_path))
+    out = run_job(common + [f"training.summary_json={summary}"], cwd=str(tmp_path))
+    assert out.splitlines()[0].startswith(f"resuming from {ckpt_dir}/step_00000015")
+    resumed, straight = json.load(open(summary)), finetuned["summary"]
+    assert resumed["evals"] == straight["evals"] and [e[0] for e in resumed["evals"]] == [0, 10, 20, 30, 40]
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"]]
