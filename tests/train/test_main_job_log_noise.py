@@ -10,11 +10,12 @@ from subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
-         "Falling back", "multistorageclient", "Megatron-FSDP")
+         "Falling back", "multistorageclient", "Megatron-FSDP", "fontManager")
 
 
 def _run(args, tmp_path):
-    env = child_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # a fresh matplotlib cache: its first plot logs "generated new fontManager" (INFO)
+    env = child_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
     env.pop("PYTHONWARNINGS", None)  # the job's own filters are under test
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
