@@ -41,6 +41,7 @@ setup(
             "tqdm>=4.66",
             "tensorboard>=2.15",
             "matplotlib>=3.8",
+            "wandb>=0.19,<0.32",
         ],
         # Reference implementations for the parity tests and the example checkpoint builder;
         # pins co-install with the nemo extra (NeMo 2.7 brings transformers 4.57, peft 0.21).
@@ -53,6 +54,7 @@ setup(
             "tqdm>=4.66",
             "tensorboard>=2.15",
             "matplotlib>=3.8",
+            "wandb>=0.19,<0.32",
             "transformers>=4.57,<4.58",
             "peft>=0.21,<0.22",
         ],

@@ -262,10 +262,9 @@ def build_job(cfg: JobConfig) -> Job:
         data = build_data(cfg, ps.get_data_parallel_rank(), dp_world)
     metrics = None
     if cfg.metrics is not None:
-        from megatron_fastpath.train.metrics import MetricsWriter
+        from megatron_fastpath.train.metrics import MetricsWriter, jsonable
 
-        metrics = MetricsWriter(cfg.metrics, torch.distributed.get_rank(),
-                                run_config=dict(features=list(cfg.features), steps=cfg.training.steps))
+        metrics = MetricsWriter(cfg.metrics, torch.distributed.get_rank(), run_config=jsonable(cfg))
     path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model,

@@ -1,4 +1,5 @@
-"""Metrics of the main job: TensorBoard event files, Weights & Biases (offline) when installed,
+"""Metrics of the main job: TensorBoard event files, Weights & Biases when installed (offline
+by default),
 and a PNG of the loss curves at the end of a run.
 
 :class:`MetricsWriter` receives every finished :class:`~megatron_fastpath.train.logger.StepRecord`
@@ -15,7 +16,7 @@ import dataclasses
 import os
 from typing import Optional
 
-__all__ = ["MetricsConfig", "MetricsWriter", "plot_losses"]
+__all__ = ["MetricsConfig", "MetricsWriter", "jsonable", "plot_losses"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,18 +25,24 @@ class MetricsConfig:
 
     dir: where event files, the W&B offline run and loss_curves.png go; None: the Hydra run
         directory when launched from the command line, else nothing is written.
-    tensorboard / plot: on or off. wandb: auto (offline run when wandb is installed) | on | off.
+    tensorboard / plot: on or off. wandb: auto (a run when wandb is installed) | on (wandb
+        required) | off. wandb_mode: offline (files under dir, ``wandb sync`` later) | online
+        (needs ``wandb login`` or WANDB_API_KEY). The W&B run records the whole job
+        configuration and every step's scalars.
     """
 
     dir: Optional[str] = None
     tensorboard: bool = True
     wandb: str = "auto"
+    wandb_mode: str = "offline"
     plot: bool = True
     project: str = "megatron_fastpath"
 
     def __post_init__(self):
         if self.wandb not in ("auto", "on", "off"):
             raise ValueError(f"metrics.wandb must be auto, on or off; got {self.wandb!r}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"metrics.wandb_mode must be offline or online; got {self.wandb_mode!r}")
 
 
 def _hydra_run_dir() -> Optional[str]:
@@ -82,7 +89,7 @@ class MetricsWriter:
                 raise
             return
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.wandb = wandb.init(project=self.cfg.project, mode="offline", dir=self.dir,
+        self.wandb = wandb.init(project=self.cfg.project, mode=self.cfg.wandb_mode, dir=self.dir,
                                 config=run_config, reinit=True)
 
     def step(self, rec) -> None:
@@ -143,6 +150,24 @@ class MetricsWriter:
             except ImportError as exc:
                 self.notes.append(f"loss curves not plotted ({exc}); pip install matplotlib")
         return out
+
+
+def jsonable(obj):
+    """A configuration tree (dataclasses, enums, devices, dtypes, tuples) as JSON values, for
+    the W&B run's config."""
+    import enum
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return jsonable(obj.value)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
 
 
 def plot_losses(steps: list, evals: list, path: str) -> None:
