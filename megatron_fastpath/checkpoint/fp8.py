@@ -34,7 +34,7 @@ def layout() -> str:
 def collect_fp8_state(model: torch.nn.Module) -> dict:
     """``{"<module path>.<scale_fwd|amax_history_fwd|scale_bwd|amax_history_bwd>": tensor}``
     for every TE module with delayed-scaling state (empty without FP8 / on stateless recipes)."""
-    from megatron_fastpath.compat import te_fp8_delayed_scaling_state
+    from megatron_fastpath.compat.te import te_fp8_delayed_scaling_state
 
     out, on_device = {}, False
     for name, module in model.named_modules():
@@ -54,7 +54,7 @@ def collect_fp8_state(model: torch.nn.Module) -> dict:
 def restore_fp8_state(model: torch.nn.Module, tensors: dict, recipe) -> int:
     """Put ``tensors`` (from :func:`collect_fp8_state`) back; returns the modules restored.
     Raises when a saved module is absent from ``model``."""
-    from megatron_fastpath.compat import TE_FP8_STATE_KEYS, te_restore_fp8_delayed_scaling_state
+    from megatron_fastpath.compat.te import TE_FP8_STATE_KEYS, te_restore_fp8_delayed_scaling_state
 
     by_module: dict = {}
     for key, t in tensors.items():

@@ -202,7 +202,7 @@ class CheckpointManager:
         :meth:`poll`). ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``)."""
         from megatron.core import dist_checkpointing
 
-        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
         self.poll(blocking=True)  # one save in flight at a time
         t0 = time.perf_counter()
@@ -250,7 +250,7 @@ class CheckpointManager:
         """Publish finished async saves (all ranks call it at the same points)."""
         if self._async_queue is None or not self._pending:
             return []
-        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
         t0 = time.perf_counter()
         with dist_checkpointing_on_cpu():
@@ -378,7 +378,7 @@ class CheckpointManager:
 
         from megatron_fastpath.checkpoint.rng import restore_rng
         from megatron_fastpath.checkpoint.safety import check_safe_to_load
-        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
         state = self.verify(path)
         model_dir = os.path.join(path, "model")

@@ -417,7 +417,7 @@ class GraphSafetyAudit:
 
     # (c) Megatron's own argument matching
     def _check_args(self, i: int, key, args, kwargs) -> None:
-        from megatron_fastpath.compat import cudagraph_arg_tools
+        from megatron_fastpath.compat.graphs import cudagraph_arg_tools
 
         reference, mismatch_errors = cudagraph_arg_tools()
         try:

@@ -62,7 +62,7 @@ def prepare_cuda_graphs(seed: int, use_te_rng_tracker: bool = True) -> GraphSetu
         model_parallel_cuda_manual_seed,
     )
 
-    from megatron_fastpath.compat import keep_cudagraph_input_buffers
+    from megatron_fastpath.compat.graphs import keep_cudagraph_input_buffers
 
     model_parallel_cuda_manual_seed(
         seed,

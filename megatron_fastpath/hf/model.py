@@ -72,9 +72,10 @@ def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "s
         share_embeddings_and_output_weights=spec.tie_embeddings,
         pre_process=ranks["first"], post_process=ranks["last"])
     if not tcfg.perform_initialization:  # the loader overwrites every weight: no random init,
-        from megatron_fastpath import compat  # and so none of the TP marks Megatron sets there
+        # and so none of the TP marks Megatron sets there
+        from megatron_fastpath.compat.tensor_parallel import mark_tensor_parallel_weights
 
-        compat.mark_tensor_parallel_weights(model)
+        mark_tensor_parallel_weights(model)
     return model.to(cache.device)
 
 

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from megatron_fastpath import compat
+from megatron_fastpath.compat import te as te_compat
 from megatron_fastpath.lora.config import LoRAConfig
 
 __all__ = ["LoRALinear", "AdaptersLockedError"]
@@ -112,7 +112,7 @@ class LoRALinear(torch.nn.Module):
         self._fused_layernorm = hasattr(self.base, "layer_norm_weight")
         if self._fused_layernorm:
             # TE LayerNormLinear: the adapter must see the *normalised* input.
-            compat.return_layernorm_output(self.base)
+            te_compat.return_layernorm_output(self.base)
 
     # ------------------------------------------------------------------ state
     @property
@@ -166,7 +166,7 @@ class LoRALinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out = self.base(x, *args, **kwargs)
         if self._fused_layernorm:
-            output, bias, adapter_in = compat.split_layernorm_linear_output(out)
+            output, bias, adapter_in = te_compat.split_layernorm_linear_output(out)
         else:
             output, bias = out
             adapter_in = x

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_fastpath.compat import init_moe_layer_state
+from megatron_fastpath.compat.moe import init_moe_layer_state
 from megatron_fastpath.moe.config import MoEDispatchConfig
 from megatron_fastpath.moe.experts import expert_class
 from megatron_fastpath.moe.router import FastpathRouter

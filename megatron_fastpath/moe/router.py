@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-from megatron_fastpath.compat import init_topk_router_state
+from megatron_fastpath.compat.moe import init_topk_router_state
 from megatron_fastpath.moe.config import MoEDispatchConfig
 
 __all__ = ["FastpathRouter", "topk_routing", "aux_loss_scores", "tokens_per_expert"]

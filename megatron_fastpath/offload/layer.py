@@ -25,14 +25,14 @@ from typing import Optional
 
 import torch
 
-from megatron_fastpath import compat
+from megatron_fastpath.compat import offload as offload_compat
 from megatron_fastpath._autograd import call_in_backward
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_fastpath.offload.manager import ActivationOffloadManager, OffloadGroup
-from megatron_fastpath.offload.te_compat import FP8RecomputeState
+from megatron_fastpath.compat.te_quantized import FP8RecomputeState
 
 __all__ = [
     "ActivationOffloadMixin",
@@ -41,7 +41,7 @@ __all__ = [
     "offloaded_layer_class",
 ]
 
-_FORWARD_PARAMS = compat.transformer_layer_forward_params()
+_FORWARD_PARAMS = offload_compat.transformer_layer_forward_params()
 _POSITIONAL_NAMES = [
     p.name for p in _FORWARD_PARAMS
     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -53,7 +53,7 @@ _POSITIONAL_NAMES = [
 # ---------------------------------------------------------------------------------------------
 def _get_rng_states(device: torch.device):
     if device.type == "cuda":
-        get_all, _ = compat.all_rng_state_tools()
+        get_all, _ = offload_compat.all_rng_state_tools()
         return ("cuda", get_all())
     tracker = get_cuda_rng_tracker()
     tracker_states = tracker.get_states() if tracker.is_initialized() else None
@@ -62,7 +62,7 @@ def _get_rng_states(device: torch.device):
 
 def _set_rng_states(states) -> None:
     if states[0] == "cuda":
-        _, set_all = compat.all_rng_state_tools()
+        _, set_all = offload_compat.all_rng_state_tools()
         set_all(*states[1])
         return
     torch.set_rng_state(states[1])

@@ -56,7 +56,7 @@ import torch
 from megatron_fastpath.offload.config import AUTO, BufferMode, OffloadConfig, OffloadStepStats
 from megatron_fastpath.offload.device import OffloadDevice, default_offload_device
 from megatron_fastpath.offload.plan import LayerTimes, WindowPlan, plan_window
-from megatron_fastpath.offload.te_compat import (
+from megatron_fastpath.compat.te_quantized import (
     is_quantized,
     never_offload,
     restore_quantized,

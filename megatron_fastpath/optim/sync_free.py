@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from megatron_fastpath import compat
+from megatron_fastpath.compat import optim as optim_compat
 
 __all__ = ["SyncFreeOptimizer", "SyncFreeStepResult"]
 
@@ -74,10 +74,10 @@ class _DeviceScaler:
 
     def write_back(self) -> None:
         """Host sync (checkpoint time only): Megatron's host trackers <- device trackers."""
-        compat.set_dynamic_scaler_trackers(self.scaler, self.growth_1.item(), self.hyst_1.item())
+        optim_compat.set_dynamic_scaler_trackers(self.scaler, self.growth_1.item(), self.hyst_1.item())
 
     def reload(self) -> None:
-        _, fields = compat.dynamic_scaler_fields(self.scaler)
+        _, fields = optim_compat.dynamic_scaler_fields(self.scaler)
         self.growth_1.fill_(fields["growth_tracker"])
         self.hyst_1.fill_(fields["hysteresis_tracker"])
 
@@ -108,16 +108,16 @@ class SyncFreeOptimizer:
         if kernel not in _KERNELS:
             raise ValueError(f"kernel must be one of {_KERNELS}; got {kernel!r}")
         self.optimizer = optimizer
-        self.leaves = compat.optimizer_leaves(optimizer)
+        self.leaves = optim_compat.optimizer_leaves(optimizer)
         for leaf in self.leaves:
-            compat.torch_adam_in_place_of_fused_adam(leaf)  # TE / Apex FusedAdam -> torch's
+            optim_compat.torch_adam_in_place_of_fused_adam(leaf)  # TE / Apex FusedAdam -> torch's
             _check_inner(leaf)
         self.kernel = kernel
         self.device = optimizer.get_loss_scale().device
         self.scalers = {}
         for i, leaf in enumerate(self.leaves):
-            if compat.leaf_is_mixed_precision(leaf):
-                kind, fields = compat.dynamic_scaler_fields(leaf.grad_scaler)
+            if optim_compat.leaf_is_mixed_precision(leaf):
+                kind, fields = optim_compat.dynamic_scaler_fields(leaf.grad_scaler)
                 if kind == "dynamic":
                     self.scalers[i] = _DeviceScaler(leaf.grad_scaler, fields, self.device)
         self.last: Optional[SyncFreeStepResult] = None
@@ -134,8 +134,8 @@ class SyncFreeOptimizer:
     def step(self):
         skip_1 = torch.zeros(1, dtype=torch.bool, device=self.device)
         for i, leaf in enumerate(self.leaves):
-            compat.leaf_copy_model_grads_to_main(leaf)
-            if compat.leaf_is_mixed_precision(leaf) and leaf.grad_scaler is not None:
+            optim_compat.leaf_copy_model_grads_to_main(leaf)
+            if optim_compat.leaf_is_mixed_precision(leaf) and leaf.grad_scaler is not None:
                 found_inf_1 = self._unscale_and_check(leaf)
                 if i in self.scalers:
                     self.scalers[i].update(found_inf_1)
@@ -150,7 +150,7 @@ class SyncFreeOptimizer:
         for leaf in self.leaves:
             if leaf.optimizer is not None and not leaf.is_stub_optimizer:
                 self._adam_step(leaf.optimizer, skip_1)
-            compat.leaf_copy_main_params_to_model(leaf)
+            optim_compat.leaf_copy_main_params_to_model(leaf)
         applied_1 = ~skip_1
         self.last = SyncFreeStepResult(applied_1, grad_norm_1, self.optimizer.get_loss_scale())
         return applied_1, grad_norm_1, None
@@ -158,7 +158,7 @@ class SyncFreeOptimizer:
     def _unscale_and_check(self, leaf) -> torch.Tensor:
         """Megatron's ``_unscale_main_grads_and_check_for_nan`` without its ``.item()``."""
         leaf.found_inf.fill_(0.0)
-        grads = compat.leaf_main_grads_for_unscaling(leaf)
+        grads = optim_compat.leaf_main_grads_for_unscaling(leaf)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, leaf.found_inf, leaf.grad_scaler.inv_scale)

@@ -128,7 +128,7 @@ class JobCheckpointer:
 
         from megatron_fastpath.checkpoint import check_safe_to_load, is_adapter_key
         from megatron_fastpath.checkpoint.manager import _drop_objects
-        from megatron_fastpath.compat import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
         check_safe_to_load(self.cfg.base_dir)
         wanted = _drop_objects({k: v for k, v in self.job.model.sharded_state_dict().items()

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from megatron_fastpath import compat
+from megatron_fastpath.compat import tensor_parallel as tensor_parallel_compat
 from megatron_fastpath.sync import SyncSentinel
 from megatron_fastpath.train.config import TrainingConfig
 from megatron_fastpath.train.logger import StepResult
@@ -217,7 +217,7 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
                     (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
         all_reduce_grads(model)
-        compat.allreduce_tp_partial_grads(model, tcfg)  # qk layernorm at TP > 1, as Megatron
+        tensor_parallel_compat.allreduce_tp_partial_grads(model, tcfg)  # qk layernorm at TP > 1, as Megatron
         dp_group = ps.get_data_parallel_group()
         if torch.distributed.get_world_size(dp_group) > 1:
             torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log

@@ -1,4 +1,4 @@
-"""compat.dist_checkpointing_on_cpu: needed (Megatron's save fails on a CPU without it), narrow
+"""compat.dist_ckpt.dist_checkpointing_on_cpu: needed (Megatron's save fails on a CPU without it), narrow
 (only the two torch.cuda entry points, only while CUDA is unavailable, only inside the block),
 and version-gated (another megatron-core minor line is refused loudly)."""
 
@@ -11,6 +11,7 @@ import torch
 from packaging.version import Version
 
 from megatron_fastpath import compat
+from megatron_fastpath.compat import dist_ckpt as dist_ckpt_compat
 
 
 def _mcore_dir():
@@ -20,7 +21,7 @@ def _mcore_dir():
 
 
 def test_patched_sites_still_exist_in_installed_megatron():
-    for rel, text in compat.DIST_CKPT_CPU_SITES:
+    for rel, text in dist_ckpt_compat.DIST_CKPT_CPU_SITES:
         with open(os.path.join(_mcore_dir(), rel)) as f:
             assert text in f.read(), f"{rel} no longer contains {text!r}: re-check the shim"
 
@@ -35,7 +36,7 @@ def test_megatron_save_needs_it_on_cpu_and_works_with_it(mcore_parallel, tmp_pat
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         dist_checkpointing.save(sd, str(tmp_path / "a"))
     (tmp_path / "b").mkdir()
-    with compat.dist_checkpointing_on_cpu():
+    with dist_ckpt_compat.dist_checkpointing_on_cpu():
         dist_checkpointing.save(sd, str(tmp_path / "b"))
         out = dist_checkpointing.load(
             {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)},
@@ -47,7 +48,7 @@ def test_megatron_save_needs_it_on_cpu_and_works_with_it(mcore_parallel, tmp_pat
 def test_patch_is_scoped_to_the_block():
     sync, current = torch.cuda.synchronize, torch.cuda.current_device
     with mock.patch.object(torch.cuda, "is_available", lambda: False):
-        with compat.dist_checkpointing_on_cpu():
+        with dist_ckpt_compat.dist_checkpointing_on_cpu():
             assert torch.cuda.current_device() == torch.device("cpu")
             torch.cuda.synchronize()  # no-op, no error
     assert torch.cuda.synchronize is sync and torch.cuda.current_device is current
@@ -55,7 +56,7 @@ def test_patch_is_scoped_to_the_block():
 
 def test_inactive_when_cuda_is_available():
     with mock.patch.object(torch.cuda, "is_available", lambda: True):
-        ctx = compat.dist_checkpointing_on_cpu()
+        ctx = dist_ckpt_compat.dist_checkpointing_on_cpu()
     assert isinstance(ctx, contextlib.nullcontext)
 
 
@@ -63,4 +64,4 @@ def test_other_megatron_line_is_refused():
     with mock.patch.object(torch.cuda, "is_available", lambda: False), \
             mock.patch.object(compat, "MCORE_VERSION", Version("0.17.0")):
         with pytest.raises(ImportError, match="0.16.x.*0.17.0"):
-            compat.dist_checkpointing_on_cpu()
+            dist_ckpt_compat.dist_checkpointing_on_cpu()

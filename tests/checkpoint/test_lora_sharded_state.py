@@ -4,7 +4,7 @@ base checkpoint loads into a LoRA model and a LoRA checkpoint's base into a plai
 
 import torch
 
-from megatron_fastpath.compat import dist_checkpointing_on_cpu
+from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 from megatron_fastpath.lora import LoRAConfig, lora_modules
 from tiny_gpt import SHAPE
 from tiny_gpt import build_tiny_gpt as build

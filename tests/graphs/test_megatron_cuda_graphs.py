@@ -57,7 +57,7 @@ def _eager_and_graphed(shim: bool):
     setup = prepare_cuda_graphs(1234, use_te_rng_tracker=False)
     assert setup.rng_tracker == "megatron-graphable" and setup.input_buffer_shim
     if not shim:
-        from megatron_fastpath.compat import restore_cudagraph_input_recycling
+        from megatron_fastpath.compat.graphs import restore_cudagraph_input_recycling
 
         restore_cudagraph_input_recycling()
     eager, graphed = _build(False), _build(True)
@@ -155,7 +155,7 @@ def test_graphed_model_needs_the_graph_safe_rng_tracker_set_up_first():
 
 
 def test_shim_refuses_an_unchecked_megatron_line():
-    from megatron_fastpath.compat import CudaGraphShimError, keep_cudagraph_input_buffers
+    from megatron_fastpath.compat.graphs import CudaGraphShimError, keep_cudagraph_input_buffers
 
     with pytest.raises(CudaGraphShimError, match="CHECKED_MCORE_LINES"):
         keep_cudagraph_input_buffers(Version("0.17.0"))
@@ -164,7 +164,7 @@ def test_shim_refuses_an_unchecked_megatron_line():
 def test_shim_checks_the_installed_source():
     import types
 
-    from megatron_fastpath.compat import CudaGraphShimError, _check_fwd_input_recycling_source
+    from megatron_fastpath.compat.graphs import CudaGraphShimError, _check_fwd_input_recycling_source
     from megatron.core.transformer import cuda_graphs as cg
 
     _check_fwd_input_recycling_source(cg)  # the installed 0.16.1 source has the recycling

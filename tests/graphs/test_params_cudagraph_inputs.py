@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron.core.transformer.cuda_graphs import ArgMetadata, _CudaGraphRunner, tree_map
 
-from megatron_fastpath.compat import cudagraph_arg_tools
+from megatron_fastpath.compat.graphs import cudagraph_arg_tools
 from megatron_fastpath.packed_seq import CachedPackedSeqParams, PackedSeqCache, PackedSeqConfig, RopeConfig
 
 KINDS = ("sdpa_mask", "rope_cos_sin", "rope_freqs", "flex_block_mask")

@@ -207,11 +207,11 @@ def test_lora_on_te_layernorm_linear_sees_the_normalised_input(mcore_parallel, t
 def test_layernorm_output_shim_keeps_te_ln_out_ungathered(mcore_parallel):
     """Sequence parallelism: the adapter expects this rank's shard of the normalised input (TE's
     default); a linear set to return it gathered is set back."""
-    from megatron_fastpath import compat
+    from megatron_fastpath.compat import te as te_compat
 
     linear = _TELayerNormLinearStandIn(4, 4)
     linear.return_layernorm_output_gathered = True
-    compat.return_layernorm_output(linear)
+    te_compat.return_layernorm_output(linear)
     assert linear.return_layernorm_output is True and linear.return_layernorm_output_gathered is False
 
 
@@ -219,13 +219,14 @@ def test_layernorm_output_shims_refuse_an_unchecked_megatron(monkeypatch):
     from packaging.version import Version
 
     from megatron_fastpath import compat
+    from megatron_fastpath.compat import te as te_compat
 
-    assert compat.split_layernorm_linear_output(((1, 2), None)) == (1, None, 2)
-    assert compat.split_layernorm_linear_output((1, 3, 2)) == (1, 3, 2)
+    assert te_compat.split_layernorm_linear_output(((1, 2), None)) == (1, None, 2)
+    assert te_compat.split_layernorm_linear_output((1, 3, 2)) == (1, 3, 2)
     with pytest.raises(TypeError, match="not a Transformer Engine LayerNormLinear"):
-        compat.return_layernorm_output(torch.nn.Linear(2, 2))
+        te_compat.return_layernorm_output(torch.nn.Linear(2, 2))
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
-    for call in (lambda: compat.return_layernorm_output(_TELayerNormLinearStandIn(2, 2)),
-                 lambda: compat.split_layernorm_linear_output(((1, 2), None))):
+    for call in (lambda: te_compat.return_layernorm_output(_TELayerNormLinearStandIn(2, 2)),
+                 lambda: te_compat.split_layernorm_linear_output(((1, 2), None))):
         with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only and megatron-core 0\.17\.0 is installed"):
             call()

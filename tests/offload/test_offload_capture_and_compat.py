@@ -15,6 +15,7 @@ import torch
 from packaging.version import Version
 
 from megatron_fastpath import compat
+from megatron_fastpath.compat import offload as offload_compat
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice
 from megatron_fastpath.offload.spec import with_activation_offload
 
@@ -129,7 +130,7 @@ def test_offload_with_cuda_graphs_refused_before_building(attr, value):
 def test_rng_state_shim_is_megatrons_own_and_roundtrips():
     from megatron.core.tensor_parallel import random as mcore_random
 
-    get_all, set_all = compat.all_rng_state_tools()
+    get_all, set_all = offload_compat.all_rng_state_tools()
     assert get_all is mcore_random._get_all_rng_states
     assert set_all is mcore_random._set_all_rng_states
 
@@ -139,7 +140,7 @@ def test_forward_params_shim_reads_forward_attention():
 
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    names = [p.name for p in compat.transformer_layer_forward_params()]
+    names = [p.name for p in offload_compat.transformer_layer_forward_params()]
     expected = [n for n in inspect.signature(TransformerLayer._forward_attention).parameters
                 if n != "self"]
     assert names == expected and names[:2] == ["hidden_states", "attention_mask"]
@@ -151,4 +152,4 @@ def test_forward_params_shim_reads_forward_attention():
 def test_offload_shims_fail_loudly_on_unchecked_mcore(monkeypatch, shim, version):
     monkeypatch.setattr(compat, "MCORE_VERSION", Version(version))
     with pytest.raises(ImportError, match=f"checked against megatron-core 0.16.x.*{version}"):
-        getattr(compat, shim)()
+        getattr(offload_compat, shim)()

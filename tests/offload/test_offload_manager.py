@@ -15,7 +15,7 @@ from megatron_fastpath.offload import (
     RecordingDevice,
     TraceEvent,
 )
-from megatron_fastpath.offload.te_compat import is_quantized, never_offload
+from megatron_fastpath.compat.te_quantized import is_quantized, never_offload
 from megatron_fastpath.offload.timing import replay_schedule, step_hidden_fraction
 from offload_models import manager_step_trace
 

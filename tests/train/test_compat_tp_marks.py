@@ -7,6 +7,7 @@ import torch
 from packaging.version import Version
 
 from megatron_fastpath import compat
+from megatron_fastpath.compat import tensor_parallel as tensor_parallel_compat
 from megatron_fastpath.model import build_transformer_config
 from tiny_gpt import SHAPE
 
@@ -35,16 +36,16 @@ def test_marks_equal_what_megatron_sets_when_it_initialises(mcore_parallel):
     assert reference == [(True, 0, 1), (True, 0, 1), (True, 1, 1)]
     unloaded = torch.nn.ModuleList(_layers(perform_initialization=False))
     assert _marks(unloaded) == [(None, None, None)] * 3  # what the shim is for
-    assert compat.mark_tensor_parallel_weights(unloaded) == 3
+    assert tensor_parallel_compat.mark_tensor_parallel_weights(unloaded) == 3
     assert _marks(unloaded) == reference
-    assert compat.mark_tensor_parallel_weights(unloaded) == 0  # marked weights are left alone
+    assert tensor_parallel_compat.mark_tensor_parallel_weights(unloaded) == 0  # marked weights are left alone
 
 
 def test_tp_shims_refuse_an_unchecked_megatron(mcore_parallel, monkeypatch):
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
     model = torch.nn.ModuleList(_layers(perform_initialization=False))
     config = build_transformer_config(SHAPE)
-    for call in (lambda: compat.mark_tensor_parallel_weights(model),
-                 lambda: compat.allreduce_tp_partial_grads(model, config)):
+    for call in (lambda: tensor_parallel_compat.mark_tensor_parallel_weights(model),
+                 lambda: tensor_parallel_compat.allreduce_tp_partial_grads(model, config)):
         with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only"):
             call()

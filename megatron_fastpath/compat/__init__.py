@@ -1,0 +1,63 @@
+"""The one place that knows which Megatron-Core (and Transformer Engine) internals we touch.
+
+Tested against megatron-core 0.16.1 (the newest release for Python 3.11). Every use of a
+Megatron-Core or Transformer Engine symbol whose location or behaviour differs between releases
+goes through this package, one module per subsystem, each shim gated by the one version gate
+below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a private
+``megatron.core`` / ``transformer_engine`` name is imported anywhere else.
+
+* :mod:`.graphs` -- CudaGraphManager's argument rules; the 0.16.x input-buffer shim
+* :mod:`.tensor_parallel` -- TP marks and partial-gradient all-reduce
+* :mod:`.offload` -- RNG-state tools and TransformerLayer.forward's parameters
+* :mod:`.moe` -- MoELayer / TopKRouter state without their CUDA-only constructors
+* :mod:`.te` -- TE LayerNormLinear for LoRA; FP8 delayed-scaling state without pickle
+* :mod:`.te_quantized` -- TE quantized tensors and do-not-offload marks (activation offload)
+* :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU
+* :mod:`.optim` -- Megatron optimizer internals for the sync-free step
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Optional
+
+from packaging.version import Version
+
+MIN_MCORE = Version("0.16.1")
+
+
+def mcore_version() -> Version:
+    try:
+        return Version(importlib.metadata.version("megatron-core"))
+    except importlib.metadata.PackageNotFoundError as exc:  # pragma: no cover - install error
+        raise ImportError(
+            "megatron_fastpath needs megatron-core>=0.16.1 (`pip install megatron-core`)"
+        ) from exc
+
+
+MCORE_VERSION = mcore_version()
+if MCORE_VERSION < MIN_MCORE:  # pragma: no cover - guarded by install_requires
+    raise ImportError(f"megatron-core {MCORE_VERSION} is too old; need >= {MIN_MCORE}")
+
+
+# =============================================================================================
+# The one version gate. Every shim below touches megatron-core internals that were read in the
+# 0.16.x sources; each calls ``_require_checked_mcore`` (directly, or with its own exception
+# type), so widening support to a new line means re-reading what each shim says and adding the
+# line here -- in one place.
+# =============================================================================================
+CHECKED_MCORE_LINES = ((0, 16),)  # (major, minor) release lines every shim was checked against
+
+
+def _require_checked_mcore(shim: str, reason: str, exc: type = ImportError,
+                           version: Optional["Version"] = None) -> None:
+    """Raise ``exc`` on a megatron-core outside :data:`CHECKED_MCORE_LINES`, saying what the
+    shim relies on (``reason``) and so what to re-read before widening the gate."""
+    version = version or MCORE_VERSION
+    if (version.major, version.minor) not in CHECKED_MCORE_LINES:
+        lines = ", ".join("%d.%d.x" % v for v in CHECKED_MCORE_LINES)
+        raise exc(
+            f"megatron_fastpath.compat.{shim} was checked against megatron-core {lines} only and "
+            f"megatron-core {version} is installed: {reason}. Check that against "
+            "the installed release and widen CHECKED_MCORE_LINES in megatron_fastpath/compat/__init__.py"
+        )

@@ -1,0 +1,139 @@
+"""CUDA graphs: Megatron's CudaGraphManager argument rules (graphs/audit.py) and the
+0.16.x forward-input buffer shim (graphs/setup.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from packaging.version import Version
+
+from megatron_fastpath.compat import MCORE_VERSION, _require_checked_mcore
+
+
+def cudagraph_arg_tools():
+    """``(reference(args, kwargs), mismatch_errors(ref, args, kwargs))`` from Megatron's own
+    CudaGraphManager code, so the graph-safety audit applies exactly Megatron's matching rules:
+    ``reference`` records the ``ArgMetadata`` of a call's arguments, ``mismatch_errors`` lists
+    how a later call's arguments differ from such a reference (empty: the graph may replay).
+
+    0.16.x keeps them on the private ``_CudaGraphRunner`` (an instance method reading
+    ``fwd_graph_input_arg_metas``/``fwd_graph_input_kwarg_metas``); we call it unbound on a
+    namespace holding those two attributes instead of building a runner (which needs CUDA).
+    """
+    import types
+
+    from megatron.core.transformer.cuda_graphs import ArgMetadata, _CudaGraphRunner
+
+    if not hasattr(_CudaGraphRunner, "get_mismatch_errors"):  # pragma: no cover - other versions
+        raise ImportError(
+            f"megatron-core {MCORE_VERSION} has no _CudaGraphRunner.get_mismatch_errors; the "
+            "graph-safety audit's argument check supports the 0.16 line"
+        )
+
+    def reference(args, kwargs):
+        return types.SimpleNamespace(
+            fwd_graph_input_arg_metas=[ArgMetadata(a) for a in args],
+            fwd_graph_input_kwarg_metas={k: ArgMetadata(v) for k, v in kwargs.items()},
+        )
+
+    def mismatch_errors(ref, args, kwargs):
+        return _CudaGraphRunner.get_mismatch_errors(ref, args, kwargs)
+
+    return reference, mismatch_errors
+
+
+# =============================================================================================
+# CUDA graphs: keep forward-graph input buffers out of Megatron's TensorReusePool (0.16.x)
+# =============================================================================================
+#
+# Why: megatron-core 0.16.x ``_CudaGraphRunner.create_fwd_graph`` ends with
+#
+#     # if an input buffer requires a copy, and does not have metadata attached to it at this
+#     # point, it will not be reused after this forward pass, so return it to the pool
+#     ... _CudagraphGlobalRecord.tensor_reuse_pool.insert(buf)
+#
+# but that buffer is the forward graph's static input, which its backward graph still reads
+# (e.g. the first layer's input, saved by its input layernorm). A later backward capture takes
+# it from the pool as its incoming-gradient buffer (``create_bwd_graph``:
+# ``tensor_reuse_pool.get(o)``), so every backward replay overwrites the first layer's input
+# before the first layer's backward runs: the embedding and first-layernorm gradients come out
+# wrong while the loss is right. Reproduced on CPU with Megatron's own CudaGraphManager over a
+# stock local-spec GPTModel (tests/graphs/test_megatron_cuda_graphs.py). Upstream deleted that
+# block ("buffers being reused too early and affecting the correctness of the backward pass",
+# NVIDIA/Megatron-LM#4433) and later made saved activations explicit (NVIDIA/Megatron-LM#5975).
+#
+# The shim swaps the one pool instance for a subclass whose ``insert`` drops forward-graph input
+# buffers -- in 0.16.x the only tensors carrying ``can_skip_replay_copy``
+# (transformer/cuda_graphs.py:876) -- and forwards everything else (the backward graphs'
+# grad-output buffers, whose recycling is sound). Cost: one input-sized buffer per graphed
+# layer stays allocated, as on upstream main.
+
+class CudaGraphShimError(RuntimeError):
+    """A CUDA-graph shim met a megatron-core whose code it was not checked against."""
+
+
+def _check_fwd_input_recycling_source(cg) -> None:
+    import inspect
+
+    fwd = inspect.getsource(cg._CudaGraphRunner.create_fwd_graph)
+    expected = ("_CudagraphGlobalRecord.tensor_reuse_pool.insert(buf)",
+                "buf.can_skip_replay_copy = can_skip_replay_copy")
+    missing = [e for e in expected if e not in fwd]
+    if missing:
+        raise CudaGraphShimError(
+            f"megatron-core {MCORE_VERSION}: _CudaGraphRunner.create_fwd_graph no longer contains "
+            f"{missing}; re-check whether forward-graph input buffers are still returned to the "
+            "TensorReusePool (NVIDIA/Megatron-LM#4433, #5975) before using per-layer CUDA graphs"
+        )
+
+
+def keep_cudagraph_input_buffers(version: Optional["Version"] = None) -> bool:
+    """Stop Megatron 0.16.x from recycling forward-graph input buffers (see the block comment).
+
+    Idempotent; call before the first training step with ``cuda_graph_impl="local"``. Returns
+    True when the shim is (already) installed. Raises :class:`CudaGraphShimError` on a
+    megatron-core line it was not checked against, saying what to check.
+    """
+    _require_checked_mcore(
+        "keep_cudagraph_input_buffers",
+        "transformer/cuda_graphs.py _CudaGraphRunner.create_fwd_graph returning forward-graph input "
+        "buffers to tensor_reuse_pool (if it no longer does -- fixed upstream by "
+        "NVIDIA/Megatron-LM#4433 / #5975 -- gate the shim off for that line)",
+        exc=CudaGraphShimError, version=version)
+    from megatron.core.transformer import cuda_graphs as cg
+
+    record = cg._CudagraphGlobalRecord
+    if isinstance(record.tensor_reuse_pool, _keep_input_pool_class(cg)):
+        return True
+    _check_fwd_input_recycling_source(cg)
+    record.tensor_reuse_pool = _keep_input_pool_class(cg)()
+    return True
+
+
+_POOL_CLASS = None
+
+
+def _keep_input_pool_class(cg):
+    global _POOL_CLASS
+    if _POOL_CLASS is None:
+
+        class KeepFwdInputsPool(cg.TensorReusePool):
+            """TensorReusePool that never takes back a forward graph's input buffer."""
+
+            dropped = 0
+
+            def insert(self, tensor):
+                if hasattr(tensor, "can_skip_replay_copy"):
+                    type(self).dropped += 1
+                    return
+                super().insert(tensor)
+
+        _POOL_CLASS = KeepFwdInputsPool
+    return _POOL_CLASS
+
+
+def restore_cudagraph_input_recycling() -> None:
+    """Undo :func:`keep_cudagraph_input_buffers` (tests show the 0.16.1 bug with it off)."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    cg._CudagraphGlobalRecord.tensor_reuse_pool = cg.TensorReusePool()

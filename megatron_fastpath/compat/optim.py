@@ -1,0 +1,146 @@
+"""Sync-free optimizer step: Megatron optimizer internals (optim/sync_free.py)."""
+
+from __future__ import annotations
+
+
+from megatron_fastpath.compat import _require_checked_mcore
+
+
+# =====================================================================================
+# Sync-free optimizer step: Megatron optimizer internals (megatron_fastpath.optim)
+# =====================================================================================
+# megatron_fastpath.optim.SyncFreeOptimizer drives Megatron's own optimizer objects
+# (FP32Optimizer, Float16OptimizerWithFloat16Params, ChainedOptimizer of those) but replaces
+# the three host reads in their step (clip_grads.py ``total_norm.item()``, optimizer.py
+# ``found_inf.item()``, DynamicGradScaler's host-side trackers) with device-side code. It needs
+# the optimizers' private group lists and copy helpers, which are not public API: checked here
+# for the 0.16 line only.
+
+def optimizer_leaves(optimizer) -> list:
+    """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
+    ChainedOptimizer is flattened); anything else is refused with what to use instead."""
+    _require_checked_mcore(
+        "optimizer_leaves",
+        "the sync-free optimizer step reads private fields of Megatron's FP32Optimizer / "
+        "Float16OptimizerWithFloat16Params / DynamicGradScaler; use Megatron's own step "
+        "(training.optimizer_step=megatron) until they are re-checked",
+    )
+    from megatron.core.optimizer.optimizer import (
+        ChainedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+    )
+
+    leaves = list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [
+        optimizer]
+    for leaf in leaves:
+        if type(leaf) not in (FP32Optimizer, Float16OptimizerWithFloat16Params):
+            raise TypeError(
+                f"the sync-free optimizer step supports Megatron's FP32Optimizer and "
+                f"Float16OptimizerWithFloat16Params (use_distributed_optimizer=False); got "
+                f"{type(leaf).__name__}: use its own step() instead"
+            )
+        cfg = leaf.config
+        if cfg.log_num_zeros_in_grad or cfg.use_precision_aware_optimizer or getattr(
+                cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+            raise ValueError(
+                "the sync-free optimizer step does not support log_num_zeros_in_grad, "
+                "use_precision_aware_optimizer or reuse_grad_buf_for_mxfp8_param_ag (each reads "
+                "values back or keeps state elsewhere); turn them off in OptimizerConfig"
+            )
+    return leaves
+
+
+def leaf_is_mixed_precision(leaf) -> bool:
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    return isinstance(leaf, Float16OptimizerWithFloat16Params)
+
+
+def leaf_copy_model_grads_to_main(leaf) -> None:
+    """Megatron's own (sync-free) first half of ``prepare_grads``: model grads -> main grads.
+    FP32Optimizer.prepare_grads only points ``param.grad`` at ``main_grad``; the mixed-precision
+    optimizer's ``_copy_model_grads_to_main_grads`` casts them into the fp32 main params."""
+    if leaf.is_stub_optimizer:
+        return
+    if leaf_is_mixed_precision(leaf):
+        leaf._copy_model_grads_to_main_grads()
+    else:
+        leaf.prepare_grads()
+
+
+def leaf_main_grads_for_unscaling(leaf) -> list:
+    return [] if leaf.is_stub_optimizer else leaf._collect_main_grad_data_for_unscaling()
+
+
+def leaf_copy_main_params_to_model(leaf) -> None:
+    if leaf_is_mixed_precision(leaf) and not leaf.is_stub_optimizer:
+        leaf._copy_main_params_to_model_params()
+
+
+def dynamic_scaler_fields(scaler):
+    """(kind, fields) of a Megatron grad scaler: kind "dynamic" with its factors / intervals /
+    host-side trackers, "constant", or None for no scaler (bf16 without loss scaling)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if scaler is None:
+        return None, {}
+    if isinstance(scaler, ConstantGradScaler):
+        return "constant", {}
+    if type(scaler) is not DynamicGradScaler:
+        raise TypeError(f"unsupported grad scaler {type(scaler).__name__}")
+    return "dynamic", dict(
+        min_scale=scaler.min_scale, growth_factor=scaler.growth_factor,
+        backoff_factor=scaler.backoff_factor, growth_interval=scaler.growth_interval,
+        hysteresis=scaler.hysteresis, growth_tracker=scaler._growth_tracker,
+        hysteresis_tracker=scaler._hysteresis_tracker,
+    )
+
+
+def set_dynamic_scaler_trackers(scaler, growth_tracker: int, hysteresis_tracker: int) -> None:
+    """Write the device-side trackers back to Megatron's host fields (checkpoint time)."""
+    scaler._growth_tracker = int(growth_tracker)
+    scaler._hysteresis_tracker = int(hysteresis_tracker)
+
+
+_FUSED_ADAM_CLASSES = (
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
+    ("apex.optimizers.fused_adam", "FusedAdam"),
+)
+
+
+def torch_adam_in_place_of_fused_adam(leaf) -> bool:
+    """Swap a leaf's Transformer Engine / Apex ``FusedAdam`` (Megatron's choice when either is
+    installed) for torch's Adam/AdamW over the *same* param-group dicts, before its first step.
+
+    Their ``step()`` keeps the step count in ``group['step']`` on the host and skips nothing on
+    the device; the sync-free step runs torch's Adam math (one fused kernel per group on CUDA)
+    on torch-layout state instead -- what Megatron itself builds without TE/Apex, so its
+    checkpoint code (per-parameter ``step``) applies unchanged. Only the plain configuration is
+    taken over (fp32 states, no master weights, no decoupled grads, bias correction on);
+    anything else raises TypeError (``optimizer_step=auto`` then keeps Megatron's step).
+    Returns True when swapped."""
+    import torch
+
+    opt = getattr(leaf, "optimizer", None)
+    kind = (type(opt).__module__, type(opt).__name__)
+    if opt is None or kind not in _FUSED_ADAM_CLASSES:
+        return False
+    plain = (
+        not getattr(opt, "capturable", False) and not getattr(opt, "master_weights", False)
+        and not getattr(opt, "use_decoupled_grad", False)
+        and not getattr(opt, "store_param_remainders", False)
+        and getattr(opt, "exp_avg_dtype", torch.float32) == torch.float32
+        and getattr(opt, "exp_avg_sq_dtype", torch.float32) == torch.float32
+        and all(g.get("bias_correction", True) for g in opt.param_groups)
+    )
+    if not plain or len(opt.state) != 0:
+        raise TypeError(
+            f"{kind[0]}.FusedAdam with master weights / low-precision states / capturable / "
+            "decoupled grads, or after its first step, is not taken over by the sync-free step"
+        )
+    cls = torch.optim.AdamW if opt.adam_w_mode else torch.optim.Adam
+    d = opt.defaults
+    leaf.optimizer = cls(opt.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                         weight_decay=d["weight_decay"])
+    return True
