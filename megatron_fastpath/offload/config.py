@@ -163,3 +163,15 @@ class OffloadStepStats:
         d = dataclasses.asdict(self)
         d["mode"] = self.mode.value
         return d
+
+    def summary_line(self) -> str:
+        """The main job's summary line for the offload (the last step's figures)."""
+        return (
+            f"offload: mode {self.mode.value} ({self.mode_reason}), "
+            f"{self.bytes_offloaded:,} B offloaded/{self.bytes_reloaded:,} B reloaded per step, "
+            f"{self.prefetched_reloads} prefetched / {self.just_in_time_reloads} just-in-time "
+            f"reloads (est. exposed copy {self.est_exposed_copy_s * 1e3:.3f} ms), device "
+            f"buffers {self.device_buffer_bytes:,} B, host pool {self.host_pool_bytes:,} B, "
+            f"window {self.offload_window} layers, {self.eager_offloads} issued in forward "
+            f"order ({self.window_source})"
+        )

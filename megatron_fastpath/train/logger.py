@@ -342,16 +342,7 @@ class StepLogger:
             self.print(f"  sync site: {site}")
         history = self.job.offload.history if self.job.offload is not None else ()
         if history:
-            last = history[-1]
-            self.print(
-                f"  offload: mode {last.mode.value} ({last.mode_reason}), "
-                f"{last.bytes_offloaded:,} B offloaded/{last.bytes_reloaded:,} B reloaded per step, "
-                f"{last.prefetched_reloads} prefetched / {last.just_in_time_reloads} just-in-time "
-                f"reloads (est. exposed copy {last.est_exposed_copy_s * 1e3:.3f} ms), device "
-                f"buffers {last.device_buffer_bytes:,} B, host pool {last.host_pool_bytes:,} B, "
-                f"window {last.offload_window} layers, {last.eager_offloads} issued in forward "
-                f"order ({last.window_source})"
-            )
+            self.print(f"  {history[-1].summary_line()}")
         if s.audit is not None:
             self.print("\n".join(f"  {line}" for line in s.audit.splitlines()))
         if s.checkpoint_saves or s.resumed_from:

@@ -468,3 +468,18 @@ def test_timing_model_reports_hazards():
     assert "before its offload" in msgs  # host slot read before it was written
     with pytest.raises(ValueError, match="copy_bytes_per_s"):
         replay_schedule(bad, {"bwd": 1.0}, 0.0)
+
+
+def test_offload_reports_its_own_summary_line():
+    """The main job's summary prints what the offload's last step stats say of themselves."""
+    from megatron_fastpath.offload.config import BufferMode, OffloadStepStats
+
+    stats = OffloadStepStats(step=3, mode=BufferMode.DOUBLE, mode_reason="fits", bytes_offloaded=2048,
+                             bytes_reloaded=2048, layers_offloaded=2, layers_kept=1, prefetched_reloads=1,
+                             just_in_time_reloads=1, est_exposed_copy_s=0.0015, device_buffer_bytes=4096,
+                             host_pool_bytes=8192, host_pinned=True, offload_window=2,
+                             window_source="planned", eager_offloads=1)
+    assert stats.summary_line() == (
+        "offload: mode double (fits), 2,048 B offloaded/2,048 B reloaded per step, 1 prefetched / "
+        "1 just-in-time reloads (est. exposed copy 1.500 ms), device buffers 4,096 B, host pool "
+        "8,192 B, window 2 layers, 1 issued in forward order (planned)")
