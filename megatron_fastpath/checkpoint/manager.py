@@ -15,6 +15,11 @@ Layout of ``checkpoint.dir``::
 A save goes to ``.tmp.step_N``, is published by ``rename`` to ``step_N`` and only then
 ``latest`` is replaced (write + ``os.replace``): a crash at any point leaves the previous
 checkpoint loadable and never points ``latest`` at a partial one.
+
+Rotation (``keep``) keeps the checkpoint just written, the one this run resumed from and the
+newest others that did not fail verification in this run; a checkpoint leaves the published
+set by ``rename`` to ``.trash.step_N`` before it is deleted (a kill mid-delete leaves no
+half-deleted ``step_N``; trash is cleared at the next save).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ __all__ = [
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp."
+TRASH_PREFIX = ".trash."
 FORMAT_VERSION = 1
 
 
@@ -171,6 +177,8 @@ class CheckpointManager:
         self._async_queue = None
         self._pending: list = []
         self.saves: list[SaveResult] = []
+        self.resumed_path: Optional[str] = None  # never rotated away
+        self.failed: set = set()  # checkpoints that failed verification or loading in this run
 
     # ------------------------------------------------------------------ discovery
     def _step_dir(self, step: int) -> str:
@@ -189,8 +197,10 @@ class CheckpointManager:
         if os.path.exists(pointer):
             with open(pointer) as f:
                 name = f.read().strip()
-            if not name.startswith(STEP_PREFIX) or os.sep in name:
-                raise CheckpointCorruptError(f"{pointer} holds {name!r}, not a checkpoint name")
+            if not name.startswith(STEP_PREFIX) or os.sep in name or name in (".", ".."):
+                raise CheckpointCorruptError(
+                    f"{pointer} holds {name[:80]!r}, not a checkpoint name (set "
+                    "checkpoint.fallback_to_previous=true to resume from the newest complete one)")
             return os.path.join(self.root, name)
         done = self.complete_checkpoints()  # crash between publish and pointer: newest complete
         return done[0] if done else None
@@ -277,8 +287,20 @@ class CheckpointManager:
 
     def _remove_partial(self) -> None:
         for n in os.listdir(self.root):
-            if n.startswith(TMP_PREFIX):
+            if n.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+    def _rotate(self, written: str) -> None:
+        """Keep ``written``, the checkpoint resumed from and the newest ``keep`` of the others
+        that did not fail in this run; move the rest out of the published set, then delete."""
+        good = [p for p in self.complete_checkpoints() if p not in self.failed]
+        kept = {written, self.resumed_path} | set(good[: self.cfg.keep])
+        for old in self.complete_checkpoints():
+            if old not in kept:
+                trash = os.path.join(self.root, TRASH_PREFIX + os.path.basename(old))
+                os.rename(old, trash)  # out of the published set first: atomic
+                _fsync_dir(self.root)
+                shutil.rmtree(trash, ignore_errors=True)
 
     def _publish(self, tmp: str, step: int) -> None:
         _barrier()  # every rank's files are written
@@ -299,8 +321,7 @@ class CheckpointManager:
                 os.fsync(f.fileno())
             os.replace(f"{pointer}.part", pointer)
             _fsync_dir(self.root)
-            for old in self.complete_checkpoints()[self.cfg.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._rotate(final)
         _barrier()
 
     # ------------------------------------------------------------------ load
@@ -352,19 +373,33 @@ class CheckpointManager:
     def load(self, state_fn, apply_fn, restore_fp8=None) -> Optional[ResumeState]:
         """Resume from the latest complete checkpoint (None: the directory has none).
         ``restore_fp8(tensors) -> modules restored``: where this rank's FP8 state goes."""
-        latest = self.latest()
-        if latest is None:
-            return None
-        candidates = [latest] + ([p for p in self.complete_checkpoints() if p != latest]
-                                 if self.cfg.fallback_to_previous else [])
+        from torch.distributed.checkpoint.api import CheckpointException
+
         notes = []
+        try:
+            latest = self.latest()
+        except CheckpointCorruptError as exc:  # garbage / empty ``latest``
+            if not self.cfg.fallback_to_previous:
+                raise
+            latest = None
+            notes.append(f"ignored {exc}")
+            self.log(f"checkpoint: {notes[-1]}; trying the newest complete checkpoint")
+        complete = self.complete_checkpoints()
+        if latest is None and not notes:
+            return None
+        candidates = ([latest] if latest else []) + (
+            [p for p in complete if p != latest] if self.cfg.fallback_to_previous else [])
         for path in candidates:
             try:
                 loaded = self._load_one(path, state_fn, apply_fn, restore_fp8)
+                self.resumed_path = path
                 return dataclasses.replace(loaded, notes=tuple(notes) + loaded.notes)
             except (CheckpointMismatchError, UnsafeCheckpointError):
                 raise  # another run's checkpoint or a tampered one: never fall back silently
-            except (CheckpointCorruptError, OSError, ValueError, RuntimeError) as exc:
+            # CheckpointException: torch.distributed.checkpoint's load failure (a BaseException)
+            except (CheckpointCorruptError, OSError, ValueError, RuntimeError, KeyError,
+                    CheckpointException) as exc:
+                self.failed.add(path)
                 if not self.cfg.fallback_to_previous:
                     if isinstance(exc, CheckpointError):
                         raise

@@ -212,3 +212,83 @@ def test_grouped_experts_shard_over_ep_and_te_experts_refuse_ep(mcore_parallel):
     with pytest.raises(NotImplementedError, match="expert-parallel size 2"):
         TEGroupedSwiGLUExperts.sharded_state_dict(
             types.SimpleNamespace(config=config(8), num_local_experts=4), "mlp.experts.")
+
+
+def _corrupt(path):
+    victim = os.path.join(path, "model", "__0_0.distcp")
+    os.truncate(victim, os.path.getsize(victim) // 2)
+
+
+def test_rotation_keeps_the_resumed_and_the_written_checkpoint(mcore_parallel, tmp_path):
+    """keep=1 + fallback: the newest checkpoint is corrupt, the previous one is loaded; the next
+    save must leave both the loaded checkpoint and the new one, never only the corrupt one."""
+    run = Run().train(1)
+    run.save(tmp_path, keep=1)
+    run.train(1).save(tmp_path, keep=2)
+    loaded_path = os.path.join(tmp_path, "step_00000001")
+    _corrupt(os.path.join(tmp_path, "step_00000002"))
+    resumed = Run(seed=4)
+    mgr, (state_fn, apply_fn, extra_fn) = resumed.manager(tmp_path, keep=1, fallback_to_previous=True)
+    state = mgr.load(state_fn, apply_fn)
+    assert state.path == loaded_path
+    resumed.step = state.step
+    resumed.train(2)  # step 3
+    mgr.save(resumed.step, state_fn, {**extra_fn(), "losses": []})
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
+    assert names == ["step_00000001", "step_00000003"]  # the corrupt step 2 rotated away
+    assert open(tmp_path / "latest").read() == "step_00000003"
+    assert not any(n.startswith(".trash.") for n in os.listdir(tmp_path))
+    assert Run(seed=5).load(tmp_path).step == 3
+
+
+@pytest.mark.parametrize("pointer", ["", "garbage\x00", "../../etc", "step_00000009"])
+def test_garbage_latest_falls_back_to_the_newest_complete(mcore_parallel, tmp_path, pointer):
+    older, latest = _two_checkpoints(tmp_path)
+    (tmp_path / "latest").write_text(pointer)
+    if pointer != "step_00000009":  # a name: refused without fallback, naming the file
+        with pytest.raises(CheckpointCorruptError, match="latest holds .* not a checkpoint name"):
+            Run(seed=4).load(tmp_path)
+    resumed = Run(seed=4).load(tmp_path, fallback_to_previous=True)
+    assert resumed.path == latest.path and resumed.step == 2
+
+
+def test_torch_checkpoint_exception_falls_back(mcore_parallel, tmp_path, monkeypatch):
+    """torch.distributed.checkpoint raises CheckpointException, a BaseException: it must not
+    escape the fallback."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    older, latest = _two_checkpoints(tmp_path)
+    real_load = dist_checkpointing.load
+
+    def failing_load(sd, path, *a, **kw):
+        if os.path.basename(os.path.dirname(path)) == os.path.basename(latest.path):
+            raise CheckpointException("simulated read failure", {0: _wrap_exception(RuntimeError("x"))})
+        return real_load(sd, path, *a, **kw)
+
+    monkeypatch.setattr(dist_checkpointing, "load", failing_load)
+    resumed = Run(seed=4).load(tmp_path, fallback_to_previous=True)
+    assert resumed.path == older.path and any(f"skipped {latest.path}" in n for n in resumed.notes)
+
+
+def test_rotation_moves_out_of_the_published_set_before_deleting(mcore_parallel, tmp_path, monkeypatch):
+    """A kill while deleting an old checkpoint must not leave a half-deleted step_N that still
+    counts as complete: the delete is simulated to stop half way."""
+    import shutil
+
+    run = Run()
+    run.train(1).save(tmp_path, keep=1)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *a, **kw):
+        os.remove(os.path.join(path, "train_state.json"))  # half of the files gone ...
+        raise KeyboardInterrupt("killed during rotation")  # ... then the process dies
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        run.train(1).save(tmp_path, keep=1)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_00000002"]
+    assert Run(seed=3).load(tmp_path).step == 2
+    run.train(1).save(tmp_path, keep=1)  # the next save clears the trash
+    assert not any(n.startswith(".trash.") for n in os.listdir(tmp_path))
