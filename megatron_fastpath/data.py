@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing
+from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
 
 __all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches"]
 
@@ -24,13 +25,13 @@ class DataConfig:
     prompt_len: tokens per sample excluded from the loss; max_tokens / max_seqs: bin capacity
     (the packed cache's static capacities); max_strides: strides drawn from 1..max_strides."""
 
-    num_samples: int = 2048
-    min_len: int = 8
-    max_len: int = 96
-    prompt_len: int = 3
-    max_tokens: int = 512
-    max_seqs: int = 32
-    max_strides: int = 3
+    num_samples: int = bounded(2048, POSITIVE)
+    min_len: int = bounded(8, POSITIVE)
+    max_len: int = bounded(96, POSITIVE)
+    prompt_len: int = bounded(3, NON_NEGATIVE)
+    max_tokens: int = bounded(512, POSITIVE)
+    max_seqs: int = bounded(32, POSITIVE)
+    max_strides: int = bounded(3, POSITIVE)
     seed: int = 1234
 
 

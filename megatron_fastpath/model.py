@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath.settings import FINITE_POSITIVE, POSITIVE, bounded
+
 __all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "rope_config_for", "rope_config_of"]
 
 
@@ -18,23 +20,23 @@ class ModelConfig:
     num_experts / moe_router_topk / moe_ffn_hidden_size: MoE layers when num_experts is set.
     """
 
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 352
-    vocab_size: int = 256
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    rope_scaling_factor: Optional[float] = None  # Llama 3.1 frequency scaling (8.0), None: off
+    num_layers: int = bounded(4, POSITIVE)
+    hidden_size: int = bounded(128, POSITIVE)
+    num_attention_heads: int = bounded(4, POSITIVE)
+    num_query_groups: int = bounded(2, POSITIVE)
+    ffn_hidden_size: int = bounded(352, POSITIVE)
+    vocab_size: int = bounded(256, POSITIVE)
+    rotary_base: float = bounded(10000.0, FINITE_POSITIVE)
+    rotary_percent: float = bounded(1.0, FINITE_POSITIVE)
+    rope_scaling_factor: Optional[float] = bounded(None, FINITE_POSITIVE)  # Llama 3.1 frequency scaling (8.0), None: off
     normalization: str = "RMSNorm"
-    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
+    kv_channels: Optional[int] = bounded(None, POSITIVE)  # head dim; default hidden_size // num_attention_heads
     qk_layernorm: bool = False
-    seq_length: int = 4096  # the model's context (documentation / real-shape configs)
-    num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    init_method_std: float = 0.02
+    seq_length: int = bounded(4096, POSITIVE)  # the model's context (documentation / real-shape configs)
+    num_experts: Optional[int] = bounded(None, POSITIVE)
+    moe_router_topk: int = bounded(2, POSITIVE)
+    moe_ffn_hidden_size: Optional[int] = bounded(None, POSITIVE)
+    init_method_std: float = bounded(0.02, FINITE_POSITIVE)
 
 
 def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **overrides):

@@ -152,20 +152,41 @@ def _exit_preempted() -> None:
     os._exit(PREEMPTED_EXIT_CODE)
 
 
+USER_ERROR_EXIT_CODE = 2
+
+
+def _user_errors() -> tuple:
+    from megatron_fastpath.checkpoint import CheckpointError, UnsafeCheckpointError
+
+    return (ValueError, CheckpointError, UnsafeCheckpointError)
+
+
 def main() -> None:
     import hydra
     from omegaconf import DictConfig
+
+    USER_ERRORS = _user_errors()  # noqa: N806
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
         from megatron_fastpath._noise import absent_packages_line
         from megatron_fastpath.train.checkpointing import announce_resume
 
-        announce_resume(cfg)  # first: whether this run resumes from a checkpoint
-        line = absent_packages_line()
-        if line and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(line, flush=True)
-        summary = run(cfg, announce=False)
+        try:
+            announce_resume(cfg)  # first: whether this run resumes from a checkpoint
+            line = absent_packages_line()
+            if line and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                print(line, flush=True)
+            summary = run(cfg, announce=False)
+        except USER_ERRORS as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            # a configuration / data / checkpoint problem: its message says what, why and the
+            # fix; the traceback would only hide it (HYDRA_FULL_ERROR=1 shows it)
+            import sys
+
+            print(f"error: {exc}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR_EXIT_CODE)
         if summary.stopped and summary.stopped.startswith("signal"):
             _exit_preempted()
         from megatron_fastpath.distributed import destroy_distributed

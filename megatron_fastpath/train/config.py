@@ -16,6 +16,14 @@ import torch
 
 from megatron_fastpath.data import DataConfig
 from megatron_fastpath.model import ModelConfig
+from megatron_fastpath.settings import (
+    FINITE_NON_NEGATIVE,
+    FINITE_POSITIVE,
+    NON_NEGATIVE,
+    POSITIVE,
+    bounded,
+    check_values,
+)
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
            "parse_job_config", "section"]
@@ -30,13 +38,13 @@ class TrainingConfig:
     Adam/AdamW; TE/Apex FusedAdam in its plain configuration, swapped for torch's) and megatron
     otherwise."""
 
-    steps: int = 40
-    micro_batches: int = 2
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 4
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
+    steps: int = bounded(40, POSITIVE)
+    micro_batches: int = bounded(2, POSITIVE)
+    lr: float = bounded(3e-3, FINITE_POSITIVE)
+    min_lr: float = bounded(3e-4, FINITE_NON_NEGATIVE)
+    warmup_steps: int = bounded(4, NON_NEGATIVE)
+    weight_decay: float = bounded(0.01, FINITE_NON_NEGATIVE)
+    clip_grad: float = bounded(1.0, FINITE_NON_NEGATIVE)  # 0: no clipping
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16
@@ -45,7 +53,7 @@ class TrainingConfig:
     skip_memory_check: bool = False  # train/memory.py: refuse jobs that cannot fit
     # Stop after this step (saving a checkpoint when checkpoint.dir is set); the LR schedule and
     # data order still span `steps`, so a rerun without it continues the same run.
-    stop_at_step: Optional[int] = None
+    stop_at_step: Optional[int] = bounded(None, POSITIVE)
     optimizer_step: str = "auto"  # auto | sync_free | megatron
 
 
@@ -78,10 +86,10 @@ class ParallelConfig:
     (norms, dropout, residuals) over the TP group (Megatron's ``sequence_parallel``; needs
     TP > 1 and CUDA)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    context_parallel_size: int = 1
+    tensor_model_parallel_size: int = bounded(1, POSITIVE)
+    pipeline_model_parallel_size: int = bounded(1, POSITIVE)
+    expert_model_parallel_size: int = bounded(1, POSITIVE)
+    context_parallel_size: int = bounded(1, POSITIVE)
     sequence_parallel: bool = False
 
 
@@ -97,8 +105,8 @@ class ClusterConfig:
 
     name: str = "local"
     backend: str = "auto"
-    expected_world_size: Optional[int] = None
-    timeout_s: Optional[float] = None
+    expected_world_size: Optional[int] = bounded(None, POSITIVE)
+    timeout_s: Optional[float] = bounded(None, FINITE_POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +158,7 @@ def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str 
     if unknown:
         where = f" ({', '.join(sorted(fixed))} is set by {switch})" if fixed and switch else ""
         raise ValueError(f"unknown key(s) {unknown} in config group '{name}'{where}; valid: {sorted(fields)}")
+    check_values(name, cls, data)  # types and bounds, naming the key (settings.py)
     return cls(**data, **fixed)
 
 
@@ -188,8 +197,6 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
     if train.optimizer_step not in ("auto", "sync_free", "megatron"):
         raise ValueError(
             f"training.optimizer_step must be auto, sync_free or megatron; got {train.optimizer_step!r}")
-    if train.steps <= 0 or train.micro_batches <= 0:
-        raise ValueError("training.steps and training.micro_batches must be positive")
     if train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
         raise ValueError(
             f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"

@@ -1,0 +1,69 @@
+"""Bad override values are refused at parse (before any model or optimizer is built), the
+message naming the key, the value and what is allowed (issue 27 item 13)."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from megatron_fastpath.train import config_dir, parse_job_config
+
+CASES = {
+    "training.steps=abc": r"training\.steps='abc': must be a whole number",
+    "training.steps=null": r"training\.steps=null: must be a whole number",
+    "training.steps=3.5": r"training\.steps=3\.5: must be a whole number",
+    "training.steps=0": r"training\.steps=0: must be > 0",
+    "checkpoint.keep=two": r"checkpoint\.keep='two': must be a whole number",
+    "training.lr=nan": r"training\.lr=nan: must be a finite number > 0",
+    "training.lr=-1": r"training\.lr=-1: must be a finite number > 0",
+    "training.weight_decay=nan": r"training\.weight_decay=nan: must be a finite number >= 0",
+    "training.warmup_steps=-3": r"training\.warmup_steps=-3: must be >= 0",
+    "training.clip_grad=nan": r"training\.clip_grad=nan: must be a finite number >= 0",
+    "model.num_layers=0": r"model\.num_layers=0: must be > 0",
+    "model.vocab_size=0": r"model\.vocab_size=0: must be > 0",
+    "parallel.tensor_model_parallel_size=-1": r"parallel\.tensor_model_parallel_size=-1: must be > 0",
+    "data.num_samples=-5": r"data\.num_samples=-5: must be > 0",
+    "training.log_all_ranks=maybe": r"training\.log_all_ranks='maybe': must be true or false",
+}
+
+
+@pytest.mark.parametrize("override", sorted(CASES))
+def test_bad_value_refused_at_parse_naming_the_key(override, monkeypatch):
+    built = []
+    import megatron_fastpath.train.job as job_mod
+
+    monkeypatch.setattr(job_mod, "build_model", lambda *a, **k: built.append(1))  # must not run
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(ValueError, match=CASES[override]):
+        parse_job_config(cfg)
+    assert built == []
+
+
+def test_good_values_still_parse():
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "training.lr=1e-3", "training.clip_grad=0", "training.warmup_steps=0",
+            "training.stop_at_step=null", "model.rope_scaling_factor=8"])
+    job = parse_job_config(cfg)
+    assert job.training.lr == 1e-3 and job.training.clip_grad == 0 and job.model.rope_scaling_factor == 8
+
+
+def test_main_job_prints_the_message_without_a_traceback(tmp_path):
+    """A config error: the message alone on stderr and exit 2; HYDRA_FULL_ERROR=1 keeps the
+    traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from subproc import child_env  # tests/support (conftest.py puts it on the path)
+
+    repo = os.path.dirname(config_dir())
+    args = [sys.executable, "-m", "megatron_fastpath.train", "training.lr=nan",
+            f"hydra.run.dir={tmp_path}/run"]
+    plain = subprocess.run(args, cwd=tmp_path, env=child_env(PYTHONPATH=repo), capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 2
+    assert "error: training.lr=nan: must be a finite number > 0" in plain.stderr
+    assert "Traceback" not in plain.stderr + plain.stdout
+    full = subprocess.run(args, cwd=tmp_path, env=child_env(PYTHONPATH=repo, HYDRA_FULL_ERROR="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1 and "Traceback" in full.stderr and "training.lr=nan" in full.stderr
