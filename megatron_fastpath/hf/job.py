@@ -1,7 +1,7 @@
 """The main job's Hugging Face pieces: ``model=hf``, ``data=jsonl``, evaluation, export.
 
     python -m megatron_fastpath.train model=hf model.path=<hf dir> data=jsonl \\
-        data.path=<file.jsonl> fastpath.lora=true lora.export_dir=<dir>
+        data.path=<file.jsonl> fastpath.lora=true export.adapter_dir=<dir>
 
 * :func:`parse_hf_groups` reads the ``model`` group when it names a checkpoint (``path``) and
   the ``data`` group when it names a JSONL file: the checkpoint's config.json and file headers
@@ -11,7 +11,7 @@
   the fastpath spec with the switched-on features, each rank loading only its shard.
 * :func:`build_jsonl_data` replaces ``build_data``: train bins per step and held-out bins.
 * :class:`Evaluator`: token-weighted held-out loss, same packing, no gradients.
-* :func:`export_lora`: the PEFT adapter and optionally merged weights at the end of the run.
+* :func:`export_hf`: the PEFT adapter and / or the (merged) weights at the end of the run.
 """
 
 from __future__ import annotations
@@ -24,8 +24,22 @@ import torch
 
 from megatron_fastpath.hf.config import HFModelSpec
 
-__all__ = ["HFJobConfig", "parse_hf_groups", "build_hf_job_model", "build_jsonl_data",
-           "Evaluator", "export_lora"]
+__all__ = ["HFJobConfig", "ExportConfig", "parse_hf_groups", "build_hf_job_model",
+           "build_jsonl_data", "Evaluator", "export_hf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """The ``export`` group: what a ``model=hf`` run writes at the end (output only, so not part
+    of the resume fingerprint). adapter_dir: a PEFT adapter directory (needs LoRA); merged_dir:
+    the weights as a Hugging Face checkpoint (LoRA merged in; a full fine-tune as trained)."""
+
+    adapter_dir: Optional[str] = None
+    merged_dir: Optional[str] = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.adapter_dir or self.merged_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,34 +180,38 @@ class Evaluator:
         return total / max(tokens, 1.0)
 
 
-def export_lora(job, log=print) -> dict:
-    """Write the PEFT adapter (``lora.export_dir``) and merged weights
-    (``lora.export_merged_dir``) of a finished ``model=hf`` LoRA run; returns {kind: dir}."""
+def export_hf(job, log=print) -> dict:
+    """Write the PEFT adapter (``export.adapter_dir``) and the weights (``export.merged_dir``:
+    LoRA merged in, or a full fine-tune's) of a finished ``model=hf`` run; returns {kind: dir}."""
     from megatron_fastpath.hf.export import save_merged_checkpoint, save_peft_adapter
 
-    lora, out = job.cfg.lora, {}
-    if lora is None or job.cfg.hf is None:
+    export, out = job.cfg.export, {}
+    if export is None or job.cfg.hf is None:
         return out
     spec = job.cfg.hf.spec
-    if lora.export_dir:
-        save_peft_adapter(job.model, spec, lora, lora.export_dir)
-        out["peft_adapter"] = lora.export_dir
-        log(f"exported PEFT adapter to {lora.export_dir}")
-    if lora.export_merged_dir:
-        save_merged_checkpoint(job.model, spec, lora.export_merged_dir)
-        out["merged"] = lora.export_merged_dir
-        log(f"exported merged Hugging Face checkpoint to {lora.export_merged_dir}")
+    if export.adapter_dir:
+        save_peft_adapter(job.model, spec, job.cfg.lora, export.adapter_dir)
+        out["peft_adapter"] = export.adapter_dir
+        log(f"exported PEFT adapter to {export.adapter_dir}")
+    if export.merged_dir:
+        save_merged_checkpoint(job.model, spec, export.merged_dir)
+        out["merged"] = export.merged_dir
+        what = "merged" if job.cfg.lora is not None else "fine-tuned"
+        log(f"exported {what} Hugging Face checkpoint to {export.merged_dir}")
     return out
 
 
-def check_hf_job(lora, hf: Optional[HFJobConfig], data, pp: int) -> None:
+def check_hf_job(lora, export: Optional[ExportConfig], hf: Optional[HFJobConfig], data, pp: int) -> None:
     """Export and evaluation settings the job cannot honour, refused before anything is built."""
-    exporting = lora is not None and (lora.export_dir or lora.export_merged_dir)
+    exporting = export is not None and export.enabled
     if exporting and hf is None:
-        raise ValueError("lora.export_dir / lora.export_merged_dir write Hugging Face files and "
+        raise ValueError("export.adapter_dir / export.merged_dir write Hugging Face files and "
                          "need model=hf model.path=<checkpoint>")
+    if export is not None and export.adapter_dir and lora is None:
+        raise ValueError("export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true; "
+                         "a full fine-tune exports its weights with export.merged_dir=<dir>")
     if exporting and pp > 1:
-        raise ValueError("lora.export_* with pipeline parallelism is not supported (each stage "
+        raise ValueError("export.* with pipeline parallelism is not supported (each stage "
                          "holds other layers); export from a pipeline_model_parallel_size=1 run")
     if getattr(data, "eval_fraction", 0) > 0 and pp > 1:
         raise ValueError("held-out evaluation runs the model outside Megatron's pipeline "

@@ -22,10 +22,8 @@ LORA_TARGETS = {
 class LoRAConfig:
     """rank r, alpha (scale = alpha / r), dropout on the adapter input, target linears
     (MLPerf Llama-2-70B: r=16, alpha=32, dropout=0.1 on linear_qkv and linear_proj), and the
-    adapter dtype (None: the base weight's dtype, i.e. bf16 in a bf16/FP8 run).
-
-    export_dir / export_merged_dir: main job with ``model=hf`` only: at the end of the run write
-    a PEFT adapter directory / merged weights as a Hugging Face checkpoint (None: not written).
+    adapter dtype (None: the base weight's dtype, i.e. bf16 in a bf16/FP8 run). What the main
+    job writes at the end (PEFT adapter, merged weights) is the ``export`` group's.
     """
 
     rank: int = 16
@@ -33,8 +31,6 @@ class LoRAConfig:
     dropout: float = 0.1
     targets: tuple = ("linear_qkv", "linear_proj")
     dtype: Optional[str] = None
-    export_dir: Optional[str] = None
-    export_merged_dir: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank <= 0:

@@ -4,7 +4,7 @@
     python -m megatron_fastpath.train training.steps=50 model=tiny_dense
     torchrun --nproc_per_node=2 -m megatron_fastpath.train  # data parallel
     python -m megatron_fastpath.train model=hf model.path=<hf dir> data=jsonl \
-        data.path=<file.jsonl> fastpath.lora=true lora.export_dir=<dir>   # fine-tune (hf/job.py)
+        data.path=<file.jsonl> fastpath.lora=true export.adapter_dir=<dir>   # fine-tune (hf/job.py)
 
 Read like torchtitan's ``train.py``::
 
@@ -88,10 +88,10 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
             stop = _steps(job, logger, ckpt, range(max(start_step, audited + 1), last + 1), False,
                           eval_after)
         logger.flush()
-        if job.cfg.hf is not None and stop is None:  # model=hf: PEFT adapter / merged checkpoint
-            from megatron_fastpath.hf.job import export_lora
+        if job.cfg.hf is not None and stop is None:  # model=hf: PEFT adapter / HF weights
+            from megatron_fastpath.hf.job import export_hf
 
-            logger.artifacts.update(export_lora(job, log=logger.print))
+            logger.artifacts.update(export_hf(job, log=logger.print))
         checkpoint = ckpt.finish() if ckpt is not None else {}
     except BaseException:
         if ckpt is not None:

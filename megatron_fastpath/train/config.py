@@ -135,6 +135,7 @@ class JobConfig:
     hf: Any = None  # Optional[HFJobConfig]: model=hf (megatron_fastpath.hf.job)
     metrics: Any = None  # Optional[MetricsConfig]: None when the tree has no metrics group
     checkpoint: Any = None  # CheckpointConfig (checkpoint.dir None: off)
+    export: Any = None  # Optional[ExportConfig] (hf/job.py): what a model=hf run writes at the end
 
     @property
     def is_moe(self) -> bool:
@@ -153,6 +154,8 @@ def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str 
     raw = cfg.get(name, {}) if cfg is not None else {}
     data = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else dict(raw)
     fixed = fixed or {}
+    # a moved key left null in its old group's YAML (a set one is refused by _refuse_moved_keys)
+    data = {k: v for k, v in data.items() if not (f"{name}.{k}" in dict(_MOVED_KEYS) and v is None)}
     fields = {f.name for f in dataclasses.fields(cls)} - set(fixed)
     unknown = sorted(set(data) - fields)
     if unknown:
@@ -261,9 +264,10 @@ def parse_job_config(cfg: Any) -> JobConfig:
     from megatron_fastpath.attention.core_attention import resolve_backend
     from megatron_fastpath.graphs.config import plan_graphs_and_fp8
 
-    from megatron_fastpath.hf.job import check_hf_job, parse_hf_groups
+    from megatron_fastpath.hf.job import ExportConfig, check_hf_job, parse_hf_groups
     from megatron_fastpath.train.metrics import MetricsConfig
 
+    _refuse_moved_keys(cfg)
     train = section(cfg, "training", TrainingConfig)
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
@@ -274,7 +278,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
     model = hf_model or section(cfg, "model", ModelConfig)
     data = hf_data or section(cfg, "data", DataConfig)
     features = _feature_sections(cfg, fast)
-    check_hf_job(features["lora"], hf, data, par.pipeline_model_parallel_size)
+    export = section(cfg, "export", ExportConfig) if cfg is not None and "export" in cfg else None
+    check_hf_job(features["lora"], export, hf, data, par.pipeline_model_parallel_size)
     metrics = section(cfg, "metrics", MetricsConfig) if cfg is not None and "metrics" in cfg else None
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
@@ -302,12 +307,24 @@ def parse_job_config(cfg: Any) -> JobConfig:
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
                     linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics,
-                    checkpoint=_checkpoint_section(cfg, fast), **features)
+                    checkpoint=_checkpoint_section(cfg, fast), export=export, **features)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 
         check_memory(job)
     return job
+
+
+# keys that moved to another group: (old, new)
+_MOVED_KEYS = (("lora.export_dir", "export.adapter_dir"), ("lora.export_merged_dir", "export.merged_dir"))
+
+
+def _refuse_moved_keys(cfg: Any) -> None:
+    for old, new in _MOVED_KEYS:
+        group, key = old.split(".")
+        if cfg is not None and (cfg.get(group) or {}).get(key) is not None:
+            raise ValueError(f"{old} moved to {new} (export settings are output only and do not "
+                             f"enter the resume fingerprint): use {new}=<dir>")
 
 
 def _checkpoint_section(cfg: Any, fast: FastpathConfig):

@@ -86,7 +86,7 @@ def test_bad_hf_job_config(mcore_parallel, tiny, overrides, match, capsys):
 
 
 def test_export_needs_model_hf(mcore_parallel, capsys):
-    run_expecting(["fastpath.lora=true", "lora.export_dir=/tmp/x"], ValueError,
+    run_expecting(["fastpath.lora=true", "export.adapter_dir=/tmp/x"], ValueError,
                   "need model=hf model.path", capsys)
 
 
@@ -96,3 +96,14 @@ def test_unsupported_architecture_refused(mcore_parallel, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     run_expecting(["model=hf", f"model.path={tmp_path}"], UnsupportedCheckpointError,
                   "model_type 'gpt2'", capsys)
+
+
+@pytest.mark.parametrize("old, new", [("lora.export_dir", "export.adapter_dir"),
+                                      ("lora.export_merged_dir", "export.merged_dir")])
+def test_moved_export_keys_name_the_new_key(mcore_parallel, capsys, old, new):
+    run_expecting(["fastpath.lora=true", f"{old}=/tmp/x"], ValueError, f"{old} moved to {new}", capsys)
+
+
+def test_adapter_export_needs_lora(mcore_parallel, tiny, capsys):
+    run_expecting(["model=hf", f"model.path={tiny}", "export.adapter_dir=/tmp/x"], ValueError,
+                  "export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true", capsys)

@@ -59,7 +59,7 @@ def finetuned(tmp_path_factory):
     summary = str(tmp / "summary.json")
     stdout = run_job([
         "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
-        f"lora.export_dir={out['adapter']}", f"lora.export_merged_dir={out['merged']}",
+        f"export.adapter_dir={out['adapter']}", f"export.merged_dir={out['merged']}",
         f"training.steps={STEPS}", f"training.summary_json={summary}", f"metrics.dir={out['metrics']}",
         f"hydra.run.dir={out['run']}",
     ], cwd=str(tmp))
@@ -136,7 +136,7 @@ def test_exported_adapter_lowers_transformers_held_out_loss(finetuned):
 def test_job_trains_without_transformers(finetuned, tmp_path):
     out = run_job([
         "model=hf", f"model.path={finetuned['ckpt']}", "data=jsonl", f"data.path={finetuned['data']}",
-        "fastpath.lora=true", f"lora.export_dir={tmp_path / 'a'}", "training.steps=3",
+        "fastpath.lora=true", f"export.adapter_dir={tmp_path / 'a'}", "training.steps=3",
         "metrics.tensorboard=false", "metrics.wandb=off", f"hydra.run.dir={tmp_path / 'run'}",
     ], cwd=str(tmp_path), block_hf=True)
     assert "summary: 3 steps" in out
@@ -149,7 +149,7 @@ def test_readme_shows_the_documented_command():
     assert "examples/make_tiny_hf_llama.py /tmp/tiny-llama" in readme
     assert ("python -m megatron_fastpath.train model=hf model.path=/tmp/tiny-llama data=jsonl "
             "data.path=examples/data/arith_chat.jsonl fastpath.lora=true "
-            "lora.export_dir=/tmp/tiny-llama-lora") in readme
+            "export.adapter_dir=/tmp/tiny-llama-lora") in readme
 
 
 def test_step_lines_reach_train_log(finetuned):
@@ -175,3 +175,26 @@ def test_eval_history_survives_a_resume(finetuned, tmp_path):
     resumed, straight = json.load(open(summary)), finetuned["summary"]
     assert resumed["evals"] == straight["evals"] and [e[0] for e in resumed["evals"]] == [0, 10, 20, 30, 40]
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"]]
+
+
+def test_full_fine_tune_exports_hf_weights_and_export_does_not_block_resume(finetuned, tmp_path):
+    """A full fine-tune (no LoRA) stopped at step 2 and resumed with export.merged_dir added
+    (output only: not in the resume fingerprint) writes a Hugging Face checkpoint whose
+    transformers held-out loss equals the job's final eval loss and differs from the base."""
+    from megatron_fastpath.hf.data import JsonlDataConfig, load_jsonl_splits
+
+    ckpt_dir, summary, out = tmp_path / "ckpt", tmp_path / "s.json", tmp_path / "full"
+    common = ["model=hf", f"model.path={finetuned['ckpt']}", "data=jsonl", f"data.path={finetuned['data']}",
+              "training.steps=4", "data.eval_every=0", f"checkpoint.dir={ckpt_dir}",
+              "metrics.tensorboard=false", "metrics.wandb=off", f"hydra.run.dir={tmp_path}/run"]
+    run_job(common + ["training.stop_at_step=2"], cwd=str(tmp_path))
+    stdout = run_job(common + [f"export.merged_dir={out}", f"training.summary_json={summary}"],
+                     cwd=str(tmp_path))
+    assert stdout.splitlines()[0].startswith(f"resuming from {ckpt_dir}/step_00000002")
+    assert f"exported fine-tuned Hugging Face checkpoint to {out}" in stdout
+    s = json.load(open(summary))
+    _, held, _ = load_jsonl_splits(JsonlDataConfig(path=finetuned["data"]), finetuned["ckpt"],
+                                   log=lambda m: None)
+    tuned = held_out_loss(transformers.AutoModelForCausalLM.from_pretrained(str(out)), held.samples)
+    base = held_out_loss(transformers.AutoModelForCausalLM.from_pretrained(finetuned["ckpt"]), held.samples)
+    assert abs(tuned - s["eval_loss"]) < 1e-4 * s["eval_loss"] and tuned < base - 1e-3, (tuned, base)

@@ -44,7 +44,7 @@ def test_tp2_load_train_export(tmp_path):
     s = _main_job(tmp_path, 2, [
         "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
         "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
-        f"lora.export_dir={tmp_path / 'adapter'}", f"lora.export_merged_dir={tmp_path / 'merged'}",
+        f"export.adapter_dir={tmp_path / 'adapter'}", f"export.merged_dir={tmp_path / 'merged'}",
         "parallel.tensor_model_parallel_size=2", "training.steps=4", "training.clip_grad=0",
         f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "s.json")
     assert s["world_size"] == 2
@@ -79,7 +79,7 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
         out = tmp_path / f"ep{ep}"
         summaries[ep] = _main_job(tmp_path, ep, common + [
             f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
-            f"lora.export_merged_dir={out}", f"hydra.run.dir={tmp_path / f'run{ep}'}"], f"{out}.json")
+            f"export.merged_dir={out}", f"hydra.run.dir={tmp_path / f'run{ep}'}"], f"{out}.json")
     for a, b in zip(summaries[1]["records"], summaries[2]["records"]):
         assert abs(a["loss"] - b["loss"]) <= 2e-4 * abs(a["loss"])
     src, merged = {}, {}
