@@ -203,12 +203,17 @@ class SyncFreeOptimizer:
     @staticmethod
     def _state(opt, p, group) -> dict:
         st = opt.state[p]
-        if len(st) == 0:  # torch's lazy init, with the step count on the parameter's device
+        # torch's lazy init, with the step count on the parameter's device. A state can also be
+        # partial: Megatron's init_state_fn (megatron/core/optimizer/__init__.py, Adam) makes
+        # exp_avg / exp_avg_sq only, when a checkpoint of an optimizer that never stepped is
+        # loaded (sharded_state_dict(is_loading=True)): its step count is 0.
+        if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif st["step"].device != p.device:  # e.g. loaded from a checkpoint: once, no read
             st["step"] = st["step"].to(p.device, torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in st:
+                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return st
 
     # -- checkpoints -----------------------------------------------------------------------

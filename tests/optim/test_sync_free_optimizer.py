@@ -329,3 +329,27 @@ def test_state_dict_round_trip_continues_identically(mcore_parallel):
     ref_sd, res_sd = ref.state_dict()["grad_scaler"], resumed.state_dict()["grad_scaler"]
     assert (ref_sd["growth_tracker"], ref_sd["hysteresis_tracker"]) == (
         res_sd["growth_tracker"], res_sd["hysteresis_tracker"])
+
+
+def test_resume_of_an_optimizer_that_never_stepped(mcore_parallel):
+    """A checkpoint saved before the first optimizer step: Megatron's loading path
+    (sharded_state_dict(is_loading=True) -> init_state_fn) leaves Adam states with exp_avg /
+    exp_avg_sq and no 'step'; the wrapper's step must start from step 0 as a fresh optimizer,
+    giving the same parameters as an optimizer that was never checkpointed (issue 22 G14)."""
+    torch.manual_seed(5)
+    x = torch.randn(5, 8)
+    with cuda_as_cpu():
+        ref_ddp, ref = _build("fp32")
+        ref = SyncFreeOptimizer(ref)
+        new_ddp, new = _build("fp32")
+        leaves = getattr(new, "chained_optimizers", [new])
+        for leaf in leaves:  # what a load of a never-stepped state does
+            leaf.init_state_fn(leaf.optimizer, leaf.config)
+        states = [st for leaf in leaves for st in leaf.optimizer.state.values()]
+        assert states and all("step" not in st and "exp_avg" in st for st in states)
+        new = SyncFreeOptimizer(new)
+        for ddp, opt in ((ref_ddp, ref), (new_ddp, new)):
+            _backward(ddp, opt, x)
+            opt.step()
+    for a, b in zip(ref_ddp.parameters(), new_ddp.parameters()):
+        assert torch.equal(a, b)
