@@ -4,6 +4,7 @@ resume (model, optimizer, LR scheduler, counters, data position, RNG), safe load
 from megatron_fastpath.checkpoint.config import CheckpointConfig
 from megatron_fastpath.checkpoint.manager import (
     CheckpointCorruptError,
+    CheckpointDirError,
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
@@ -17,7 +18,7 @@ from megatron_fastpath.checkpoint.training import is_adapter_key, training_state
 
 __all__ = [
     "CheckpointConfig", "CheckpointManager", "CheckpointError", "CheckpointCorruptError",
-    "CheckpointMismatchError", "ResumeState", "SaveResult", "config_fingerprint",
+    "CheckpointMismatchError", "CheckpointDirError", "ResumeState", "SaveResult", "config_fingerprint",
     "optimizer_sharded_state", "load_optimizer_state", "optimizer_hyperparams",
     "UnsafeCheckpointError", "check_safe_to_load", "training_state", "is_adapter_key",
 ]

@@ -39,7 +39,7 @@ from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError
 
 __all__ = [
     "CheckpointManager", "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError",
-    "SaveResult", "ResumeState", "config_fingerprint",
+    "CheckpointDirError", "SaveResult", "ResumeState", "config_fingerprint", "check_checkpoint_dir",
 ]
 
 STEP_PREFIX = "step_"
@@ -58,6 +58,43 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written by a different model / configuration."""
+
+
+class CheckpointDirError(CheckpointError):
+    """``checkpoint.dir`` cannot take this run's checkpoints (not a writable directory, too little
+    free space, or another job writes there)."""
+
+
+LOCK_FILE = ".lock"
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """Refuse, before anything is built, a ``checkpoint.dir`` the run could not save into: a
+    file, a directory that cannot be created, or one that cannot be written (read-only disk).
+    Creates the directory and writes / removes a probe file."""
+    import socket
+
+    where = f"checkpoint.dir={path!r}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointDirError(f"{where} is a file, not a directory: point checkpoint.dir at a "
+                                 "directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointDirError(f"{where} cannot be created ({exc.strerror}: {exc.filename}): "
+                                 "choose a directory on a writable disk") from exc
+    probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise CheckpointDirError(f"{where} is not writable ({exc.strerror}): the first save would "
+                                 "fail and the run's work be lost; choose a writable directory") from exc
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +214,51 @@ class CheckpointManager:
         self._async_queue = None
         self._pending: list = []
         self.saves: list[SaveResult] = []
+        self._lock_fd: Optional[int] = None
         self.resumed_path: Optional[str] = None  # never rotated away
         self.failed: set = set()  # checkpoints that failed verification or loading in this run
+
+    # ------------------------------------------------------------------ ownership
+    def lock(self) -> None:
+        """Take ``checkpoint.dir`` for this run (rank 0, until the process exits or
+        :meth:`unlock`): a second job writing there would delete this one's saves in progress.
+        Refused, naming the holder, when another process holds it."""
+        import fcntl
+        import socket
+
+        if _rank() != 0 or self._lock_fd is not None:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CheckpointDirError(
+                f"checkpoint.dir={self.root!r} is in use by {holder}: one job writes a checkpoint "
+                "directory at a time (a second would delete its saves in progress); wait for it "
+                "to end or use another checkpoint.dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def check_free_space(self, need_bytes: int) -> None:
+        """Refuse (before step 1) a ``checkpoint.dir`` without room for one more checkpoint of
+        about ``need_bytes`` (old ones are rotated away only after a new one is published)."""
+        free = shutil.disk_usage(self.root).free
+        if free < need_bytes:
+            raise CheckpointDirError(
+                f"checkpoint.dir={self.root!r} has {free / 2**20:.1f} MiB free, a checkpoint of "
+                f"this run needs about {need_bytes / 2**20:.1f} MiB: the first save would fail; "
+                "free space or choose another directory")
 
     # ------------------------------------------------------------------ discovery
     def _step_dir(self, step: int) -> str:

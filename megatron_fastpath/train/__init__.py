@@ -95,7 +95,7 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
         checkpoint = ckpt.finish() if ckpt is not None else {}
     except BaseException:
         if ckpt is not None:
-            ckpt.signals.close()
+            ckpt.close()
         raise
     return logger.finish(stopped=stop, **checkpoint)
 
@@ -118,7 +118,11 @@ def run(cfg, return_job: bool = False, announce: bool = True):
         from megatron_fastpath.train.checkpointing import JobCheckpointer
 
         ckpt = JobCheckpointer(job, logger)
-        start = ckpt.resume()
+        try:
+            start = ckpt.resume()
+        except BaseException:
+            ckpt.close()
+            raise
     logger.header()
     summary = train(job, logger, ckpt, start)
     return (summary, job) if return_job else summary

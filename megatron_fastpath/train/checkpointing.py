@@ -118,6 +118,35 @@ class JobCheckpointer:
             job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only)
         self.signals = PreemptionSignals()
         self.resumed = None
+        self.manager.lock()  # one writer per directory, before anything is read or written
+        try:
+            self.manager.check_free_space(self._checkpoint_bytes())
+        except BaseException:
+            self.close()
+            raise
+
+    def _checkpoint_bytes(self) -> int:
+        """About how many bytes one checkpoint of this run takes: the newest one's, or this
+        replica's saved parameters plus Adam's two fp32 moments (and an fp32 master copy when
+        the parameters are not fp32) for the trainable ones."""
+        from megatron_fastpath.checkpoint.manager import _dir_bytes
+
+        done = self.manager.complete_checkpoints()
+        if done:
+            return _dir_bytes(done[0])
+        saved = trainable = 0
+        for p in self.job.model.parameters():
+            if p.requires_grad or not self.cfg.adapters_only:
+                saved += p.numel() * p.element_size()
+            if p.requires_grad:
+                trainable += p.numel() * (8 + (4 if p.dtype != torch.float32 else 0))
+        replicas = max(self.job.dp_world, 1)
+        return (saved + trainable) * self.job.world // replicas
+
+    def close(self) -> None:
+        """Give the directory and the signal handlers back (also on error)."""
+        self.signals.close()
+        self.manager.unlock()
 
     # ------------------------------------------------------------------ start
     def load_base(self) -> Optional[str]:
@@ -224,7 +253,7 @@ class JobCheckpointer:
         """Wait for async saves; the checkpoint facts for the summary."""
         for r in self.manager.poll(blocking=True):
             self._report(r, published=True)
-        self.signals.close()
+        self.close()
         saves = self.manager.saves
         return dict(
             resumed_from=self.resumed.path if self.resumed else None,

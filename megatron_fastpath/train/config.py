@@ -335,4 +335,8 @@ def _checkpoint_section(cfg: Any, fast: FastpathConfig):
         raise ValueError("checkpoint.adapters_only=true needs LoRA (fastpath.lora=true)")
     if ckpt.base_dir is not None and not os.path.isdir(ckpt.base_dir):
         raise ValueError(f"checkpoint.base_dir={ckpt.base_dir!r} is not a directory")
+    if ckpt.enabled:
+        from megatron_fastpath.checkpoint.manager import check_checkpoint_dir
+
+        check_checkpoint_dir(ckpt.dir)  # a file / read-only disk: refused before anything is built
     return ckpt

@@ -1,0 +1,75 @@
+"""checkpoint.dir is checked before step 1 (issue 27 items 3 and 4): a file, a path under a file,
+a read-only disk and a disk without room for one checkpoint are refused at start, naming the
+directory; a second writer of a directory is refused naming the holder."""
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from megatron_fastpath.checkpoint import CheckpointDirError
+from megatron_fastpath.train import config_dir, run
+
+FAST = ["training.steps=2", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+        "model.ffn_hidden_size=64", "data.max_tokens=128"]
+
+
+def cfg(*extra):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=[*FAST, *extra])
+
+
+@contextlib.contextmanager
+def tmpfs(path, *options):
+    """A small tmpfs mounted at ``path`` (root on Linux; skipped where mounting is not allowed)."""
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_file_is_refused_at_parse(mcore_parallel, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointDirError, match=r"checkpoint.dir=.*/f' is a file, not a directory"):
+        run(cfg(f"checkpoint.dir={tmp_path / 'f'}"))
+    with pytest.raises(CheckpointDirError, match=r"cannot be created \(Not a directory"):
+        run(cfg(f"checkpoint.dir={tmp_path / 'f' / 'sub'}"))
+
+
+def test_a_read_only_disk_is_refused_at_parse(mcore_parallel, tmp_path):
+    with tmpfs(tmp_path / "ro", "ro", "size=1m") as ro:
+        with pytest.raises(CheckpointDirError, match=r"cannot be created \(Read-only file system"):
+            run(cfg(f"checkpoint.dir={ro / 'ckpt'}"))
+        with pytest.raises(CheckpointDirError, match=r"is not writable \(Read-only file system"):
+            run(cfg(f"checkpoint.dir={ro}"))
+
+
+def test_a_disk_without_room_is_refused_before_step_1(mcore_parallel, tmp_path, capsys):
+    with tmpfs(tmp_path / "small", "size=64k") as small:
+        with pytest.raises(CheckpointDirError, match=r"MiB free, a checkpoint of this run needs about"):
+            run(cfg(f"checkpoint.dir={small}"))
+    assert "step    1" not in capsys.readouterr().out
+
+
+def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
+    from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager
+
+    holder = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), {}, log=lambda s: None)
+    holder.lock()
+    try:
+        with pytest.raises(CheckpointDirError, match=rf"is in use by pid {os.getpid()} on .* since"):
+            run(cfg(f"checkpoint.dir={tmp_path}"))
+    finally:
+        holder.unlock()
+    assert run(cfg(f"checkpoint.dir={tmp_path}")).steps == 2  # released: the job runs
+    with pytest.raises(Exception) as err:  # a mismatch at resume releases the directory too ...
+        run(cfg(f"checkpoint.dir={tmp_path}", "training.steps=3"))
+    assert "does not fit this run" in str(err.value)
+    assert run(cfg(f"checkpoint.dir={tmp_path}")).resumed_from.endswith("step_00000002")  # ... so
