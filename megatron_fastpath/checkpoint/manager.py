@@ -368,7 +368,11 @@ class CheckpointManager:
     def _remove_partial(self) -> None:
         for n in os.listdir(self.root):
             if n.startswith((TMP_PREFIX, TRASH_PREFIX)):
-                shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+                p = os.path.join(self.root, n)
+                if os.path.islink(p):  # a planted link: never write (or delete) through it
+                    os.unlink(p)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
 
     def _rotate(self, written: str) -> None:
         """Keep ``written``, the checkpoint resumed from and the newest ``keep`` of the others
@@ -413,8 +417,14 @@ class CheckpointManager:
                 manifest = json.load(f)
         except (OSError, ValueError) as exc:
             raise CheckpointCorruptError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+        if not isinstance(manifest, dict):
+            raise CheckpointCorruptError(f"{manifest_path}: not a manifest object")
+        real = os.path.realpath(path)
         for name, info in manifest.items():
             fp = os.path.join(path, name)
+            if os.path.commonpath([os.path.realpath(fp), real]) != real:
+                raise CheckpointCorruptError(f"{manifest_path} names {name!r}, which is outside "
+                                             "the checkpoint: refusing to open it")
             if not os.path.exists(fp):
                 raise CheckpointCorruptError(f"{fp} is missing")
             size = os.path.getsize(fp)

@@ -22,28 +22,69 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, or its tensors do not match config.json."""
 
 
+# The safetensors format caps the JSON header at 100 MB (MAX_HEADER_SIZE, safetensors'
+# lib.rs); a larger declared length is refused before anything is read (a sparse file could
+# otherwise declare gigabytes).
+MAX_HEADER_BYTES = 100_000_000
+
+
 def _read_header(path: str) -> dict:
-    """The JSON header of a safetensors file, after checking the file holds all its data."""
+    """The JSON header of a safetensors file, checked entry by entry, after checking the file
+    holds all its data. Every problem raises CheckpointError naming the file."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: not a safetensors file (declares a header of {n} bytes; "
+                                  f"the format allows {MAX_HEADER_BYTES})")
         if 8 + n > size:
             raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file "
                                   f"{size} bytes); re-download it")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: not a safetensors file (bad header: {exc})") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(f"{path}: not a safetensors file (bad header: {type(exc).__name__}: "
+                                  f"{str(exc)[:200]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is a "
+                              f"{type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
+    for key, meta in header.items():
+        _check_entry(path, key, meta)
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(
             f"{path}: truncated safetensors file: {size} bytes but its header declares "
             f"{8 + n + end}; re-download it")
     return header
+
+
+def _check_entry(path: str, key: str, meta) -> None:
+    def bad(why: str):
+        return CheckpointError(f"{path}: tensor {key[:200]!r} has {why}: not a valid safetensors file")
+
+    if not isinstance(meta, dict):
+        raise bad(f"a header entry of type {type(meta).__name__}")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad(f"no dtype string ({dtype!r:.60})")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad(f"shape {shape!r:.60} (a list of non-negative integers is required)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r:.60} (two integers 0 <= begin <= end are required)")
+
+
+def _inside(root: str, name: str) -> str:
+    """``root/name`` if it stays inside ``root`` (links resolved), else CheckpointError."""
+    full = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([full, os.path.realpath(root)]) != os.path.realpath(root):
+        raise CheckpointError(f"{root}: model.safetensors.index.json names {name!r}, which is "
+                              "outside the checkpoint directory: refusing to open it")
+    return os.path.join(root, name)
 
 
 class SafetensorsCheckpoint:
@@ -58,10 +99,15 @@ class SafetensorsCheckpoint:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            if not weight_map:
-                raise CheckpointError(f"{index}: no 'weight_map'")
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (ValueError, RecursionError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__})") from None
+            if not weight_map or not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            if not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: 'weight_map' values must be file names")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             files = ["model.safetensors"]
@@ -72,7 +118,7 @@ class SafetensorsCheckpoint:
                 f"(found {found or 'no weight files'}); convert .bin checkpoints to safetensors")
         self.entries: dict[str, tuple[str, tuple, str]] = {}
         for name in files:
-            fpath = os.path.join(path, name)
+            fpath = _inside(path, name)
             if not os.path.isfile(fpath):
                 raise CheckpointError(f"{fpath}: listed in model.safetensors.index.json but missing")
             for key, meta in _read_header(fpath).items():

@@ -292,3 +292,24 @@ def test_rotation_moves_out_of_the_published_set_before_deleting(mcore_parallel,
     assert Run(seed=3).load(tmp_path).step == 2
     run.train(1).save(tmp_path, keep=1)  # the next save clears the trash
     assert not any(n.startswith(".trash.") for n in os.listdir(tmp_path))
+
+
+def test_planted_tmp_link_is_not_followed(mcore_parallel, tmp_path):
+    """A .tmp.step_N symlink planted in checkpoint.dir: the save never writes through it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.symlink(outside, ckpt / ".tmp.step_00000001")
+    Run().train(1).save(ckpt)
+    assert os.listdir(outside) == [] and (ckpt / "step_00000001").is_dir()
+
+
+@pytest.mark.parametrize("name", ["../../outside.txt", "/etc/hostname"])
+def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(mcore_parallel, tmp_path, name):
+    saved = Run().train(1).save(tmp_path)
+    manifest = json.load(open(os.path.join(saved.path, "manifest.json")))
+    manifest[name] = {"bytes": 1, "crc32": 0}
+    json.dump(manifest, open(os.path.join(saved.path, "manifest.json"), "w"))
+    with pytest.raises(CheckpointCorruptError, match="outside the checkpoint: refusing to open it"):
+        Run(seed=4).load(tmp_path)
