@@ -16,7 +16,7 @@ import json
 import os
 from typing import Optional
 
-__all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "read_hf_config"]
+__all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "HFConfigError", "read_hf_config"]
 
 # model_type -> (family, is_moe). Each family's weight names live in hf/convert.py.
 SUPPORTED = {
@@ -35,6 +35,10 @@ SUPPORTED_TEXT = (
 
 class UnsupportedCheckpointError(ValueError):
     """The checkpoint's config.json describes something this package cannot load."""
+
+
+class HFConfigError(ValueError):
+    """A field of the checkpoint's config.json has a value no model can have."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +144,26 @@ def _get(cfg: dict, key: str, where: str, default=...):
     return default
 
 
+def _int(cfg: dict, key: str, where: str, default=..., minimum: int = 1) -> int:
+    """A whole-number field >= ``minimum`` (a float, bool or string is refused, not truncated)."""
+    value = _get(cfg, key, where, default)
+    if type(value) is not int or value < minimum:
+        raise HFConfigError(f"{where}: field '{key}' is {value!r}: must be a whole number >= {minimum}")
+    return value
+
+
+def _float(cfg: dict, key: str, where: str, default=..., positive: bool = True) -> float:
+    """A finite number field (> 0 when ``positive``, else >= 0)."""
+    import math
+
+    value = _get(cfg, key, where, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (value <= 0 if positive else value < 0)):
+        raise HFConfigError(f"{where}: field '{key}' is {value!r}: must be a finite number "
+                            f"{'> 0' if positive else '>= 0'}")
+    return float(value)
+
+
 def _refuse(where: str, what: str) -> None:
     raise UnsupportedCheckpointError(f"{where}: {what} is not supported. Supported: {SUPPORTED_TEXT}")
 
@@ -148,14 +172,17 @@ def _llama3_rope(cfg: dict, where: str) -> Optional[tuple]:
     rs = cfg.get("rope_scaling")
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise HFConfigError(f"{where}: field 'rope_scaling' is {rs!r:.80}: must be an object or null")
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
     if kind != "llama3":
         _refuse(where, f"rope_scaling type {kind!r} (supported rope types: none, default, llama3)")
-    return (float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-            float(rs.get("high_freq_factor", 4.0)),
-            int(rs.get("original_max_position_embeddings", 8192)))
+    at = f"{where} (rope_scaling)"
+    return (_float(rs, "factor", at), _float(rs, "low_freq_factor", at, 1.0),
+            _float(rs, "high_freq_factor", at, 4.0),
+            _int(rs, "original_max_position_embeddings", at, 8192))
 
 
 def _check_attention(cfg: dict, mt: str, where: str) -> None:
@@ -175,16 +202,19 @@ def _check_attention(cfg: dict, mt: str, where: str) -> None:
 
 
 def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
-    if mt == "mixtral":
-        experts, ffn, norm = _get(cfg, "num_local_experts", where), _get(cfg, "intermediate_size", where), True
-    else:
-        experts, ffn = _get(cfg, "num_experts", where), _get(cfg, "moe_intermediate_size", where)
-        norm = bool(cfg.get("norm_topk_prob", False))
+    norm = True if mt == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+    if mt != "mixtral":
         if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
             _refuse(where, "Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step)")
     aux = float(cfg.get("router_aux_loss_coef", 0.0)) if cfg.get("output_router_logits") else 0.0
-    return dict(num_experts=int(experts), topk=int(_get(cfg, "num_experts_per_tok", where)),
-                moe_ffn_hidden_size=int(ffn), norm_topk_prob=norm, aux_loss_coeff=aux)
+    experts = _int(cfg, "num_local_experts" if mt == "mixtral" else "num_experts", where)
+    ffn = _int(cfg, "intermediate_size" if mt == "mixtral" else "moe_intermediate_size", where)
+    topk = _int(cfg, "num_experts_per_tok", where)
+    if topk > experts:
+        raise HFConfigError(f"{where}: field 'num_experts_per_tok' is {topk}: must be <= the "
+                            f"{experts} experts")
+    return dict(num_experts=experts, topk=topk, moe_ffn_hidden_size=ffn, norm_topk_prob=norm,
+                aux_loss_coeff=aux)
 
 
 def read_hf_config(path: str) -> HFModelSpec:
@@ -198,24 +228,27 @@ def read_hf_config(path: str) -> HFModelSpec:
             cfg = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{where} holds a JSON {type(cfg).__name__}, not an object: not a "
+                            "Hugging Face config.json")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED:
         _refuse(where, f"model_type {mt!r} (architectures {cfg.get('architectures')})")
     family, is_moe = SUPPORTED[mt]
     _check_attention(cfg, mt, where)
-    heads = int(_get(cfg, "num_attention_heads", where))
-    hidden = int(_get(cfg, "hidden_size", where))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    heads = _int(cfg, "num_attention_heads", where)
+    hidden = _int(cfg, "hidden_size", where)
+    head_dim = _int(cfg, "head_dim", where, hidden // heads)
     kw = dict(
         path=path, model_type=mt, family=family,
-        num_layers=int(_get(cfg, "num_hidden_layers", where)), hidden_size=hidden,
+        num_layers=_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=int(_get(cfg, "num_key_value_heads", where, heads)),
-        head_dim=head_dim, ffn_hidden_size=int(_get(cfg, "intermediate_size", where)),
-        vocab_size=int(_get(cfg, "vocab_size", where)),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", where)),
-        rope_theta=float(_get(cfg, "rope_theta", where, 10000.0)),
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", where, 4096)),
+        num_query_groups=_int(cfg, "num_key_value_heads", where, heads),
+        head_dim=head_dim, ffn_hidden_size=_int(cfg, "intermediate_size", where),
+        vocab_size=_int(cfg, "vocab_size", where),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", where),
+        rope_theta=_float(cfg, "rope_theta", where, 10000.0),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
         llama3_rope=_llama3_rope(cfg, where), raw=cfg,

@@ -76,3 +76,54 @@ def test_llama31_rope_matches_the_repository_rope():
     ref = rope_config_for(ModelConfig(**want))
     assert spec.rope_config() == ref
     assert spec.rope_config().inv_freq().equal(ref.inv_freq())
+
+
+BAD_FIELDS = {  # field -> (value, what the message says is allowed)
+    "num_hidden_layers": (-2, "must be a whole number >= 1"),
+    "hidden_size": (-4096, "must be a whole number >= 1"),
+    "num_attention_heads": (0, "must be a whole number >= 1"),
+    "num_key_value_heads": (0, "must be a whole number >= 1"),  # ZeroDivisionError before
+    "intermediate_size": (14336.5, "must be a whole number >= 1"),
+    "vocab_size": ("128256", "must be a whole number >= 1"),
+    "rope_theta": (-500000.0, "must be a finite number > 0"),
+    "rms_norm_eps": (float("nan"), "must be a finite number > 0"),
+    "head_dim": (True, "must be a whole number >= 1"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_FIELDS))
+def test_bad_config_field_names_file_field_and_value(tmp_path, field):
+    from megatron_fastpath.hf.config import HFConfigError
+
+    value, allowed = BAD_FIELDS[field]
+    cfg = dict(PUBLISHED["llama31_8b"], **{field: value})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFConfigError, match=rf"{tmp_path}/config.json: field '{field}' is .*: {allowed}"):
+        read_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("rope_scaling, match", [
+    ({"rope_type": "llama3", "low_freq_factor": 1.0}, r"\(rope_scaling\): required key 'factor' is missing"),
+    ({"rope_type": "llama3", "factor": -8.0}, r"\(rope_scaling\): field 'factor' is -8.0: must be a finite"),
+    ([8.0], r"field 'rope_scaling' is \[8.0\]: must be an object or null"),
+])
+def test_bad_rope_scaling_named(tmp_path, rope_scaling, match):
+    cfg = dict(PUBLISHED["llama31_8b"], rope_scaling=rope_scaling)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        read_hf_config(str(tmp_path))
+
+
+def test_config_that_is_not_an_object_is_refused(tmp_path):
+    from megatron_fastpath.hf.config import HFConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps([PUBLISHED["llama31_8b"]]))
+    with pytest.raises(HFConfigError, match="config.json holds a JSON list, not an object"):
+        read_hf_config(str(tmp_path))
+
+
+def test_moe_topk_above_experts_refused(tmp_path):
+    cfg = dict(PUBLISHED["mixtral_8x7b"], num_experts_per_tok=9)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="field 'num_experts_per_tok' is 9: must be <= the 8 experts"):
+        read_hf_config(str(tmp_path))
