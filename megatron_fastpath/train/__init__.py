@@ -114,6 +114,12 @@ def run(cfg, return_job: bool = False, announce: bool = True):
     job = build_job(job_cfg)
     logger = StepLogger(job)
     ckpt, start = None, 1
+    if not job_cfg.checkpoint.enabled:  # nothing to save: a signal takes its default action
+        from megatron_fastpath.train.checkpointing import EarlySignals, Preempted
+
+        pending = EarlySignals.release()
+        if pending:
+            raise Preempted(f"{pending} during start-up (no checkpoint.dir: nothing to save)")
     if job_cfg.checkpoint.enabled:
         from megatron_fastpath.train.checkpointing import JobCheckpointer
 
@@ -123,6 +129,11 @@ def run(cfg, return_job: bool = False, announce: bool = True):
         except BaseException:
             ckpt.close()
             raise
+        if ckpt.signals.received:  # preempted during start-up: no step ran, nothing new to save
+            ckpt.close()
+            from megatron_fastpath.train.checkpointing import Preempted
+
+            raise Preempted(f"{ckpt.signals.received} before the first step")
     logger.header()
     summary = train(job, logger, ckpt, start)
     return (summary, job) if return_job else summary
@@ -169,6 +180,9 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
+    from megatron_fastpath.train.checkpointing import EarlySignals, Preempted
+
+    EarlySignals.install()  # before anything slow: a preemption during start-up requeues the job
     USER_ERRORS = _user_errors()  # noqa: N806
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
@@ -182,6 +196,9 @@ def main() -> None:
             if line and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
                 print(line, flush=True)
             summary = run(cfg, announce=False)
+        except Preempted as exc:
+            print(f"preempted: {exc}; exiting with {PREEMPTED_EXIT_CODE} to be requeued", flush=True)
+            _exit_preempted()
         except USER_ERRORS as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise

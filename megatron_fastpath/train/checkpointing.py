@@ -69,13 +69,54 @@ def announce_resume(cfg) -> Optional[str]:
     return line
 
 
+class Preempted(Exception):
+    """A preemption signal arrived before the first step: nothing to save, requeue the job."""
+
+
+class EarlySignals:
+    """The main job's first act: SIGTERM / SIGUSR1 recorded from start-up on (instead of their
+    default action, which kills the job with 143 / 138 and no requeue). The run's
+    :class:`PreemptionSignals` takes a signal recorded before it existed; one recorded after the
+    training loop is harmless (the work is saved)."""
+
+    received: Optional[str] = None
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in PreemptionSignals.SIGNALS:
+            signal.signal(sig, cls._handle)
+        cls.installed, cls.received = True, None
+
+    @classmethod
+    def _handle(cls, signum, frame) -> None:
+        cls.received = signal.Signals(signum).name
+
+    @classmethod
+    def release(cls) -> Optional[str]:
+        """Back to the default actions (a run without checkpoints); the signal recorded so far."""
+        if cls.installed and threading.current_thread() is threading.main_thread():
+            for sig in PreemptionSignals.SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            cls.installed = False
+        return cls.take()
+
+    @classmethod
+    def take(cls) -> Optional[str]:
+        received, cls.received = cls.received, None
+        return received
+
+
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 -> a flag (handlers restored by :meth:`close`)."""
+    """SIGTERM / SIGUSR1 -> a flag (handlers restored by :meth:`close`); a signal the main job
+    recorded before (:class:`EarlySignals`) counts as received."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
-        self.received: Optional[str] = None
+        self.received: Optional[str] = EarlySignals.take()
         self._previous = {}
         self._group = None
         if threading.current_thread() is threading.main_thread():

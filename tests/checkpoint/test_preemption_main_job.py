@@ -104,3 +104,20 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
         f"resuming from {d}/step_00000002: 2 of {STEPS} steps done, continuing at step 3")
     assert not any(n.startswith(".tmp.") for n in os.listdir(d))  # the partial one was cleared
     assert _records(summary) == _straight(tmp_path)
+
+
+@pytest.mark.parametrize("with_checkpoints", [True, False], ids=["checkpoint-dir", "no-checkpoint-dir"])
+def test_signal_during_start_up_exits_with_the_requeue_code(tmp_path, with_checkpoints):
+    """SIGTERM to the whole process group while the job starts (right after its first printed
+    line, before the model exists): exit 75 (requeue), nothing saved -- not the default 143."""
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}"] if with_checkpoints else []
+    proc = subprocess.Popen(_cmd(tmp_path, "training.steps=6", *ckpt), cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    first = proc.stdout.readline()
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = first + proc.stdout.read()
+    assert proc.wait(timeout=300) == PREEMPTED_EXIT_CODE, out[-3000:]
+    assert "preempted: SIGTERM" in out and "step    1" not in out
+    if with_checkpoints:
+        assert not [n for n in os.listdir(tmp_path / "ckpt") if n.startswith("step_")]
