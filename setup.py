@@ -13,6 +13,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_fastpath", "megatron_fastpath.*"]),
+    # the main job's Hydra configs: a non-editable install (a wheel) runs the main job too
+    package_data={"megatron_fastpath": ["configs/*.yaml", "configs/*/*.yaml"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1",

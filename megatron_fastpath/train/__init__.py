@@ -140,10 +140,11 @@ def run(cfg, return_job: bool = False, announce: bool = True):
 
 
 def config_dir() -> str:
-    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the repository's configs/."""
+    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the package's configs/ (shipped
+    in the wheel, so a non-editable install runs the main job)."""
     here = os.path.dirname(os.path.abspath(__file__))
     return os.environ.get(
-        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(os.path.dirname(here)), "configs")
+        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
     )
 
 

@@ -20,10 +20,9 @@ import sys
 import pytest
 import torch
 
-from megatron_fastpath.train import config_dir
 from subproc import child_env, free_port
 
-REPO = os.path.dirname(config_dir())
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 STEPS, STOP = 6, 3
 COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128", "data.max_len=48",
           "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",

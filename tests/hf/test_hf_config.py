@@ -53,7 +53,7 @@ def test_published_configs_give_the_repository_shapes(tmp_path, name):
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[name]))
     spec = read_hf_config(str(tmp_path))
     ours = spec.model_config()
-    want = yaml.safe_load(open(os.path.join(REPO, "configs", "model", f"{name}.yaml")))
+    want = yaml.safe_load(open(os.path.join(REPO, "megatron_fastpath", "configs", "model", f"{name}.yaml")))
     for key in SHAPE_KEYS:
         assert getattr(ours, key) == want[key], key
     head = want["kv_channels"] or want["hidden_size"] // want["num_attention_heads"]
@@ -72,7 +72,7 @@ def test_llama31_rope_matches_the_repository_rope():
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(PUBLISHED["llama31_8b"], f)
         spec = read_hf_config(d)
-    want = yaml.safe_load(open(os.path.join(REPO, "configs", "model", "llama31_8b.yaml")))
+    want = yaml.safe_load(open(os.path.join(REPO, "megatron_fastpath", "configs", "model", "llama31_8b.yaml")))
     ref = rope_config_for(ModelConfig(**want))
     assert spec.rope_config() == ref
     assert spec.rope_config().inv_freq().equal(ref.inv_freq())

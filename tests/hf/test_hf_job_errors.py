@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from megatron_fastpath.train import config_dir  # noqa: E402
 
-REPO = os.path.dirname(config_dir())
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")
 
 

@@ -7,9 +7,8 @@ import os
 import subprocess
 import sys
 
-from megatron_fastpath.train import config_dir
 
-REPO = os.path.dirname(config_dir())
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def test_moe_benchmark_quick_json(tmp_path):

@@ -5,10 +5,9 @@ import os
 import subprocess
 import sys
 
-from megatron_fastpath.train import config_dir
 from subproc import child_env
 
-REPO = os.path.dirname(config_dir())
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def test_offload_benchmark_quick_json(tmp_path):

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "train.sbatch"
 LORA_SBATCH = REPO / "slurm" / "train_cuda_graphs_lora.sbatch"
 SHELL_SCRIPTS = sorted(p for p in (REPO / "slurm").rglob("*") if p.suffix in (".sbatch", ".sh"))
-TINY_MOE = REPO / "configs" / "model" / "tiny_moe.yaml"
+TINY_MOE = REPO / "megatron_fastpath" / "configs" / "model" / "tiny_moe.yaml"
 LORA_PRESET = ("model=llama3_8b", "fastpath.lora=true", "fastpath.cuda_graphs=true",
                "cuda_graphs.warmup_steps=0", "training.dtype=bfloat16")
 
@@ -207,7 +207,7 @@ def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
     run_dir = f"{tmp_path}/logs/fastpath-lora-graphs-123456"
     assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
                     f"checkpoint.dir={run_dir}/checkpoints", *LORA_PRESET, "training.steps=3"]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "megatron_fastpath" / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*LORA_PRESET, "training.device=cuda"])
     assert cfg.fastpath.lora and cfg.fastpath.cuda_graphs and cfg.training.dtype == "bfloat16"
     assert cfg.cuda_graphs.warmup_steps == 0  # LoRA + capture needs it on megatron-core 0.16.1

@@ -56,7 +56,7 @@ def test_main_job_prints_the_message_without_a_traceback(tmp_path):
 
     from subproc import child_env  # tests/support (conftest.py puts it on the path)
 
-    repo = os.path.dirname(config_dir())
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     args = [sys.executable, "-m", "megatron_fastpath.train", "training.lr=nan",
             f"hydra.run.dir={tmp_path}/run"]
     plain = subprocess.run(args, cwd=tmp_path, env=child_env(PYTHONPATH=repo), capture_output=True,

@@ -81,9 +81,7 @@ def test_minimal_example_runs_sync_free(mcore_parallel, capsys):
     import os
     import runpy
 
-    from megatron_fastpath.train import config_dir
-
-    repo = os.path.dirname(config_dir())
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     runpy.run_path(f"{repo}/examples/packed_gpt_minimal.py", run_name="__main__")
     out = capsys.readouterr().out
     assert "host syncs: 0" in out and "1 host->device copy" in out
