@@ -38,8 +38,10 @@ FALLBACK_WARNINGS = (  # megatron-core 0.16.x, one per module that falls back
     r"Apex is not installed\. Falling back",
 )
 # INFO lines about which optional packages Megatron found (Hydra logs INFO): WARNING and up only.
-# matplotlib.font_manager: "generated new fontManager" (INFO) on the first plot of a fresh install
-PACKAGE_INFO_LOGGERS = ("megatron.core.msc_utils", "megatron.core.distributed.fsdp", "matplotlib.font_manager")
+# matplotlib.font_manager: "generated new fontManager" (INFO) on the first plot of a fresh install;
+# megatron.core.optimizer_param_scheduler: "> learning rate decay style: cosine" (INFO) at build
+PACKAGE_INFO_LOGGERS = ("megatron.core.msc_utils", "megatron.core.distributed.fsdp", "matplotlib.font_manager",
+                        "megatron.core.optimizer_param_scheduler")
 UNKNOWN_MLP_LOGGER = "megatron.core.transformer.transformer_layer"
 UNKNOWN_MLP_MESSAGE = "Unknown MLP type"
 

@@ -10,7 +10,7 @@ from subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
-         "Falling back", "multistorageclient", "Megatron-FSDP", "fontManager")
+         "Falling back", "multistorageclient", "Megatron-FSDP", "fontManager", "[INFO]")
 
 
 def _run(args, tmp_path):
