@@ -1,6 +1,6 @@
-"""Print the README's benchmark tables from the JSON the benchmarks wrote (no figure is typed
-by hand): ``python benchmarks/readme_tables.py [results dir]``. Each table is printed exactly as
-the README holds it; ``tests/benchmarks/test_readme_tables.py`` checks the README contains them.
+"""Print the benchmark tables of docs/benchmarks.md from the JSON the benchmarks wrote (no
+figure is typed by hand): ``python benchmarks/readme_tables.py [results dir]``. Each table is
+printed exactly as the page holds it; ``tests/benchmarks/test_readme_tables.py`` checks it.
 
 Ratios are baseline / ours: > 1 means ours is faster."""
 
