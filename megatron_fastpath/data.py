@@ -16,7 +16,8 @@ import torch
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
 
-__all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches"]
+__all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches", "StepBatch",
+           "StepData"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +100,48 @@ def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig) -> list[Pac
         out.append(PackedMicrobatch(tokens, labels, mask, lengths, int(mask.sum())))
     return out
 
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Microbatches of one step: this rank's share, and host counts over the global batch."""
+
+    step: int
+    microbatches: tuple
+    global_tokens: int
+    global_loss_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepData:
+    """Packed microbatches and which of them each step trains on (same on every rank)."""
+
+    bins: tuple
+    micro_batches: int
+    dp_rank: int
+    dp_world: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.bins)
+
+    @property
+    def per_step(self) -> int:
+        return self.micro_batches * self.dp_world
+
+    def first_microbatch(self, step: int) -> int:
+        """Index in ``bins`` of step ``step``'s first global microbatch (the data position)."""
+        return ((step - 1) * self.per_step) % (len(self.bins) - self.per_step + 1)
+
+    def global_microbatches(self, step: int) -> tuple:
+        first = self.first_microbatch(step)
+        return self.bins[first: first + self.per_step]
+
+    def batch(self, step: int) -> StepBatch:
+        """Step ``step`` (1-based): the global microbatches and this rank's share of them."""
+        global_mbs = self.global_microbatches(step)
+        mine = global_mbs[self.dp_rank * self.micro_batches: (self.dp_rank + 1) * self.micro_batches]
+        return StepBatch(
+            step=step, microbatches=tuple(mine),
+            global_tokens=sum(mb.num_tokens for mb in global_mbs),
+            global_loss_tokens=sum(mb.num_loss_tokens for mb in global_mbs),  # host ints
+        )

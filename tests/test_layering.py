@@ -1,7 +1,8 @@
 """Import rules of the package, checked on its source: a private ``megatron.core`` /
 ``transformer_engine`` name (a module path or an imported name starting with ``_``) is imported
 only inside ``megatron_fastpath/compat/``, the one place version-gated against the releases it
-was read in."""
+was read in; and the main job (``megatron_fastpath.train``) is on top: no module outside
+``train/`` imports it."""
 
 import ast
 import os
@@ -54,3 +55,35 @@ def test_the_private_import_check_sees_each_form():
                "from megatron.core.transformer import TransformerConfig\n"
                "from torch._C import _foo\n")
     assert [h.split(" ", 1)[0] for h in private_imports(planted, "x.py")] == ["x.py:1", "x.py:2", "x.py:3"]
+
+
+def imports_of(source: str, filename: str) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``source`` (``from a.b import c`` gives a.b
+    and a.b.c, so importing a submodule by name is seen)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+    return out
+
+
+def train_imports_outside_train(sources) -> list[str]:
+    hits = {f"{rel}:{line}": None for rel, src in sources if not rel.startswith("train" + os.sep)
+            for line, mod in imports_of(src, rel)
+            if mod == "megatron_fastpath.train" or mod.startswith("megatron_fastpath.train.")}
+    return list(hits)  # one entry per import statement
+
+
+def test_nothing_below_the_main_job_imports_it():
+    assert train_imports_outside_train(package_sources()) == []
+
+
+def test_the_layering_check_sees_a_planted_import():
+    planted = [("hf/x.py", "from megatron_fastpath.train.step import forward\n"),
+               ("moe/y.py", "import megatron_fastpath.train\n"),
+               ("z.py", "from megatron_fastpath import train\n"),
+               ("train/ok.py", "from megatron_fastpath.train.step import forward\n")]
+    assert train_imports_outside_train(planted) == ["hf/x.py:1", "moe/y.py:1", "z.py:1"]

@@ -10,7 +10,6 @@
 * :func:`build_hf_job_model` replaces the job's ``build_model``: the checkpoint's architecture on
   the fastpath spec with the switched-on features, each rank loading only its shard.
 * :func:`build_jsonl_data` replaces ``build_data``: train bins per step and held-out bins.
-* :class:`Evaluator`: token-weighted held-out loss, same packing, no gradients.
 * :func:`export_hf`: the PEFT adapter and / or the (merged) weights at the end of the run.
 """
 
@@ -25,7 +24,7 @@ import torch
 from megatron_fastpath.hf.config import HFModelSpec
 
 __all__ = ["HFJobConfig", "ExportConfig", "parse_hf_groups", "build_hf_job_model",
-           "build_jsonl_data", "Evaluator", "export_hf"]
+           "build_jsonl_data", "export_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +125,8 @@ def build_hf_job_model(cfg, tcfg, cache):
 
 def build_jsonl_data(cfg, dp_rank: int, dp_world: int, log=print):
     """(StepData of the train split, this rank's held-out bins or (), data report)."""
-    from megatron_fastpath.data import pack_microbatches
+    from megatron_fastpath.data import StepData, pack_microbatches
     from megatron_fastpath.hf.data import load_jsonl_splits
-    from megatron_fastpath.train.job import StepData
 
     tok_path = cfg.hf.path if cfg.hf is not None else None
     show = dp_rank == 0 and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
@@ -147,37 +145,6 @@ def build_jsonl_data(cfg, dp_rank: int, dp_world: int, log=print):
                   eval_loss_tokens=held.num_loss_tokens if held else 0)
     step_data = StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world)
     return step_data, tuple(held_bins[dp_rank::dp_world]), report
-
-
-class Evaluator:
-    """Held-out loss: sum of masked per-token losses / loss tokens over all ranks' bins
-    (token-weighted, the same packing and cache as training; no gradients). Reads the result to
-    the host: run between steps, never inside one."""
-
-    def __init__(self, model, cache, bins: tuple, device):
-        self.model, self.cache, self.bins, self.device = model, cache, bins, device
-
-    @torch.no_grad()
-    def __call__(self) -> float:
-        from megatron.core import parallel_state as ps
-
-        from megatron_fastpath.train.step import forward, masked_loss_sum
-
-        was_training = self.model.training
-        self.model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        try:
-            for mb in self.bins:
-                with self.cache.batch(mb.lengths) as pb:
-                    per_tok = forward(self.model, mb, pb, self.device)
-                    sums[0] += masked_loss_sum(per_tok, mb, self.device).double()
-                sums[1] += mb.num_loss_tokens
-        finally:
-            self.model.train(was_training)
-        if ps.model_parallel_is_initialized() and ps.get_data_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group())
-        total, tokens = sums.tolist()
-        return total / max(tokens, 1.0)
 
 
 def export_hf(job, log=print) -> dict:

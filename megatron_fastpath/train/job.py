@@ -13,48 +13,12 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_fastpath.data import SyntheticSFTDataset, pack_microbatches
+from megatron_fastpath.data import StepData, SyntheticSFTDataset, pack_microbatches
 from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
 from megatron_fastpath.train.config import JobConfig
-from megatron_fastpath.train.step import StepBatch, StepParts, cpu_train_step, gpu_train_step
+from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
 __all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_data"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepData:
-    """Packed microbatches and which of them each step trains on (same on every rank)."""
-
-    bins: tuple
-    micro_batches: int
-    dp_rank: int
-    dp_world: int
-
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.bins)
-
-    @property
-    def per_step(self) -> int:
-        return self.micro_batches * self.dp_world
-
-    def first_microbatch(self, step: int) -> int:
-        """Index in ``bins`` of step ``step``'s first global microbatch (the data position)."""
-        return ((step - 1) * self.per_step) % (len(self.bins) - self.per_step + 1)
-
-    def global_microbatches(self, step: int) -> tuple:
-        first = self.first_microbatch(step)
-        return self.bins[first: first + self.per_step]
-
-    def batch(self, step: int) -> StepBatch:
-        """Step ``step`` (1-based): the global microbatches and this rank's share of them."""
-        global_mbs = self.global_microbatches(step)
-        mine = global_mbs[self.dp_rank * self.micro_batches: (self.dp_rank + 1) * self.micro_batches]
-        return StepBatch(
-            step=step, microbatches=tuple(mine),
-            global_tokens=sum(mb.num_tokens for mb in global_mbs),
-            global_loss_tokens=sum(mb.num_loss_tokens for mb in global_mbs),  # host ints
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +41,7 @@ class Job:
     total_params: int
     trainable_params: int
     env_set: dict
-    evaluator: Any = None  # data=jsonl: held-out loss (megatron_fastpath.hf.job.Evaluator)
+    evaluator: Any = None  # data=jsonl: held-out loss (megatron_fastpath.train.evaluate.Evaluator)
     metrics: Any = None  # MetricsWriter (TensorBoard / W&B / plot), None without a metrics group
     data_report: Any = None  # data=jsonl: record counts (malformed, too long, splits)
 
@@ -254,7 +218,8 @@ def build_job(cfg: JobConfig) -> Job:
     dp_world = ps.get_data_parallel_world_size()
     evaluator = report = None
     if hasattr(cfg.data, "path"):  # data=jsonl: train split per step, held-out split for eval
-        from megatron_fastpath.hf.job import Evaluator, build_jsonl_data
+        from megatron_fastpath.hf.job import build_jsonl_data
+        from megatron_fastpath.train.evaluate import Evaluator
 
         data, eval_bins, report = build_jsonl_data(cfg, ps.get_data_parallel_rank(), dp_world)
         evaluator = Evaluator(model, cache, eval_bins, cfg.device) if report["eval_records"] else None

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 
 from megatron_fastpath.compat import tensor_parallel as tensor_parallel_compat
+from megatron_fastpath.data import StepBatch
+from megatron_fastpath.packed_seq.runtime import forward, masked_loss_sum
 from megatron_fastpath.sync import SyncSentinel
 from megatron_fastpath.train.config import TrainingConfig
 from megatron_fastpath.train.logger import StepResult
@@ -41,16 +43,6 @@ class StepParts:
     # gradient norm of the last step (device tensor or host float; None before the first)
     grad_norm: Callable = lambda: None
     in_flight: object = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBatch:
-    """Microbatches of one step: this rank's share, and host counts over the global batch."""
-
-    step: int
-    microbatches: tuple
-    global_tokens: int
-    global_loss_tokens: int
 
 
 def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
@@ -81,24 +73,6 @@ def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
         grad_norm=job.step.grad_norm(),
         applied=sync_free.applied_1 if sync_free is not None else None,
     )
-
-
-def forward(model, mb, pb, device):
-    """Model output for one packed microbatch: per-token losses [1, T] on the last pipeline
-    stage, hidden states on the others."""
-    return model(
-        mb.tokens_1T.to(device, non_blocking=True),
-        pb.position_ids_1T,
-        None,
-        labels=mb.labels_1T.to(device, non_blocking=True),
-        packed_seq_params=pb.packed_seq_params,
-        padding_mask=pb.padding_mask_1T,  # MoE routing skips padding (Megatron: True = padding)
-    )
-
-
-def masked_loss_sum(per_token_1T, mb, device):
-    """Sum of per-token losses over the microbatch's loss mask (response tokens)."""
-    return (per_token_1T.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
 
 
 def build_scheduler(optimizer, train_cfg: TrainingConfig):
