@@ -165,6 +165,27 @@ def _crc32(path: str) -> int:
     return crc
 
 
+def _disk_problem(root: str, exc: BaseException) -> Optional[str]:
+    """Why a save failed when it is the disk: the OS error (ENOSPC, EFBIG, EDQUOT) in the chain,
+    or -- torch's zip writer reports a short write only as 'unexpected pos N vs M' -- a file
+    system left with (almost) no free space. None otherwise."""
+    import errno
+
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            where = f" writing {seen.filename}" if seen.filename else ""
+            return f"{os.strerror(seen.errno)}{where}"
+        seen = seen.__cause__ or seen.__context__
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None
+    if free < (1 << 20):
+        return f"the disk holding it is full ({free} bytes free)"
+    return None
+
+
 def _files(root: str) -> list[str]:
     out = []
     for d, _, names in os.walk(root):
@@ -289,7 +310,23 @@ class CheckpointManager:
     def save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict] = None) -> SaveResult:
         """Write checkpoint ``step`` (all ranks call it). Returns once the step may continue:
         at once for a sync save, after staging for an async one (published later by
-        :meth:`poll`). ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``)."""
+        :meth:`poll`). ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``).
+        A full disk (or a file-size limit) raises CheckpointDirError saying so and where; the
+        earlier checkpoints are untouched (nothing is published)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            return self._save(step, state_fn, extra, fp8_state)
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            reason = _disk_problem(self.root, exc)
+            if reason is None:
+                raise
+            raise CheckpointDirError(
+                f"saving checkpoint step {step} under {self.root} failed: {reason} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); the earlier checkpoints are intact. Free space "
+                "(or raise the file-size limit) and resume, or lower checkpoint.keep") from exc
+
+    def _save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu

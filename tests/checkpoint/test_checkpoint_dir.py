@@ -73,3 +73,25 @@ def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
         run(cfg(f"checkpoint.dir={tmp_path}", "training.steps=3"))
     assert "does not fit this run" in str(err.value)
     assert run(cfg(f"checkpoint.dir={tmp_path}")).resumed_from.endswith("step_00000002")  # ... so
+
+
+def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcore_parallel, tmp_path):
+    """Issue 27 item 9: a save that fills the disk says so (not 'unexpected pos N vs M'), and
+    the checkpoint published before it still loads."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ckpt_harness import Run
+
+    import shutil
+
+    with tmpfs(tmp_path / "disk", "size=16m") as disk:
+        run = Run().train(1)
+        first = run.save(disk, keep=3)
+        used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first.path) for f in fs)
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - used // 2))  # room for half of one
+        with pytest.raises(CheckpointDirError, match=r"saving checkpoint step 2 .* failed: .*(No space left|full)"):
+            run.train(1).save(disk, keep=3)
+        filler.unlink()
+        assert Run(seed=3).load(disk).step == 1
