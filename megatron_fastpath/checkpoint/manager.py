@@ -329,9 +329,10 @@ class CheckpointManager:
     def _save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
 
-        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu, preemption_proof_results_queue
 
         self.poll(blocking=True)  # one save in flight at a time
+        preemption_proof_results_queue()  # its helper survives the group's SIGTERM / SIGUSR1
         t0 = time.perf_counter()
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}")
         if _rank() == 0:

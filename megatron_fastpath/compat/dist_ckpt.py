@@ -44,3 +44,90 @@ def dist_checkpointing_on_cpu():
         mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
     )
     return stack
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint writer's helper process under preemption
+#
+# Every torch_dist save (sync or async) hands its write results back through one queue served
+# by a ``multiprocessing`` Manager that megatron-core 0.16.x starts on first use:
+# ``_get_write_results_queue()`` sets the module global ``_results_queue = ctx.Manager().Queue()``
+# with the spawn context (strategies/filesystem_async.py:48-56). That server process is in the
+# job's process group with the default signal actions, so the SIGTERM / SIGUSR1 Slurm sends to
+# the whole group (preemption, ``scancel --signal``) kills it: the main process, which only
+# records the signal to save and exit 75, then fails in the save ("Connection refused" /
+# "Broken pipe") and exits 1 with the save lost. And after a SIGKILL of the main process alone
+# the server never exits (nothing in it watches its parent). ``preemption_proof_results_queue``
+# installs that queue first, served by a Manager that ignores SIGINT / SIGTERM / SIGUSR1 (the
+# main process decides what a signal means) and exits when its parent is gone; the resource
+# tracker multiprocessing starts with it (which ignores SIGINT / SIGTERM itself) is started with
+# SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own.
+# ---------------------------------------------------------------------------------------------
+
+RESULTS_QUEUE_SITE = ("dist_checkpointing/strategies/filesystem_async.py",
+                      "_results_queue = ctx.Manager().Queue()")
+HELPER_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+_helper_manager = None  # the Manager serving the installed queue (kept alive with the process)
+
+
+def _writer_helper_init(parent_pid: int) -> None:
+    """Runs first in the Manager's server process: preemption signals ignored, and the process
+    ends when the job that started it is gone (its parent changes on a SIGKILL)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    for name in HELPER_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def preemption_proof_results_queue():
+    """Install megatron-core's write-results queue (see the section above) unless one exists;
+    returns the queue. Call before the first ``dist_checkpointing.save``."""
+    import multiprocessing as mp
+    import os
+    import signal
+    from multiprocessing import resource_tracker
+    from multiprocessing.managers import SyncManager
+
+    global _helper_manager
+    _require_checked_mcore(
+        "preemption_proof_results_queue",
+        f"the module global set by {RESULTS_QUEUE_SITE[0]} ({RESULTS_QUEUE_SITE[1]})")
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return filesystem_async._results_queue
+    blocked = {getattr(signal, n) for n in HELPER_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:  # both children start with these blocked (the mask survives fork and exec)
+        resource_tracker.ensure_running()
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=_writer_helper_init, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _helper_manager = manager
+    filesystem_async._results_queue = manager.Queue()
+    return filesystem_async._results_queue
+
+
+def writer_helper_pid():
+    """The pid of the installed queue's server process (None before the first save)."""
+    return None if _helper_manager is None else _helper_manager._process.pid
+
+
+def shutdown_writer_helper() -> None:
+    """Stop the installed queue's server (it ignores SIGTERM, so ``terminate()`` would not):
+    for a process that leaves with ``os._exit``, which skips the Manager's own finalizer."""
+    global _helper_manager
+    if _helper_manager is not None:
+        _helper_manager.shutdown()
+        _helper_manager = None

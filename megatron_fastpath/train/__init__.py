@@ -158,9 +158,12 @@ def _exit_preempted() -> None:
 
     import torch
 
+    from megatron_fastpath.compat.dist_ckpt import shutdown_writer_helper
+
     sys.stdout.flush()
     sys.stderr.flush()
-    for child in multiprocessing.active_children():  # e.g. Megatron's async-save queue manager
+    shutdown_writer_helper()  # the checkpoint writer's queue server (it ignores SIGTERM)
+    for child in multiprocessing.active_children():  # anything else a save started
         child.terminate()
         child.join(timeout=10)
     if torch.distributed.is_initialized():

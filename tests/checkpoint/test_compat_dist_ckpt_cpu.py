@@ -65,3 +65,84 @@ def test_other_megatron_line_is_refused():
             mock.patch.object(compat, "MCORE_VERSION", Version("0.17.0")):
         with pytest.raises(ImportError, match="0.16.x.*0.17.0"):
             dist_ckpt_compat.dist_checkpointing_on_cpu()
+
+
+# ------------------------------------------------------------------ the writer's helper process
+def test_results_queue_site_still_exists_in_installed_megatron():
+    rel, text = dist_ckpt_compat.RESULTS_QUEUE_SITE
+    with open(os.path.join(_mcore_dir(), rel)) as f:
+        assert text in f.read(), f"{rel} no longer contains {text!r}: re-check the shim"
+
+
+def test_results_queue_shim_is_version_gated():
+    with mock.patch.object(compat, "MCORE_VERSION", Version("0.17.0")):
+        with pytest.raises(ImportError, match="0.16.x.*0.17.0"):
+            dist_ckpt_compat.preemption_proof_results_queue()
+
+
+_HELPER_PROBE = r'''
+import json, os, signal, time
+from multiprocessing import resource_tracker
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron_fastpath.compat import dist_ckpt
+
+def masks(pid):
+    with open(f"/proc/{pid}/status") as f:
+        rows = dict(line.split(":", 1) for line in f)
+    return {k: int(rows[k].strip(), 16) for k in ("SigIgn", "SigBlk")}
+
+mode = os.environ["PROBE"]
+if mode == "megatron":  # what megatron-core 0.16.1 starts by itself
+    q = filesystem_async._get_write_results_queue()
+    server = [p for p in __import__("multiprocessing").active_children()][0].pid
+else:
+    q = dist_ckpt.preemption_proof_results_queue()
+    assert filesystem_async._get_write_results_queue() is q  # Megatron uses the installed one
+    server = dist_ckpt.writer_helper_pid()
+out = {"server": masks(server), "tracker": masks(resource_tracker._resource_tracker._pid)}
+for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    os.kill(server, sig)
+time.sleep(0.5)
+try:
+    q.put("written"); out["after_signals"] = q.get(timeout=5)
+except Exception as exc:
+    out["after_signals"] = type(exc).__name__
+print(json.dumps(out))
+os._exit(0)  # like a SIGKILLed job: no finalizer stops the server
+'''
+
+
+def _probe(mode):
+    import json
+    import subprocess
+    import sys
+
+    from subproc import child_env
+
+    out = subprocess.run([sys.executable, "-c", _HELPER_PROBE], env=child_env(PROBE=mode),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _bit(name):
+    import signal
+
+    return 1 << (getattr(signal, name) - 1)
+
+
+def test_megatrons_own_helper_dies_of_a_preemption_signal():
+    """The defect the shim fixes, on the installed megatron-core: its queue server takes the
+    default action for SIGTERM, so the job's save fails."""
+    got = _probe("megatron")
+    assert not got["server"]["SigIgn"] & _bit("SIGTERM")
+    assert got["after_signals"] != "written"
+
+
+def test_installed_helper_ignores_preemption_signals_and_keeps_serving():
+    got = _probe("ours")
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        assert got["server"]["SigIgn"] & _bit(name), name
+    # the resource tracker ignores SIGINT / SIGTERM itself; SIGUSR1 is blocked for it
+    assert (got["tracker"]["SigIgn"] | got["tracker"]["SigBlk"]) & _bit("SIGUSR1")
+    assert got["after_signals"] == "written"
