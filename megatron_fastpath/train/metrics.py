@@ -96,8 +96,10 @@ class MetricsWriter:
         if self.dir is None:
             return
         grad_norm = getattr(rec, "grad_norm", None)
-        scalars = {"train/loss": rec.loss, "train/lr": rec.lr, "train/tokens_per_s": rec.tokens_per_s,
-                   "train/host_syncs_step": rec.syncs_step, "train/host_syncs_fwd_bwd": rec.syncs_fwd_bwd}
+        scalars = {"train/loss": rec.loss, "train/lr": rec.lr, "train/tokens_per_s": rec.tokens_per_s}
+        if rec.syncs_step is not None:  # counted steps only (training.sync_check)
+            scalars.update({"train/host_syncs_step": rec.syncs_step,
+                            "train/host_syncs_fwd_bwd": rec.syncs_fwd_bwd})
         if grad_norm is not None:
             scalars["train/grad_norm"] = grad_norm
         self.steps.append((rec.step, rec.loss))
@@ -119,8 +121,22 @@ class MetricsWriter:
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
+        self._wandb_call("log", scalars, step=step)
+
+    def _wandb_call(self, method: str, *args, **kwargs) -> None:
+        """A call into the W&B run; when its service process is gone (a preemption signal to
+        every process of the job kills it: Slurm signals the whole step), W&B is turned off for
+        the rest of the run with a note, and training, the other backends and the checkpoint
+        go on (the offline files keep what was logged until then)."""
+        if self.wandb is None:
+            return
+        try:
+            getattr(self.wandb, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure of the W&B client
+            self.wandb = None
+            self.notes.append(f"W&B stopped at {method}() ({type(exc).__name__}: {exc}); "
+                              "its service process ended, e.g. signalled with the job: "
+                              "later steps are in train.log and TensorBoard only")
 
     def close_log(self) -> None:
         """Close ``train.log`` (after the summary, the last lines printed)."""
@@ -139,7 +155,7 @@ class MetricsWriter:
             out["tensorboard"] = os.path.join(self.dir, "tensorboard")
         if self.wandb is not None:
             out["wandb"] = self.wandb.dir
-            self.wandb.finish()
+            self._wandb_call("finish")
         if self.log_file is not None:
             out["log"] = self.log_file.name
         if self.cfg.plot and self.steps:

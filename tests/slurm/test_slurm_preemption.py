@@ -146,10 +146,17 @@ def _wait_text(cluster, work, job_id, text, timeout_s=300):
         time.sleep(0.5)
 
 
+@pytest.fixture(scope="module")
+def reference(local_slurm, tmp_path_factory):
+    """The uninterrupted job's records (shared by the tests below: saving changes no number)."""
+    d = tmp_path_factory.mktemp("ref")
+    ref = _submit(local_slurm, d, f"training.summary_json={d}/ref.json")
+    assert local_slurm.wait(ref, timeout_s=600).ok, _out(d, ref)[-3000:]
+    return _records(d / "ref.json")
+
+
 @pytest.mark.slow
-def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slurm, tmp_path):
-    ref = _submit(local_slurm, tmp_path / "ref", f"training.summary_json={tmp_path}/ref.json")
-    assert local_slurm.wait(ref, timeout_s=600).ok, _out(tmp_path / "ref", ref)[-3000:]
+def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slurm, reference, tmp_path):
     work = tmp_path / "pre"
     job = _submit(local_slurm, work, f"training.summary_json={tmp_path}/pre.json")
     _wait_text(local_slurm, work, job, "step    3/")
@@ -162,13 +169,32 @@ def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slur
     assert "got SIGUSR1, forwarding SIGUSR1" in out and "requeueing it" in out
     assert "stopped early: signal SIGUSR1" in out
     assert re.search(r"^resuming from \S+/checkpoints/step_\d{8}: \d+ of 40 steps done", out, re.M), out
-    assert _records(tmp_path / "pre.json") == _records(tmp_path / "ref.json")
+    assert _records(tmp_path / "pre.json") == reference
 
 
 @pytest.mark.slow
-def test_sigkilled_save_resumes_from_the_previous_checkpoint(local_slurm, tmp_path):
-    ref = _submit(local_slurm, tmp_path / "ref", f"training.summary_json={tmp_path}/ref.json")
-    assert local_slurm.wait(ref, timeout_s=600).ok, _out(tmp_path / "ref", ref)[-3000:]
+def test_scancel_term_to_the_steps_after_checkpoints_requeues_and_resumes_exactly(
+        local_slurm, reference, tmp_path):
+    """Preemption as Slurm does it to a running job: SIGTERM to every process of the job's
+    steps (``scancel --signal=TERM``, no --batch), after checkpoints have been written
+    (``interval=2``: the checkpoint writer's helper processes exist and get the signal too).
+    Each task saves and exits 75, srun returns 75, the script requeues, the rerun resumes."""
+    work = tmp_path / "pre"
+    job = _submit(local_slurm, work, "checkpoint.interval=2", f"training.summary_json={tmp_path}/pre.json")
+    _wait_text(local_slurm, work, job, "step    5/")  # the saves of steps 2 and 4 have started
+    local_slurm._run(["scancel", "--signal=TERM", str(job)])
+    result = local_slurm.wait(job, timeout_s=900)
+    out = _out(work, job)
+    assert result.ok, out[-4000:]
+    assert result.fields.get("Restarts") == "1", (result.fields, out[-4000:])
+    assert "stopped early: signal SIGTERM" in out
+    assert "saved a checkpoint after a signal to its tasks; requeueing it" in out
+    assert re.search(r"^resuming from \S+/checkpoints/step_\d{8}: \d+ of 40 steps done", out, re.M), out
+    assert _records(tmp_path / "pre.json") == reference
+
+
+@pytest.mark.slow
+def test_sigkilled_save_resumes_from_the_previous_checkpoint(local_slurm, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     marker = tmp_path / "hanging"
     wrapper = tmp_path / "python-slow-save"  # `$PYTHON -m megatron_fastpath.train ARGS` -> launcher
@@ -191,4 +217,4 @@ def test_sigkilled_save_resumes_from_the_previous_checkpoint(local_slurm, tmp_pa
     out = _out(tmp_path / "again", again)
     assert result.ok, out[-4000:]
     assert f"resuming from {ckpt}/step_00000002: 2 of {STEPS} steps done" in out
-    assert _records(tmp_path / "again.json") == _records(tmp_path / "ref.json")
+    assert _records(tmp_path / "again.json") == reference

@@ -58,3 +58,34 @@ def test_wandb_mode_is_checked_at_parse():
 
     with pytest.raises(ValueError, match="metrics.wandb_mode must be offline or online; got 'cloud'"):
         MetricsConfig(wandb_mode="cloud")
+
+
+def test_a_dead_wandb_service_turns_wandb_off_and_training_goes_on(mcore_parallel, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Slurm's preemption signal reaches every process of the job step, W&B's service too; the
+    next ``run.log`` then raises (wandb 0.31: ``ConnectionResetError: Connection lost`` from
+    service_client.py). Seen on the local Slurm cluster: the job exited 1 instead of saving."""
+    class _Dying(_Run):
+        def log(self, scalars, step):
+            if step >= 2:
+                raise ConnectionResetError("Connection lost")
+            super().log(scalars, step)
+
+        def finish(self):
+            raise AssertionError("finish() called on a run whose service is gone")
+
+    runs = []
+    mod = types.ModuleType("wandb")
+    mod.init = lambda **kw: runs.append(_Dying(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "training.steps=4", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+            "model.ffn_hidden_size=64", "data.max_tokens=128", f"metrics.dir={tmp_path}",
+            "metrics.wandb=on", "metrics.plot=false"])
+    summary = run(cfg)
+    assert [r.step for r in summary.records] == [1, 2, 3, 4]
+    assert [s for s, v in runs[0].logged if "train/loss" in v] == [1]
+    out = capsys.readouterr().out
+    assert out.count("W&B stopped at log() (ConnectionResetError: Connection lost)") == 1
+    assert "step    4/4" in (tmp_path / "train.log").read_text()
