@@ -118,6 +118,15 @@ def tokenize_jsonl(path: str, tokenizer) -> TokenizedData:
     """Tokenize every line of ``path`` (no caching here)."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
+    from megatron_fastpath.hf.template_guard import BoundedRenderer
+
+    with BoundedRenderer(tokenizer, path) as renderer:  # chat templates bounded in time and memory
+        return _tokenize_lines(lines, tokenizer, renderer)
+
+
+def _tokenize_lines(lines: list, tokenizer, renderer) -> TokenizedData:
+    from megatron_fastpath.hf.tokenizer import TokenizerError
+
     ids, masks, nums, malformed = [], [], [], []
     chat_seen = False
     bar = _progress(len(lines), "tokenizing")
@@ -140,12 +149,13 @@ def tokenize_jsonl(path: str, tokenizer) -> TokenizedData:
                 tokenizer.require_template()
                 chat_seen = True
             try:
-                i, m = tokenizer.encode_chat(rec["messages"])
-            except Exception as exc:  # a template's raise_exception, bad roles, ...
-                if type(exc).__name__ == "TokenizerError":
-                    raise
+                text, spans = renderer.render_chat(rec["messages"], lineno)
+            except TokenizerError:
+                raise
+            except ValueError as exc:  # a template's raise_exception, bad roles, ...
                 malformed.append((lineno, f"chat template failed: {exc}"))
                 continue
+            i, m = tokenizer.tokens_and_mask(text, spans)
         else:
             i, m = tokenizer.encode_prompt_completion(rec["prompt"], rec["completion"])
         ids.append(np.asarray(i, dtype=np.int32))

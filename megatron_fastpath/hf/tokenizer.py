@@ -32,6 +32,11 @@ class TokenizerError(ValueError):
     """The tokenizer files cannot serve the requested data."""
 
 
+# The largest tokenizer.json read: real ones are 2-35 MiB (Llama 3 9, Qwen 3 11, Gemma 3 33);
+# a 240 MiB one stalled start-up for more than 300 s without a line of output.
+MAX_TOKENIZER_JSON_BYTES = 128 * 2**20
+
+
 def _token_str(v) -> Optional[str]:
     if isinstance(v, dict):
         return v.get("content")
@@ -91,6 +96,12 @@ class ChatTokenizer:
         if not os.path.isfile(tok_file):
             raise TokenizerError(f"{tok_file} not found: the checkpoint needs a fast tokenizer "
                                  "(tokenizer.json) for data=jsonl")
+        size = os.path.getsize(tok_file)
+        if size > MAX_TOKENIZER_JSON_BYTES:
+            raise TokenizerError(
+                f"{tok_file} is {size / 2**20:.0f} MiB; tokenizer files of real checkpoints are "
+                f"well under {MAX_TOKENIZER_JSON_BYTES // 2**20} MiB (parsing this one would stall "
+                "start-up for minutes): check that the directory holds the model's own tokenizer")
         self.tokenizer = Tokenizer.from_file(tok_file)
         cfg_file = os.path.join(path, "tokenizer_config.json")
         self.config = json.load(open(cfg_file, encoding="utf-8")) if os.path.isfile(cfg_file) else {}
@@ -177,10 +188,20 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: list) -> tuple[list, list]:
         """(token ids, assistant mask) of one conversation; the mask marks the tokens of each
-        assistant span exactly as transformers' ``return_assistant_tokens_mask`` does."""
+        assistant span exactly as transformers' ``return_assistant_tokens_mask`` does. (Data
+        files render through :class:`~megatron_fastpath.hf.template_guard.BoundedRenderer`:
+        the same two halves, the template's half bounded in time and memory.)"""
+        return self.tokens_and_mask(*self.render_chat(messages))
+
+    def render_chat(self, messages: list) -> tuple[str, list]:
+        """(text, assistant spans in characters) of one conversation: the template's part."""
         text, spans = self.render(messages, track=self.has_generation_tags)
         if not self.has_generation_tags:
             spans = self._prefix_spans(messages, text)
+        return text, spans
+
+    def tokens_and_mask(self, text: str, spans: list) -> tuple[list, list]:
+        """Token ids of ``text`` and the mask of the tokens inside ``spans``."""
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [0] * len(ids)

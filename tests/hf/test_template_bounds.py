@@ -1,0 +1,96 @@
+"""Chat templates are programs shipped with a checkpoint: bounded in time and memory
+(hf/template_guard.py). A template that never ends, or allocates without limit, is refused for
+the file with the record's line, quickly, without the main process running it or growing;
+tokenizer.json files far larger than any real one are refused before parsing."""
+
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import time
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+sys.path.insert(0, EXAMPLES)
+import make_tiny_hf_llama as tiny  # noqa: E402
+
+from megatron_fastpath.hf import template_guard  # noqa: E402
+from megatron_fastpath.hf.data import JsonlDataConfig, load_jsonl_splits  # noqa: E402
+from megatron_fastpath.hf.tokenizer import ChatTokenizer, TokenizerError  # noqa: E402
+
+DATA = os.path.join(EXAMPLES, "data", "arith_chat.jsonl")
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1 + 1 = 2."}]}
+FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HUGE_REPEAT = "{{ 'x' * 10000000000 }}"
+DOUBLING = ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+            "{% endfor %}{{ ns.s | length }}")
+
+
+def _load(tmp_path, template, records=(CHAT, CHAT)):
+    tok = tmp_path / "tok"
+    tok.mkdir(exist_ok=True)
+    tiny.build_tokenizer(str(tok), DATA, template=template)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = JsonlDataConfig(path=str(data), eval_fraction=0.0, cache=False)
+    return load_jsonl_splits(cfg, str(tok), log=lambda m: None)
+
+
+def _max_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("template,reason", [
+    (FOREVER, "did not finish rendering one conversation in 2 s"),
+    (HUGE_REPEAT, "needed more than 0.25 GiB to render one conversation"),
+    (DOUBLING, "needed more than 0.25 GiB to render one conversation"),
+], ids=["nested-loop", "x*10**10", "doubling-concat"])
+def test_runaway_template_is_refused_quickly_and_the_main_process_never_runs_it(
+        tmp_path, monkeypatch, template, reason):
+    monkeypatch.setattr(template_guard, "TEMPLATE_SECONDS", 2.0)
+    monkeypatch.setattr(template_guard, "TEMPLATE_MEMORY_BYTES", 1 << 28)
+    rss0, t0 = _max_rss_mib(), time.monotonic()
+    with pytest.raises(template_guard.TemplateLimitError) as e:
+        _load(tmp_path, template)
+    assert time.monotonic() - t0 < 30
+    assert _max_rss_mib() - rss0 < 200  # the 10 GB / 1 TB strings were never built here
+    msg = str(e.value)
+    assert reason in msg and f"{tmp_path / 'd.jsonl'}, line 1" in msg and "file is refused" in msg
+    assert not multiprocessing.active_children()  # the helper is gone
+
+
+def test_templates_own_errors_stay_per_record(tmp_path):
+    """``raise_exception`` in a template (e.g. a role it does not support) is one bad record,
+    reported with its line, as before the helper process."""
+    template = ("{% if messages[0].content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+                + tiny.CHAT_TEMPLATE)
+    bad = {"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]}
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    tiny.build_tokenizer(str(tok), DATA, template=template)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (CHAT, bad, CHAT)))
+    cfg = JsonlDataConfig(path=str(data), eval_fraction=0.0, cache=False, bad_records="skip")
+    train, _, report = load_jsonl_splits(cfg, str(tok), log=lambda m: None)
+    assert report["malformed"] == 1 and len(train) == 2
+    # the helper's rendering equals the in-process one
+    from megatron_fastpath.hf.data import tokenize_jsonl
+
+    tokenizer = ChatTokenizer(str(tok))
+    got = tokenize_jsonl(str(data), tokenizer)
+    ids, mask = tokenizer.encode_chat(CHAT["messages"])
+    assert got.lines == [1, 3] and [ln for ln, _ in got.malformed] == [2]
+    assert got.ids[0].tolist() == ids and got.masks[0].tolist() == mask
+    assert "no boom here" in got.malformed[0][1]
+
+
+def test_oversized_tokenizer_json_is_refused_before_parsing(tmp_path):
+    tiny.build_tokenizer(str(tmp_path), DATA)
+    with open(tmp_path / "tokenizer.json", "r+b") as f:  # sparse: 240 MiB on paper, no disk
+        f.truncate(240 * 2**20)
+    t0 = time.monotonic()
+    with pytest.raises(TokenizerError, match=r"tokenizer.json is 240 MiB; .* well under 128 MiB"):
+        ChatTokenizer(str(tmp_path))
+    assert time.monotonic() - t0 < 5
