@@ -23,6 +23,12 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
+def _state_tensor(state) -> torch.Tensor:
+    """A tracker state as bytes: graph-safe trackers (Megatron's with use_cudagraphable_rng,
+    Transformer Engine's) hold ``torch.Generator`` objects, the others byte tensors."""
+    return state.get_state() if isinstance(state, torch.Generator) else state
+
+
 def capture_rng() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -34,7 +40,7 @@ def capture_rng() -> dict:
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "torch_cpu": _b64(torch.get_rng_state()),
         "torch_cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-        "megatron_tracker": {name: _b64(s) for name, s in tracker.items()},
+        "megatron_tracker": {name: _b64(_state_tensor(s)) for name, s in tracker.items()},
     }
 
 
@@ -54,6 +60,16 @@ def restore_rng(saved: dict) -> None:
             )
         torch.cuda.set_rng_state_all([_unb64(s) for s in saved["torch_cuda"]])
     if saved["megatron_tracker"]:
-        get_cuda_rng_tracker().set_states(
-            {k: _unb64(v) for k, v in saved["megatron_tracker"].items()}
-        )
+        tracker = get_cuda_rng_tracker()
+        current = tracker.get_states()
+        states = {}
+        for name, value in saved["megatron_tracker"].items():
+            state = _unb64(value)
+            if isinstance(current.get(name), torch.Generator):
+                # in place: a captured CUDA graph registered this Generator object, and the
+                # tracker's fork() hands its states to graphsafe_set_state, which takes
+                # Generators only (megatron/core/tensor_parallel/random.py _set_cuda_rng_state)
+                current[name].set_state(state)
+                state = current[name]
+            states[name] = state
+        tracker.set_states(states)
