@@ -77,7 +77,19 @@ def offload(d) -> str:
     return "\n".join(out)
 
 
-TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload))
+def sync_check(d) -> str:
+    out = ["| model | aten ops / step | host syncs / step | step ms with the sentinel (min) "
+           "| step ms without (min) | with / without | cost per aten op (us) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        out.append(f"| {r['model']} | {r['aten_ops_per_step']} | {r['host_syncs_per_step']} | "
+                   f"{r['with_sentinel_ms']:.1f} | {r['without_ms']:.1f} | "
+                   f"{r['with_over_without']:.2f} | {r['cost_per_op_us']:.0f} |")
+    return "\n".join(out)
+
+
+TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
+          ("sync_check", sync_check))
 
 
 def tables(results_dir: str = RESULTS) -> dict:

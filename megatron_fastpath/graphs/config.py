@@ -106,6 +106,7 @@ def plan_graphs_and_fp8(
     moe_dropless_ep: bool = False,
     lora: bool = False,
     offload: bool = False,
+    attention_backend: str = "auto",
 ) -> GraphPlan:
     """Validate the combination and return the TransformerConfig fields and env to use.
     ``graphs`` / ``fp8`` None: that feature is off.
@@ -122,7 +123,7 @@ def plan_graphs_and_fp8(
     if graphs is not None:
         _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading, moe_dropless_ep)
         if cuda:
-            _check_capture(graphs, lora, offload)
+            _check_capture(graphs, lora, offload, attention_backend)
             _plan_capture(graphs, tc, env, notes)
         else:
             notes.append(
@@ -141,6 +142,16 @@ def plan_graphs_and_fp8(
 def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
     from megatron_fastpath._optional import require
 
+    if fp8.dot_product_attention:
+        # TE 2.9-2.11 has no FP8 fused-attention backend for the THD (packed) format every
+        # backend here feeds: DotProductAttention ends in "No dot product attention backend is
+        # available" (TE's own CP tests skip it: "No support for FP8 attention with THD
+        # format!", tests/pytorch/attention/test_attention_with_cp.py); other backends never
+        # read the flag. Refused instead of a crash at step 1 or a silently bf16 attention.
+        raise ValueError(
+            "fp8.dot_product_attention=true: Transformer Engine 2.9-2.11 has no FP8 attention "
+            "backend for packed (THD) sequences, which this package always runs; keep "
+            "fp8.dot_product_attention=false (linears still run in FP8)")
     require("transformer_engine.pytorch", "FP8 training (fastpath.fp8=true)",
             "fastpath.fp8=false (bf16)")
     if linear_impl != "te":
@@ -186,8 +197,17 @@ def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
         )
 
 
-def _check_capture(graphs: CudaGraphConfig, lora: bool, offload: bool) -> None:
+def _check_capture(graphs: CudaGraphConfig, lora: bool, offload: bool, attention_backend: str) -> None:
     """Combinations that only fail at capture on a GPU (a CPU has nothing to capture)."""
+    if attention_backend == "te" and not graphs.use_te_rng_tracker:
+        # TE's DotProductAttention.forward asserts, while a graph is being captured, that its
+        # RNG tracker is TE's CudaRNGStatesTracker ("Unsupported RNG states tracker.",
+        # attention/dot_product_attention/dot_product_attention.py); Megatron hands it its own
+        # tracker unless use_te_rng_tracker is set.
+        raise ValueError(
+            "the te attention backend with CUDA graphs needs cuda_graphs.use_te_rng_tracker=true: "
+            "Transformer Engine's attention asserts during capture that the RNG tracker is its "
+            "own; set it, or use another attention backend")
     if offload:
         raise ValueError(
             "activation offload cannot run inside captured layer graphs (its copy streams and "

@@ -46,10 +46,12 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
 _section = section  # the name tests and older callers use
 
 
-def _steps(job: Job, logger: StepLogger, ckpt, steps: range, audit: bool, eval_after) -> Optional[str]:
-    """Run ``steps``; returns why the job stopped early (None: it did not)."""
+def _steps(job: Job, logger: StepLogger, ckpt, steps: range, audit: bool, eval_after,
+           checked) -> Optional[str]:
+    """Run ``steps``; returns why the job stopped early (None: it did not). ``checked(step)``:
+    whether the step runs inside the sync sentinel (``training.sync_check``)."""
     for step in steps:
-        result = train_step(job, job.data.batch(step), audit=audit)
+        result = train_step(job, job.data.batch(step), audit=audit, check_syncs=checked(step))
         logger.log(result, eval_loss=eval_after(step))
         if ckpt is not None:
             stop = ckpt.after_step(step)
@@ -76,6 +78,13 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
             return None
         return evaluate()
 
+    from megatron_fastpath.train.config import SYNC_CHECK_FIRST_STEPS
+
+    mode = t.sync_check
+
+    def checked(step: int) -> bool:
+        return mode == "every" or (mode == "first" and step < start_step + SYNC_CHECK_FIRST_STEPS)
+
     try:
         if evaluate is not None and start_step == 1:
             logger.log_eval(0, evaluate())
@@ -83,10 +92,11 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
         logger.start_clock(start_step)
         if start_step <= audited:
             with job.audit:
-                stop = _steps(job, logger, ckpt, range(start_step, audited + 1), True, eval_after)
+                stop = _steps(job, logger, ckpt, range(start_step, audited + 1), True, eval_after,
+                              checked)
         if stop is None:
             stop = _steps(job, logger, ckpt, range(max(start_step, audited + 1), last + 1), False,
-                          eval_after)
+                          eval_after, checked)
         logger.flush()
         if job.cfg.hf is not None and stop is None:  # model=hf: PEFT adapter / HF weights
             from megatron_fastpath.hf.job import export_hf

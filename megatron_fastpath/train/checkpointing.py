@@ -23,7 +23,7 @@ __all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer", "finge
 
 # Exit code of a job stopped by SIGTERM/SIGUSR1 after saving: "requeue me" (EX_TEMPFAIL).
 PREEMPTED_EXIT_CODE = 75
-_RUNTIME_ONLY = ("stop_at_step", "summary_json", "log_all_ranks", "device")
+_RUNTIME_ONLY = ("stop_at_step", "summary_json", "log_all_ranks", "device", "sync_check")
 
 
 def fingerprint_config(cfg, dp_world: int) -> dict:

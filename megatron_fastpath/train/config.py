@@ -29,6 +29,10 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
            "parse_job_config", "section"]
 
 
+SYNC_CHECK_MODES = ("first", "every", "off")
+SYNC_CHECK_FIRST_STEPS = 3  # training.sync_check=first: steps counted, then none
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
     """optimizer_step (GPU path): "sync_free" wraps Megatron's optimizer in
@@ -55,6 +59,10 @@ class TrainingConfig:
     # data order still span `steps`, so a rerun without it continues the same run.
     stop_at_step: Optional[int] = bounded(None, POSITIVE)
     optimizer_step: str = "auto"  # auto | sync_free | megatron
+    # Count host syncs (SyncSentinel: a Python dispatch mode around every op) in: "first" the
+    # first SYNC_CHECK_FIRST_STEPS steps this process runs, then no mode at all; "every" step
+    # (a diagnosis: it costs the step time benchmarks/sync_check.py reports); "off".
+    sync_check: str = "first"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +208,9 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
     if train.optimizer_step not in ("auto", "sync_free", "megatron"):
         raise ValueError(
             f"training.optimizer_step must be auto, sync_free or megatron; got {train.optimizer_step!r}")
+    if train.sync_check not in SYNC_CHECK_MODES:
+        raise ValueError(f"training.sync_check must be {', '.join(SYNC_CHECK_MODES[:-1])} or "
+                         f"{SYNC_CHECK_MODES[-1]}; got {train.sync_check!r}")
     if train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
         raise ValueError(
             f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"
@@ -302,7 +313,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
         linear_impl=linear_impl,
         moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1
         and fast.moe_capacity_factor is None,
-        lora=lora is not None, offload=features["offload"] is not None,
+        lora=lora is not None, offload=features["offload"] is not None, attention_backend=backend,
     )
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,

@@ -30,8 +30,8 @@ class StepResult:
     tokens: int
     loss_tokens: int
     step_ms: float
-    syncs_fwd_bwd: int
-    syncs_step: int
+    syncs_fwd_bwd: Optional[int]  # None: not counted (training.sync_check)
+    syncs_step: Optional[int]
     sync_sites: tuple
     cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
@@ -51,8 +51,8 @@ class StepRecord:
     tokens: int
     step_ms: float
     tokens_per_s: float
-    syncs_fwd_bwd: int
-    syncs_step: int
+    syncs_fwd_bwd: Optional[int]  # None: not counted (training.sync_check)
+    syncs_step: Optional[int]
     sync_sites: tuple
     cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     offload_bytes: int = 0
@@ -95,8 +95,8 @@ class TrainSummary:
     last_loss: float
     tokens_per_s: float
     mean_tokens_per_s: float
-    syncs_fwd_bwd_per_step: float
-    syncs_per_step: float
+    syncs_fwd_bwd_per_step: Optional[float]  # over the checked steps (None: none checked)
+    syncs_per_step: Optional[float]
     cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
     records: tuple
     trainable_params: int = 0
@@ -114,11 +114,16 @@ class TrainSummary:
     stopped: Optional[str] = None
     checkpoint_bytes: int = 0
     checkpoint_saves: tuple = ()
+    sync_checked_steps: int = 0  # steps counted by the sync sentinel (training.sync_check)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["records"] = [dataclasses.asdict(r) for r in self.records]
         return d
+
+
+def _mean(values: list) -> Optional[float]:
+    return sum(values) / len(values) if values else None
 
 
 class LaggedReadback:
@@ -260,8 +265,10 @@ class StepLogger:
             off += f" | eval loss {rec.eval_loss:.4f}"
         self.print(
             f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
-            f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: fwd+bwd "
-            f"{rec.syncs_fwd_bwd}, step {rec.syncs_step} | cache builds {rec.cache_builds}"
+            f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: "
+            + (f"fwd+bwd {rec.syncs_fwd_bwd}, step {rec.syncs_step}" if rec.syncs_step is not None
+               else "not counted")
+            + f" | cache builds {rec.cache_builds}"
             f"{off}"
         )
 
@@ -293,6 +300,7 @@ class StepLogger:
             raise RuntimeError("no step ran and no checkpoint held any: nothing to summarise")
         k = min(SUMMARY_LOSS_STEPS, len(records))
         report = job.audit.report() if job.audit is not None else None
+        checked = [r for r in records if r.syncs_step is not None]
         return TrainSummary(
             steps=len(records),
             world_size=job.world,
@@ -301,8 +309,9 @@ class StepLogger:
             last_loss=sum(r.loss for r in records[-k:]) / k,
             tokens_per_s=self._tokens_per_s(),
             mean_tokens_per_s=sum(r.tokens_per_s for r in records[1:] or records) / max(len(records) - 1, 1),
-            syncs_fwd_bwd_per_step=sum(r.syncs_fwd_bwd for r in records) / len(records),
-            syncs_per_step=sum(r.syncs_step for r in records) / len(records),
+            syncs_fwd_bwd_per_step=_mean([r.syncs_fwd_bwd for r in checked]),
+            syncs_per_step=_mean([r.syncs_step for r in checked]),
+            sync_checked_steps=len(checked),
             cache_builds=sum(r.cache_builds for r in records),
             records=tuple(records),
             trainable_params=job.trainable_params,
@@ -328,8 +337,11 @@ class StepLogger:
         stats = self.job.cache.stats
         self.print(
             f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
-            f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | host syncs per "
-            f"step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step {s.syncs_per_step:g} | cache "
+            f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | "
+            + (f"host syncs per step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step "
+               f"{s.syncs_per_step:g} ({s.sync_checked_steps} of {s.steps} steps counted)"
+               if s.sync_checked_steps else "host syncs not counted (training.sync_check=off)")
+            + " | cache "
             f"builds {s.cache_builds} ({stats.host_to_device_copies} H2D "
             f"copies, {stats.bytes_copied} bytes)"
         )

@@ -37,7 +37,8 @@ __all__ = ["StepParts", "StepBatch", "cpu_train_step", "gpu_train_step", "train_
 class StepParts:
     """``in_flight``: the GPU path's cache-slot bookkeeping (None on the CPU path)."""
 
-    forward_backward: Callable  # (microbatches, global_loss_tokens) -> (loss_sum, sentinel)
+    # (microbatches, global_loss_tokens, check_syncs) -> (loss_sum, sentinel or UNCHECKED)
+    forward_backward: Callable
     optimizer: object
     scheduler: object
     # gradient norm of the last step (device tensor or host float; None before the first)
@@ -45,16 +46,38 @@ class StepParts:
     in_flight: object = None
 
 
-def train_step(job, batch: StepBatch, audit: bool = False) -> StepResult:
+class _Unchecked:
+    """What a step not counted by :class:`SyncSentinel` reports: no count, no sites."""
+
+    num_syncs = None
+
+    @staticmethod
+    def by_location() -> dict:
+        return {}
+
+
+UNCHECKED = _Unchecked()
+
+
+def sync_check(enabled: bool, name: str):
+    """``SyncSentinel(name)`` when ``enabled``, else a no-op block yielding :data:`UNCHECKED`:
+    the sentinel is a Python function + dispatch mode around every op (a diagnosis, not
+    something a production step runs: ``training.sync_check``)."""
+    return SyncSentinel(name=name) if enabled else contextlib.nullcontext(UNCHECKED)
+
+
+def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = True) -> StepResult:
     """Run one step of ``job`` on ``batch`` (``audit``: inside the graph-safety audit's step,
-    whose hooks the caller holds installed). The loss stays on the device in the result."""
+    whose hooks the caller holds installed; ``check_syncs``: count host syncs with
+    :class:`SyncSentinel`). The loss stays on the device in the result."""
     stats_before = job.cache.stats.snapshot()
     if job.offload is not None:
         job.offload.begin_step()
     t0 = time.perf_counter()
     with job.audit.step() if audit else contextlib.nullcontext():
-        with SyncSentinel(name=f"step {batch.step}") as step_sentinel:
-            loss_sum, fwd_bwd = job.step.forward_backward(batch.microbatches, batch.global_loss_tokens)
+        with sync_check(check_syncs, f"step {batch.step}") as step_sentinel:
+            loss_sum, fwd_bwd = job.step.forward_backward(
+                batch.microbatches, batch.global_loss_tokens, check_syncs)
     step_ms = (time.perf_counter() - t0) * 1e3
     off = job.offload.end_step() if job.offload is not None else None
     # the sync-free optimizer step's applied flag: a device tensor, logged a step late
@@ -175,7 +198,7 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     dp_world = ps.get_data_parallel_world_size()
     aux_scale = torch.ones(())
 
-    def forward_backward(mbs, global_loss_tokens: int):
+    def forward_backward(mbs, global_loss_tokens: int, check_syncs: bool = True):
         loss_sum = torch.zeros((), dtype=torch.float32)
         if getattr(tcfg, "num_moe_experts", None):
             # As Megatron's schedule (schedules.py forward_step_calc_loss) and DDP weigh the MoE
@@ -184,7 +207,7 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
             MoEAuxLossAutoScaler.set_loss_scale(aux_scale.fill_(1.0 / (len(mbs) * dp_world)))
-        with SyncSentinel(name="fwd+bwd") as fwd_bwd:
+        with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
                     loss = masked_loss_sum(forward(model, mb, pb, cpu), mb, cpu)
@@ -267,7 +290,7 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     last = {}
     in_flight = InFlightBatches(cache)
 
-    def forward_backward(mbs, global_loss_tokens: int):
+    def forward_backward(mbs, global_loss_tokens: int, check_syncs: bool = True):
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         n = len(mbs)
 
@@ -289,7 +312,7 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         in_flight.reset_stats()
-        with SyncSentinel(name="fwd+bwd") as fwd_bwd:
+        with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
             schedule(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
                 num_microbatches=n, seq_length=cache.config.max_tokens,

@@ -46,7 +46,7 @@ def test_full_step_dense_packed_lora_has_zero_host_syncs(mcore_parallel):
     back one step late outside the step."""
     from megatron_fastpath.train import run
 
-    summary = run(cfg(["fastpath.lora=true", "training.steps=5"]))
+    summary = run(cfg(["fastpath.lora=true", "training.steps=5", "training.sync_check=every"]))
     assert [r.syncs_step for r in summary.records] == [0] * 5
     assert all(r.sync_sites == () for r in summary.records)
 
@@ -94,6 +94,12 @@ def test_graph_plan_on_cpu_runs_the_audit_instead():
          ValueError, "capacity_factor"),
         (dict(fp8=FP8Config(), linear_impl="te"), MissingDependencyError,
          "transformer-engine"),
+        # G5: no FP8 THD attention in TE 2.9-2.11 (refused before TE is even looked for)
+        (dict(fp8=FP8Config(dot_product_attention=True), linear_impl="te"), ValueError,
+         "no FP8 attention backend for packed"),
+        # G6: TE attention asserts its own RNG tracker class while a graph is captured
+        (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False, warmup_steps=0), attention_backend="te"),
+         ValueError, "needs cuda_graphs.use_te_rng_tracker=true"),
     ],
 )
 def test_bad_graph_and_fp8_combinations_refused(kwargs, exc, match):
