@@ -50,13 +50,16 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
                     dtype: Optional[torch.dtype] = None) -> str:
     """Validate ``backend`` (raising before any device work when its package is missing, or
     when ``dtype`` is one its kernels lack) and resolve ``"auto"``: te > flash on CUDA when
-    installed, else sdpa (flex above the SDPA mask limit)."""
+    installed and the dtype is one their kernels take (bf16 / fp16), else sdpa (flex above the
+    SDPA mask limit): ``auto`` picks something that runs (the fp32 default on a GPU machine
+    with TE installed used to stop at parse)."""
     if backend == "auto":
         from megatron_fastpath._optional import have
 
-        if device.type == "cuda" and have("transformer_engine.pytorch"):
+        half = dtype is None or dtype in (torch.bfloat16, torch.float16)
+        if device.type == "cuda" and half and have("transformer_engine.pytorch"):
             resolved = "te"
-        elif device.type == "cuda" and have("flash_attn"):
+        elif device.type == "cuda" and half and have("flash_attn"):
             resolved = "flash"
         elif device.type == "cuda" and max_tokens > sdpa_limit:
             resolved = "flex"

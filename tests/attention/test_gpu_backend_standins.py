@@ -121,7 +121,22 @@ def _cuda_cache():
                                  config=types.SimpleNamespace(max_tokens=T, sdpa_mask_max_tokens=16384))
 
 
-@pytest.mark.parametrize("backend", ["te", "flash", "auto"])
+def test_auto_picks_a_backend_that_runs_the_dtype(monkeypatch):
+    """G19: the default config (fp32, attention auto) on a GPU machine with TE and flash-attn
+    installed stopped at parse (auto picked te, which refuses fp32); auto now picks te / flash
+    only for bf16 / fp16 and sdpa (flex above the mask limit) otherwise."""
+    monkeypatch.setattr(_optional, "have", lambda name: True)  # TE and flash-attn installed
+    cuda = torch.device("cuda")
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.float32) == "sdpa"
+    assert core_attention.resolve_backend("auto", cuda, 32768, 16384, dtype=torch.float32) == "flex"
+    for half in (torch.bfloat16, torch.float16):
+        assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=half) == "te"
+    monkeypatch.setattr(_optional, "have", lambda name: name == "flash_attn")
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.bfloat16) == "flash"
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.float32) == "sdpa"
+
+
+@pytest.mark.parametrize("backend", ["te", "flash"])
 def test_fp32_with_te_or_flash_on_cuda_refused_before_building(fake_flash, monkeypatch, backend):
     """Finding 4: TE has no fp32 THD backend and flash-attn takes fp16 / bf16 only."""
     monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
