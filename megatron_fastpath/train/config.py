@@ -250,6 +250,17 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
             "per offload manager); use parallel.pipeline_model_parallel_size=1"
         )
     tp = par.tensor_model_parallel_size
+    if is_moe and tp > 1:
+        # The sort/count dispatcher and the grouped experts shard experts over EP only
+        # (expert_tensor_parallel_size 1; Megatron defaults it to the TP size), and
+        # megatron-core 0.16.1's MoELayer.forward refuses TP > 1 without sequence parallelism
+        # in training (transformer/moe/moe_layer.py), which the fastpath MoE layer lacks.
+        raise ValueError(
+            f"an MoE model with parallel.tensor_model_parallel_size={tp}: the fastpath MoE layer "
+            "shards experts over expert parallelism only, and megatron-core 0.16.1's MoE layer "
+            "refuses tensor parallelism without sequence parallelism in training; use "
+            "parallel.tensor_model_parallel_size=1 and parallel.expert_model_parallel_size for "
+            "the experts")
     if par.sequence_parallel:
         if tp < 2:
             raise ValueError("parallel.sequence_parallel=true needs "
@@ -259,9 +270,6 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
                 "parallel.sequence_parallel needs CUDA: Megatron 0.16.1's sequence-parallel "
                 "all-gathers allocate on torch.cuda.current_device(); use "
                 "parallel.sequence_parallel=false on CPU (tensor parallelism still works)")
-        if is_moe:
-            raise ValueError("parallel.sequence_parallel with the fastpath MoE layer is not "
-                             "supported: use parallel.sequence_parallel=false")
         if max_tokens % tp:
             raise ValueError(
                 f"parallel.sequence_parallel splits each packed batch of data.max_tokens="

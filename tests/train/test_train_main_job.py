@@ -159,3 +159,15 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
     assert losses[2][-1] < losses[2][0]
     for a, b in zip(losses[1], losses[2]):
         assert abs(a - b) < 1e-3 * abs(a)
+
+
+def test_moe_with_tensor_parallelism_refused_at_parse():
+    """G20: MoE + TP > 1 passed the parse and died building the model (the dispatcher refuses
+    expert tensor parallelism, which Megatron defaults to the TP size; megatron-core's MoE
+    layer then refuses TP without sequence parallelism in training). Refused at parse now."""
+    from megatron_fastpath.train import parse_job_config
+
+    for model in ("tiny_moe", "mixtral_8x7b"):
+        with pytest.raises(ValueError, match="an MoE model with parallel.tensor_model_parallel_size=2"):
+            parse_job_config(cfg(FAST + [f"model={model}", "parallel=tp2_pp2", "training.device=cpu",
+                                         "parallel.pipeline_model_parallel_size=1"]))
