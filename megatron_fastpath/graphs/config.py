@@ -170,7 +170,7 @@ def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
     notes.append(
         f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
         "the outermost fp8_autocast, which Megatron opens once around the layer block); MoE "
-        "expert groups padded to multiples of 16 (MoEDispatchConfig reads config.fp8)"
+        "expert groups padded to Megatron's FP8 alignment (16 rows; 32 for mxfp8)"
     )
 
 

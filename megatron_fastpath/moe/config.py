@@ -23,8 +23,18 @@ __all__ = ["MoEDispatchConfig", "ExpertBackend", "EXPERT_BACKENDS", "FP8_ALIGN"]
 ExpertBackend = Literal["grouped_mm", "te_grouped_linear"]
 EXPERT_BACKENDS = ("grouped_mm", "te_grouped_linear")
 
-# FP8 GEMMs (TE/cuBLASLt) need each group's row count to be a multiple of 16.
+# FP8 GEMMs (TE/cuBLASLt) need each group's row count to be a multiple of 16 (32 for MXFP8:
+# fp8_align_size asks Megatron).
 FP8_ALIGN = 16
+
+
+def fp8_align_size(config: Any) -> int:
+    """Rows per expert group an FP8 GEMM of ``config.fp8_recipe`` needs: Megatron's own
+    ``megatron.core.fp8_utils.get_fp8_align_size`` (MXFP8 scales blocks of 32 rows)."""
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    return get_fp8_align_size(Fp8Recipe(getattr(config, "fp8_recipe", None) or Fp8Recipe.delayed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +172,8 @@ class MoEDispatchConfig:
         ``moe_router_topk_scaling_factor``, ``moe_router_num_groups``/``moe_router_group_topk``,
         ``moe_aux_loss_coeff`` (for ``moe_router_load_balancing_type == "aux_loss"``),
         ``moe_z_loss_coeff``, ``moe_router_dtype``; ``fp8`` (or
-        ``moe_router_padding_for_quantization``) sets ``pad_multiple=16``;
+        ``moe_router_padding_for_quantization``) sets ``pad_multiple`` to Megatron's
+        ``get_fp8_align_size`` of ``fp8_recipe`` (32 for MXFP8, 16 otherwise);
         ``moe_grouped_gemm`` with Transformer Engine is *not* implied: the expert backend stays
         "grouped_mm" unless overridden. Keyword ``overrides`` win over the derived values.
         """
@@ -182,7 +193,7 @@ class MoEDispatchConfig:
                 f"moe_router_load_balancing_type {unsupported} is not supported by the fastpath "
                 "router (supported: 'aux_loss', 'none'); use Megatron's MoELayer for it."
             )
-        pad = FP8_ALIGN if (
+        pad = fp8_align_size(config) if (
             getattr(config, "fp8", None)
             or getattr(config, "moe_router_padding_for_quantization", False)
         ) else 1

@@ -425,6 +425,21 @@ def test_from_transformer_config_reads_megatron_fields():
     assert MoEDispatchConfig.from_transformer_config(tc, pad_multiple=16).capacity(10) == 16
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
+def test_fp8_expert_groups_padded_to_megatrons_alignment(recipe):
+    """G8: every FP8 recipe padded expert groups to 16 rows; MXFP8 scales blocks of 32 and
+    needs 32. The padding is Megatron's own get_fp8_align_size of the recipe."""
+    import types
+
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    tc = _tc(E=4, k=2)
+    fp8 = types.SimpleNamespace(**{**vars(tc), "fp8": "hybrid", "fp8_recipe": recipe})
+    cfg = MoEDispatchConfig.from_transformer_config(fp8)
+    assert cfg.pad_multiple == get_fp8_align_size(Fp8Recipe(recipe)) == (32 if recipe == "mxfp8" else 16)
+
+
 @pytest.mark.gpu
 def test_te_grouped_linear_backend_costs_one_counted_sync(mcore_parallel):
     from megatron_fastpath.moe.experts import TEGroupedSwiGLUExperts
