@@ -330,6 +330,15 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
         reasons.append(
             f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
         )
+    if graphs_on and facts.is_moe and request.moe_expert_backend == "te_grouped_linear":
+        # TE's GroupedLinear takes the group sizes as a host list (m_splits): the experts read
+        # them back inside the layer, which a captured graph cannot do (moe/experts.py).
+        reasons.append(
+            "moe_expert_backend='te_grouped_linear' with CUDA graphs: Transformer Engine's "
+            "GroupedLinear takes the expert group sizes as a host list, a device read inside "
+            "the captured MoE layer; use moe_expert_backend='grouped_mm' (chosen by default "
+            "when graphs are on) or turn graphs off"
+        )
     return reasons
 
 
@@ -370,6 +379,7 @@ def decide(facts: ModelFacts, request: HookRequest, error: type) -> HookPlan:
 def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
     """The settings and model-field changes for a config :func:`refusals` accepted."""
     fp8_on = facts.fp8_on if request.fp8 is None else request.fp8 is not False
+    graphs_on = facts.graphs_on if request.cuda_graphs is None else bool(request.cuda_graphs)
     uses_rope = facts.get("position_embedding_type") == "rope"
     rope_in_cache = request.packed_cache and uses_rope
     max_tokens = facts.packed_size if request.packed_cache else max(facts.get("seq_length", 1), 1)
@@ -379,7 +389,9 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
         num_slots=facts.pipeline_size,
         attention_backend=request.attention_backend,
         linear_impl="te" if fp8_on else None,
-        moe_expert_backend=request.moe_expert_backend or ("te_grouped_linear" if fp8_on else "grouped_mm"),
+        # FP8 experts through TE's GroupedLinear, except in captured layers (its host m_splits)
+        moe_expert_backend=request.moe_expert_backend or (
+            "te_grouped_linear" if fp8_on and not graphs_on else "grouped_mm"),
         rope=rope_in_cache,
         packed_cache=request.packed_cache,
     )

@@ -250,6 +250,25 @@ def _facts(model, **overrides):
     return core.ModelFacts(**fields)
 
 
+def test_graphs_never_get_the_host_reading_te_grouped_experts():
+    """G3: with FP8 the hooks chose TE GroupedLinear experts, whose forward reads the group
+    sizes to the host (``tokens_per_expert.tolist()`` for TE's m_splits) inside the captured
+    MoE layer, and allowed CUDA graphs. Now graphs get grouped_mm by default and an explicit
+    te_grouped_linear with graphs is refused."""
+    from megatron_fastpath.integrations import core
+
+    moe = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=64)
+    for graphs_on, want in ((False, "te_grouped_linear"), (True, "grouped_mm")):
+        plan = core.plan(_facts(moe, graphs_on=graphs_on), core.HookRequest(fp8="hybrid"))
+        assert plan.settings["moe_expert_backend"] == want
+    plan = core.plan(_facts(moe), core.HookRequest(fp8="hybrid", cuda_graphs=True))
+    assert plan.settings["moe_expert_backend"] == "grouped_mm"
+    reasons = core.refusals(_facts(moe, graphs_on=True),
+                            core.HookRequest(fp8="hybrid", moe_expert_backend="te_grouped_linear"))
+    assert [r for r in reasons if "te_grouped_linear' with CUDA graphs" in r]
+    assert not core.refusals(_facts(moe), core.HookRequest(fp8="hybrid", moe_expert_backend="te_grouped_linear"))
+
+
 def test_core_rules_once_for_both_hooks():
     """The rules that existed for NeMo only (fp8 value, MoE bias / expert TP) now hold for the
     Bridge facts too; every reason at once; the plan carries Llama 3.1 scaling and keeps rope."""
