@@ -25,16 +25,12 @@ import torch
 
 from megatron_fastpath.hf.config import HFModelSpec
 from megatron_fastpath.hf.convert import hf_layer_names, resolve_param, split_qkv
+from megatron_fastpath.lora.config import HF_TARGETS
 
 __all__ = ["peft_state_dict", "save_peft_adapter", "save_merged_checkpoint", "PEFT_MODULES"]
 
-# Megatron LoRA target -> HF module names it becomes.
-PEFT_MODULES = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
+# Megatron LoRA target -> HF module names it becomes (the same table reads lora.targets).
+PEFT_MODULES = HF_TARGETS
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")

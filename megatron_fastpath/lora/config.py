@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LoRAConfig", "LORA_TARGETS"]
+__all__ = ["LoRAConfig", "LORA_TARGETS", "HF_TARGETS", "normalize_targets"]
 
 # Megatron linear names inside a TransformerLayer and how their weights are sharded.
 LORA_TARGETS = {
@@ -16,6 +16,44 @@ LORA_TARGETS = {
     "linear_fc1": ("mlp", "column"),
     "linear_fc2": ("mlp", "row"),
 }
+
+
+# Hugging Face / PEFT module names -> the Megatron linear holding them. Megatron fuses q, k, v
+# into linear_qkv and gate, up into linear_fc1: such a linear is adapted as a whole, so its HF
+# names are accepted together only (an adapter on q_proj alone would be a different model).
+HF_TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear of the layers (not the output head)
+
+
+def normalize_targets(targets) -> tuple:
+    """``lora.targets`` as Megatron linear names (in the order given, once each). Accepts a list or a
+    comma-separated string of Megatron names and HF names, or ``all-linear``."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    names = [str(t) for t in targets]
+    if ALL_LINEAR in names:
+        if len(names) > 1:
+            raise ValueError(f"lora.targets: {ALL_LINEAR!r} already names every linear; got {names}")
+        return tuple(LORA_TARGETS)
+    hf_of = {hf: megatron for megatron, hfs in HF_TARGETS.items() for hf in hfs}
+    unknown = sorted(set(names) - set(LORA_TARGETS) - set(hf_of))
+    if unknown or not names:
+        raise ValueError(
+            f"unknown LoRA target(s) {unknown or names}; choose from {sorted(LORA_TARGETS)}, "
+            f"the Hugging Face names {sorted(hf_of)} or {ALL_LINEAR!r}")
+    for megatron, hfs in HF_TARGETS.items():
+        given = [h for h in hfs if h in names]
+        if given and len(given) < len(hfs):
+            raise ValueError(
+                f"lora.targets {given}: Megatron holds {', '.join(hfs)} in one linear "
+                f"({megatron}) and adapts it as a whole; target all of {list(hfs)} (or "
+                f"{megatron}), or none of them")
+    return tuple(dict.fromkeys(hf_of.get(n, n) for n in names))  # given order, once each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +75,7 @@ class LoRAConfig:
             raise ValueError(f"LoRA rank must be a positive int; got {self.rank!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1); got {self.dropout}")
-        targets = tuple(self.targets)
-        unknown = sorted(set(targets) - set(LORA_TARGETS))
-        if unknown or not targets:
-            raise ValueError(
-                f"unknown LoRA target(s) {unknown or targets}; choose from {sorted(LORA_TARGETS)}"
-            )
-        object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "targets", normalize_targets(self.targets))
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"LoRA dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
 

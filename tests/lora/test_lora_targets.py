@@ -1,0 +1,64 @@
+"""lora.targets as users write them: a list or a comma-separated string of Megatron names,
+Hugging Face names, or PEFT's ``all-linear``. On the previous code ``lora.targets=all-linear``
+failed with ``unknown LoRA target(s) ['-', 'a', 'e', ...]`` (the string split into characters)
+and HF names were refused. The reference for what the HF names and ``all-linear`` cover is
+peft itself, applied to a transformers Llama."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from megatron_fastpath.lora.config import HF_TARGETS, LoRAConfig
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def _peft_targeted(target_modules) -> set:
+    """The module names peft puts an adapter on in a tiny Llama (layer 0)."""
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                peft.LoraConfig(r=2, target_modules=target_modules))
+    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+            if isinstance(mod, peft.tuners.lora.LoraLayer)}
+
+
+def _hf_names(megatron_targets) -> set:
+    return {h for t in megatron_targets for h in HF_TARGETS[t]}
+
+
+@pytest.mark.parametrize("given", [
+    "all-linear",
+    ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj",
+])
+def test_targets_cover_what_peft_covers(given):
+    ours = LoRAConfig(targets=given).targets
+    # peft reads a string other than all-linear as one pattern: hand it the list
+    as_peft = given.split(",") if isinstance(given, str) and given != "all-linear" else given
+    assert _hf_names(ours) == _peft_targeted(as_peft)
+
+
+def test_megatron_names_keep_their_order_and_strings_are_split_on_commas():
+    assert LoRAConfig(targets="linear_proj, linear_qkv").targets == ("linear_proj", "linear_qkv")
+    assert LoRAConfig(targets=["linear_qkv", "q_proj", "k_proj", "v_proj"]).targets == ("linear_qkv",)
+
+
+@pytest.mark.parametrize("given,match", [
+    (["q_proj", "v_proj"], r"Megatron holds q_proj, k_proj, v_proj in one linear \(linear_qkv\)"),
+    (["gate_proj"], r"target all of \['gate_proj', 'up_proj'\]"),
+    ("all-linear,o_proj", "already names every linear"),
+    ("qproj", r"unknown LoRA target\(s\) \['qproj'\].*'all-linear'"),
+    ("", "unknown LoRA target"),
+])
+def test_partial_fused_and_unknown_targets_are_refused(given, match):
+    with pytest.raises(ValueError, match=match):
+        LoRAConfig(targets=given)
+
+
+def test_all_linear_through_the_main_job_override():
+    from megatron_fastpath.train import config_dir, parse_job_config
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["fastpath.lora=true", "lora.targets=all-linear"])
+    assert parse_job_config(cfg).lora.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
