@@ -18,6 +18,8 @@ size (F1 = 2F for SwiGLU's gate | up), E (E_l) local experts.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
@@ -62,6 +64,30 @@ def _mark_expert_params(module, config) -> None:
     expert_parallel = config.expert_model_parallel_size > 1
     for p in module.parameters():
         setattr(p, "allreduce", not expert_parallel)
+
+
+def _expert_rng():
+    """Megatron's expert-parallel RNG stream (``get_cuda_rng_tracker().fork(
+    get_expert_parallel_rng_tracker_name())``)."""
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_expert_parallel_rng_tracker_name,
+    )
+
+    return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+
+
+def _te_expert_rng_kwargs() -> dict:
+    """What Megatron's TEGroupedLinear hands TE's GroupedLinear for expert weights: the
+    tracker and the expert-parallel stream's name (extensions/transformer_engine.py)."""
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_expert_parallel_rng_tracker_name,
+    )
+
+    initialized = get_cuda_rng_tracker().is_initialized()
+    return dict(get_rng_state_tracker=get_cuda_rng_tracker if initialized else None,
+                rng_tracker_name=get_expert_parallel_rng_tracker_name())
 
 
 def _activation(config, h_RF: torch.Tensor) -> torch.Tensor:
@@ -117,7 +143,12 @@ class GroupedSwiGLUExperts(MegatronModule):
             if self.config.use_cpu_initialization
             else range(first, first + self.num_local_experts)
         )
-        with torch.no_grad():
+        # On the device each rank draws only its own experts: from Megatron's expert-parallel
+        # RNG stream (seeded per EP rank by model_parallel_cuda_manual_seed), as its
+        # GroupedMLP / TEGroupedLinear do; from the default generator every EP rank would draw
+        # the same numbers, i.e. the same experts.
+        rng = contextlib.nullcontext() if self.config.use_cpu_initialization else _expert_rng()
+        with torch.no_grad(), rng:
             for e in experts:
                 w1 = torch.empty_like(self.weight1[0].t())
                 self.config.init_method(w1)
@@ -221,11 +252,11 @@ class TEGroupedSwiGLUExperts(MegatronModule):
         F1 = 2 * F if config.gated_linear_unit else F
         self.linear_fc1 = te.GroupedLinear(
             num_local_experts, H, F1, bias=False, params_dtype=config.params_dtype,
-            device="cuda", init_method=config.init_method,
+            device="cuda", init_method=config.init_method, **_te_expert_rng_kwargs(),
         )
         self.linear_fc2 = te.GroupedLinear(
             num_local_experts, F, H, bias=False, params_dtype=config.params_dtype,
-            device="cuda", init_method=config.output_layer_init_method,
+            device="cuda", init_method=config.output_layer_init_method, **_te_expert_rng_kwargs(),
         )
         _mark_expert_params(self, config)
         self.host_syncs = 0  # running count of the m_splits reads, for reporting

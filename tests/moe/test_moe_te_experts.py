@@ -31,10 +31,17 @@ class GroupedLinearStandIn(torch.nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         self.num_gemms = num_gemms
         self.use_bias = bias
+        self.rng_tracker_name = rng_tracker_name
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
             if init_method is not None:
-                init_method(w.data)
+                # TE initialises inside the tracker's fork of rng_tracker_name when a tracker
+                # is given (module/base.py reset_parameters)
+                if get_rng_state_tracker is not None:
+                    with get_rng_state_tracker().fork(rng_tracker_name):
+                        init_method(w.data)
+                else:
+                    init_method(w.data)
             self.register_parameter(f"weight{i}", w)
             if bias:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)))
@@ -83,9 +90,25 @@ def te_experts(monkeypatch):
     monkeypatch.setattr(experts, "require", lambda *a, **k: fake_te)
 
     def build(ep, num_local=E):
-        return experts.TEGroupedSwiGLUExperts(num_local, _tc(ep=ep))
+        with cuda_as_cpu():  # TE builds on CUDA (and forks Megatron's CUDA RNG tracker)
+            return experts.TEGroupedSwiGLUExperts(num_local, _tc(ep=ep))
 
     return build
+
+
+def test_expert_weights_drawn_from_the_expert_parallel_stream(mcore_parallel, te_experts):
+    """G12 for TE experts: Megatron's TEGroupedLinear hands TE its tracker and the
+    expert-parallel stream's name; so do ours, and EP ranks draw different experts."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    weights = []
+    for ep_rank in (0, 1):
+        with cuda_as_cpu():
+            model_parallel_cuda_manual_seed(1234, ep_rank=ep_rank)
+            ex = te_experts(1)
+        assert ex.linear_fc1.rng_tracker_name == ex.linear_fc2.rng_tracker_name == "expert-parallel-rng"
+        weights.append(ex.linear_fc1.weight0.detach().clone())
+    assert not torch.equal(*weights)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
