@@ -1,0 +1,41 @@
+"""docs/checkpoints.md's first commands, run in the order printed, print the lines the page
+says they print (the page's block used to reach 'all 40 steps already done' on its second
+command). Each command gets the same small-model overrides appended (they change nothing the
+first line says)."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from subproc import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
+         "data.max_tokens=128", "data.num_samples=128", "metrics.wandb=off", "metrics.plot=false",
+         "metrics.tensorboard=false"]
+
+
+def _block():
+    text = (REPO / "docs" / "checkpoints.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    steps, expect = [], {}
+    for line in block.splitlines():
+        if line.startswith("python -m megatron_fastpath.train"):
+            steps.append(shlex.split(line.split("#")[0]))
+        elif line.startswith("#   ") and steps:
+            expect[len(steps) - 1] = line[4:].strip()
+    return steps, expect
+
+
+def test_the_resume_commands_print_what_the_page_says(tmp_path):
+    steps, expect = _block()
+    assert len(steps) >= 2 and set(expect) >= {0, 1}
+    for i, argv in enumerate(steps[:2]):
+        cmd = [sys.executable, *argv[1:], *SMALL, f"hydra.run.dir={tmp_path}/run{i}"]
+        out = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        want = re.escape(expect[i]).replace(re.escape("/…/"), ".*/")
+        assert re.fullmatch(want, out.stdout.splitlines()[0]), (expect[i], out.stdout.splitlines()[0])
