@@ -52,7 +52,7 @@ def _steps(job: Job, logger: StepLogger, ckpt, steps: range, audit: bool, eval_a
     whether the step runs inside the sync sentinel (``training.sync_check``)."""
     for step in steps:
         result = train_step(job, job.data.batch(step), audit=audit, check_syncs=checked(step))
-        logger.log(result, eval_loss=eval_after(step))
+        logger.log(result, evaluation=eval_after(step))
         if ckpt is not None:
             stop = ckpt.after_step(step)
         else:
@@ -73,7 +73,7 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
     every = getattr(job.cfg.data, "eval_every", 0)
 
     def eval_after(step: int):
-        """Held-out loss after ``step`` (every ``data.eval_every`` steps and after the last)."""
+        """Held-out evaluation after ``step`` (every ``data.eval_every`` steps and after the last)."""
         if evaluate is None or not (step == steps or (every and step % every == 0)):
             return None
         return evaluate()

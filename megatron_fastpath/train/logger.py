@@ -38,6 +38,7 @@ class StepResult:
     offload_mode: str = "off"
     grad_norm: object = None  # device tensor (read back with the loss) or host float
     eval_loss: Optional[float] = None  # held-out loss measured right after this step
+    eval_token_accuracy: Optional[float] = None  # share of held-out loss tokens predicted (argmax)
     applied: Optional[torch.Tensor] = None  # sync-free step: False = update skipped (inf/nan)
 
 
@@ -59,6 +60,7 @@ class StepRecord:
     offload_mode: str = "off"
     grad_norm: Optional[float] = None
     eval_loss: Optional[float] = None
+    eval_token_accuracy: Optional[float] = None
     skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
 
     @classmethod
@@ -71,6 +73,7 @@ class StepRecord:
             cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
             grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
+            eval_token_accuracy=r.eval_token_accuracy,
         )
 
 
@@ -106,6 +109,9 @@ class TrainSummary:
     notes: tuple = ()
     evals: tuple = ()  # (step, held-out loss); step 0 = before training
     eval_loss: Optional[float] = None  # held-out loss at the end (data=jsonl)
+    eval_perplexity: Optional[float] = None  # exp(eval_loss)
+    eval_token_accuracy: Optional[float] = None  # at the end: loss tokens predicted by argmax
+    eval_accuracy: tuple = ()  # (step, token accuracy) beside evals
     data: Optional[dict] = None  # data=jsonl record counts
     artifacts: Optional[dict] = None  # exported adapter / merged checkpoint / metrics files
     # checkpoints: where this run resumed from, why it stopped before training.steps (None: it
@@ -120,6 +126,18 @@ class TrainSummary:
         d = dataclasses.asdict(self)
         d["records"] = [dataclasses.asdict(r) for r in self.records]
         return d
+
+
+def _perplexity(loss: float) -> float:
+    from megatron_fastpath.train.evaluate import EvalResult
+
+    return EvalResult(loss).perplexity
+
+
+def _eval_extras(loss: float, accuracy: Optional[float], lead: str = "") -> str:
+    """' (perplexity P, token accuracy A%)' of an evaluation."""
+    acc = "" if accuracy is None else f", token accuracy {100 * accuracy:.1f}%"
+    return f" ({lead}perplexity {_perplexity(loss):.4g}{acc})"
 
 
 def _mean(values: list) -> Optional[float]:
@@ -176,6 +194,7 @@ class StepLogger:
         self.show = job.rank == 0 or job.cfg.training.log_all_ranks
         self.prefix = f"[rank {job.rank}] " if job.cfg.training.log_all_ranks else ""
         self.evals: list[tuple] = []
+        self.eval_accuracy: list[tuple] = []
         self.artifacts: dict = {}
         self.metrics = getattr(job, "metrics", None)
         self.first_step: Optional[int] = None  # the first step this process ran
@@ -212,31 +231,37 @@ class StepLogger:
         if j.env_set:
             self.print(f"  environment: {j.env_set}")
 
-    def log(self, result: StepResult, eval_loss: Optional[float] = None) -> None:
+    def log(self, result: StepResult, evaluation=None) -> None:
+        """``evaluation``: the :class:`~megatron_fastpath.train.evaluate.EvalResult` measured
+        right after this step (None: none)."""
         values = {"loss_sum": result.loss_sum}
         if isinstance(result.grad_norm, torch.Tensor):
             values["grad_norm"] = result.grad_norm
         if isinstance(result.applied, torch.Tensor):
             values["applied"] = result.applied
-        if eval_loss is not None:
-            result = dataclasses.replace(result, eval_loss=eval_loss)
-            self._record_eval(result.step, eval_loss)
+        if evaluation is not None:
+            result = dataclasses.replace(result, eval_loss=evaluation.loss,
+                                         eval_token_accuracy=evaluation.token_accuracy)
+            self._record_eval(result.step, evaluation)
         self._emit(self.readback.push(values, result))
 
-    def log_eval(self, step: int, loss: float) -> None:
-        """A held-out loss outside a step line (step 0: before training)."""
-        self._record_eval(step, loss)
-        self.print(f"eval {'before training' if step == 0 else f'at step {step}'}: held-out loss {loss:.4f}")
+    def log_eval(self, step: int, evaluation) -> None:
+        """An evaluation outside a step line (step 0: before training)."""
+        self._record_eval(step, evaluation)
+        self.print(f"eval {'before training' if step == 0 else f'at step {step}'}: held-out loss "
+                   f"{evaluation.loss:.4f}{_eval_extras(evaluation.loss, evaluation.token_accuracy)}")
 
-    def _record_eval(self, step: int, loss: float) -> None:
-        self.evals.append((step, loss))
+    def _record_eval(self, step: int, evaluation) -> None:
+        self.evals.append((step, evaluation.loss))
+        self.eval_accuracy.append((step, evaluation.token_accuracy))
         if self.metrics is not None:
-            self.metrics.eval(step, loss)
+            self.metrics.eval(step, evaluation.loss, evaluation.token_accuracy)
 
     def history(self) -> dict:
         """The run's history for a checkpoint: the step records and the held-out losses."""
         return {"records": [dataclasses.asdict(r) for r in self.records],
-                "evals": [list(e) for e in self.evals]}
+                "evals": [list(e) for e in self.evals],
+                "eval_accuracy": [list(e) for e in self.eval_accuracy]}
 
     def restore(self, history: dict) -> None:
         """The history of the steps a resumed run already did (from its checkpoint; one saved
@@ -244,6 +269,7 @@ class StepLogger:
         self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])})
                         for r in history["records"]]
         self.evals = [tuple(e) for e in history.get("evals", [])]
+        self.eval_accuracy = [tuple(e) for e in history.get("eval_accuracy", [])]
         if self.metrics is not None:  # the loss curves of the whole run, not of this process
             self.metrics.steps[:0] = [(r.step, r.loss) for r in self.records]
             self.metrics.evals[:0] = list(self.evals)
@@ -262,7 +288,7 @@ class StepLogger:
         if rec.grad_norm is not None:
             off += f" | grad norm {rec.grad_norm:.3f}{' (skipped: inf/nan)' if rec.skipped else ''}"
         if rec.eval_loss is not None:
-            off += f" | eval loss {rec.eval_loss:.4f}"
+            off += f" | eval loss {rec.eval_loss:.4f}{_eval_extras(rec.eval_loss, rec.eval_token_accuracy)}"
         self.print(
             f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
             f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: "
@@ -321,6 +347,9 @@ class StepLogger:
             notes=job.cfg.plan.notes,
             evals=tuple(self.evals),
             eval_loss=self.evals[-1][1] if self.evals else None,
+            eval_perplexity=_perplexity(self.evals[-1][1]) if self.evals else None,
+            eval_token_accuracy=self.eval_accuracy[-1][1] if self.eval_accuracy else None,
+            eval_accuracy=tuple(self.eval_accuracy),
             data=getattr(job, "data_report", None),
             artifacts=dict(self.artifacts) or None,
         )
@@ -347,7 +376,8 @@ class StepLogger:
         )
         if s.evals:
             self.print(f"  held-out loss {s.evals[0][1]:.4f} -> {s.eval_loss:.4f} (step "
-                       f"{s.evals[0][0]} -> {s.evals[-1][0]}, {len(s.evals)} evaluations)")
+                       f"{s.evals[0][0]} -> {s.evals[-1][0]}, {len(s.evals)} evaluations)"
+                       f"{_eval_extras(s.eval_loss, s.eval_token_accuracy, 'at the end: ')}")
         for kind, path in (s.artifacts or {}).items():
             self.print(f"  {kind}: {path}")
         for site in sorted({x for r in s.records for x in r.sync_sites}):

@@ -111,11 +111,16 @@ class MetricsWriter:
             self.log_file.write(text + "\n")
             self.log_file.flush()
 
-    def eval(self, step: int, loss: float) -> None:
+    def eval(self, step: int, loss: float, token_accuracy: Optional[float] = None) -> None:
         if self.dir is None:
             return
+        import math
+
         self.evals.append((step, loss))
-        self._write({"eval/loss": loss}, step)
+        scalars = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}
+        if token_accuracy is not None:
+            scalars["eval/token_accuracy"] = token_accuracy
+        self._write(scalars, step)
 
     def _write(self, scalars: dict, step: int) -> None:
         if self.tb is not None:

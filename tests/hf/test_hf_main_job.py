@@ -5,6 +5,7 @@ transformers model's held-out loss against the base (to exactly our reported eva
 job runs with transformers / peft unimportable."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -86,7 +87,7 @@ def test_metrics_files_written(finetuned):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/tokens_per_s", "train/grad_norm",
-            "train/host_syncs_step", "eval/loss"} <= tags
+            "train/host_syncs_step", "eval/loss", "eval/perplexity", "eval/token_accuracy"} <= tags
     assert len(acc.Scalars("train/loss")) == STEPS
     assert [e.step for e in acc.Scalars("eval/loss")] == [0, 10, 20, 30, 40]
     png = os.path.join(finetuned["metrics"], "loss_curves.png")
@@ -100,15 +101,18 @@ def test_metrics_files_written(finetuned):
     assert run_dir.startswith(finetuned["metrics"]) and "offline-run" in run_dir
 
 
-def held_out_loss(model, records):
-    total, tokens = 0.0, 0
+def held_out_loss(model, records, with_accuracy=False):
+    """transformers' held-out loss (and share of loss tokens whose argmax is the label)."""
+    total, correct, tokens = 0.0, 0, 0
     with torch.no_grad():
         for ids, loss_mask in records:
             logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0, :-1]
-            ce = torch.nn.functional.cross_entropy(logits, torch.as_tensor(ids[1:]), reduction="none")
-            total += float((ce * torch.as_tensor(loss_mask[:-1])).sum())
+            labels, mask = torch.as_tensor(ids[1:]), torch.as_tensor(loss_mask[:-1])
+            ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+            total += float((ce * mask).sum())
+            correct += int(((logits.argmax(-1) == labels) * mask.bool()).sum())
             tokens += int(loss_mask.sum())
-    return total / tokens
+    return (total / tokens, correct / tokens) if with_accuracy else total / tokens
 
 
 def test_exported_adapter_lowers_transformers_held_out_loss(finetuned):
@@ -124,8 +128,12 @@ def test_exported_adapter_lowers_transformers_held_out_loss(finetuned):
     tuned = PeftModel.from_pretrained(base, finetuned["adapter"])
     tuned_loss = held_out_loss(tuned, records)
     merged = transformers.AutoModelForCausalLM.from_pretrained(finetuned["merged"])
-    merged_loss = held_out_loss(merged, records)
+    merged_loss, merged_accuracy = held_out_loss(merged, records, with_accuracy=True)
     ours = finetuned["summary"]["eval_loss"]
+    # token accuracy and perplexity of the job's last evaluation, against transformers'
+    assert finetuned["summary"]["eval_token_accuracy"] == pytest.approx(merged_accuracy, abs=1e-9)
+    assert finetuned["summary"]["eval_perplexity"] == pytest.approx(math.exp(merged_loss), rel=1e-4)
+    assert finetuned["summary"]["eval_accuracy"][0][1] < merged_accuracy  # training helped
     assert tuned_loss < base_loss - 1.0, (base_loss, tuned_loss)
     assert abs(base_loss - finetuned["summary"]["evals"][0][1]) < 1e-4 * base_loss
     assert abs(tuned_loss - ours) < 1e-4 * ours and abs(merged_loss - ours) < 1e-4 * ours
