@@ -22,6 +22,9 @@ class CheckpointConfig:
     async_save: write tensors in a background process (Megatron's async save); the step is
         blocked only while tensors are staged.
     verify: record each file's size and CRC32 at save and check them before loading.
+    keep_best: also keep the checkpoint with the lowest held-out loss among those saved right
+        after an evaluation (the step's ``evals`` entry in its run history); ``dir/best`` names
+        it. Needs held-out evaluation (refused at parse without it).
     """
 
     dir: Optional[str] = None
@@ -32,6 +35,7 @@ class CheckpointConfig:
     fallback_to_previous: bool = False
     async_save: bool = True
     verify: bool = True
+    keep_best: bool = False
 
     def __post_init__(self):
         if self.interval < 0:

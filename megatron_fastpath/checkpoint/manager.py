@@ -149,6 +149,16 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _write_pointer(pointer: str, name: str) -> None:
+    """Atomically make the file ``pointer`` hold ``name`` (``latest``, ``best``)."""
+    with open(f"{pointer}.part", "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{pointer}.part", pointer)
+    _fsync_dir(os.path.dirname(pointer))
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -417,12 +427,38 @@ class CheckpointManager:
         that did not fail in this run; move the rest out of the published set, then delete."""
         good = [p for p in self.complete_checkpoints() if p not in self.failed]
         kept = {written, self.resumed_path} | set(good[: self.cfg.keep])
+        if self.cfg.keep_best:
+            best = self.best_checkpoint(good)
+            if best is not None:
+                kept.add(best)
+                _write_pointer(os.path.join(self.root, "best"), os.path.basename(best))
         for old in self.complete_checkpoints():
             if old not in kept:
                 trash = os.path.join(self.root, TRASH_PREFIX + os.path.basename(old))
                 os.rename(old, trash)  # out of the published set first: atomic
                 _fsync_dir(self.root)
                 shutil.rmtree(trash, ignore_errors=True)
+
+    @staticmethod
+    def eval_loss_of(path: str) -> Optional[float]:
+        """The held-out loss measured right after the step ``path`` saved (its run history's
+        last evaluation, when that is at the checkpoint's step), else None."""
+        try:
+            with open(os.path.join(path, "train_state.json")) as f:
+                state = json.load(f)
+            evals = state["extra"].get("evals") or []
+            step, loss = evals[-1][0], evals[-1][1]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return float(loss) if step == state.get("step") else None
+
+    def best_checkpoint(self, candidates: Optional[list] = None) -> Optional[str]:
+        """Of ``candidates`` (default: the complete checkpoints), the one with the lowest
+        held-out loss at its step (the newest on a tie); None when none was evaluated."""
+        scored = [(loss, p) for p in (candidates if candidates is not None else self.complete_checkpoints())
+                  if (loss := self.eval_loss_of(p)) is not None]
+        return min(scored, key=lambda lp: (lp[0], -int(os.path.basename(lp[1])[len(STEP_PREFIX):])))[1] \
+            if scored else None
 
     def _publish(self, tmp: str, step: int) -> None:
         _barrier()  # every rank's files are written
@@ -436,13 +472,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            pointer = os.path.join(self.root, "latest")
-            with open(f"{pointer}.part", "w") as f:
-                f.write(os.path.basename(final))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(f"{pointer}.part", pointer)
-            _fsync_dir(self.root)
+            _write_pointer(os.path.join(self.root, "latest"), os.path.basename(final))
             self._rotate(final)
         _barrier()
 

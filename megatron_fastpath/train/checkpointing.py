@@ -296,7 +296,9 @@ class JobCheckpointer:
             self._report(r, published=True)
         self.close()
         saves = self.manager.saves
+        best = self.manager.best_checkpoint() if self.cfg.keep_best else None
         return dict(
+            best_checkpoint=best,
             resumed_from=self.resumed.path if self.resumed else None,
             checkpoint_bytes=saves[-1].bytes if saves else 0,
             checkpoint_saves=tuple({"step": s.step, "bytes": s.bytes, "blocking_ms": s.blocking_s * 1e3,

@@ -326,7 +326,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
                     linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics,
-                    checkpoint=_checkpoint_section(cfg, fast), export=export, **features)
+                    checkpoint=_checkpoint_section(cfg, fast, data), export=export, **features)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 
@@ -346,10 +346,14 @@ def _refuse_moved_keys(cfg: Any) -> None:
                              f"enter the resume fingerprint): use {new}=<dir>")
 
 
-def _checkpoint_section(cfg: Any, fast: FastpathConfig):
+def _checkpoint_section(cfg: Any, fast: FastpathConfig, data: Any = None):
     from megatron_fastpath.checkpoint import CheckpointConfig
 
     ckpt = section(cfg, "checkpoint", CheckpointConfig)
+    if ckpt.keep_best and not (ckpt.enabled and getattr(data, "eval_fraction", 0)):
+        raise ValueError(
+            "checkpoint.keep_best keeps the checkpoint with the lowest held-out loss: it needs "
+            "checkpoint.dir and held-out evaluation (data=jsonl with data.eval_fraction > 0)")
     if ckpt.adapters_only and not fast.lora:
         raise ValueError("checkpoint.adapters_only=true needs LoRA (fastpath.lora=true)")
     if ckpt.base_dir is not None and not os.path.isdir(ckpt.base_dir):

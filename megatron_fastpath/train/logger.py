@@ -120,6 +120,7 @@ class TrainSummary:
     stopped: Optional[str] = None
     checkpoint_bytes: int = 0
     checkpoint_saves: tuple = ()
+    best_checkpoint: Optional[str] = None  # checkpoint.keep_best: lowest held-out loss
     sync_checked_steps: int = 0  # steps counted by the sync sentinel (training.sync_check)
 
     def to_json(self) -> dict:
@@ -396,3 +397,8 @@ class StepLogger:
                 + (f", resumed from {s.resumed_from}" if s.resumed_from else "")
                 + (f", stopped early: {s.stopped}" if s.stopped else "")
             )
+        if s.best_checkpoint:
+            from megatron_fastpath.checkpoint import CheckpointManager
+
+            self.print(f"  best checkpoint (lowest held-out loss, "
+                       f"{CheckpointManager.eval_loss_of(s.best_checkpoint):.4f}): {s.best_checkpoint}")

@@ -313,3 +313,38 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(mcore_parallel
     json.dump(manifest, open(os.path.join(saved.path, "manifest.json"), "w"))
     with pytest.raises(CheckpointCorruptError, match="outside the checkpoint: refusing to open it"):
         Run(seed=4).load(tmp_path)
+
+
+@pytest.mark.parametrize("keep_best", [False, True])
+def test_keep_best_keeps_the_lowest_held_out_loss(mcore_parallel, tmp_path, keep_best):
+    """checkpoint.keep_best: besides the newest ``keep``, the checkpoint saved right after the
+    evaluation with the lowest held-out loss survives rotation and ``dir/best`` names it (a
+    checkpoint whose step had no evaluation is no candidate)."""
+    run = Run()
+    evals = []
+    for step_loss in (3.0, 2.0, 2.5, None, 2.7):  # step 4: saved without an evaluation
+        run.train(1)
+        if step_loss is not None:
+            evals.append([run.step, step_loss])
+        mgr, (state_fn, _, extra_fn) = run.manager(tmp_path, keep=1, keep_best=keep_best)
+        mgr.save(run.step, state_fn, {**extra_fn(), "losses": run.losses, "evals": list(evals)})
+    kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
+    if keep_best:
+        assert kept == ["step_00000002", "step_00000005"]
+        assert (tmp_path / "best").read_text() == "step_00000002"
+        assert mgr.best_checkpoint() == str(tmp_path / "step_00000002")
+        assert mgr.eval_loss_of(str(tmp_path / "step_00000002")) == 2.0
+    else:
+        assert kept == ["step_00000005"] and not (tmp_path / "best").exists()
+
+
+def test_keep_best_needs_held_out_evaluation(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from megatron_fastpath.train import config_dir, parse_job_config
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            f"checkpoint.dir={tmp_path}", "checkpoint.keep_best=true"])
+    with pytest.raises(ValueError, match="checkpoint.keep_best .* needs checkpoint.dir and held-out evaluation"):
+        parse_job_config(cfg)

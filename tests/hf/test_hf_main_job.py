@@ -176,6 +176,7 @@ def test_eval_history_survives_a_resume(finetuned, tmp_path):
     ckpt_dir, summary = str(tmp_path / "ckpt"), str(tmp_path / "summary.json")
     common = ["model=hf", f"model.path={finetuned['ckpt']}", "data=jsonl", f"data.path={finetuned['data']}",
               "fastpath.lora=true", f"training.steps={STEPS}", f"checkpoint.dir={ckpt_dir}",
+              "checkpoint.interval=10", "checkpoint.keep=1", "checkpoint.keep_best=true",
               f"hydra.run.dir={tmp_path}/run", "metrics.tensorboard=false", "metrics.wandb=off"]
     run_job(common + ["training.stop_at_step=15"], cwd=str(tmp_path))
     out = run_job(common + [f"training.summary_json={summary}"], cwd=str(tmp_path))
@@ -183,6 +184,14 @@ def test_eval_history_survives_a_resume(finetuned, tmp_path):
     resumed, straight = json.load(open(summary)), finetuned["summary"]
     assert resumed["evals"] == straight["evals"] and [e[0] for e in resumed["evals"]] == [0, 10, 20, 30, 40]
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"]]
+    assert resumed["eval_accuracy"] == straight["eval_accuracy"]
+    # checkpoint.keep_best with keep=1: the newest, the one resumed from and the lowest
+    # held-out loss survive (the rotation rules themselves: test_checkpoint_manager.py)
+    best_step = min(resumed["evals"][1:], key=lambda e: (e[1], -e[0]))[0]
+    assert resumed["best_checkpoint"] == f"{ckpt_dir}/step_{best_step:08d}"
+    assert sorted(n for n in os.listdir(ckpt_dir) if n.startswith("step_")) == sorted(
+        {f"step_{best_step:08d}", "step_00000015", f"step_{STEPS:08d}"})
+    assert open(os.path.join(ckpt_dir, "best")).read() == f"step_{best_step:08d}"
 
 
 def test_full_fine_tune_exports_hf_weights_and_export_does_not_block_resume(finetuned, tmp_path):
