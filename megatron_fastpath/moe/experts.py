@@ -90,6 +90,12 @@ def _te_expert_rng_kwargs() -> dict:
                 rng_tracker_name=get_expert_parallel_rng_tracker_name())
 
 
+def _grouped_mm_leaks_empty_group_grads(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` needs empty groups' weight gradients masked
+    (compute capability 10.x)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
 def _activation(config, h_RF: torch.Tensor) -> torch.Tensor:
     if config.gated_linear_unit:
         gate, up = torch.chunk(h_RF, 2, dim=-1)
@@ -128,6 +134,10 @@ class GroupedSwiGLUExperts(MegatronModule):
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, H, F1, dtype=dtype, device=device))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, F, H, dtype=dtype, device=device))
         _mark_expert_params(self, config)
+        # torch._grouped_mm on sm100 (B200 / GB200) writes non-zero weight gradients for groups
+        # that received no token (an open torch bug the GPU review found): those are masked to
+        # zero on the device. Elsewhere the gradients are already zero and nothing is added.
+        self.mask_empty_group_grads = _grouped_mm_leaks_empty_group_grads(self.weight1.device)
         if config.perform_initialization:
             self.reset_parameters()
 
@@ -177,11 +187,17 @@ class GroupedSwiGLUExperts(MegatronModule):
                 f"[{self.num_local_experts}] (one entry per local expert)"
             )
         offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
-        h_RF = torch._grouped_mm(permuted_x_RH, self.weight1, offs=offs_E)
+        w1, w2 = self.weight1, self.weight2
+        if self.mask_empty_group_grads and torch.is_grad_enabled():
+            used_E11 = (tokens_per_expert_E > 0).to(w1.dtype)[:, None, None]
+            w1, w2 = w1.view_as(w1), w2.view_as(w2)  # this forward's own nodes to hook
+            w1.register_hook(lambda g: g * used_E11)
+            w2.register_hook(lambda g: g * used_E11)
+        h_RF = torch._grouped_mm(permuted_x_RH, w1, offs=offs_E)
         a_RF = _activation(self.config, h_RF)
         if permuted_probs_R is not None:
             a_RF = (a_RF * permuted_probs_R.unsqueeze(-1)).to(a_RF.dtype)
-        y_RH = torch._grouped_mm(a_RF, self.weight2, offs=offs_E)
+        y_RH = torch._grouped_mm(a_RF, w2, offs=offs_E)
         return y_RH, None
 
     def backward_dw(self):  # Megatron's delayed-wgrad hook: nothing is deferred here
