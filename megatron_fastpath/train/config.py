@@ -327,6 +327,12 @@ def parse_job_config(cfg: Any) -> JobConfig:
                     cluster=cluster, device=device, attention_backend=backend,
                     linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics,
                     checkpoint=_checkpoint_section(cfg, fast, data), export=export, **features)
+    if plan.env:
+        # before anything initialises CUDA: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
+        # once, at CUDA's lazy init, which the memory check's get_device_properties triggers
+        from megatron_fastpath.graphs.config import apply_env
+
+        apply_env(plan.env)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 

@@ -8,6 +8,8 @@ builder replaces :func:`build_model`, a checkpoint load runs on the returned :cl
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 from typing import Any, Optional
 
@@ -181,7 +183,8 @@ def build_job(cfg: JobConfig) -> Job:
 
     from megatron_fastpath.graphs.config import apply_env
 
-    env_set = apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise
+    apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise (parse did it already)
+    env_set = {k: v for k, v in cfg.plan.env.items() if os.environ.get(k) == v}  # in effect
     _init_distributed(cfg)
     if cfg.device.type == "cuda":
         # Megatron's CUDA RNG tracker, seeded as Megatron's own training seeds it

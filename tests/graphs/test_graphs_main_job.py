@@ -2,6 +2,8 @@
 CPU the strict graph-safety audit in place of capture -- dense and MoE, LoRA, offload on/off --
 with zero host syncs over the whole step."""
 
+import os
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -167,3 +169,30 @@ def test_cuda_graph_capture_matches_eager(model, fp8):
         assert "host syncs: fwd+bwd 0" in out.stdout
     torch.testing.assert_close(torch.tensor(losses["true"]), torch.tensor(losses["false"]),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
+    """G15: PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA initialises (the caching
+    allocator's config; torch.cuda.get_device_properties calls _lazy_init first). The parse's
+    memory check initialised CUDA before build_job set the graph plan's environment. A stand-in
+    CUDA records the environment at that first initialising call."""
+    import types
+
+    from megatron_fastpath.train import parse_job_config
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "CUDA_DEVICE_MAX_CONNECTIONS",
+                "TORCH_NCCL_AVOID_RECORD_STREAMS"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test
+    seen = []
+
+    def get_device_properties(device=None):  # the first call that initialises CUDA
+        seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        return types.SimpleNamespace(total_memory=80 * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in GPU")
+    parse_job_config(cfg(["training.device=cuda", "fastpath.cuda_graphs=true",
+                          "cuda_graphs.use_te_rng_tracker=false", "cuda_graphs.warmup_steps=0"]))
+    assert seen and seen[0] == "expandable_segments:True"
