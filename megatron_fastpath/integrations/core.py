@@ -330,6 +330,10 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
         reasons.append(
             f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
         )
+    if graphs_on and facts.is_moe and request.moe_expert_backend in (None, "grouped_mm"):
+        reason = _grouped_mm_reason(facts)
+        if reason:
+            reasons.append(reason)
     if graphs_on and facts.is_moe and request.moe_expert_backend == "te_grouped_linear":
         # TE's GroupedLinear takes the group sizes as a host list (m_splits): the experts read
         # them back inside the layer, which a captured graph cannot do (moe/experts.py).
@@ -340,6 +344,19 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
             "when graphs are on) or turn graphs off"
         )
     return reasons
+
+
+def _grouped_mm_reason(facts: ModelFacts):
+    """The grouped_mm experts in captured layers on this machine's GPU (None: fine, or no
+    GPU here to ask: the hooks plan on the training machine)."""
+    import torch
+
+    from megatron_fastpath.moe.experts import grouped_mm_sync_free_refusal
+
+    if not torch.cuda.is_available():
+        return None
+    dtype = torch.bfloat16 if facts.get("bf16") else facts.get("params_dtype") or torch.float32
+    return grouped_mm_sync_free_refusal(dtype, torch.cuda.get_device_capability())
 
 
 def _peft_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:

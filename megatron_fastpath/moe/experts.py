@@ -90,6 +90,22 @@ def _te_expert_rng_kwargs() -> dict:
                 rng_tracker_name=get_expert_parallel_rng_tracker_name())
 
 
+def grouped_mm_sync_free_refusal(dtype: torch.dtype, capability: tuple) -> Optional[str]:
+    """Why ``torch._grouped_mm`` would read the host inside a captured MoE layer, or None.
+
+    It is sync-free only for bf16 on sm90 / sm100; other dtypes and architectures take its
+    fallback, which loops over the groups reading ``offs`` to the host (torch 2.13
+    aten/src/ATen/native/cuda/GroupedBlas.cpp, ``_grouped_mm_fallback``)."""
+    major, minor = capability
+    if dtype == torch.bfloat16 and major in (9, 10):
+        return None
+    name = str(dtype).replace("torch.", "")
+    return (f"CUDA graphs with the grouped_mm MoE experts need torch._grouped_mm's sync-free "
+            f"path, which is bf16 on sm90 / sm100 only; this run is {name} on sm{major}{minor}, "
+            "where it reads the expert offsets to the host inside the captured layer. Use bf16 "
+            "on an H100 / B200-class GPU, or turn CUDA graphs off")
+
+
 def _grouped_mm_leaks_empty_group_grads(device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` on ``device`` needs empty groups' weight gradients masked
     (compute capability 10.x)."""

@@ -277,6 +277,16 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
                 f"of {tp}")
 
 
+def _check_grouped_mm_capturable(device, dtype: str) -> None:
+    """MoE experts inside captured layers (moe.experts.grouped_mm_sync_free_refusal). Called
+    after the plan's environment is set: reading the capability initialises CUDA."""
+    from megatron_fastpath.moe.experts import grouped_mm_sync_free_refusal
+
+    reason = grouped_mm_sync_free_refusal(getattr(torch, dtype), torch.cuda.get_device_capability(device))
+    if reason:
+        raise ValueError(reason + " (training.dtype=bfloat16 / fastpath.cuda_graphs=false)")
+
+
 def parse_job_config(cfg: Any) -> JobConfig:
     """Validate the whole tree (groups model, data, training, fastpath, parallel, cluster and
     the feature groups) and resolve its ``auto`` choices -- before any device work."""
@@ -333,6 +343,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
         from megatron_fastpath.graphs.config import apply_env
 
         apply_env(plan.env)
+    if plan.capture and is_moe:
+        _check_grouped_mm_capturable(device, train.dtype)
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 

@@ -196,3 +196,34 @@ def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
     parse_job_config(cfg(["training.device=cuda", "fastpath.cuda_graphs=true",
                           "cuda_graphs.use_te_rng_tracker=false", "cuda_graphs.warmup_steps=0"]))
     assert seen and seen[0] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("dtype,capability,ok", [
+    ("float32", (9, 0), False), ("bfloat16", (8, 0), False), ("bfloat16", (8, 9), False),
+    ("bfloat16", (12, 0), False), ("bfloat16", (9, 0), True), ("bfloat16", (10, 0), True)])
+def test_moe_graphs_need_grouped_mms_sync_free_path(monkeypatch, dtype, capability, ok):
+    """G4: torch._grouped_mm is sync-free only for bf16 on sm90 / sm100; elsewhere its fallback
+    reads the offsets to the host per group, inside a captured layer. Stand-in CUDA of the
+    given capability; the MoE job with graphs is refused at parse where the path syncs."""
+    import types
+
+    from megatron_fastpath.train import parse_job_config
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "CUDA_DEVICE_MAX_CONNECTIONS",
+                "TORCH_NCCL_AVOID_RECORD_STREAMS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in GPU")
+    overrides = ["model=tiny_moe", "training.device=cuda", f"training.dtype={dtype}",
+                 "fastpath.cuda_graphs=true", "cuda_graphs.use_te_rng_tracker=false",
+                 "fastpath.attention_backend=sdpa"]
+    if ok:
+        assert parse_job_config(cfg(overrides)).plan.capture
+    else:
+        with pytest.raises(ValueError, match=f"this run is {dtype} on sm{capability[0]}{capability[1]}.*"
+                                             "training.dtype=bfloat16"):
+            parse_job_config(cfg(overrides))

@@ -269,6 +269,24 @@ def test_graphs_never_get_the_host_reading_te_grouped_experts():
     assert not core.refusals(_facts(moe), core.HookRequest(fp8="hybrid", moe_expert_backend="te_grouped_linear"))
 
 
+@pytest.mark.parametrize("bf16,capability,refused", [
+    (True, (9, 0), False), (True, (10, 0), False), (True, (8, 0), True), (False, (9, 0), True)])
+def test_hooks_refuse_graphs_where_grouped_mm_syncs(monkeypatch, bf16, capability, refused):
+    """G4 through the hooks' shared rules: with graphs on, the grouped_mm experts need bf16 on
+    sm90 / sm100 (stand-in CUDA of the given capability); the same reason as the main job."""
+    from megatron_fastpath.integrations import core
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    moe = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=64)
+    moe.bf16 = bf16
+    reasons = core.refusals(_facts(moe, graphs_on=True), core.HookRequest())
+    found = [r for r in reasons if "torch._grouped_mm's sync-free path" in r]
+    assert bool(found) == refused, reasons
+    assert not [r for r in core.refusals(_facts(moe), core.HookRequest())
+                if "sync-free path" in r]  # graphs off: nothing to capture
+
+
 def test_core_rules_once_for_both_hooks():
     """The rules that existed for NeMo only (fp8 value, MoE bias / expert TP) now hold for the
     Bridge facts too; every reason at once; the plan carries Llama 3.1 scaling and keeps rope."""
