@@ -137,3 +137,28 @@ def restore_cudagraph_input_recycling() -> None:
     from megatron.core.transformer import cuda_graphs as cg
 
     cg._CudagraphGlobalRecord.tensor_reuse_pool = cg.TensorReusePool()
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture warm-up passes (the MoE router's expert-bias counts)
+#
+# CudaGraphManager runs ``cuda_graph_warmup_steps`` forward/backward passes of each layer on
+# zero inputs, with grad enabled, right before capturing it (transformer/cuda_graphs.py
+# ``create_fwd_graph``, between ``_set_warmup_start()`` and ``_set_warmup_end()``). Their tokens
+# must not enter the router's expert-bias counts. megatron-core 0.16.x's ``_set_warmup_end``
+# declares its global but never resets it, so ``is_graph_warmup()`` stays True from the first
+# capture on; the capture that follows is told apart by ``is_graph_capturing()`` (its count
+# update is recorded into the graph, so every replay counts its real tokens). Once layers are
+# captured their routers run only by replay; an MoE layer left eager after a capture would be
+# read as warming up (all MoE layers are captured together: the main job and the hooks turn
+# graphs on for every layer).
+# ---------------------------------------------------------------------------------------------
+
+WARMUP_FLAG_SITE = ("transformer/cuda_graphs.py", "def _set_warmup_end():")
+
+
+def in_capture_warmup() -> bool:
+    """True inside CudaGraphManager's warm-up passes before a capture (see above)."""
+    from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
+
+    return is_graph_warmup() and not is_graph_capturing()

@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
+from megatron_fastpath.compat.graphs import in_capture_warmup
 from megatron_fastpath.compat.moe import init_topk_router_state
 from megatron_fastpath.moe.config import MoEDispatchConfig
 
@@ -168,7 +169,10 @@ class FastpathRouter(TopKRouter):
 
         if self.training and torch.is_grad_enabled() and self.cfg.aux_loss_coeff > 0:
             probs_TK = self._apply_compact_aux_loss(probs_TK, ids_TK, logits_TE, pad_T)
-        if self.enable_expert_bias and torch.is_grad_enabled():
+        if self.enable_expert_bias and torch.is_grad_enabled() and not in_capture_warmup():
+            # not in CudaGraphManager's warm-up passes before capture (zero inputs, run with
+            # grad): their tokens would enter the expert-bias update. The captured graph
+            # itself holds the update, so every replay counts its real tokens.
             with torch.no_grad():
                 valid_T = None if pad_T is None else ~pad_T
                 self.local_tokens_per_expert += tokens_per_expert(ids_TK, E, valid_T)

@@ -84,3 +84,46 @@ def test_shims_refuse_an_unchecked_megatron_core(mcore_parallel, monkeypatch, sh
         build(_tc())
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.16.3"))
     build(_tc())  # any 0.16.x release is the checked line
+
+
+def test_expert_bias_counts_skip_cudagraph_warmup(mcore_parallel, monkeypatch):
+    """G22: CudaGraphManager runs warm-up passes (zero inputs, grad enabled) before capturing a
+    layer (megatron/core/transformer/cuda_graphs.py create_fwd_graph, between
+    _set_warmup_start and _set_warmup_end). Their tokens must not enter the router's
+    expert-bias counts; the capture's own pass must (its update is what replays run). Driven
+    through Megatron's own flag functions, whose 0.16.1 _set_warmup_end leaves the flag set."""
+    import torch
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    monkeypatch.setattr(cuda_graphs, "_IS_GRAPH_WARMUP", False)  # restored: 0.16.1 never resets it
+    monkeypatch.setattr(cuda_graphs, "_IS_GRAPH_CAPTURING", False)
+    tc = _tc(moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True,
+             moe_router_score_function="sigmoid")
+    router = FastpathRouter(tc, get_default_pg_collection())
+    router.train()
+    x = torch.randn(6, 1, 16)
+    router(x)  # step 1, eager
+    assert router.local_tokens_per_expert.sum() == 6 * 2  # tokens x top-k
+    cuda_graphs._set_warmup_start()
+    router(torch.zeros_like(x))  # the warm-up pass
+    cuda_graphs._set_warmup_end()
+    assert router.local_tokens_per_expert.sum() == 6 * 2
+    cuda_graphs._set_capture_start()
+    router(x)  # the capture pass: its update is recorded (here: runs) once
+    cuda_graphs._set_capture_end()
+    assert router.local_tokens_per_expert.sum() == 2 * 6 * 2
+
+
+def test_megatron_warmup_flag_site_is_still_there():
+    import os
+
+    import megatron.core
+
+    from megatron_fastpath.compat.graphs import WARMUP_FLAG_SITE
+
+    rel, text = WARMUP_FLAG_SITE
+    with open(os.path.join(os.path.dirname(megatron.core.__file__), rel)) as f:
+        assert text in f.read()
