@@ -7,9 +7,12 @@ import sys
 import pytest
 import torch
 
-# Test-only helpers (CUDA-as-CPU mode, CUDA-graph stand-in) are imported by name from every
-# test folder; the package never imports them.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+# The one place tests extend the import path: test-only helpers (CUDA-as-CPU mode, CUDA-graph
+# stand-in; the package never imports them), the repository's examples (tiny checkpoints and
+# tokenizers) and benchmark scripts, imported by name from every test folder.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _dir in ("benchmarks", "examples", os.path.join("tests", "support")):
+    sys.path.insert(0, os.path.join(_REPO, _dir))
 
 
 def pytest_collection_modifyitems(config, items):

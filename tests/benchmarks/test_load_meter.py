@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import load_meter  # noqa: E402
 from load_meter import LoadMeter  # noqa: E402

@@ -2,13 +2,11 @@
 ``benchmarks/readme_tables.py`` prints from the committed results JSON, verbatim: no figure in
 the docs is typed by hand or left stale."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import readme_tables  # noqa: E402
 

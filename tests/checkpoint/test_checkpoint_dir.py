@@ -78,9 +78,6 @@ def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
 def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcore_parallel, tmp_path):
     """Issue 27 item 9: a save that fills the disk says so (not 'unexpected pos N vs M'), and
     the checkpoint published before it still loads."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ckpt_harness import Run
 
     import shutil

@@ -23,7 +23,6 @@ def cfg(overrides):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    sys.path.insert(0, os.path.join(REPO, "examples"))
     import make_tiny_hf_llama
 
     path = str(tmp_path_factory.mktemp("tiny"))

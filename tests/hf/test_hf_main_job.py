@@ -49,7 +49,6 @@ def run_job(args, cwd, block_hf=False):
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ft")
-    sys.path.insert(0, os.path.join(REPO, "examples"))
     import make_tiny_hf_llama
 
     ckpt = str(tmp / "tiny-llama")

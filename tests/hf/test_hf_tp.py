@@ -34,8 +34,6 @@ def test_tp2_load_train_export(tmp_path):
     from peft import PeftModel
 
     from megatron_fastpath.hf.data import JsonlDataConfig, load_jsonl_splits
-
-    sys.path.insert(0, os.path.join(REPO, "examples"))
     import make_tiny_hf_llama
 
     ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")
@@ -96,7 +94,6 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
 def test_dp2_matches_one_process_including_eval(tmp_path):
     """data=jsonl under data parallelism: 2 ranks x 1 microbatch == 1 rank x 2 microbatches, per
     step and for the held-out loss (each rank evaluates its share, sums all-reduced)."""
-    sys.path.insert(0, os.path.join(REPO, "examples"))
     import make_tiny_hf_llama
 
     ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "chat.jsonl")

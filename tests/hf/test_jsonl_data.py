@@ -3,7 +3,6 @@ and over-long records are counted with line numbers; packing, held-out split and
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
-sys.path.insert(0, EXAMPLES)
 import make_tiny_hf_llama as tiny  # noqa: E402
 
 from megatron_fastpath.hf.data import DataError, JsonlDataConfig, load_jsonl_splits  # noqa: E402

@@ -9,7 +9,6 @@ recipe with packed sequences, ``apply_fastpath``, three steps. Not run on this C
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -42,8 +41,6 @@ def test_nemo_finetune_with_fastpath_runs_a_few_steps(tmp_path):
     from nemo.collections import llm
 
     from megatron_fastpath.integrations.nemo import apply_fastpath
-
-    sys.path.insert(0, os.path.join(REPO, "examples"))
     import make_tiny_hf_llama
 
     hf_dir, nemo_dir = str(tmp_path / "hf"), str(tmp_path / "nemo_ckpt")

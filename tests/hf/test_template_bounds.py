@@ -7,13 +7,11 @@ import json
 import multiprocessing
 import os
 import resource
-import sys
 import time
 
 import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
-sys.path.insert(0, EXAMPLES)
 import make_tiny_hf_llama as tiny  # noqa: E402
 
 from megatron_fastpath.hf import template_guard  # noqa: E402
