@@ -82,3 +82,13 @@ def describe(report: dict) -> str:
     return (f"load average {report['load_average_1min_at_start']:.2f} -> "
             f"{report['load_average_1min_at_end']:.2f} (this run included) on {report['cores']} "
             f"cores; other processes kept {ext} cores busy" + ("  [NOISY]" if report["noisy"] else ""))
+
+
+def write_results(path, result: dict, text: str) -> None:
+    """A benchmark's JSON at ``path`` and its printed table beside it (``.txt``)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    path.with_suffix(".txt").write_text(text + "\n")
+    print(f"wrote {path} and {path.with_suffix('.txt')}")

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -68,7 +67,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_meter import LoadMeter, describe  # noqa: E402
+from load_meter import LoadMeter, describe, write_results  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
 from megatron_fastpath.offload.plan import LayerTimes, plan_window  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
@@ -427,10 +426,7 @@ def main(argv=None) -> dict:
     result = {"environment": env, "config": {k: v for k, v in vars(args).items()
                                              if k != "json"}, "results": rows}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-        args.json.with_suffix(".txt").write_text(text + "\n")
-        print(f"wrote {args.json} and {args.json.with_suffix('.txt')}")
+        write_results(args.json, result, text)
     return result
 
 

@@ -12,7 +12,6 @@ counted step). ``training.sync_check=first`` (the default) pays the cost on the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from load_meter import LoadMeter, describe  # noqa: E402
+from load_meter import LoadMeter, describe, write_results  # noqa: E402
 
 MODELS = {  # name: main-job overrides
     "default (tiny_dense, 2 x 256 tokens)": [],
@@ -123,10 +122,7 @@ def main(argv=None) -> dict:
     result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k != "json"},
               "results": rows}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-        args.json.with_suffix(".txt").write_text(text + "\n")
-        print(f"wrote {args.json} and {args.json.with_suffix('.txt')}")
+        write_results(args.json, result, text)
     return result
 
 
