@@ -266,6 +266,19 @@ class PackedCoreAttention(MegatronModule):
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
 
+    def _dropout_rng(self):
+        """Where attention dropout draws: Megatron's model-parallel RNG stream (a different mask
+        per TP rank, whose heads differ), as its DotProductAttention does outside sequence
+        parallelism (transformer/dot_product_attention.py) and TE's attention through its
+        tracker; the default generator otherwise (and on CPU, which has no CUDA tracker)."""
+        import contextlib
+
+        if self._dropout() == 0 or self.config.sequence_parallel or not torch.cuda.is_available():
+            return contextlib.nullcontext()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return get_cuda_rng_tracker().fork()
+
     def _forward_sdpa(self, q, k, v, params):
         mask_TT = params.sdpa_mask_TT  # additive, q's dtype: used as is, saved once per step
         if mask_TT.dtype != q.dtype:
@@ -273,13 +286,14 @@ class PackedCoreAttention(MegatronModule):
                 f"the packed cache built the SDPA mask in {mask_TT.dtype} (TransformerConfig."
                 f"params_dtype) but attention runs in {q.dtype}; set params_dtype to the compute dtype"
             )
-        out_1HTd = F.scaled_dot_product_attention(
-            *self._as_1HTd(q, k, v),
-            attn_mask=mask_TT,
-            dropout_p=self._dropout(),
-            scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        with self._dropout_rng():
+            out_1HTd = F.scaled_dot_product_attention(
+                *self._as_1HTd(q, k, v),
+                attn_mask=mask_TT,
+                dropout_p=self._dropout(),
+                scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
         return out_1HTd.squeeze(0).transpose(0, 1)
 
     def _forward_flex(self, q, k, v, params):
@@ -301,16 +315,17 @@ class PackedCoreAttention(MegatronModule):
 
     def _forward_flash(self, q, k, v, params):
         flash_attn = require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
-        out = flash_attn.flash_attn_varlen_func(
-            q, k, v,
-            cu_seqlens_q=params.cu_seqlens_q,
-            cu_seqlens_k=params.cu_seqlens_kv,
-            max_seqlen_q=params.max_seqlen_q,
-            max_seqlen_k=params.max_seqlen_kv,
-            dropout_p=self._dropout(),
-            softmax_scale=self.softmax_scale,
-            causal=True,
-        )
+        with self._dropout_rng():
+            out = flash_attn.flash_attn_varlen_func(
+                q, k, v,
+                cu_seqlens_q=params.cu_seqlens_q,
+                cu_seqlens_k=params.cu_seqlens_kv,
+                max_seqlen_q=params.max_seqlen_q,
+                max_seqlen_k=params.max_seqlen_kv,
+                dropout_p=self._dropout(),
+                softmax_scale=self.softmax_scale,
+                causal=True,
+            )
         # cu_seqlens close the padding tail at T: the kernel writes every row of out and, in
         # backward, of dq / dk / dv (FA2 leaves rows after the last boundary uninitialised).
         return out
