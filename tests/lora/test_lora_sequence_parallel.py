@@ -79,7 +79,7 @@ def test_sequence_parallel_refused_on_cpu(overrides, match):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["model=tiny_moe"], "with the fastpath MoE layer is not supported"),
+        (["model=tiny_moe"], "an MoE model with parallel.tensor_model_parallel_size=2"),
         (["data.max_tokens=129", "data.max_len=48"], r"max_tokens=129 tokens over the 2 TP ranks"),
         ([], r"needs Transformer Engine's norms and linears \(fastpath.linear_impl=te\)"),
     ],
