@@ -6,8 +6,7 @@ the default (data-parallel) stream is not consumed. It drew from the default gen
 alike on every TP rank. Run under the test-only CUDA-as-CPU mode with Megatron's real tracker."""
 
 import torch
-from cuda_as_cpu import cuda_as_cpu
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron_rng import run_as_rank
 
 from megatron_fastpath.attention.core_attention import PackedCoreAttention
 from megatron_fastpath.model import build_transformer_config, rope_config_for
@@ -25,13 +24,12 @@ def _attention_output(tp_rank):
     heads, d = cfg.num_attention_heads, cfg.kv_channels
     torch.manual_seed(3)
     q, k, v = (torch.randn(T, heads, d) for _ in range(3))
-    with cuda_as_cpu():
-        model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank)
-        before = torch.cuda.get_rng_state()
+
+    def attend():
         with cache.batch([10, 22]) as pb:
-            out = attn(q, k, v, None, packed_seq_params=pb.packed_seq_params)
-        untouched = torch.equal(before, torch.cuda.get_rng_state())
-    return out, untouched
+            return attn(q, k, v, None, packed_seq_params=pb.packed_seq_params)
+
+    return run_as_rank(attend, tp_rank=tp_rank)
 
 
 def test_attention_dropout_masks_differ_per_tp_rank_and_spare_the_default_stream(mcore_parallel):

@@ -9,8 +9,7 @@ CUDA-as-CPU mode, whose "CUDA" generator Megatron's tracker forks for real."""
 
 import torch
 import torch.nn.functional as F
-from cuda_as_cpu import cuda_as_cpu
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron_rng import run_as_rank
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fastpath.moe.experts import GroupedSwiGLUExperts
@@ -21,12 +20,7 @@ def _build(ep_rank):
         num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
         moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=False)
-    with cuda_as_cpu():
-        model_parallel_cuda_manual_seed(1234, ep_rank=ep_rank)
-        before = torch.cuda.get_rng_state()
-        experts = GroupedSwiGLUExperts(2, tc)
-        default_unchanged = torch.equal(before, torch.cuda.get_rng_state())
-    return experts, default_unchanged
+    return run_as_rank(lambda: GroupedSwiGLUExperts(2, tc), ep_rank=ep_rank)
 
 
 def test_each_ep_rank_draws_its_experts_from_the_expert_parallel_stream(mcore_parallel):
