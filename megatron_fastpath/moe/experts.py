@@ -19,6 +19,7 @@ size (F1 = 2F for SwiGLU's gate | up), E (E_l) local experts.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from typing import Optional
 
@@ -109,7 +110,13 @@ def grouped_mm_sync_free_refusal(dtype: torch.dtype, capability: tuple) -> Optio
 def _grouped_mm_leaks_empty_group_grads(device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` on ``device`` needs empty groups' weight gradients masked
     (compute capability 10.x)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+    return device.type == "cuda" and _capability_major(device.index) == 10
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: Optional[int]) -> int:
+    """A GPU's compute capability major (asked once per device: read in every forward)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _activation(config, h_RF: torch.Tensor) -> torch.Tensor:
@@ -153,7 +160,9 @@ class GroupedSwiGLUExperts(MegatronModule):
         # torch._grouped_mm on sm100 (B200 / GB200) writes non-zero weight gradients for groups
         # that received no token (an open torch bug the GPU review found): those are masked to
         # zero on the device. Elsewhere the gradients are already zero and nothing is added.
-        self.mask_empty_group_grads = _grouped_mm_leaks_empty_group_grads(self.weight1.device)
+        # None: decided in forward from the device the weights are on then (a model built
+        # with use_cpu_initialization is moved to the GPU after construction).
+        self.mask_empty_group_grads: Optional[bool] = None
         if config.perform_initialization:
             self.reset_parameters()
 
@@ -204,7 +213,10 @@ class GroupedSwiGLUExperts(MegatronModule):
             )
         offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
         w1, w2 = self.weight1, self.weight2
-        if self.mask_empty_group_grads and torch.is_grad_enabled():
+        mask = self.mask_empty_group_grads
+        if mask is None:
+            mask = _grouped_mm_leaks_empty_group_grads(w1.device)
+        if mask and torch.is_grad_enabled():
             used_E11 = (tokens_per_expert_E > 0).to(w1.dtype)[:, None, None]
             w1, w2 = w1.view_as(w1), w2.view_as(w2)  # this forward's own nodes to hook
             w1.register_hook(lambda g: g * used_E11)
