@@ -11,7 +11,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Evaluator", "EvalResult"]
+__all__ = ["Evaluator", "EvalResult", "perplexity"]
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped below a double's overflow (exp overflows above ~709)."""
+    return math.exp(min(loss, 700.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +29,7 @@ class EvalResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(min(self.loss, 700.0))  # exp overflows a double above ~709
+        return perplexity(self.loss)
 
 
 def vocab_parallel_argmax(logits_1TV: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath.train.evaluate import perplexity
+
 __all__ = ["LaggedReadback", "StepResult", "StepRecord", "TrainSummary", "StepLogger"]
 
 SUMMARY_LOSS_STEPS = 3  # the summary's "loss A -> B": mean over the first / last this many steps
@@ -129,16 +131,10 @@ class TrainSummary:
         return d
 
 
-def _perplexity(loss: float) -> float:
-    from megatron_fastpath.train.evaluate import EvalResult
-
-    return EvalResult(loss).perplexity
-
-
 def _eval_extras(loss: float, accuracy: Optional[float], lead: str = "") -> str:
     """' (perplexity P, token accuracy A%)' of an evaluation."""
     acc = "" if accuracy is None else f", token accuracy {100 * accuracy:.1f}%"
-    return f" ({lead}perplexity {_perplexity(loss):.4g}{acc})"
+    return f" ({lead}perplexity {perplexity(loss):.4g}{acc})"
 
 
 def _mean(values: list) -> Optional[float]:
@@ -348,7 +344,7 @@ class StepLogger:
             notes=job.cfg.plan.notes,
             evals=tuple(self.evals),
             eval_loss=self.evals[-1][1] if self.evals else None,
-            eval_perplexity=_perplexity(self.evals[-1][1]) if self.evals else None,
+            eval_perplexity=perplexity(self.evals[-1][1]) if self.evals else None,
             eval_token_accuracy=self.eval_accuracy[-1][1] if self.eval_accuracy else None,
             eval_accuracy=tuple(self.eval_accuracy),
             data=getattr(job, "data_report", None),

@@ -114,10 +114,10 @@ class MetricsWriter:
     def eval(self, step: int, loss: float, token_accuracy: Optional[float] = None) -> None:
         if self.dir is None:
             return
-        import math
+        from megatron_fastpath.train.evaluate import perplexity
 
         self.evals.append((step, loss))
-        scalars = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}
+        scalars = {"eval/loss": loss, "eval/perplexity": perplexity(loss)}
         if token_accuracy is not None:
             scalars["eval/token_accuracy"] = token_accuracy
         self._write(scalars, step)
