@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GraphSetup", "prepare_cuda_graphs"]
+__all__ = ["GraphSetup", "graphs_requested", "install_for_config", "prepare_cuda_graphs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +77,20 @@ def prepare_cuda_graphs(seed: int, use_te_rng_tracker: bool = True) -> GraphSetu
         rng_tracker="te" if use_te_rng_tracker else "megatron-graphable",
         input_buffer_shim=keep_cudagraph_input_buffers(),
     )
+
+
+def graphs_requested(config) -> bool:
+    """True when a Megatron TransformerConfig asks for per-layer CUDA graphs (``cuda_graph_impl
+    == "local"``, or the older ``enable_cuda_graph`` flag 0.16.1 still maps onto it)."""
+    return bool(getattr(config, "enable_cuda_graph", False)) or getattr(config, "cuda_graph_impl", "none") == "local"
+
+
+def install_for_config(config) -> bool:
+    """The graph set-up a framework hook applies while its model is built: the input-buffer
+    shim when ``config`` turns per-layer graphs on (the framework seeds its own graph-safe RNG
+    tracker from the hook's ``use_te_rng_tracker``). Returns whether the shim is installed."""
+    if not graphs_requested(config):
+        return False
+    from megatron_fastpath.compat.graphs import keep_cudagraph_input_buffers
+
+    return keep_cudagraph_input_buffers()

@@ -11,14 +11,14 @@ What it holds instead are three small, serialisable values built from one frozen
   each packed microbatch with ``cache.set_batch(cu_seqlens=<host cu_seqlens>)``;
 * a forward step that passes the cache's static ``PackedSeqParams`` to the model.
 
-:class:`InFlightBatches` releases cache slots in call order (the newest ``num_slots`` batches
-stay reserved), which is exactly right for Megatron's non-interleaved schedules: with pipeline
-size P, microbatch m's forward starts after microbatch m-P's backward finished.
+:class:`~megatron_fastpath.packed_seq.inflight.InFlightBatches` (the main job's slot class)
+releases the hooks' cache slots in call order (the newest ``num_slots`` batches stay reserved),
+which is exactly right for Megatron's non-interleaved schedules: with pipeline size P,
+microbatch m's forward starts after microbatch m-P's backward finished.
 """
 
 # No `from __future__ import annotations`: NeMo-Run's YAML loader parses FastpathSettings
 # values by their field types, which must be real types, not strings.
-import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_fastpath.moe.config import EXPERT_BACKENDS
+from megatron_fastpath.packed_seq.inflight import InFlightBatches
 
 if TYPE_CHECKING:
     from megatron_fastpath.packed_seq import PackedBatch
@@ -110,30 +111,6 @@ class FastpathSettings:
             )
 
 
-class InFlightBatches:
-    """Cache slots of the newest ``num_slots`` packed microbatches of one cache.
-
-    ``load(cu_seqlens)`` releases the oldest batch when all slots are held, then loads the new
-    one. Release in call order is safe when a microbatch's backward has finished before the
-    forward ``num_slots`` calls later starts (Megatron's no-pipelining and 1F1B schedules with
-    ``num_slots`` = pipeline size; interleaved schedules reorder backwards and are refused)."""
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.held: collections.deque = collections.deque()
-
-    def load(self, cu_seqlens) -> "PackedBatch":
-        if len(self.held) >= len(self.cache.slots):
-            self.cache.release(self.held.popleft())
-        pb = self.cache.set_batch(cu_seqlens=cu_seqlens)
-        self.held.append(pb)
-        return pb
-
-    def release_all(self) -> None:
-        while self.held:
-            self.cache.release(self.held.popleft())
-
-
 @dataclasses.dataclass
 class _Entry:
     cache: Any
@@ -188,7 +165,7 @@ def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.de
         ),
         device=device,
     )
-    _CACHES[settings] = _Entry(cache, InFlightBatches(cache))
+    _CACHES[settings] = _Entry(cache, InFlightBatches(cache, release="call_order"))
     return cache, _CACHES[settings].in_flight
 
 
@@ -229,6 +206,9 @@ class FastpathLayerSpec:
     settings: FastpathSettings
 
     def __call__(self, config):
+        from megatron_fastpath.graphs.setup import install_for_config
+
+        install_for_config(config)  # the 0.16.x graph input-buffer shim, as the main job installs it
         s = self.settings
         num_experts = getattr(config, "num_moe_experts", None)
         moe_kwargs = {"expert_backend": s.moe_expert_backend} if num_experts else None
@@ -297,7 +277,30 @@ def host_cu_seqlens(batch: Mapping[str, Any]) -> np.ndarray:
     else:  # no precomputed argmin: the first -1 sentinel, found on the host
         neg = np.flatnonzero(cu < 0)
         end = int(neg[0]) if neg.size else cu.size
-    return cu[:end]
+    return _padding_tail_open(cu[:end], batch)
+
+
+def _padding_tail_open(cu: np.ndarray, batch: Mapping[str, Any]) -> np.ndarray:
+    """Boundaries whose padding tail is padding again, not a sequence.
+
+    The packed collate of NeMo 2 and Megatron-Bridge (``GPTSFTPackedDataset.collate_fn``) pads a
+    pack to ``max_length`` and closes the pad with one more boundary at ``max_length`` ("rope and
+    attn kernels expect no padding"); ``token_count`` (a host list) holds the tokens before the
+    pad. Read as given, the pad would be one more sequence to the cache: real to attention,
+    which is harmless, and real to MoE routing, which is not (padding tokens would take expert
+    capacity and enter the aux loss). So a last boundary that only closes the pad is dropped:
+    the cache then marks those tokens as padding (``padding_mask``) and closes the tail itself."""
+    count = batch.get("token_count")
+    if count is None or cu.size < 3:
+        return cu
+    count = _host_row(count, "token_count") if not isinstance(count, int) else np.asarray([count])
+    if count.size != 1:
+        raise ValueError(f"batch['token_count'] must hold one count (one row); got {count.tolist()}")
+    n, total = int(count[0]), int(cu[-1])
+    body = cu[: int(np.searchsorted(cu, total))]  # drop pad_cu_seqlens' repeats of the total
+    if 0 < n < total and body.size >= 2 and int(body[-1]) == n:
+        return body
+    return cu
 
 
 def _host_row(t, what: str) -> np.ndarray:

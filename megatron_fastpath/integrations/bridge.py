@@ -85,6 +85,8 @@ class FastpathForwardStep:
         from megatron.bridge.training.losses import masked_next_token_loss
         from megatron.core import parallel_state
 
+        from megatron_fastpath.packed_seq.runtime import forward
+
         if return_schedule_plan:
             raise ValueError(
                 "FastpathForwardStep does not build schedule plans (overlap_moe_expert_parallel_comm); "
@@ -92,20 +94,14 @@ class FastpathForwardStep:
             )
         batch = next(data_iterator)
         cache, in_flight = cache_for(self.settings)
-        pb = in_flight.load(host_cu_seqlens(batch))
+        pb = in_flight.acquire(cu_seqlens=host_cu_seqlens(batch))
         first = parallel_state.is_pipeline_first_stage()
         last = parallel_state.is_pipeline_last_stage()
 
         def dev(key):
             return batch[key].to(cache.device, non_blocking=True)
 
-        output = model(
-            input_ids=dev("tokens") if first else None,
-            position_ids=pb.position_ids_1T if first else None,
-            attention_mask=None,
-            labels=dev("labels") if last else None,
-            packed_seq_params=pb.packed_seq_params,
-        )
+        output = forward(model, pb, dev("tokens") if first else None, dev("labels") if last else None)
         loss_mask = dev("loss_mask") if last else None
         rerun = state.cfg.rerun_state_machine
         return output, partial(

@@ -103,7 +103,7 @@ class FastpathDataStep:
                 "(micro_batch_size=1, dataset_kwargs pad_to_max_length=True, "
                 f"packed_sequence_size={t})"
             )
-        pb = in_flight.load(host_cu_seqlens(batch))  # host validation, ONE H2D copy
+        pb = in_flight.acquire(cu_seqlens=host_cu_seqlens(batch))  # host validation, ONE H2D copy
 
         first = parallel_state.is_pipeline_first_stage() or use_mtp
         last = parallel_state.is_pipeline_last_stage()
@@ -116,6 +116,7 @@ class FastpathDataStep:
         out["attention_mask"] = None
         out["position_ids"] = pb.position_ids_1T if first else None
         out["packed_seq_params"] = pb.packed_seq_params
+        out["packed_batch"] = pb  # the slot handle the forward step runs on
         return out
 
 
@@ -130,14 +131,21 @@ class FastpathForwardStep:
 
 
 def fastpath_forward_step(model, batch: dict):
-    """The forward step as a plain function (see :class:`FastpathForwardStep`)."""
-    return model(
-        input_ids=batch["tokens"],
-        position_ids=batch["position_ids"],
-        attention_mask=None,
-        labels=batch["labels"],
-        packed_seq_params=batch["packed_seq_params"],
-    )
+    """The forward step as a plain function (see :class:`FastpathForwardStep`): the package's
+    one packed forward (:func:`megatron_fastpath.packed_seq.runtime.forward`) on the module NeMo's
+    ``GPTModel.forward`` calls. NeMo's ``GPTModel.forward`` (llm/gpt/model/base.py) has no
+    ``padding_mask`` argument, so calling it would route the pack's padding tail through the
+    MoE experts; its ``module`` (the Megatron ``GPTModel``, possibly inside DDP /
+    ``Float16Module``, which pass keyword arguments through) takes it."""
+    from megatron_fastpath.packed_seq.runtime import forward
+
+    pb = batch.get("packed_batch")
+    if pb is None:
+        raise ValueError(
+            "the batch has no 'packed_batch': FastpathForwardStep runs on batches made by "
+            "FastpathDataStep (set both with megatron_fastpath.integrations.nemo.apply_fastpath)"
+        )
+    return forward(getattr(model, "module", model), pb, batch["tokens"], batch["labels"])
 
 
 def max_seqs_from_pack_metadata(path) -> int:

@@ -1,28 +1,39 @@
-"""One packed microbatch through a model: the forward every caller in the package uses (the main
-job's CPU and GPU steps, the held-out evaluator).
+"""One packed microbatch through a model: the forward every entry point uses (the main job's
+CPU and GPU steps, the held-out evaluator, the NeMo and Megatron-Bridge forward steps).
+
+What the model reads comes from the cache slot's :class:`~megatron_fastpath.packed_seq.cache.PackedBatch`:
+the static ``PackedSeqParams``, the position ids and Megatron's MoE ``padding_mask`` (True on
+the padding tail, so padding tokens take no expert capacity and stay out of the aux loss).
+Only the token ids and labels come from the caller, already on the device (None on the
+pipeline stages that do not read them).
 
 Shape key: T = tokens of a packed microbatch (its batch dimension is 1).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
 __all__ = ["forward", "masked_loss_sum"]
 
 
-def forward(model, mb, pb, device, with_labels: bool = True):
-    """Model output for one packed microbatch: per-token losses [1, T] on the last pipeline
-    stage (``with_labels=False``: the logits [1, T, V / TP] instead), hidden states on the
-    others."""
+def forward(model, pb, tokens_1T: Optional[torch.Tensor], labels_1T: Optional[torch.Tensor] = None):
+    """``model`` (Megatron's ``GPTModel``, or a wrapper passing keyword arguments through to
+    it: DDP, ``Float16Module``) on packed batch ``pb``: per-token losses [1, T] on the last
+    pipeline stage when ``labels_1T`` is given (the logits [1, T, V / TP] when it is None),
+    hidden states on the other stages."""
     return model(
-        mb.tokens_1T.to(device, non_blocking=True),
+        tokens_1T,
         pb.position_ids_1T,
-        None,
-        labels=mb.labels_1T.to(device, non_blocking=True) if with_labels else None,
+        None,  # attention mask: the packed params carry the boundaries
+        labels=labels_1T,
         packed_seq_params=pb.packed_seq_params,
         padding_mask=pb.padding_mask_1T,  # MoE routing skips padding (Megatron: True = padding)
     )
 
 
-def masked_loss_sum(per_token_1T, mb, device):
-    """Sum of per-token losses over the microbatch's loss mask (response tokens)."""
-    return (per_token_1T.float() * mb.loss_mask_1T.to(device, non_blocking=True)).sum()
+def masked_loss_sum(per_token_1T: torch.Tensor, loss_mask_1T: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token losses over a loss mask on the same device (response tokens)."""
+    return (per_token_1T.float() * loss_mask_1T).sum()

@@ -72,16 +72,18 @@ class Evaluator:
         try:
             for mb in self.bins:
                 with self.cache.batch(mb.lengths) as pb:
+                    tokens_1T = mb.tokens_1T.to(self.device, non_blocking=True)
+                    labels_1T = mb.labels_1T.to(self.device, non_blocking=True)
+                    mask_1T = mb.loss_mask_1T.to(self.device, non_blocking=True)
                     if logits:
-                        logits_1TV = forward(self.model, mb, pb, self.device, with_labels=False)
-                        labels_1T = mb.labels_1T.to(self.device, non_blocking=True)
+                        logits_1TV = forward(self.model, pb, tokens_1T)
                         per_tok_1T = self.model.compute_language_model_loss(
                             labels_1T, logits_1TV.transpose(0, 1).contiguous())
                         hit_1T = vocab_parallel_argmax(logits_1TV) == labels_1T
-                        sums[1] += (hit_1T * mb.loss_mask_1T.to(self.device).bool()).sum().double()
+                        sums[1] += (hit_1T * mask_1T.bool()).sum().double()
                     else:
-                        per_tok_1T = forward(self.model, mb, pb, self.device)
-                    sums[0] += masked_loss_sum(per_tok_1T, mb, self.device).double()
+                        per_tok_1T = forward(self.model, pb, tokens_1T, labels_1T)
+                    sums[0] += masked_loss_sum(per_tok_1T, mask_1T).double()
                 sums[2] += mb.num_loss_tokens
         finally:
             self.model.train(was_training)

@@ -192,7 +192,6 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _cpu_optimizer(params, train_cfg)
-    cpu = torch.device("cpu")
     last = {}
 
     dp_world = ps.get_data_parallel_world_size()
@@ -210,7 +209,7 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
-                    loss = masked_loss_sum(forward(model, mb, pb, cpu), mb, cpu)
+                    loss = masked_loss_sum(forward(model, pb, mb.tokens_1T, mb.labels_1T), mb.loss_mask_1T)
                     (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
         all_reduce_grads(model)
@@ -298,10 +297,12 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             mb = next(data_iterator)
             pb = in_flight.acquire(mb.lengths)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
-            output = in_flight.mark(forward(module, mb, pb, device), pb)
+            tokens_1T = mb.tokens_1T.to(device, non_blocking=True)
+            labels_1T = mb.labels_1T.to(device, non_blocking=True)
+            output = in_flight.mark(forward(module, pb, tokens_1T, labels_1T), pb)
 
             def loss_func(per_token_1T):  # last pipeline stage only
-                loss = masked_loss_sum(per_token_1T, mb, device)
+                loss = masked_loss_sum(per_token_1T, mb.loss_mask_1T.to(device, non_blocking=True))
                 loss_sum.add_(loss.detach())
                 # The schedule divides by the microbatch count and DDP averages over DP: undo
                 # both so gradients are those of the global token-normalised loss.

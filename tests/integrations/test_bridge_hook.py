@@ -57,15 +57,26 @@ def tiny_config(rotary_base=None, **overrides):
         ({"cu_seqlens_q": torch.tensor([[0, 4, 10, 10]], dtype=torch.int32),
           "cu_seqlens_q_padded": torch.tensor([[0, 8, 16, 16]], dtype=torch.int32)}, [8, 8]),
         ({"cu_seqlens_q": torch.tensor([0, 4, 10], dtype=torch.int32)}, [4, 6]),
+        # The packed collate closes its padding tail with a boundary at max_length; its host
+        # token_count says where the real tokens end, so the tail is padding again.
+        ({"cu_seqlens": torch.tensor([[0, 5, 12, 20, 32, -1]], dtype=torch.int32),
+          "cu_seqlens_argmin": torch.tensor([[5]]), "token_count": [20]}, [5, 7, 8]),
+        ({"cu_seqlens": torch.tensor([[0, 5, 12, 20, 32, 32, 32, -1]], dtype=torch.int32),
+          "cu_seqlens_argmin": torch.tensor([[7]]), "token_count": [20]}, [5, 7, 8]),
+        ({"cu_seqlens": torch.tensor([[0, 5, 12, 32, -1]], dtype=torch.int32),
+          "cu_seqlens_argmin": torch.tensor([[4]]), "token_count": [32]}, [5, 7, 20]),
     ],
-    ids=["nemo", "nemo_pad_cu_seqlens", "no_argmin", "bridge_padded", "bridge_exact"],
+    ids=["nemo", "nemo_pad_cu_seqlens", "no_argmin", "bridge_padded", "bridge_exact",
+         "collate_tail", "collate_tail_pad_cu_seqlens", "collate_full"],
 )
 def test_host_cu_seqlens_formats_load_into_the_cache(batch, lengths):
     settings = FastpathSettings(max_tokens=T, max_seqs=8)
     cache, ring = cache_for(settings, tiny_config(), device="cpu")
-    pb = ring.load(host_cu_seqlens(batch))
+    pb = ring.acquire(cu_seqlens=host_cu_seqlens(batch))
     assert pb.lengths_N.tolist() == lengths
     assert cache.current.num_tokens == sum(lengths)
+    # padding (MoE routing skips it) exactly where no sequence is
+    assert pb.padding_mask_1T[0].tolist() == [i >= sum(lengths) for i in range(T)]
 
 
 @pytest.mark.parametrize(
@@ -85,10 +96,11 @@ def test_host_cu_seqlens_refusals(batch, error, match):
 def test_in_flight_ring_releases_in_call_order():
     settings = FastpathSettings(max_tokens=T, max_seqs=4, num_slots=2)
     cache, ring = cache_for(settings, tiny_config(), device="cpu")
-    a = ring.load([0, 10, 32])
-    b = ring.load([0, 16, 32])
+    assert ring.release == "call_order"
+    a = ring.acquire(cu_seqlens=[0, 10, 32])
+    b = ring.acquire(cu_seqlens=[0, 16, 32])
     assert (a.slot, b.slot) == (0, 1) and cache.slots[0].busy and cache.slots[1].busy
-    c = ring.load([0, 32])  # releases a (the oldest), reuses its slot
+    c = ring.acquire(cu_seqlens=[0, 32])  # releases a (the oldest), reuses its slot
     assert c.slot == 0 and [h.version for h in ring.held] == [b.version, c.version]
     assert b.packed_seq_params is cache.slots[1].params and cache.slots[1].busy  # b is still held
     ring.release_all()

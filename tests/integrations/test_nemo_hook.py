@@ -369,12 +369,10 @@ def nemo_packed(tmp_path_factory):
     d = tmp_path_factory.mktemp("nemo_packed")
     np.save(d / "packed.npy", packed)
     (d / "metadata.json").write_text(json.dumps([metadata]))
-    expected = []
+    expected = []  # the collate's trailing pad (closed by a boundary at T) is padding, not a sequence
     for item in packed:  # NeMo drops the last token of every sequence (input/label shift)
-        lengths = list(np.diff(item["seq_start_id"] + [len(item["input_ids"])]) - 1)
-        if sum(lengths) < T:
-            lengths.append(T - sum(lengths))  # the collate's trailing padding chunk
-        expected.append(lengths)
+        expected.append(list(np.diff(item["seq_start_id"] + [len(item["input_ids"])]) - 1))
+    assert any(sum(lengths) < T for lengths in expected)  # packs with a padding tail are tested
     return d, metadata, expected
 
 
@@ -411,6 +409,8 @@ def test_data_step_loads_nemo_collate_from_host(mcore_parallel, nemo_packed, pad
         assert [e.op for e in s.events] == ["numpy", "numpy"]
         assert all("_runtime.py" in e.location for e in s.events)
         assert cache.current.lengths_N.tolist() == lengths
+        # MoE routing's padding mask: exactly the collate's pad after the real tokens
+        assert out["packed_batch"].padding_mask_1T[0].tolist() == [i >= sum(lengths) for i in range(T)]
         assert "cu_seqlens" not in out and "cu_seqlens_argmin" not in out and out["attention_mask"] is None
         params = out["packed_seq_params"]
         assert params.qkv_format == "thd" and params.max_seqlen_q == T
@@ -503,7 +503,7 @@ def test_hooked_tiny_llama31_packed_equals_nemos_own_model_per_sequence(mcore_pa
     starts = np.cumsum([0] + expected[0][:-1])
     with cuda_as_cpu(), torch.no_grad():
         loss_1T = forward(model, step(iter([b])))
-        for start, n in zip(starts[:-1], expected[0][:-1]):  # the last chunk is padding
+        for start, n in zip(starts, expected[0]):  # the collate's pad after them is padding
             tokens = b["tokens"][:, start:start + n]
             ref_1n = reference(input_ids=tokens, position_ids=torch.arange(n)[None],
                                attention_mask=None, labels=b["labels"][:, start:start + n])
@@ -516,3 +516,146 @@ def test_hooked_tiny_llama31_packed_equals_nemos_own_model_per_sequence(mcore_pa
         off = reference(input_ids=b["tokens"][:, :n], position_ids=torch.arange(n)[None],
                         attention_mask=None, labels=b["labels"][:, :n])
         assert (off[0] - loss_1T[0, :n]).abs().max() > 1e-3  # 10x the tolerance above
+
+
+# --------------------------------------------------------------------------- one packed runtime
+def _bridge_losses_standin(monkeypatch):
+    """Megatron-Bridge is not installable here (Python 3.12 + TE): its forward step imports
+    ``megatron.bridge.training.losses.masked_next_token_loss`` (signature ``(loss_mask,
+    output_tensor, check_for_nan_in_loss=True, check_for_spiky_loss=False)``, Bridge
+    ``training/losses.py``) only to return it, unevaluated, beside the model output."""
+    import sys
+    import types
+
+    def masked_next_token_loss(loss_mask, output_tensor, check_for_nan_in_loss=True,
+                               check_for_spiky_loss=False):  # pragma: no cover - never called
+        raise AssertionError("the test reads the forward output, not Bridge's loss")
+
+    for name in ("megatron.bridge", "megatron.bridge.training", "megatron.bridge.training.losses"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["megatron.bridge.training.losses"].masked_next_token_loss = masked_next_token_loss
+
+
+def test_moe_padding_content_changes_nothing_through_every_entry_point(mcore_parallel, nemo_packed,
+                                                                     monkeypatch):
+    """Issue 21: the NeMo forward step, the Bridge forward step and the main job's forward are one
+    function. A MoE model (capacity-limited experts, so routed padding would take real tokens'
+    places) gives, through each of them, per-token losses of the real tokens and aux / z losses
+    identical to the others and unchanged when only the content of the collate's padding tail
+    changes. Before, only the main job passed Megatron's ``padding_mask``."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    from megatron_fastpath.integrations.bridge import FastpathForwardStep as BridgeForwardStep
+    from megatron_fastpath.packed_seq.runtime import forward
+
+    _bridge_losses_standin(monkeypatch)
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, ffn_hidden_size=64,
+               moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_router_dtype="fp32",
+               moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs",
+               moe_router_load_balancing_type="aux_loss")
+    r = apply_fastpath(make_tiny(recipe("mixtral_8x7b"), **moe), max_seqs=16)
+    torch.manual_seed(0)
+    model = build_model(r)
+    data_step = fdl.build(r.model.config.data_step_fn)
+    nemo_forward = fdl.build(r.model.config.forward_step_fn)
+    bridge_forward = BridgeForwardStep(data_step.settings)
+    state = type("State", (), {"cfg": type("Cfg", (), {"rerun_state_machine": type(
+        "Rerun", (), {"check_for_nan_in_loss": True, "check_for_spiky_loss": False})()})()})()
+    path, _, expected = nemo_packed
+    ds = packed_dataset(path, False)
+    k = next(i for i, lengths in enumerate(expected) if sum(lengths) <= T - 8)  # a long pad
+    b = ds.collate_fn([ds[k]])
+    n_real = sum(expected[k])
+    assert b["token_count"] == [n_real]
+    # Padding that every router would send to expert 0: the hot token repeated over the tail.
+    hot = dict(b, tokens=b["tokens"].clone())
+    hot["tokens"][0, n_real:] = 7
+
+    def run(entry, batch):  # with grad, as in training: the router logs its losses then
+        clear_aux_losses_tracker()
+        if entry == "nemo":
+            out = nemo_forward(model, data_step(iter([batch])))
+        elif entry == "bridge":
+            out, _ = bridge_forward(state, iter([batch]), model.module)
+        else:  # the main job's call (train/step.py): lengths from its own packing
+            pb = cache_for(data_step.settings)[1].acquire(expected[k])
+            out = forward(model.module, pb, batch["tokens"], batch["labels"])
+        losses = {name: v["values"].clone() for name, v in get_moe_layer_wise_logging_tracker().items()}
+        return out[0, :n_real].detach().clone(), losses
+
+    runs = {(entry, pad): run(entry, batch) for entry in ("nemo", "bridge", "main")
+            for pad, batch in (("eos", b), ("hot", hot))}
+    ref_loss, ref_aux = runs[("main", "eos")]
+    assert set(ref_aux) == {"load_balancing_loss", "z_loss"}
+    assert all(float(v.abs().sum()) > 0 for v in ref_aux.values())
+    for key, (loss, aux) in runs.items():
+        assert torch.equal(loss, ref_loss), key
+        assert set(aux) == set(ref_aux) and all(torch.equal(aux[n], ref_aux[n]) for n in aux), key
+    # The comparison can fail: the same model without the padding mask routes the hot padding.
+    clear_aux_losses_tracker()
+    pb = cache_for(data_step.settings)[1].acquire(expected[k] + [T - n_real])  # pad as a sequence
+    unmasked = model.module(hot["tokens"], pb.position_ids_1T, None, labels=hot["labels"],
+                            packed_seq_params=pb.packed_seq_params)
+    lb = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    assert not torch.equal(lb, ref_aux["load_balancing_loss"])
+    assert not torch.equal(unmasked[0, :n_real].detach(), ref_loss)  # capacity: padding took real places
+
+
+def test_every_entry_point_shares_one_forward_and_one_slot_class():
+    """The model call with packed params exists once in the package (packed_seq/runtime.py) and
+    every entry point imports it; the hooks' slot ring is the main job's class."""
+    import ast
+    import os
+
+    import megatron_fastpath
+    from megatron_fastpath.packed_seq.inflight import InFlightBatches
+
+    root = os.path.dirname(megatron_fastpath.__file__)
+    calls, users = [], set()
+    for dirpath, _, files in os.walk(root):
+        for fn in files:
+            if not fn.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, fn), root)
+            tree = ast.parse(open(os.path.join(dirpath, fn), encoding="utf-8").read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and {"packed_seq_params", "labels"} <= {k.arg for k in node.keywords}:
+                    calls.append(rel)
+                if (isinstance(node, ast.ImportFrom) and node.module == "megatron_fastpath.packed_seq.runtime"
+                        and any(a.name == "forward" for a in node.names)):
+                    users.add(rel)
+    assert calls == [os.path.join("packed_seq", "runtime.py")]
+    assert users == {os.path.join(*p) for p in (("train", "step.py"), ("train", "evaluate.py"),
+                                                ("integrations", "nemo.py"), ("integrations", "bridge.py"))}
+    settings = FastpathSettings(max_tokens=T, max_seqs=4)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    ring = cache_for(settings, tc, device="cpu")[1]
+    assert type(ring) is InFlightBatches and ring.release == "call_order"
+
+
+def test_hook_layer_spec_installs_the_graph_buffer_shim_when_graphs_are_on(mcore_parallel):
+    """The main job installs compat.keep_cudagraph_input_buffers (0.16.1 recycles forward-graph
+    input buffers: wrong embedding / first-norm gradients); a recipe that turns graphs on gets it
+    installed when NeMo builds the model from the hooked spec."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    from megatron_fastpath.compat.graphs import restore_cudagraph_input_recycling
+
+    restore_cudagraph_input_recycling()
+    try:
+        r = apply_fastpath(make_tiny(recipe()), max_seqs=16)
+        assert not r.model.config.enable_cuda_graph
+        fdl.build(r.model.config.transformer_layer_spec)(fdl.build(r.model.config))
+        assert type(cg._CudagraphGlobalRecord.tensor_reuse_pool) is cg.TensorReusePool  # graphs off
+        clear_caches()
+        r = apply_fastpath(make_tiny(recipe()), max_seqs=16, cuda_graphs=True)
+        assert r.model.config.enable_cuda_graph
+        fdl.build(r.model.config.transformer_layer_spec)(fdl.build(r.model.config))
+        assert type(cg._CudagraphGlobalRecord.tensor_reuse_pool).__name__ == "KeepFwdInputsPool"
+    finally:
+        restore_cudagraph_input_recycling()
