@@ -9,7 +9,8 @@ import torch
 
 from megatron_fastpath.settings import FINITE_POSITIVE, POSITIVE, bounded
 
-__all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "rope_config_for", "rope_config_of"]
+__all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "build_fastpath_gpt",
+           "rope_config_for", "rope_config_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,42 @@ def rope_config_of(config):
             if getattr(config, "rope_scaling", False) else None
         ),
     )
+
+
+def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_impl: Optional[str] = None,
+                       lora=None, offload=None, tie_embeddings: bool = False):
+    """The one model builder of the package (main job, Hugging Face loading): ``GPTModel`` of
+    architecture ``arch`` on the fastpath layer spec over ``cache``, with the switched-on
+    features as spec transforms (``lora``: a ``LoRAConfig``, ``offload``: an
+    ``OffloadConfig``), this pipeline stage's part, on the cache's device. Weights are
+    Megatron's initialisation; when ``tcfg.perform_initialization`` is False (a loader will
+    overwrite every weight) the tensor-parallel marks Megatron's init would set are set here."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+
+    spec = get_fastpath_layer_spec(
+        cache, backend=backend, num_experts=arch.num_experts, qk_layernorm=arch.qk_layernorm,
+        normalization=arch.normalization, linear_impl=linear_impl, params_dtype=tcfg.params_dtype)
+    if lora is not None:
+        from megatron_fastpath.lora import with_lora
+
+        spec = with_lora(spec, lora)
+    if offload is not None:
+        from megatron_fastpath.offload import with_activation_offload
+
+        spec = with_activation_offload(spec, offload)
+    first = last = True  # one process without Megatron's parallel state (library use)
+    if ps.model_parallel_is_initialized():
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = build_gpt_model(
+        tcfg, spec, arch.vocab_size, cache.config.max_tokens,
+        share_embeddings_and_output_weights=tie_embeddings, pre_process=first, post_process=last)
+    if not tcfg.perform_initialization:
+        from megatron_fastpath.compat.tensor_parallel import mark_tensor_parallel_weights
+
+        mark_tensor_parallel_weights(model)
+    return model.to(cache.device)
 
 
 def build_gpt_model(config, layer_spec, vocab_size: int, max_sequence_length: int, **kwargs):

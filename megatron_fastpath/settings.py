@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
-__all__ = ["Bound", "bounded", "check_values", "POSITIVE", "NON_NEGATIVE", "FINITE_POSITIVE",
+__all__ = ["Bound", "bounded", "check_values", "parse_group", "POSITIVE", "NON_NEGATIVE", "FINITE_POSITIVE",
            "FINITE_NON_NEGATIVE"]
 
 
@@ -78,3 +78,17 @@ def check_values(group: str, cls: type, data: dict) -> None:
         bound = f.metadata.get("bound")
         if bound is not None and not bound.ok(value):
             raise ValueError(f"{key}={value!r}: must be {bound.text} (the default is {f.default!r})")
+
+
+def parse_group(name: str, cls: type, data: dict, fixed: Optional[dict] = None, switch: str = ""):
+    """A config group's dict as its frozen dataclass ``cls``: unknown keys and values that do not
+    fit (type, bound) are errors naming the key. ``fixed`` fields are set by the caller, not the
+    group (``switch`` names where they are set instead)."""
+    fixed = fixed or {}
+    fields = {f.name for f in dataclasses.fields(cls)} - set(fixed)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        where = f" ({', '.join(sorted(fixed))} is set by {switch})" if fixed and switch else ""
+        raise ValueError(f"unknown key(s) {unknown} in config group '{name}'{where}; valid: {sorted(fields)}")
+    check_values(name, cls, data)
+    return cls(**data, **fixed)

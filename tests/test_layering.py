@@ -7,6 +7,8 @@ was read in; and the main job (``megatron_fastpath.train``) is on top: no module
 import ast
 import os
 
+import pytest
+
 import megatron_fastpath
 
 ROOT = os.path.dirname(megatron_fastpath.__file__)
@@ -87,3 +89,90 @@ def test_the_layering_check_sees_a_planted_import():
                ("z.py", "from megatron_fastpath import train\n"),
                ("train/ok.py", "from megatron_fastpath.train.step import forward\n")]
     assert train_imports_outside_train(planted) == ["hf/x.py:1", "moe/y.py:1", "z.py:1"]
+
+
+def hf_imports_in_train(sources) -> list[str]:
+    """The main job picks its model and data through ``providers`` (``hf`` registers the
+    Hugging Face pair): an import of ``megatron_fastpath.hf`` from ``train/`` is a violation."""
+    hits = {f"{rel}:{line}": None for rel, src in sources if rel.startswith("train" + os.sep)
+            for line, mod in imports_of(src, rel)
+            if mod == "megatron_fastpath.hf" or mod.startswith("megatron_fastpath.hf.")}
+    return list(hits)
+
+
+def test_the_main_job_reaches_hugging_face_only_through_providers():
+    assert hf_imports_in_train(package_sources()) == []
+    sources = dict(package_sources())
+    assert "megatron_fastpath.providers" in {m for _, m in imports_of(sources[os.path.join("train", "job.py")], "job.py")}
+
+
+def test_the_provider_check_sees_a_planted_import():
+    planted = [(os.path.join("train", "x.py"), "from megatron_fastpath.hf.provider import HFModel\n"),
+               (os.path.join("train", "y.py"), "import megatron_fastpath.hf\n"),
+               (os.path.join("providers", "ok.py"), "from megatron_fastpath.hf import provider\n")]
+    assert hf_imports_in_train(planted) == [os.path.join("train", "x.py") + ":1",
+                                            os.path.join("train", "y.py") + ":1"]
+
+
+def test_providers_are_chosen_by_the_groups_key():
+    from megatron_fastpath import providers
+
+    assert providers.pop_provider_key({"num_layers": 2}, "model") == ("synthetic", {"num_layers": 2})
+    assert providers.pop_provider_key({"provider": "hf", "path": "x"}, "model") == ("hf", {"path": "x"})
+    assert providers.model_provider("hf").key == "hf"  # imported by name on first use
+    assert providers.data_provider("jsonl").key == "jsonl"
+    with pytest.raises(ValueError, match=r"model.provider='nope' is not a registered model provider; known: \['hf', 'synthetic'\]"):
+        providers.model_provider("nope")
+
+
+def module_level_import_cycles(sources) -> list[list[str]]:
+    """Cycles of module-level imports between the package's modules (imports inside functions
+    are deferred on purpose and left out); each cycle as its sorted module names."""
+    names = {}
+    for rel, _ in sources:
+        name = "megatron_fastpath." + rel[:-3].replace(os.sep, ".")
+        names[rel] = name[: -len(".__init__")] if name.endswith(".__init__") else name
+    known = set(names.values())
+    graph = {}
+    for rel, src in sources:
+        deps = set()
+        for node in ast.parse(src, rel).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[names[rel]] = {d for d in deps if d in known and d != names[rel]}
+    index, low, stack, cycles = {}, {}, [], []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while comp[-1:] != [v]:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_in_the_package():
+    assert module_level_import_cycles(list(package_sources())) == []
+
+
+def test_the_cycle_check_sees_a_planted_cycle():
+    planted = [(os.path.join("providers", "__init__.py"), "from megatron_fastpath.providers import synthetic\n"),
+               (os.path.join("providers", "synthetic.py"), "from megatron_fastpath.providers import ModelSource\n"),
+               ("model.py", "def f():\n    from megatron_fastpath import providers\n")]
+    assert module_level_import_cycles(planted) == [["megatron_fastpath.providers",
+                                                    "megatron_fastpath.providers.synthetic"]]

@@ -143,11 +143,12 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError("PackedCoreAttention supports self-attention only")
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                "PackedCoreAttention does not support context parallelism (context_parallel_size"
-                f"={config.context_parallel_size}); use Megatron's TE spec for CP"
-            )
+        from megatron_fastpath import rules
+
+        refused = rules.refusals(rules.RunFacts(
+            names=rules.NAMES["megatron"], context_parallel_size=config.context_parallel_size))
+        if refused:
+            raise ValueError(refused[0])
         self.cache = cache
         self.backend = resolve_backend(
             backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens,

@@ -103,8 +103,6 @@ def plan_graphs_and_fp8(
     lora_dropout: float = 0.0,
     megatron_cpu_offloading: bool = False,
     linear_impl: str = "local",
-    moe_dropless_ep: bool = False,
-    lora: bool = False,
     offload: bool = False,
     attention_backend: str = "auto",
 ) -> GraphPlan:
@@ -112,7 +110,9 @@ def plan_graphs_and_fp8(
     ``graphs`` / ``fp8`` None: that feature is off.
 
     Raises ValueError / MissingDependencyError for combinations that cannot work, naming what
-    to use instead -- before any model is built or step runs.
+    to use instead -- before any model is built or step runs. The rules a run shares with the
+    framework hooks (FP8 attention on packed sequences, dropless EP and LoRA warm-up under
+    graphs, ...) are :mod:`megatron_fastpath.rules`', checked by the caller first.
     """
     tc: dict = {}
     env: dict = {}
@@ -121,9 +121,9 @@ def plan_graphs_and_fp8(
     if fp8 is not None:
         _plan_fp8(fp8, linear_impl, tc, notes)
     if graphs is not None:
-        _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading, moe_dropless_ep)
+        _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading)
         if cuda:
-            _check_capture(graphs, lora, offload, attention_backend)
+            _check_capture(graphs, offload, attention_backend)
             _plan_capture(graphs, tc, env, notes)
         else:
             notes.append(
@@ -142,16 +142,7 @@ def plan_graphs_and_fp8(
 def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
     from megatron_fastpath._optional import require
 
-    if fp8.dot_product_attention:
-        # TE 2.9-2.11 has no FP8 fused-attention backend for the THD (packed) format every
-        # backend here feeds: DotProductAttention ends in "No dot product attention backend is
-        # available" (TE's own CP tests skip it: "No support for FP8 attention with THD
-        # format!", tests/pytorch/attention/test_attention_with_cp.py); other backends never
-        # read the flag. Refused instead of a crash at step 1 or a silently bf16 attention.
-        raise ValueError(
-            "fp8.dot_product_attention=true: Transformer Engine 2.9-2.11 has no FP8 attention "
-            "backend for packed (THD) sequences, which this package always runs; keep "
-            "fp8.dot_product_attention=false (linears still run in FP8)")
+    # fp8.dot_product_attention on packed (THD) sequences is refused by megatron_fastpath.rules
     require("transformer_engine.pytorch", "FP8 training (fastpath.fp8=true)",
             "fastpath.fp8=false (bf16)")
     if linear_impl != "te":
@@ -175,18 +166,12 @@ def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
 
 
 def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
-                  megatron_cpu_offloading: bool, moe_dropless_ep: bool) -> None:
+                  megatron_cpu_offloading: bool) -> None:
     if megatron_cpu_offloading:
         raise ValueError(
             "Megatron-Core 0.16.1 refuses cpu_offloading with CUDA graphs, and activation "
             "offload cannot run inside captured layer graphs either: keep offload off with "
             "fastpath.cuda_graphs=true"
-        )
-    if moe_dropless_ep:
-        raise ValueError(
-            "dropless expert parallelism reads split sizes back to the host (one sync per "
-            "layer), which aborts graph capture; set fastpath.moe_capacity_factor for a "
-            "static-shape all-to-all"
         )
     needs_rng = dropout > 0 or lora_dropout > 0
     if needs_rng and not graphs.use_te_rng_tracker:
@@ -197,7 +182,7 @@ def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
         )
 
 
-def _check_capture(graphs: CudaGraphConfig, lora: bool, offload: bool, attention_backend: str) -> None:
+def _check_capture(graphs: CudaGraphConfig, offload: bool, attention_backend: str) -> None:
     """Combinations that only fail at capture on a GPU (a CPU has nothing to capture)."""
     if attention_backend == "te" and not graphs.use_te_rng_tracker:
         # TE's DotProductAttention.forward asserts, while a graph is being captured, that its
@@ -213,13 +198,6 @@ def _check_capture(graphs: CudaGraphConfig, lora: bool, offload: bool, attention
             "activation offload cannot run inside captured layer graphs (its copy streams and "
             "per-step buffer choice are host decisions a replay would freeze); use "
             "fastpath.offload=false with fastpath.cuda_graphs=true, or turn graphs off"
-        )
-    if lora and graphs.warmup_steps > 0:
-        raise ValueError(
-            "LoRA with CUDA graphs needs cuda_graphs.warmup_steps=0: megatron-core 0.16.1's "
-            "capture warm-up calls autograd.grad over the layer inputs only, and with a frozen "
-            "embedding the first layer has none ('inputs argument to grad() cannot be empty'); "
-            "step 1 runs eagerly before capture anyway"
         )
 
 

@@ -3,8 +3,8 @@
 Run-time dependencies: safetensors, tokenizers, jinja2 (no transformers). Modules:
 ``config`` (config.json -> model description), ``checkpoint`` (safetensors reads),
 ``convert`` (HF <-> Megatron layout), ``model`` (build + load), ``export`` (PEFT / merged),
-``tokenizer`` (tokenizer.json + sandboxed chat template), ``data`` (``data=jsonl``), ``job``
-(the main job's ``model=hf`` / ``data=jsonl`` / evaluation / export pieces).
+``tokenizer`` (tokenizer.json + sandboxed chat template), ``data`` (``data=jsonl``),
+``provider`` (the main job's ``model=hf`` / ``data=jsonl`` providers, export included).
 """
 
 from megatron_fastpath.hf.checkpoint import CheckpointError, SafetensorsCheckpoint

@@ -50,44 +50,26 @@ def hf_transformer_config(spec: HFModelSpec, params_dtype=torch.float32, **confi
 
 
 def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "sdpa",
-                 linear_impl: Optional[str] = None, layer_spec_hook=None):
-    """An (unloaded) GPTModel of the checkpoint's architecture for ``tcfg`` on the fastpath
-    layer spec; ``lora``: adapters on its targets; ``layer_spec_hook``: spec -> spec applied
-    after LoRA (e.g. activation offload)."""
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-    from megatron_fastpath.model import build_gpt_model
+                 linear_impl: Optional[str] = None, offload=None):
+    """An (unloaded) GPTModel of the checkpoint's architecture for ``tcfg``: the package's one
+    builder (:func:`megatron_fastpath.model.build_fastpath_gpt`) with the checkpoint's shape;
+    ``lora`` / ``offload``: the features' configs."""
+    from megatron_fastpath.model import build_fastpath_gpt
 
-    ranks = parallel_ranks()
-    layer_spec = get_fastpath_layer_spec(
-        cache, backend=backend, num_experts=spec.num_experts, qk_layernorm=spec.qk_norm,
-        linear_impl=linear_impl, params_dtype=tcfg.params_dtype)
-    if lora is not None:
-        from megatron_fastpath.lora import with_lora
-
-        layer_spec = with_lora(layer_spec, lora)
-    if layer_spec_hook is not None:
-        layer_spec = layer_spec_hook(layer_spec)
-    model = build_gpt_model(
-        tcfg, layer_spec, spec.vocab_size, cache.config.max_tokens,
-        share_embeddings_and_output_weights=spec.tie_embeddings,
-        pre_process=ranks["first"], post_process=ranks["last"])
-    if not tcfg.perform_initialization:  # the loader overwrites every weight: no random init,
-        # and so none of the TP marks Megatron sets there
-        from megatron_fastpath.compat.tensor_parallel import mark_tensor_parallel_weights
-
-        mark_tensor_parallel_weights(model)
-    return model.to(cache.device)
+    return build_fastpath_gpt(tcfg, cache, spec.model_config(), backend=backend,
+                              linear_impl=linear_impl, lora=lora, offload=offload,
+                              tie_embeddings=spec.tie_embeddings)
 
 
 def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa",
                    linear_impl: Optional[str] = None, params_dtype=torch.float32,
-                   layer_spec_hook=None, **config_overrides):
+                   offload=None, **config_overrides):
     """(unloaded GPTModel, TransformerConfig) for the checkpoint; see :func:`build_hf_gpt`.
     config_overrides: extra TransformerConfig fields (graph / FP8 settings)."""
     config_overrides.setdefault("use_cpu_initialization", cache.device.type != "cuda")
     tcfg = hf_transformer_config(spec, params_dtype, **config_overrides)
     model = build_hf_gpt(spec, tcfg, cache, lora=lora, backend=backend, linear_impl=linear_impl,
-                         layer_spec_hook=layer_spec_hook)
+                         offload=offload)
     return model, tcfg
 
 

@@ -181,6 +181,7 @@ def _config_facts(cfg) -> core.ModelFacts:
             supported=hasattr(peft, "target_modules"),
             target_modules=tuple(getattr(peft, "target_modules", None) or ()),
         ),
+        expert_parallel_size=getattr(model, "expert_model_parallel_size", None) or 1,
     )
 
 
@@ -195,6 +196,8 @@ def _write_plan(cfg, settings: FastpathSettings, plan: core.HookPlan, request: c
         model.cuda_graph_impl = "local" if request.cuda_graphs else "none"
         if request.cuda_graphs:
             model.use_te_rng_tracker = True
+    if plan.graph_warmup_steps is not None:
+        model.cuda_graph_warmup_steps = plan.graph_warmup_steps
     if plan.set_fp8 and hasattr(cfg.mixed_precision, "fp8"):
         cfg.mixed_precision.fp8 = plan.fp8
         if request.fp8_recipe is not None:

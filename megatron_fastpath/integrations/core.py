@@ -8,9 +8,11 @@ A hook is a thin adapter over three steps:
 3. :func:`plan` -> :class:`HookPlan`: the :class:`FastpathSettings` values and the few model
    fields the hook writes back into its framework's config.
 
-Every refusal rule lives here once, so the two hooks cannot drift apart. The adapters keep only
-what is framework-specific: reading the facts, the type checks of the framework's objects, and
-writing the plan back.
+The rules a framework recipe shares with the main job (context parallelism, FP8 attention on
+packed sequences, what CUDA graphs can capture) are :mod:`megatron_fastpath.rules`'; the
+hook-only rules (layer specs, build overrides, PEFT schemes, packed data) live here once, so
+the two hooks cannot drift apart. The adapters keep only what is framework-specific: reading
+the facts, the type checks of the framework's objects, and writing the plan back.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from megatron_fastpath import rules
 from megatron_fastpath.lora.config import LORA_TARGETS
 from megatron_fastpath.moe.config import EXPERT_BACKENDS  # the one list of expert backends
+from megatron_fastpath.rules import NAMES  # how each framework spells the settings
+from megatron_fastpath.rules import Names as FrameworkNames
 
 __all__ = [
     "FrameworkNames",
     "HookPlan",
+    "run_facts",
     "HookRequest",
     "Llama31Rope",
     "ModelFacts",
@@ -52,48 +58,6 @@ class HookRequest:
     fp8_recipe: Optional[str] = None
     lora: Optional[Sequence[str]] = None
     moe_expert_backend: Optional[str] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameworkNames:
-    """How the framework spells the places a refusal points at (for the messages)."""
-
-    config: str  # "the recipe" / "the Bridge config"
-    context_parallel: str  # field path of context_parallel_size
-    virtual_pipeline: str
-    micro_batch_size: str
-    packing: str  # how to get packed sequences
-    no_peft: str  # how "no PEFT" is spelled
-    precision: str  # why FP8 cannot be set, and the fix
-
-
-# How each framework spells the places a refusal points at.
-NAMES = {
-    "nemo": FrameworkNames(
-        config="the recipe",
-        context_parallel="trainer.strategy.context_parallel_size",
-        virtual_pipeline="trainer.strategy.virtual_pipeline_model_parallel_size",
-        micro_batch_size="data.micro_batch_size",
-        packing="build the recipe with packed_sequence=True, or pass packed_cache=False",
-        no_peft="peft_scheme=None",
-        precision=(
-            "trainer.plugins is not a MegatronMixedPrecision config (NeMo sets FP8 there); add one, "
-            "e.g. llm.recipes.precision.mixed_precision.bf16_with_fp8_mixed()"
-        ),
-    ),
-    "bridge": FrameworkNames(
-        config="the Bridge config",
-        context_parallel="cfg.model.context_parallel_size",
-        virtual_pipeline="cfg.model.virtual_pipeline_model_parallel_size",
-        micro_batch_size="cfg.train.micro_batch_size",
-        packing="cfg.dataset.packed_sequence_specs (Bridge <= 0.5) or offline_packing_specs (>= 0.6)",
-        no_peft="cfg.peft is None",
-        precision=(
-            "cfg.mixed_precision is not a MixedPrecisionConfig object (resolve the named recipe "
-            "first, e.g. get_mixed_precision_config(name))"
-        ),
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +120,7 @@ class ModelFacts:
     has_precision: bool
     fp8_on: bool
     peft: Optional[PeftFacts]
+    expert_parallel_size: int = 1
 
     def get(self, name: str, default=None):
         return getattr(self.model, name, default)
@@ -178,12 +143,16 @@ class HookPlan:
         cache applies RoPE; a framework build override that rescales Megatron's rotary
         embedding (Llama 3.1) needs that embedding, so "rope" stays (computed once, unused).
     fp8: the FP8 value to write (None: off) when ``set_fp8``.
+    graph_warmup_steps: new ``cuda_graph_warmup_steps`` (None: keep). 0 when the hook turns
+        graphs on for LoRA: Megatron 0.16.1's capture warm-up fails with a frozen embedding
+        (see :mod:`megatron_fastpath.rules`); the first step runs eagerly before capture.
     """
 
     settings: dict
     position_embedding_type: Optional[str]
     set_fp8: bool
     fp8: Optional[str]
+    graph_warmup_steps: Optional[int] = None
 
 
 def model_config_facts(model, cls: type, method: str, base: type, llama31: Optional[type],
@@ -213,6 +182,53 @@ def refusals(facts: ModelFacts, request: HookRequest) -> list[str]:
         + _parallel_and_data_reasons(facts, request)
         + _feature_reasons(facts, request)
         + _peft_reasons(facts, request)
+        + rules.refusals(run_facts(facts, request))
+    )
+
+
+def _graphs_on(facts: ModelFacts, request: HookRequest) -> bool:
+    return facts.graphs_on if request.cuda_graphs is None else bool(request.cuda_graphs)
+
+
+def _fp8_on(facts: ModelFacts, request: HookRequest) -> bool:
+    return facts.fp8_on if request.fp8 is None else request.fp8 is not False
+
+
+def _expert_backend(facts: ModelFacts, request: HookRequest) -> str:
+    """The requested expert backend, else FP8 experts through TE's GroupedLinear except in
+    captured layers (its host m_splits)."""
+    return request.moe_expert_backend or (
+        "te_grouped_linear" if _fp8_on(facts, request) and not _graphs_on(facts, request) else "grouped_mm")
+
+
+def _graph_warmup_steps(facts: ModelFacts, request: HookRequest) -> Optional[int]:
+    """The warm-up the hook writes: 0 when it turns graphs on for a PEFT model."""
+    return 0 if request.cuda_graphs and facts.peft is not None else None
+
+
+def run_facts(facts: ModelFacts, request: HookRequest) -> rules.RunFacts:
+    """The run the hooked config describes, as the shared rules read it (after the plan's
+    write-backs: graphs, FP8, the expert backend, the capture warm-up)."""
+    import torch
+
+    graphs = _graphs_on(facts, request)
+    warmup = _graph_warmup_steps(facts, request)
+    capacity = facts.get("moe_expert_capacity_factor")
+    return rules.RunFacts(
+        names=facts.names,
+        packed_cache=request.packed_cache,
+        context_parallel_size=facts.context_parallel_size,
+        graphs_requested=graphs,
+        graphs_captured=graphs,  # the hooks' frameworks train on GPUs
+        graph_warmup_steps=warmup if warmup is not None else int(facts.get("cuda_graph_warmup_steps", 3)),
+        lora=facts.peft is not None,
+        is_moe=facts.is_moe,
+        moe_dropless_ep=facts.is_moe and facts.expert_parallel_size > 1 and capacity is None,
+        expert_backend=_expert_backend(facts, request),
+        dtype=torch.bfloat16 if facts.get("bf16") else facts.get("params_dtype") or torch.float32,
+        # no GPU here to ask (a submit host): the hooks plan on the training machine
+        capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
+        fp8_attention=_fp8_on(facts, request) and bool(facts.get("fp8_dot_product_attention", False)),
     )
 
 
@@ -287,11 +303,6 @@ def _moe_reasons(facts: ModelFacts) -> list[str]:
 
 def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
     reasons, names = [], facts.names
-    if request.packed_cache and facts.context_parallel_size > 1:
-        reasons.append(
-            f"context_parallel_size={facts.context_parallel_size}: the packed cache serves whole "
-            f"packed sequences per rank (no CP partitioning); set {names.context_parallel}=1"
-        )
     if facts.virtual_pipeline_size:
         reasons.append(
             "virtual (interleaved) pipeline parallelism: its schedule reorders backward passes "
@@ -316,7 +327,7 @@ def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[
 
 def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
     reasons = []
-    graphs_on = facts.graphs_on if request.cuda_graphs is None else bool(request.cuda_graphs)
+    graphs_on = _graphs_on(facts, request)
     if graphs_on and facts.get("cuda_graph_scope") == "full_iteration":
         reasons.append(
             "cuda_graph_scope='full_iteration' would capture the data step, whose host-side "
@@ -330,33 +341,7 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
         reasons.append(
             f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
         )
-    if graphs_on and facts.is_moe and request.moe_expert_backend in (None, "grouped_mm"):
-        reason = _grouped_mm_reason(facts)
-        if reason:
-            reasons.append(reason)
-    if graphs_on and facts.is_moe and request.moe_expert_backend == "te_grouped_linear":
-        # TE's GroupedLinear takes the group sizes as a host list (m_splits): the experts read
-        # them back inside the layer, which a captured graph cannot do (moe/experts.py).
-        reasons.append(
-            "moe_expert_backend='te_grouped_linear' with CUDA graphs: Transformer Engine's "
-            "GroupedLinear takes the expert group sizes as a host list, a device read inside "
-            "the captured MoE layer; use moe_expert_backend='grouped_mm' (chosen by default "
-            "when graphs are on) or turn graphs off"
-        )
     return reasons
-
-
-def _grouped_mm_reason(facts: ModelFacts):
-    """The grouped_mm experts in captured layers on this machine's GPU (None: fine, or no
-    GPU here to ask: the hooks plan on the training machine)."""
-    import torch
-
-    from megatron_fastpath.moe.experts import grouped_mm_sync_free_refusal
-
-    if not torch.cuda.is_available():
-        return None
-    dtype = torch.bfloat16 if facts.get("bf16") else facts.get("params_dtype") or torch.float32
-    return grouped_mm_sync_free_refusal(dtype, torch.cuda.get_device_capability())
 
 
 def _peft_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
@@ -395,8 +380,6 @@ def decide(facts: ModelFacts, request: HookRequest, error: type) -> HookPlan:
 
 def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
     """The settings and model-field changes for a config :func:`refusals` accepted."""
-    fp8_on = facts.fp8_on if request.fp8 is None else request.fp8 is not False
-    graphs_on = facts.graphs_on if request.cuda_graphs is None else bool(request.cuda_graphs)
     uses_rope = facts.get("position_embedding_type") == "rope"
     rope_in_cache = request.packed_cache and uses_rope
     max_tokens = facts.packed_size if request.packed_cache else max(facts.get("seq_length", 1), 1)
@@ -405,10 +388,8 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
         max_seqs=request.max_seqs or max_tokens,
         num_slots=facts.pipeline_size,
         attention_backend=request.attention_backend,
-        linear_impl="te" if fp8_on else None,
-        # FP8 experts through TE's GroupedLinear, except in captured layers (its host m_splits)
-        moe_expert_backend=request.moe_expert_backend or (
-            "te_grouped_linear" if fp8_on and not graphs_on else "grouped_mm"),
+        linear_impl="te" if _fp8_on(facts, request) else None,
+        moe_expert_backend=_expert_backend(facts, request),
         rope=rope_in_cache,
         packed_cache=request.packed_cache,
     )
@@ -420,4 +401,5 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
         position_embedding_type="none" if rope_in_cache and not keep_megatron_rope else None,
         set_fp8=request.fp8 is not None,
         fp8=request.fp8 or None,
+        graph_warmup_steps=_graph_warmup_steps(facts, request),
     )

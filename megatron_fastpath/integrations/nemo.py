@@ -274,6 +274,7 @@ def _recipe_facts(recipe, model_cfg) -> core.ModelFacts:
         has_precision=precision is not None,
         fp8_on=bool(precision is not None and precision.fp8),
         peft=_peft_facts(recipe.__arguments__.get("peft")),
+        expert_parallel_size=strategy.expert_model_parallel_size or 1,
     )
 
 
@@ -293,6 +294,8 @@ def _write_plan(recipe, model_cfg, settings, plan: core.HookPlan, request: core.
         model_cfg.enable_cuda_graph = bool(request.cuda_graphs)
         if request.cuda_graphs:
             model_cfg.use_te_rng_tracker = True
+    if plan.graph_warmup_steps is not None:
+        model_cfg.cuda_graph_warmup_steps = plan.graph_warmup_steps
     precision = _precision_plugin(recipe)
     if plan.set_fp8 and precision is not None:
         precision.fp8 = plan.fp8

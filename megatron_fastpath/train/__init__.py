@@ -98,10 +98,11 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
             stop = _steps(job, logger, ckpt, range(max(start_step, audited + 1), last + 1), False,
                           eval_after, checked)
         logger.flush()
-        if job.cfg.hf is not None and stop is None:  # model=hf: PEFT adapter / HF weights
-            from megatron_fastpath.hf.job import export_hf
+        if stop is None:  # the model provider's artefacts (model=hf: PEFT adapter / HF weights)
+            from megatron_fastpath.providers import model_provider
 
-            logger.artifacts.update(export_hf(job, log=logger.print))
+            source = job.cfg.model_source
+            logger.artifacts.update(model_provider(source.provider).export(job, log=logger.print))
         checkpoint = ckpt.finish() if ckpt is not None else {}
     except BaseException:
         if ckpt is not None:

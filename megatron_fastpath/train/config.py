@@ -14,15 +14,23 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_fastpath import rules
 from megatron_fastpath.data import DataConfig
 from megatron_fastpath.model import ModelConfig
+from megatron_fastpath.providers import (
+    ExportConfig,
+    ModelSource,
+    data_provider,
+    model_provider,
+    pop_provider_key,
+)
 from megatron_fastpath.settings import (
     FINITE_NON_NEGATIVE,
     FINITE_POSITIVE,
     NON_NEGATIVE,
     POSITIVE,
     bounded,
-    check_values,
+    parse_group,
 )
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
@@ -140,10 +148,11 @@ class JobConfig:
     attention_backend: str
     linear_impl: str
     plan: Any  # GraphPlan
-    hf: Any = None  # Optional[HFJobConfig]: model=hf (megatron_fastpath.hf.job)
+    model_source: Optional[ModelSource] = None  # the model provider's parse (providers/)
+    data_provider: str = "synthetic"  # the data group's provider key
     metrics: Any = None  # Optional[MetricsConfig]: None when the tree has no metrics group
     checkpoint: Any = None  # CheckpointConfig (checkpoint.dir None: off)
-    export: Any = None  # Optional[ExportConfig] (hf/job.py): what a model=hf run writes at the end
+    export: Optional[ExportConfig] = None  # what the run writes at the end (its model provider)
 
     @property
     def is_moe(self) -> bool:
@@ -154,23 +163,20 @@ class JobConfig:
         return tuple(f for f in ("lora", "offload", "cuda_graphs", "fp8") if getattr(self.fastpath, f))
 
 
-def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str = ""):
-    """A config group as its frozen dataclass (unknown keys are an error). ``fixed`` fields are
-    set by the job, not the group (``switch`` names where they are set instead)."""
+def _group_dict(cfg: Any, name: str) -> dict:
     from omegaconf import OmegaConf
 
     raw = cfg.get(name, {}) if cfg is not None else {}
-    data = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else dict(raw)
-    fixed = fixed or {}
+    return OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else dict(raw)
+
+
+def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str = ""):
+    """A config group as its frozen dataclass (unknown keys are an error). ``fixed`` fields are
+    set by the job, not the group (``switch`` names where they are set instead)."""
+    data = _group_dict(cfg, name)
     # a moved key left null in its old group's YAML (a set one is refused by _refuse_moved_keys)
     data = {k: v for k, v in data.items() if not (f"{name}.{k}" in dict(_MOVED_KEYS) and v is None)}
-    fields = {f.name for f in dataclasses.fields(cls)} - set(fixed)
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        where = f" ({', '.join(sorted(fixed))} is set by {switch})" if fixed and switch else ""
-        raise ValueError(f"unknown key(s) {unknown} in config group '{name}'{where}; valid: {sorted(fields)}")
-    check_values(name, cls, data)  # types and bounds, naming the key (settings.py)
-    return cls(**data, **fixed)
+    return parse_group(name, cls, data, fixed, switch)  # types and bounds, naming the key
 
 
 def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
@@ -234,12 +240,6 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
             "megatron-core 0.16.1; use parallel.pipeline_model_parallel_size=1 on CPU"
         )
-    if par.context_parallel_size > 1:
-        raise ValueError(
-            "context parallelism is not supported with the packed cache (its attention reads "
-            "whole sequences); use parallel.context_parallel_size=1, or Megatron's own TE spec "
-            "for CP without the cache"
-        )
     if not is_moe and par.expert_model_parallel_size > 1:
         raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
     if fast.moe_capacity_factor is not None and not is_moe:
@@ -277,14 +277,28 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
                 f"of {tp}")
 
 
-def _check_grouped_mm_capturable(device, dtype: str) -> None:
-    """MoE experts inside captured layers (moe.experts.grouped_mm_sync_free_refusal). Called
-    after the plan's environment is set: reading the capability initialises CUDA."""
-    from megatron_fastpath.moe.experts import grouped_mm_sync_free_refusal
+def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe: bool, device,
+               dtype: str) -> rules.RunFacts:
+    """The job as :mod:`megatron_fastpath.rules` reads it (the GPU's capability is asked for
+    later, once the plan's environment is set: reading it initialises CUDA)."""
+    graphs, fp8 = features["cuda_graphs"], features["fp8"]
+    return rules.RunFacts(
+        names=rules.NAMES["main"],
+        context_parallel_size=par.context_parallel_size,
+        graphs_requested=graphs is not None,
+        graphs_captured=graphs is not None and device.type == "cuda",
+        graph_warmup_steps=graphs.warmup_steps if graphs is not None else 0,
+        lora=features["lora"] is not None,
+        is_moe=is_moe,
+        moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1 and fast.moe_capacity_factor is None,
+        dtype=getattr(torch, dtype),
+        fp8_attention=fp8 is not None and fp8.dot_product_attention,
+    )
 
-    reason = grouped_mm_sync_free_refusal(getattr(torch, dtype), torch.cuda.get_device_capability(device))
-    if reason:
-        raise ValueError(reason + " (training.dtype=bfloat16 / fastpath.cuda_graphs=false)")
+
+def _refuse(reasons: list) -> None:
+    if reasons:  # the main job reports one line: the first reason
+        raise ValueError(reasons[0])
 
 
 def parse_job_config(cfg: Any) -> JobConfig:
@@ -292,8 +306,6 @@ def parse_job_config(cfg: Any) -> JobConfig:
     the feature groups) and resolve its ``auto`` choices -- before any device work."""
     from megatron_fastpath.attention.core_attention import resolve_backend
     from megatron_fastpath.graphs.config import plan_graphs_and_fp8
-
-    from megatron_fastpath.hf.job import ExportConfig, check_hf_job, parse_hf_groups
     from megatron_fastpath.train.metrics import MetricsConfig
 
     _refuse_moved_keys(cfg)
@@ -301,18 +313,26 @@ def parse_job_config(cfg: Any) -> JobConfig:
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)
-    # model=hf / data=jsonl (groups naming a checkpoint / a JSONL file), checked on the host
-    hf_model, hf_data, hf = parse_hf_groups(
-        cfg, par.tensor_model_parallel_size, par.expert_model_parallel_size)
-    model = hf_model or section(cfg, "model", ModelConfig)
-    data = hf_data or section(cfg, "data", DataConfig)
+    # the model and data groups name their providers; their parse checks on the host only
+    model_key, model_group = pop_provider_key(_group_dict(cfg, "model"), "model")
+    data_key, data_group = pop_provider_key(_group_dict(cfg, "data"), "data")
+    model_prov = model_provider(model_key)
+    source = model_prov.parse(model_group, par.tensor_model_parallel_size,
+                              par.expert_model_parallel_size)
+    model, data = source.config, data_provider(data_key).parse(data_group, source)
     features = _feature_sections(cfg, fast)
     export = section(cfg, "export", ExportConfig) if cfg is not None and "export" in cfg else None
-    check_hf_job(features["lora"], export, hf, data, par.pipeline_model_parallel_size)
+    model_prov.check(source, lora=features["lora"], export=export, data=data,
+                     pipeline_size=par.pipeline_model_parallel_size)
+    if getattr(data, "eval_fraction", 0) > 0 and par.pipeline_model_parallel_size > 1:
+        raise ValueError("held-out evaluation runs the model outside Megatron's pipeline "
+                         "schedule: with pipeline parallelism set data.eval_fraction=0")
     metrics = section(cfg, "metrics", MetricsConfig) if cfg is not None and "metrics" in cfg else None
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
+    facts = _run_facts(par, fast, features, is_moe, device, train.dtype)
+    _refuse(rules.refusals(facts))  # the rules shared with the hooks (megatron_fastpath.rules)
     _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
     backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384,
                               dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
@@ -329,13 +349,12 @@ def parse_job_config(cfg: Any) -> JobConfig:
         dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0
         lora_dropout=lora.dropout if lora else 0.0,
         linear_impl=linear_impl,
-        moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1
-        and fast.moe_capacity_factor is None,
-        lora=lora is not None, offload=features["offload"] is not None, attention_backend=backend,
+        offload=features["offload"] is not None, attention_backend=backend,
     )
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
-                    linear_impl=linear_impl, plan=plan, hf=hf, metrics=metrics,
+                    linear_impl=linear_impl, plan=plan, model_source=source,
+                    data_provider=data_key, metrics=metrics,
                     checkpoint=_checkpoint_section(cfg, fast, data), export=export, **features)
     if plan.env:
         # before anything initialises CUDA: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
@@ -343,8 +362,9 @@ def parse_job_config(cfg: Any) -> JobConfig:
         from megatron_fastpath.graphs.config import apply_env
 
         apply_env(plan.env)
-    if plan.capture and is_moe:
-        _check_grouped_mm_capturable(device, train.dtype)
+    if plan.capture and is_moe:  # the rules that need the GPU's capability
+        _refuse(rules.refusals(dataclasses.replace(
+            facts, capability=torch.cuda.get_device_capability(device))))
     if not train.skip_memory_check:
         from megatron_fastpath.train.memory import check_memory
 

@@ -15,12 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_fastpath.data import StepData, SyntheticSFTDataset, pack_microbatches
-from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
+from megatron_fastpath.data import StepData
+from megatron_fastpath.model import build_fastpath_gpt, build_transformer_config
+from megatron_fastpath.providers import data_provider, model_provider
 from megatron_fastpath.train.config import JobConfig
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
-__all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_data"]
+__all__ = ["Job", "StepData", "build_job", "build_cache", "build_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +73,6 @@ def _init_distributed(cfg: JobConfig) -> None:
     )
 
 
-def hf_transformer_overrides(cfg: JobConfig) -> dict:
-    """model=hf: the checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters
-    allocated on the device (no host copy of the shard before its weights are loaded)."""
-    return dict(cfg.hf.spec.transformer_overrides(), use_cpu_initialization=cfg.device.type != "cuda")
-
-
 def build_transformer(cfg: JobConfig):
     """Megatron TransformerConfig of the job (capacity-mode MoE and graph/FP8 fields included)."""
     moe = {}
@@ -97,7 +92,7 @@ def build_transformer(cfg: JobConfig):
         # (model_parallel_config.py); torch >= 2.6 here: no host sync per p2p.
         batch_p2p_sync=False,
         **moe,
-        **(hf_transformer_overrides(cfg) if cfg.hf is not None else {}),
+        **model_provider(cfg.model_source.provider).transformer_overrides(cfg.model_source, cfg.device),
         **cfg.plan.transformer_config,
     )
 
@@ -119,35 +114,20 @@ def build_cache(cfg: JobConfig):
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         num_slots=in_flight,
-                        rope=cfg.hf.spec.rope_config() if cfg.hf is not None else rope_config_for(cfg.model)),
+                        rope=cfg.model_source.rope),
         device=cfg.device,
     )
 
 
 def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]:
-    """GPTModel on the fastpath layer spec with the switched-on features (LoRA, offload);
-    returns (model, total parameters, trainable parameters)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-
-    spec = get_fastpath_layer_spec(
-        cache, backend=cfg.attention_backend, num_experts=cfg.model.num_experts,
-        qk_layernorm=cfg.model.qk_layernorm, normalization=cfg.model.normalization,
-        linear_impl=cfg.linear_impl, params_dtype=tcfg.params_dtype,
-    )
-    if cfg.lora is not None:
-        from megatron_fastpath.lora import with_lora
-
-        spec = with_lora(spec, cfg.lora)
-    if cfg.offload is not None:
-        from megatron_fastpath.offload import with_activation_offload
-
-        spec = with_activation_offload(spec, cfg.offload)
-    model = build_gpt_model(
-        tcfg, spec, cfg.model.vocab_size, cfg.data.max_tokens,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-    ).to(cfg.device)
+    """GPTModel of the model provider's architecture on the fastpath layer spec with the
+    switched-on features (LoRA, offload), its weights from the provider (a checkpoint's shard,
+    or Megatron's initialisation); returns (model, total parameters, trainable parameters)."""
+    source = cfg.model_source
+    model = build_fastpath_gpt(tcfg, cache, cfg.model, backend=cfg.attention_backend,
+                               linear_impl=cfg.linear_impl, lora=cfg.lora, offload=cfg.offload,
+                               tie_embeddings=source.tie_embeddings)
+    model_provider(source.provider).load_weights(model, source, log=lambda m: print(m, flush=True))
     total = trainable = sum(p.numel() for p in model.parameters())
     if cfg.lora is not None:
         from megatron_fastpath.lora import freeze_base_parameters, lock_lora
@@ -156,17 +136,6 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
         if cfg.plan.capture:
             lock_lora(model)  # captured graphs freeze the adapter branch
     return model, total, trainable
-
-
-def build_data(cfg: JobConfig, dp_rank: int, dp_world: int) -> StepData:
-    """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
-    bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data)
-    per_step = cfg.training.micro_batches * dp_world
-    if len(bins) < per_step:
-        raise ValueError(
-            f"only {len(bins)} packed microbatches for {per_step} per step; raise data.num_samples"
-        )
-    return StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world)
 
 
 def _build_audit(cfg: JobConfig, model) -> Optional[Any]:
@@ -207,27 +176,19 @@ def build_job(cfg: JobConfig) -> Job:
         prepare_cuda_graphs(cfg.training.seed, use_te_rng_tracker=cfg.cuda_graphs.use_te_rng_tracker)
     tcfg = build_transformer(cfg)
     cache = build_cache(cfg)
-    if cfg.hf is not None:  # model=hf: the checkpoint's architecture and weights
-        from megatron_fastpath.hf.job import build_hf_job_model
-
-        model, total, trainable = build_hf_job_model(cfg, tcfg, cache)
-    else:
-        model, total, trainable = build_model(cfg, tcfg, cache)
+    model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None
     if cfg.offload is not None:
         from megatron_fastpath.offload import get_offload_manager
 
         offload = get_offload_manager(model)
     dp_world = ps.get_data_parallel_world_size()
-    evaluator = report = None
-    if hasattr(cfg.data, "path"):  # data=jsonl: train split per step, held-out split for eval
-        from megatron_fastpath.hf.job import build_jsonl_data
+    parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
+    evaluator = None
+    if parts.evaluate:  # held-out bins: evaluated every data.eval_every steps
         from megatron_fastpath.train.evaluate import Evaluator
 
-        data, eval_bins, report = build_jsonl_data(cfg, ps.get_data_parallel_rank(), dp_world)
-        evaluator = Evaluator(model, cache, eval_bins, cfg.device) if report["eval_records"] else None
-    else:
-        data = build_data(cfg, ps.get_data_parallel_rank(), dp_world)
+        evaluator = Evaluator(model, cache, parts.eval_bins, cfg.device)
     metrics = None
     if cfg.metrics is not None:
         from megatron_fastpath.train.metrics import MetricsWriter, jsonable
@@ -236,9 +197,9 @@ def build_job(cfg: JobConfig) -> Job:
     path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model,
-        step=path(model, tcfg, cfg.training, cache), data=data, offload=offload,
+        step=path(model, tcfg, cfg.training, cache), data=parts.train, offload=offload,
         audit=_build_audit(cfg, model), rank=torch.distributed.get_rank(),
         world=torch.distributed.get_world_size(), dp_world=dp_world,
         total_params=total, trainable_params=trainable, env_set=env_set,
-        evaluator=evaluator, metrics=metrics, data_report=report,
+        evaluator=evaluator, metrics=metrics, data_report=parts.report,
     )

@@ -6,14 +6,12 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
-from megatron_fastpath.train import config_dir
 from subproc import child_env
 
-CONFIG_DIR = config_dir()
 
 SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
          "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8", "model.num_layers=2",
@@ -22,8 +20,7 @@ SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
 
 
 def cfg(overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=SMALL + list(overrides))
+    return compose_job(SMALL + list(overrides))
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
@@ -71,8 +68,13 @@ def test_graph_plan_on_cuda_sets_megatron_fields_and_env():
 
 
 def test_lora_graphs_with_zero_warmup_planned():
+    from megatron_fastpath import rules
+
+    facts = rules.RunFacts(names=rules.NAMES["main"], graphs_requested=True, graphs_captured=True,
+                           lora=True, graph_warmup_steps=0)
+    assert rules.refusals(facts) == []
     plan = plan_graphs_and_fp8(CudaGraphConfig(warmup_steps=0, use_te_rng_tracker=False), None,
-                               torch.device("cuda"), lora=True)
+                               torch.device("cuda"))
     assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == 0
 
 
@@ -90,15 +92,8 @@ def test_graph_plan_on_cpu_runs_the_audit_instead():
          ValueError, "keep offload off"),
         (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), offload=True),
          ValueError, "activation offload cannot run inside captured layer graphs"),
-        (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False), lora=True),
-         ValueError, "LoRA with CUDA graphs needs cuda_graphs.warmup_steps=0"),
-        (dict(graphs=CudaGraphConfig(), moe_dropless_ep=True),
-         ValueError, "capacity_factor"),
         (dict(fp8=FP8Config(), linear_impl="te"), MissingDependencyError,
          "transformer-engine"),
-        # G5: no FP8 THD attention in TE 2.9-2.11 (refused before TE is even looked for)
-        (dict(fp8=FP8Config(dot_product_attention=True), linear_impl="te"), ValueError,
-         "no FP8 attention backend for packed"),
         # G6: TE attention asserts its own RNG tracker class while a graph is captured
         (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False, warmup_steps=0), attention_backend="te"),
          ValueError, "needs cuda_graphs.use_te_rng_tracker=true"),

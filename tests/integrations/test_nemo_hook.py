@@ -96,6 +96,8 @@ def test_llama3_lora_packed_recipe_is_hooked():
     assert fdl.get_callable(cfg.forward_step_fn) is FastpathForwardStep
     assert cfg.position_embedding_type == "none"  # RoPE from the cache
     assert cfg.enable_cuda_graph is True and cfg.use_te_rng_tracker is True
+    # LoRA freezes the embedding: megatron-core 0.16.1's capture warm-up would fail (rules.py)
+    assert cfg.cuda_graph_warmup_steps == 0
     assert r.data.packed_sequence_specs.pad_cu_seqlens is False
     assert r.data.dataset_kwargs == {"pad_to_max_length": True}
     # Exactly these model-config fields changed; rotary settings the cache reads stay put.
@@ -105,7 +107,7 @@ def test_llama3_lora_packed_recipe_is_hooked():
     }
     assert changed == {
         "transformer_layer_spec", "data_step_fn", "forward_step_fn", "position_embedding_type",
-        "enable_cuda_graph", "use_te_rng_tracker",
+        "enable_cuda_graph", "use_te_rng_tracker", "cuda_graph_warmup_steps",
     }
     assert cfg.rotary_base == 500_000 and cfg.seq_length == 4096
     # LoRA, trainer and optimiser untouched.

@@ -1,0 +1,161 @@
+"""The Hugging Face pair of providers of the main job: ``model=hf`` (a checkpoint directory) and
+``data=jsonl`` (chat / prompt-completion records), registered with
+:mod:`megatron_fastpath.providers` under ``hf`` and ``jsonl``::
+
+    python -m megatron_fastpath.train model=hf model.path=<hf dir> data=jsonl \\
+        data.path=<file.jsonl> fastpath.lora=true export.adapter_dir=<dir>
+
+* :class:`HFModel` parses the ``model`` group (its ``path``): the checkpoint's config.json and
+  file headers are checked before any device work (unsupported architecture, missing /
+  truncated files, TP / EP sizes that do not divide the heads or experts); each rank then loads
+  only its shard into the model the job built, and the run ends with the PEFT adapter and / or
+  the (merged) weights written (``export`` group).
+* :class:`JsonlData`: train bins per step and held-out bins, tokenized with the checkpoint's
+  tokenizer (or ``data.tokenizer_path``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megatron_fastpath.hf.config import HFModelSpec
+from megatron_fastpath.providers import (
+    DataParts,
+    DataProvider,
+    ModelProvider,
+    ModelSource,
+    register_data_provider,
+    register_model_provider,
+)
+
+__all__ = ["HFJobConfig", "HFModel", "JsonlData"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFJobConfig:
+    """``model=hf``: the checkpoint (path and its parsed config)."""
+
+    path: str
+    spec: HFModelSpec
+
+
+def _is_main_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+class HFModel(ModelProvider):
+    key = "hf"
+
+    def parse(self, group: dict, tp: int, ep: int) -> ModelSource:
+        from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
+        from megatron_fastpath.hf.config import read_hf_config
+
+        extra = sorted(set(group) - {"path"})
+        if extra:
+            raise ValueError(f"model=hf takes only model.path (the architecture comes from its "
+                             f"config.json); unknown key(s) {extra}")
+        if group.get("path") is None:
+            raise ValueError("model=hf needs model.path=<Hugging Face checkpoint directory>")
+        spec = read_hf_config(str(group["path"]))
+        spec.check_parallel(tp, ep)
+        SafetensorsCheckpoint(spec.path).close()  # missing / truncated files, headers only
+        return ModelSource(self.key, spec.model_config(), spec.rope_config(),
+                           tie_embeddings=spec.tie_embeddings, tokenizer_path=spec.path,
+                           handle=HFJobConfig(spec.path, spec))
+
+    def transformer_overrides(self, source: ModelSource, device) -> dict:
+        """The checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters allocated
+        on the device (no host copy of the shard before its weights are loaded)."""
+        return dict(source.handle.spec.transformer_overrides(),
+                    use_cpu_initialization=device.type != "cuda")
+
+    def check(self, source: ModelSource, *, lora, export, data, pipeline_size: int) -> None:
+        if export is not None and export.adapter_dir and lora is None:
+            raise ValueError("export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true; "
+                             "a full fine-tune exports its weights with export.merged_dir=<dir>")
+        if export is not None and export.enabled and pipeline_size > 1:
+            raise ValueError("export.* with pipeline parallelism is not supported (each stage "
+                             "holds other layers); export from a pipeline_model_parallel_size=1 run")
+
+    def load_weights(self, model, source: ModelSource, log=print) -> None:
+        from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
+        from megatron_fastpath.hf.model import load_hf_weights
+
+        spec, show = source.handle.spec, _is_main_rank()
+        ckpt = SafetensorsCheckpoint(spec.path)
+        t0 = time.perf_counter()
+        try:
+            n = load_hf_weights(model, spec, ckpt, show_progress=show)
+        finally:
+            ckpt.close()
+        if show:
+            log(f"checkpoint: {spec.model_type} from {spec.path}: {n} tensors (this rank's TP/EP "
+                f"shards) loaded in {time.perf_counter() - t0:.1f} s")
+
+    def export(self, job, log=print) -> dict:
+        """The PEFT adapter (``export.adapter_dir``) and the weights (``export.merged_dir``: LoRA
+        merged in, or a full fine-tune's) of a finished run; returns {kind: dir}."""
+        from megatron_fastpath.hf.export import save_merged_checkpoint, save_peft_adapter
+
+        export, out = job.cfg.export, {}
+        if export is None:
+            return out
+        spec = job.cfg.model_source.handle.spec
+        if export.adapter_dir:
+            save_peft_adapter(job.model, spec, job.cfg.lora, export.adapter_dir)
+            out["peft_adapter"] = export.adapter_dir
+            log(f"exported PEFT adapter to {export.adapter_dir}")
+        if export.merged_dir:
+            save_merged_checkpoint(job.model, spec, export.merged_dir)
+            out["merged"] = export.merged_dir
+            what = "merged" if job.cfg.lora is not None else "fine-tuned"
+            log(f"exported {what} Hugging Face checkpoint to {export.merged_dir}")
+        return out
+
+
+class JsonlData(DataProvider):
+    key = "jsonl"
+
+    def parse(self, group: dict, model: ModelSource):
+        from megatron_fastpath.hf.data import JsonlDataConfig
+
+        fields = {f.name for f in dataclasses.fields(JsonlDataConfig)}
+        unknown = sorted(set(group) - fields)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in config group 'data' (jsonl); valid: "
+                             f"{sorted(fields)}")
+        data = JsonlDataConfig(**group)
+        if model.tokenizer_path is None and not data.tokenizer_path:
+            raise ValueError("data=jsonl needs the checkpoint's tokenizer: use model=hf "
+                             "model.path=<dir> (or set data.tokenizer_path)")
+        return data
+
+    def build(self, cfg, dp_rank: int, dp_world: int, log=print) -> DataParts:
+        from megatron_fastpath.data import StepData, pack_microbatches
+        from megatron_fastpath.hf.data import load_jsonl_splits
+
+        show = dp_rank == 0 and _is_main_rank()
+        train, held, report = load_jsonl_splits(cfg.data, cfg.model_source.tokenizer_path,
+                                                log=log if show else (lambda m: None))
+        if max(int(x.max()) for x, _ in train.samples) >= cfg.model.vocab_size:
+            raise ValueError(f"{cfg.data.path}: token ids exceed the model's vocab_size "
+                             f"{cfg.model.vocab_size}: the tokenizer does not belong to the checkpoint")
+        bins = pack_microbatches(train, cfg.data)  # global order, identical on every rank
+        per_step = cfg.training.micro_batches * dp_world
+        if len(bins) < per_step:
+            raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {per_step} per "
+                             "step; lower training.micro_batches or data.max_tokens")
+        held_bins = pack_microbatches(held, cfg.data) if held is not None else []
+        report = dict(report, train_microbatches=len(bins), eval_microbatches=len(held_bins),
+                      train_loss_tokens=train.num_loss_tokens,
+                      eval_loss_tokens=held.num_loss_tokens if held else 0)
+        return DataParts(StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world),
+                         eval_bins=tuple(held_bins[dp_rank::dp_world]), report=report,
+                         evaluate=bool(report["eval_records"]))
+
+
+register_model_provider(HFModel())
+register_data_provider(JsonlData())

@@ -1,0 +1,53 @@
+"""The synthetic pair: a Llama-style model of the ``model`` group's shape, randomly initialised,
+and synthetic SFT samples (``data.SyntheticSFTDataset``) packed into microbatches. The main
+job's default (the embedded CPU run of the README)."""
+
+from __future__ import annotations
+
+from megatron_fastpath.providers import (
+    DataParts,
+    DataProvider,
+    ModelProvider,
+    ModelSource,
+    register_data_provider,
+    register_model_provider,
+)
+
+__all__ = ["SyntheticData", "SyntheticModel"]
+
+
+class SyntheticModel(ModelProvider):
+    key = "synthetic"
+
+    def parse(self, group: dict, tp: int, ep: int) -> ModelSource:
+        from megatron_fastpath.model import ModelConfig, rope_config_for
+        from megatron_fastpath.settings import parse_group
+
+        config = parse_group("model", ModelConfig, group)
+        return ModelSource(self.key, config, rope_config_for(config))
+
+
+class SyntheticData(DataProvider):
+    key = "synthetic"
+
+    def parse(self, group: dict, model: ModelSource):
+        from megatron_fastpath.data import DataConfig
+        from megatron_fastpath.settings import parse_group
+
+        return parse_group("data", DataConfig, group)
+
+    def build(self, cfg, dp_rank: int, dp_world: int) -> DataParts:
+        """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
+        from megatron_fastpath.data import StepData, SyntheticSFTDataset, pack_microbatches
+
+        bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data)
+        per_step = cfg.training.micro_batches * dp_world
+        if len(bins) < per_step:
+            raise ValueError(
+                f"only {len(bins)} packed microbatches for {per_step} per step; raise data.num_samples"
+            )
+        return DataParts(StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world))
+
+
+register_model_provider(SyntheticModel())
+register_data_provider(SyntheticData())

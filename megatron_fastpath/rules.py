@@ -1,0 +1,211 @@
+"""The refusal rules shared by every entry point, each written once.
+
+The main job (``train/config.py``), the NeMo hook and the Megatron-Bridge hook
+(``integrations/core.py``) describe the run they are asked for as :class:`RunFacts` and take
+:func:`refusals` -- every reason it cannot run, all at once -- before they plan anything or
+touch a device. A rule is a function of the facts; its message names the setting to change in
+the entry point's own spelling (:class:`Names`), so one rule serves all three.
+
+The entry points keep only what is theirs: parsing their config into facts, and rules about
+settings only they have (the main job's groups and bounds; a framework recipe's layer spec,
+build overrides and PEFT scheme).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+__all__ = ["NAMES", "Names", "RULES", "RunFacts", "refusals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """How an entry point spells the settings a refusal points at."""
+
+    config: str  # "the job config" / "the recipe" / "the Bridge config"
+    context_parallel: str  # the context-parallel size field
+    virtual_pipeline: str
+    micro_batch_size: str
+    packing: str  # how to get packed sequences
+    no_peft: str  # how "no PEFT" is spelled
+    precision: str  # why FP8 cannot be set, and the fix
+    graphs_off: str  # how per-layer CUDA graphs are turned off
+    graph_warmup: str  # the capture warm-up passes setting
+    capacity_factor: str  # the MoE capacity factor setting (static-shape dispatch)
+    fp8_attention: str  # the FP8 dot-product attention flag
+    bf16: str  # how to train in bf16
+
+
+NAMES = {
+    # the library used directly: a Megatron TransformerConfig and the spec functions
+    "megatron": Names(
+        config="the TransformerConfig",
+        context_parallel="TransformerConfig.context_parallel_size",
+        virtual_pipeline="TransformerConfig.virtual_pipeline_model_parallel_size",
+        micro_batch_size="the micro-batch size",
+        packing="load packed batches with PackedSeqCache.set_batch",
+        no_peft="no LoRA spec transform",
+        precision="TransformerConfig.fp8",
+        graphs_off="TransformerConfig.cuda_graph_impl='none'",
+        graph_warmup="TransformerConfig.cuda_graph_warmup_steps",
+        capacity_factor="TransformerConfig.moe_expert_capacity_factor",
+        fp8_attention="TransformerConfig.fp8_dot_product_attention",
+        bf16="TransformerConfig.bf16 / params_dtype=torch.bfloat16",
+    ),
+    "main": Names(
+        config="the job config",
+        context_parallel="parallel.context_parallel_size",
+        virtual_pipeline="(no virtual pipeline in the main job)",
+        micro_batch_size="(packed microbatches hold one row)",
+        packing="(the main job always packs)",
+        no_peft="fastpath.lora=false",
+        precision="(fastpath.fp8=true sets FP8)",
+        graphs_off="fastpath.cuda_graphs=false",
+        graph_warmup="cuda_graphs.warmup_steps",
+        capacity_factor="fastpath.moe_capacity_factor",
+        fp8_attention="fp8.dot_product_attention",
+        bf16="training.dtype=bfloat16",
+    ),
+    "nemo": Names(
+        config="the recipe",
+        context_parallel="trainer.strategy.context_parallel_size",
+        virtual_pipeline="trainer.strategy.virtual_pipeline_model_parallel_size",
+        micro_batch_size="data.micro_batch_size",
+        packing="build the recipe with packed_sequence=True, or pass packed_cache=False",
+        no_peft="peft_scheme=None",
+        precision=(
+            "trainer.plugins is not a MegatronMixedPrecision config (NeMo sets FP8 there); add one, "
+            "e.g. llm.recipes.precision.mixed_precision.bf16_with_fp8_mixed()"
+        ),
+        graphs_off="cuda_graphs=False",
+        graph_warmup="model.config.cuda_graph_warmup_steps",
+        capacity_factor="model.config.moe_expert_capacity_factor",
+        fp8_attention="model.config.fp8_dot_product_attention",
+        bf16="a bf16 precision plugin (trainer.plugins)",
+    ),
+    "bridge": Names(
+        config="the Bridge config",
+        context_parallel="cfg.model.context_parallel_size",
+        virtual_pipeline="cfg.model.virtual_pipeline_model_parallel_size",
+        micro_batch_size="cfg.train.micro_batch_size",
+        packing="cfg.dataset.packed_sequence_specs (Bridge <= 0.5) or offline_packing_specs (>= 0.6)",
+        no_peft="cfg.peft is None",
+        precision=(
+            "cfg.mixed_precision is not a MixedPrecisionConfig object (resolve the named recipe "
+            "first, e.g. get_mixed_precision_config(name))"
+        ),
+        graphs_off="cuda_graphs=False",
+        graph_warmup="cfg.model.cuda_graph_warmup_steps",
+        capacity_factor="cfg.model.moe_expert_capacity_factor",
+        fp8_attention="cfg.model.fp8_dot_product_attention",
+        bf16="a bf16 mixed-precision config (cfg.mixed_precision)",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What the rules read about a run, entry-point free.
+
+    packed_cache: attention reads the packed-sequence cache (the hooks can swap only the MoE
+        layer). graphs_requested: per-layer CUDA graphs are switched on (on a CPU the main
+        job runs the graph-safety audit in their place); graphs_captured: they will be
+        captured (a GPU run). graph_warmup_steps: Megatron's capture warm-up passes.
+    moe_dropless_ep: an MoE model with expert parallelism > 1 and no capacity factor.
+    expert_backend: "grouped_mm" or "te_grouped_linear".
+    dtype: the compute dtype; capability: the GPU's (major, minor), None when there is no GPU
+        to ask (a hook planning on a submit host).
+    fp8_attention: FP8 dot-product attention asked for (with FP8 on).
+    """
+
+    names: Names
+    packed_cache: bool = True
+    context_parallel_size: int = 1
+    graphs_requested: bool = False
+    graphs_captured: bool = False
+    graph_warmup_steps: int = 0
+    lora: bool = False
+    is_moe: bool = False
+    moe_dropless_ep: bool = False
+    expert_backend: str = "grouped_mm"
+    dtype: Any = None
+    capability: Optional[tuple] = None
+    fp8_attention: bool = False
+
+
+def _context_parallel(f: RunFacts) -> Optional[str]:
+    if f.packed_cache and f.context_parallel_size > 1:
+        return (f"context parallelism is not supported with the packed cache "
+                f"({f.names.context_parallel}={f.context_parallel_size}): its attention serves "
+                "whole packed sequences per rank (no CP partitioning); set "
+                f"{f.names.context_parallel}=1, or use Megatron's own TE spec for CP without "
+                "the cache")
+    return None
+
+
+def _fp8_thd_attention(f: RunFacts) -> Optional[str]:
+    # TE 2.9-2.11 has no FP8 fused-attention backend for the THD (packed) format every backend
+    # here feeds: DotProductAttention ends in "No dot product attention backend is available"
+    # (TE's own CP tests skip it: "No support for FP8 attention with THD format!",
+    # tests/pytorch/attention/test_attention_with_cp.py); other backends never read the flag.
+    if f.packed_cache and f.fp8_attention:
+        return (f"{f.names.fp8_attention}=true: Transformer Engine 2.9-2.11 has no FP8 attention "
+                "backend for packed (THD) sequences, which this package always runs; keep "
+                f"{f.names.fp8_attention}=false (linears still run in FP8)")
+    return None
+
+
+def _dropless_ep_in_graphs(f: RunFacts) -> Optional[str]:
+    if f.graphs_requested and f.moe_dropless_ep:
+        return ("dropless expert parallelism reads split sizes back to the host (one sync per "
+                "layer), which aborts graph capture; set "
+                f"{f.names.capacity_factor} for a static-shape all-to-all")
+    return None
+
+
+def _lora_graph_warmup(f: RunFacts) -> Optional[str]:
+    if f.graphs_captured and f.lora and f.graph_warmup_steps > 0:
+        return (f"LoRA with CUDA graphs needs {f.names.graph_warmup}=0: megatron-core 0.16.1's "
+                "capture warm-up calls autograd.grad over the layer inputs only, and with a "
+                "frozen embedding the first layer has none ('inputs argument to grad() cannot "
+                "be empty'); the first step runs eagerly before capture anyway")
+    return None
+
+
+def _grouped_mm_in_graphs(f: RunFacts) -> Optional[str]:
+    if not (f.graphs_captured and f.is_moe and f.expert_backend == "grouped_mm"
+            and f.capability is not None):
+        return None
+    import torch
+
+    from megatron_fastpath.moe.experts import grouped_mm_sync_free_refusal
+
+    reason = grouped_mm_sync_free_refusal(f.dtype or torch.float32, tuple(f.capability))
+    return f"{reason} ({f.names.bf16} / {f.names.graphs_off})" if reason else None
+
+
+def _te_grouped_linear_in_graphs(f: RunFacts) -> Optional[str]:
+    # TE's GroupedLinear takes the group sizes as a host list (m_splits): the experts read them
+    # back inside the layer, which a captured graph cannot do (moe/experts.py).
+    if f.graphs_captured and f.is_moe and f.expert_backend == "te_grouped_linear":
+        return ("the te_grouped_linear experts with CUDA graphs: Transformer Engine's "
+                "GroupedLinear takes the expert group sizes as a host list, a device read inside "
+                "the captured MoE layer; use the grouped_mm experts (chosen by default when "
+                f"graphs are on) or turn graphs off ({f.names.graphs_off})")
+    return None
+
+
+RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
+    _context_parallel,
+    _fp8_thd_attention,
+    _dropless_ep_in_graphs,
+    _lora_graph_warmup,
+    _grouped_mm_in_graphs,
+    _te_grouped_linear_in_graphs,
+)
+
+
+def refusals(facts: RunFacts) -> list[str]:
+    """Every reason the run described by ``facts`` cannot run (empty: it can)."""
+    return [r for r in (rule(facts) for rule in RULES) if r]

@@ -1,0 +1,137 @@
+"""megatron_fastpath.rules: each shared refusal written once and used by the main job, the NeMo
+hook and the Megatron-Bridge hook (issue 21 item 3). For every rule: a run that breaks it is
+refused by each entry point with the rule's own message in that entry point's spelling, and
+the message's text exists in one file of the package."""
+
+import ast
+import os
+
+import pytest
+import torch
+
+import megatron_fastpath
+from megatron_fastpath import rules
+from megatron_fastpath.integrations import core
+
+# one run per rule that breaks only that rule
+BREAKS = {
+    "_context_parallel": dict(context_parallel_size=2),
+    "_fp8_thd_attention": dict(fp8_attention=True),
+    "_dropless_ep_in_graphs": dict(graphs_requested=True, is_moe=True, moe_dropless_ep=True),
+    "_lora_graph_warmup": dict(graphs_requested=True, graphs_captured=True, lora=True,
+                               graph_warmup_steps=3),
+    "_grouped_mm_in_graphs": dict(graphs_requested=True, graphs_captured=True, is_moe=True,
+                                  dtype=torch.float32, capability=(9, 0)),
+    "_te_grouped_linear_in_graphs": dict(graphs_requested=True, graphs_captured=True, is_moe=True,
+                                         expert_backend="te_grouped_linear"),
+}
+# a phrase of each rule's message: the test below finds it in rules.py only
+PHRASES = {
+    "_context_parallel": "no CP partitioning",
+    "_fp8_thd_attention": "no FP8 attention backend for packed (THD) sequences",
+    "_dropless_ep_in_graphs": "which aborts graph capture",
+    "_lora_graph_warmup": "inputs argument to grad() cannot be empty",
+    "_grouped_mm_in_graphs": "sync-free path",
+    "_te_grouped_linear_in_graphs": "takes the expert group sizes as a host list",
+}
+
+
+def test_every_rule_has_a_breaking_run_and_a_phrase():
+    assert {r.__name__ for r in rules.RULES} == set(BREAKS) == set(PHRASES)
+
+
+@pytest.mark.parametrize("entry", sorted(rules.NAMES))
+@pytest.mark.parametrize("rule", sorted(BREAKS))
+def test_each_rule_fires_alone_in_each_spelling(rule, entry):
+    names = rules.NAMES[entry]
+    reasons = rules.refusals(rules.RunFacts(names=names, **BREAKS[rule]))
+    assert len(reasons) == 1 and PHRASES[rule] in reasons[0], reasons
+    assert rules.refusals(rules.RunFacts(names=names)) == []
+
+
+def test_rule_messages_exist_once_in_the_package():
+    root = os.path.dirname(megatron_fastpath.__file__)
+    found = {phrase: [] for phrase in PHRASES.values()}
+    for dirpath, _, files in os.walk(root):
+        for fn in files:
+            if fn.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, fn), root)
+                strings = " ".join(n.value for n in ast.walk(ast.parse(open(os.path.join(dirpath, fn)).read()))
+                                   if isinstance(n, ast.Constant) and isinstance(n.value, str))
+                for phrase in found:
+                    if phrase.split(" (")[0][:30] in strings:
+                        found[phrase].append(rel)
+    assert {p: f for p, f in found.items()} == {
+        **{p: ["rules.py"] for p in PHRASES.values() if p != PHRASES["_grouped_mm_in_graphs"]},
+        # the grouped_mm reason itself is the experts' own (moe/experts.py), wrapped by the rule
+        PHRASES["_grouped_mm_in_graphs"]: [os.path.join("moe", "experts.py")],
+    }
+
+
+# ------------------------------------------------------------------ the three entry points
+def _main_job_error(overrides):
+    from hydra_compose import compose_job
+    from megatron_fastpath.train.config import parse_job_config
+
+    with pytest.raises(ValueError) as info:
+        parse_job_config(compose_job(overrides + ["training.skip_memory_check=true"]))
+    return str(info.value)
+
+
+def _hook_facts(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                              num_moe_experts=4, moe_ffn_hidden_size=64, add_bias_linear=False)
+    for k, v in overrides.pop("model", {}).items():
+        setattr(model, k, v)
+    fields = dict(names=rules.NAMES["bridge"], model=model, custom_layer_spec=None,
+                  build_override=None, llama31_rope=None, context_parallel_size=1,
+                  virtual_pipeline_size=None, pipeline_size=1, packed_size=64, micro_batch_size=1,
+                  graphs_on=False, has_precision=True, fp8_on=False, peft=None)
+    fields.update(overrides)
+    return core.ModelFacts(**fields)
+
+
+LORA = core.PeftFacts("LoRA", True, ("linear_qkv",))
+
+
+@pytest.mark.parametrize("rule, main_overrides, hook", [
+    ("_context_parallel", ["parallel.context_parallel_size=2"],
+     (dict(context_parallel_size=2), core.HookRequest())),
+    ("_fp8_thd_attention", ["fastpath.fp8=true", "fp8.dot_product_attention=true"],
+     (dict(model=dict(fp8_dot_product_attention=True)), core.HookRequest(fp8="hybrid"))),
+    ("_dropless_ep_in_graphs", ["model=tiny_moe", "parallel=ep2", "fastpath.cuda_graphs=true"],
+     (dict(expert_parallel_size=2, graphs_on=True), core.HookRequest())),
+    # the hooks write warm-up 0 when they turn graphs on for LoRA; graphs already on are checked
+    ("_lora_graph_warmup", None,
+     (dict(graphs_on=True, peft=LORA, model=dict(cuda_graph_warmup_steps=2)), core.HookRequest())),
+])
+def test_main_job_and_hooks_refuse_with_the_rules_message(rule, main_overrides, hook):
+    facts_kw, request = hook
+    want = rules.refusals(rules.RunFacts(names=rules.NAMES["bridge"], **BREAKS[rule]))
+    assert len(want) == 1 and want[0] in core.refusals(_hook_facts(**facts_kw), request)
+    if main_overrides is not None:
+        expect = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], **BREAKS[rule]))
+        assert _main_job_error(main_overrides) == expect[0]
+
+
+def test_hooks_turning_graphs_on_for_lora_write_zero_warmup():
+    facts = _hook_facts(peft=LORA, model=dict(cuda_graph_warmup_steps=3, num_moe_experts=None))
+    assert [r for r in core.refusals(facts, core.HookRequest(cuda_graphs=True))
+            if PHRASES["_lora_graph_warmup"] in r] == []
+    assert core.plan(facts, core.HookRequest(cuda_graphs=True)).graph_warmup_steps == 0
+    assert core.plan(facts, core.HookRequest()).graph_warmup_steps is None  # graphs left alone
+
+
+def test_packed_core_attention_refuses_cp_with_the_rule():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.attention.core_attention import PackedCoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    config.context_parallel_size = 2
+    want = rules.refusals(rules.RunFacts(names=rules.NAMES["megatron"], context_parallel_size=2))[0]
+    with pytest.raises(ValueError) as info:
+        PackedCoreAttention(config, 1, None, cache=None)
+    assert str(info.value) == want
