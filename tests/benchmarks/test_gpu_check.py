@@ -72,10 +72,9 @@ def test_budget_leaves_later_items_not_run(tmp_path, monkeypatch):
 def test_headline_jobs_parse(name):
     """Each headline configuration is one the main job accepts (checked here without a GPU:
     parse only, the memory check skipped)."""
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
-    from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train import parse_job_config
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=gpu_check.JOBS[name])
+    cfg = compose_job(gpu_check.JOBS[name])
     assert parse_job_config(cfg).training.steps == 8

@@ -7,18 +7,17 @@ import os
 import subprocess
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
 from megatron_fastpath.checkpoint import CheckpointDirError
-from megatron_fastpath.train import config_dir, run
+from megatron_fastpath.train import run
 
 FAST = ["training.steps=2", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
         "model.ffn_hidden_size=64", "data.max_tokens=128"]
 
 
 def cfg(*extra):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=[*FAST, *extra])
+    return compose_job([*FAST, *extra])
 
 
 @contextlib.contextmanager

@@ -339,12 +339,11 @@ def test_keep_best_keeps_the_lowest_held_out_loss(mcore_parallel, tmp_path, keep
 
 
 def test_keep_best_needs_held_out_evaluation(tmp_path):
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
-    from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train import parse_job_config
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            f"checkpoint.dir={tmp_path}", "checkpoint.keep_best=true"])
+    cfg = compose_job([
+        f"checkpoint.dir={tmp_path}", "checkpoint.keep_best=true"])
     with pytest.raises(ValueError, match="checkpoint.keep_best .* needs checkpoint.dir and held-out evaluation"):
         parse_job_config(cfg)

@@ -9,9 +9,9 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir, run
+from megatron_fastpath.train import run
 
 STEPS, STOP = 6, 3
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
@@ -30,8 +30,7 @@ CASES = {
 
 
 def cfg(overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_job(list(overrides))
 
 
 def params(job):

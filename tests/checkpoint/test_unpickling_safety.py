@@ -233,16 +233,15 @@ def test_main_job_resume_refuses_the_reported_exploit(mcore_parallel, tmp_path):
     """The report: stop the main job at step 2, replace .metadata with the dotted-name payload,
     rewrite the manifest (whoever writes the checkpoint writes it), rerun: nothing runs, the
     resume is refused naming the file; the untouched checkpoint of a second run still resumes."""
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
     from megatron_fastpath.checkpoint.manager import _crc32
-    from megatron_fastpath.train import config_dir, run
+    from megatron_fastpath.train import run
 
     def cfg(*extra):
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            return compose(config_name="config", overrides=[
-                "training.steps=3", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
-                "model.ffn_hidden_size=64", "data.max_tokens=128", *extra])
+        return compose_job([
+            "training.steps=3", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+            "model.ffn_hidden_size=64", "data.max_tokens=128", *extra])
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     for d in (good, bad):

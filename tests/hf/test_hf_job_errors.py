@@ -8,17 +8,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")
 
 
 def cfg(overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_job(list(overrides))
 
 
 @pytest.fixture(scope="module")

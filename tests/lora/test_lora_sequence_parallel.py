@@ -54,12 +54,11 @@ def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
 
 
 def _parse(overrides):
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
-    from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train import parse_job_config
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["training.skip_memory_check=true", *overrides])
+    cfg = compose_job(["training.skip_memory_check=true", *overrides])
     return parse_job_config(cfg)
 
 

@@ -5,7 +5,7 @@ and HF names were refused. The reference for what the HF names and ``all-linear`
 peft itself, applied to a transformers Llama."""
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
 from megatron_fastpath.lora.config import HF_TARGETS, LoRAConfig
 
@@ -57,8 +57,7 @@ def test_partial_fused_and_unknown_targets_are_refused(given, match):
 
 
 def test_all_linear_through_the_main_job_override():
-    from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train import parse_job_config
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["fastpath.lora=true", "lora.targets=all-linear"])
+    cfg = compose_job(["fastpath.lora=true", "lora.targets=all-linear"])
     assert parse_job_config(cfg).lora.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

@@ -206,12 +206,11 @@ def test_main_job_choice_of_step(mcore_parallel):
 
 
 def test_optimizer_step_setting_validated():
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
-    from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train import parse_job_config
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["training.optimizer_step=fast"])
+    cfg = compose_job(["training.optimizer_step=fast"])
     with pytest.raises(ValueError, match="optimizer_step must be auto, sync_free or megatron"):
         parse_job_config(cfg)
 

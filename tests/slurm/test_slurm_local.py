@@ -194,7 +194,7 @@ def test_torchrun_needs_processes_per_node(tmp_path):
 
 
 def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
     fake_bin = _fake_slurm_bin(tmp_path)
     env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-lora-graphs", FASTPATH_HOME=str(REPO))
@@ -207,8 +207,7 @@ def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
     run_dir = f"{tmp_path}/logs/fastpath-lora-graphs-123456"
     assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
                     f"checkpoint.dir={run_dir}/checkpoints", *LORA_PRESET, "training.steps=3"]
-    with initialize_config_dir(config_dir=str(REPO / "megatron_fastpath" / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*LORA_PRESET, "training.device=cuda"])
+    cfg = compose_job([*LORA_PRESET, "training.device=cuda"])
     assert cfg.fastpath.lora and cfg.fastpath.cuda_graphs and cfg.training.dtype == "bfloat16"
     assert cfg.cuda_graphs.warmup_steps == 0  # LoRA + capture needs it on megatron-core 0.16.1
     assert cfg.model.num_layers == 32  # Llama-3-8B

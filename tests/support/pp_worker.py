@@ -39,12 +39,11 @@ def _load_initial(model, names, path) -> None:
 
 
 def collect(overrides, save_init=None, load_init=None) -> dict:
-    from hydra import compose, initialize_config_dir
+    from hydra_compose import compose_job
 
-    from megatron_fastpath.train import build_job, config_dir, parse_job_config, train_step
+    from megatron_fastpath.train import build_job, parse_job_config, train_step
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose_job(list(overrides))
     with cuda_as_cpu():
         job = build_job(parse_job_config(cfg))
         names = _global_names(job.model)

@@ -2,9 +2,9 @@
 message naming the key, the value and what is allowed (issue 27 item 13)."""
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir, parse_job_config
+from megatron_fastpath.train import parse_job_config
 
 CASES = {
     "training.steps=abc": r"training\.steps='abc': must be a whole number",
@@ -31,18 +31,16 @@ def test_bad_value_refused_at_parse_naming_the_key(override, monkeypatch):
     import megatron_fastpath.train.job as job_mod
 
     monkeypatch.setattr(job_mod, "build_model", lambda *a, **k: built.append(1))  # must not run
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[override])
+    cfg = compose_job([override])
     with pytest.raises(ValueError, match=CASES[override]):
         parse_job_config(cfg)
     assert built == []
 
 
 def test_good_values_still_parse():
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "training.lr=1e-3", "training.clip_grad=0", "training.warmup_steps=0",
-            "training.stop_at_step=null", "model.rope_scaling_factor=8"])
+    cfg = compose_job([
+        "training.lr=1e-3", "training.clip_grad=0", "training.warmup_steps=0",
+        "training.stop_at_step=null", "model.rope_scaling_factor=8"])
     job = parse_job_config(cfg)
     assert job.training.lr == 1e-3 and job.training.clip_grad == 0 and job.model.rope_scaling_factor == 8
 

@@ -6,10 +6,10 @@ path's host-sync count."""
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
 from cuda_as_cpu import CALLS, cuda_as_cpu
-from megatron_fastpath.train import StepLogger, build_job, config_dir, parse_job_config, train
+from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
 
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
         "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
@@ -31,8 +31,7 @@ PARAM_ATOL, PARAM_RTOL = 2e-6, 1e-5
 
 
 def _cfg(overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_job(list(overrides))
 
 
 def _train(overrides, capsys=None):

@@ -8,9 +8,9 @@ import sys
 import types
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir, run
+from megatron_fastpath.train import run
 
 
 class _Run:
@@ -35,12 +35,11 @@ def fake_wandb(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_wandb_run_has_config_and_every_step(mcore_parallel, tmp_path, fake_wandb, mode):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "training.steps=3", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
-            "model.ffn_hidden_size=64", "data.max_tokens=128", "training.lr=0.002",
-            f"metrics.dir={tmp_path}", "metrics.wandb=on", f"metrics.wandb_mode={mode}",
-            "metrics.tensorboard=false", "metrics.plot=false"])
+    cfg = compose_job([
+        "training.steps=3", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+        "model.ffn_hidden_size=64", "data.max_tokens=128", "training.lr=0.002",
+        f"metrics.dir={tmp_path}", "metrics.wandb=on", f"metrics.wandb_mode={mode}",
+        "metrics.tensorboard=false", "metrics.plot=false"])
     summary = run(cfg)
     (wb,) = fake_wandb
     assert wb.kw["mode"] == mode and wb.kw["dir"] == str(tmp_path) and wb.finished
@@ -78,11 +77,10 @@ def test_a_dead_wandb_service_turns_wandb_off_and_training_goes_on(mcore_paralle
     mod = types.ModuleType("wandb")
     mod.init = lambda **kw: runs.append(_Dying(**kw)) or runs[-1]
     monkeypatch.setitem(sys.modules, "wandb", mod)
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "training.steps=4", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
-            "model.ffn_hidden_size=64", "data.max_tokens=128", f"metrics.dir={tmp_path}",
-            "metrics.wandb=on", "metrics.plot=false"])
+    cfg = compose_job([
+        "training.steps=4", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+        "model.ffn_hidden_size=64", "data.max_tokens=128", f"metrics.dir={tmp_path}",
+        "metrics.wandb=on", "metrics.plot=false"])
     summary = run(cfg)
     assert [r.step for r in summary.records] == [1, 2, 3, 4]
     assert [s for s, v in runs[0].logged if "train/loss" in v] == [1]

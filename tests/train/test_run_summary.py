@@ -2,9 +2,9 @@
 mean of per-step rates, which overstates it when steps differ in length)."""
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir, run
+from megatron_fastpath.train import run
 
 
 class _Clock:
@@ -26,10 +26,9 @@ def test_summary_tokens_per_s_is_tokens_over_wall_time(mcore_parallel, monkeypat
 
     clock = _Clock()
     monkeypatch.setattr(logger_mod, "time", clock)
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "training.steps=4", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
-            "model.ffn_hidden_size=64", "data.max_tokens=128"])
+    cfg = compose_job([
+        "training.steps=4", "data.num_samples=64", "model.num_layers=1", "model.hidden_size=32",
+        "model.ffn_hidden_size=64", "data.max_tokens=128"])
     s = run(cfg)
     start, end = clock.calls[0], clock.calls[-1]  # start_clock, then the last flush
     tokens = sum(r.tokens for r in s.records)

@@ -5,11 +5,11 @@ none. Checked from inside the model: which modes are active while it runs."""
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from megatron_fastpath.train import StepLogger, build_job, config_dir, parse_job_config, train
+from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
 from megatron_fastpath.train.config import SYNC_CHECK_FIRST_STEPS
 
 STEPS = 5
@@ -19,8 +19,7 @@ FAST = [f"training.steps={STEPS}", "data.num_samples=64", "model.num_layers=1", 
 
 
 def _run(mode, capsys):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=FAST + [f"training.sync_check={mode}"])
+    cfg = compose_job(FAST + [f"training.sync_check={mode}"])
     job = build_job(parse_job_config(cfg))
     seen = []  # (function modes, dispatch modes) active at each forward of the model
     job.model.register_forward_pre_hook(
@@ -54,8 +53,7 @@ def test_no_python_mode_in_a_step_after_the_counted_ones(mcore_parallel, capsys,
 
 
 def test_sync_check_is_checked_at_parse():
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=FAST + ["training.sync_check=sometimes"])
+    cfg = compose_job(FAST + ["training.sync_check=sometimes"])
     with pytest.raises(ValueError, match="training.sync_check must be first, every or off; got 'sometimes'"):
         parse_job_config(cfg)
 
@@ -69,8 +67,7 @@ def test_a_counted_step_still_finds_a_sync(mcore_parallel, capsys, monkeypatch):
 
 
 def _run_with_planted_sync(capsys):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=FAST)
+    cfg = compose_job(FAST)
     job = build_job(parse_job_config(cfg))
     job.model.register_forward_pre_hook(lambda m, a: torch.ones(1).add(1).item() and None)
     summary = train(job, StepLogger(job))
@@ -85,7 +82,6 @@ def test_a_resume_may_change_sync_check():
 
     prints = []
     for mode in ("first", "every", "off"):
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=FAST + [f"training.sync_check={mode}"])
+        cfg = compose_job(FAST + [f"training.sync_check={mode}"])
         prints.append(fingerprint_config(parse_job_config(cfg), dp_world=1))
     assert prints[0] == prints[1] == prints[2] and "sync_check" not in prints[0]["training"]

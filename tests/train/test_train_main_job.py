@@ -2,21 +2,18 @@
 host syncs per step, and config errors raised before any model is built."""
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from megatron_fastpath.train import config_dir
+from hydra_compose import compose_job
 from subproc import child_env
 
-CONFIG_DIR = config_dir()
 
 FAST = ["training.steps=12", "data.num_samples=256", "model.num_layers=2", "model.hidden_size=64",
         "model.ffn_hidden_size=160", "data.max_tokens=256", "training.lr=5e-3"]
 
 
 def cfg(overrides=()):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_job(list(overrides))
 
 
 def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):

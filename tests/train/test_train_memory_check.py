@@ -4,16 +4,14 @@ built, with the estimate and the machine's memory; ``training.skip_memory_check`
 import time
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_compose import compose_job
 
-from megatron_fastpath.train import config_dir
 from megatron_fastpath.train.config import parse_job_config
 from megatron_fastpath.train.memory import GIB, check_memory, estimate_memory, parameter_count
 
 
 def cfg(overrides=()):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_job(list(overrides))
 
 
 def test_llama3_8b_on_this_cpu_is_refused_quickly_with_the_estimate():
