@@ -10,7 +10,8 @@ On a CUDA machine it runs, within ``--budget-s`` seconds (default 10 minutes) an
 2. the main job on the GPU for a few steps in the headline configurations (default; LoRA + per-
    layer CUDA graphs, the MLPerf LoRA shape in small; MoE), each's summary JSON (tok/s, host
    syncs per step, losses);
-3. ``benchmarks/offload.py --quick`` (its GPU section: real streams, pinned memory).
+3. ``benchmarks/offload.py --quick`` (its GPU section: real streams, pinned memory) and
+   ``benchmarks/h2d_staging.py`` (pageable vs pinned-staged microbatch copies, GPU busy).
 
 ``benchmarks/packed_seq.py`` and ``benchmarks/moe_dispatch.py`` measure on the CPU only and are
 listed as not run. Each item gets a status (passed / failed / timeout / not run, with the
@@ -106,6 +107,10 @@ def plan(tmp: Path) -> list:
     items.append(("offload_benchmark", [py, str(REPO / "benchmarks" / "offload.py"), "--quick",
                                         "--json", str(bench)], 0.2,
                   lambda: {"results": json.loads(bench.read_text())["results"]} if bench.exists() else {}))
+    staged = tmp / "h2d_staging.json"
+    items.append(("h2d_staging_benchmark", [py, str(REPO / "benchmarks" / "h2d_staging.py"), "--reps", "5",
+                                            "--json", str(staged)], 0.05,
+                  lambda: {"results": json.loads(staged.read_text())["results"]} if staged.exists() else {}))
     return items
 
 

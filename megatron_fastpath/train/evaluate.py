@@ -57,7 +57,10 @@ class Evaluator:
     run between steps, never inside one."""
 
     def __init__(self, model, cache, bins: tuple, device):
+        from megatron_fastpath.packed_seq.staging import PinnedStaging
+
         self.model, self.cache, self.bins, self.device = model, cache, bins, device
+        self.staging = PinnedStaging(cache.config.max_tokens, device)
 
     @torch.no_grad()
     def __call__(self) -> EvalResult:
@@ -72,9 +75,7 @@ class Evaluator:
         try:
             for mb in self.bins:
                 with self.cache.batch(mb.lengths) as pb:
-                    tokens_1T = mb.tokens_1T.to(self.device, non_blocking=True)
-                    labels_1T = mb.labels_1T.to(self.device, non_blocking=True)
-                    mask_1T = mb.loss_mask_1T.to(self.device, non_blocking=True)
+                    tokens_1T, labels_1T, mask_1T = self.staging.to_device(mb)
                     if logits:
                         logits_1TV = forward(self.model, pb, tokens_1T)
                         per_tok_1T = self.model.compute_language_model_loss(

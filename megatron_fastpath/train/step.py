@@ -44,6 +44,7 @@ class StepParts:
     # gradient norm of the last step (device tensor or host float; None before the first)
     grad_norm: Callable = lambda: None
     in_flight: object = None
+    staging: object = None  # the GPU path's PinnedStaging (None on the CPU path)
 
 
 class _Unchecked:
@@ -281,6 +282,7 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_fastpath.packed_seq.inflight import InFlightBatches
+    from megatron_fastpath.packed_seq.staging import PinnedStaging
 
     ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
     schedule = get_forward_backward_func()
@@ -288,6 +290,8 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     dp_world = ps.get_data_parallel_world_size()
     last = {}
     in_flight = InFlightBatches(cache)
+    # one staging buffer per microbatch a stage can hold, plus one being filled
+    staging = PinnedStaging(cache.config.max_tokens, device, num_buffers=len(cache.slots) + 1)
 
     def forward_backward(mbs, global_loss_tokens: int, check_syncs: bool = True):
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -297,12 +301,11 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             mb = next(data_iterator)
             pb = in_flight.acquire(mb.lengths)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
-            tokens_1T = mb.tokens_1T.to(device, non_blocking=True)
-            labels_1T = mb.labels_1T.to(device, non_blocking=True)
+            tokens_1T, labels_1T, mask_1T = staging.to_device(mb)  # pinned: no stream sync
             output = in_flight.mark(forward(module, pb, tokens_1T, labels_1T), pb)
 
             def loss_func(per_token_1T):  # last pipeline stage only
-                loss = masked_loss_sum(per_token_1T, mb.loss_mask_1T.to(device, non_blocking=True))
+                loss = masked_loss_sum(per_token_1T, mask_1T)
                 loss_sum.add_(loss.detach())
                 # The schedule divides by the microbatch count and DDP averages over DP: undo
                 # both so gradients are those of the global token-normalised loss.
@@ -328,4 +331,4 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         return loss_sum, fwd_bwd
 
     return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
-                     grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight)
+                     grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight, staging=staging)

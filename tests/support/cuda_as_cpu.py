@@ -239,3 +239,42 @@ def moved_megatron_sites(sites) -> list:
         if line_no > len(lines) or text not in lines[line_no - 1]:
             moved.append(f"megatron/core/{rel}:{line_no} no longer contains {text!r}")
     return moved
+
+
+class PageableCopies(TorchFunctionMode):
+    """Stand-in for CUDA's contract on host->device copies, entered inside :func:`cuda_as_cpu`:
+    a copy to CUDA from pageable host memory is synchronous -- "for transfers from pageable
+    host memory to device memory, a stream sync is performed before the copy is initiated"
+    (CUDA Runtime API, *API synchronization behavior*) -- so every ``Tensor.to(cuda)`` /
+    ``.cuda()`` whose source was not allocated pinned (``pin_memory=True`` or
+    ``Tensor.pin_memory()``) is recorded as ``(location, bytes)`` in ``syncs``; ``pinned``
+    counts the copies from pinned memory. Entered inside ``cuda_as_cpu`` it sees the calls
+    before the CUDA-as-CPU mode rewrites them."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned_ptrs: set = set()
+        self.syncs: list = []
+        self.pinned = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if kwargs.get("pin_memory") and isinstance(out, torch.Tensor):
+            self.pinned_ptrs.add(out.data_ptr())
+        elif func is torch.Tensor.pin_memory:
+            self.pinned_ptrs.add(out.data_ptr())
+        elif func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(args[0], torch.Tensor):
+            to_cuda = func is torch.Tensor.cuda or any(
+                _is_cuda(a) for a in list(args[1:]) + [kwargs.get("device")] if not isinstance(a, torch.dtype))
+            if to_cuda and args[0].device.type == "cpu":
+                src = args[0]
+                base = src._base if src._base is not None else src
+                if base.data_ptr() in self.pinned_ptrs:
+                    self.pinned += 1
+                else:
+                    import traceback
+
+                    frame = traceback.extract_stack(limit=2)[0]  # the caller
+                    self.syncs.append((f"{frame.filename}:{frame.lineno}", src.numel() * src.element_size()))
+        return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra_compose import compose_job
 
-from cuda_as_cpu import CALLS, cuda_as_cpu
+from cuda_as_cpu import CALLS, PageableCopies, cuda_as_cpu
 from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
 
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
@@ -54,11 +54,15 @@ def _run_both(name, optimizer_step):
     cpu, cpu_params, _ = _train(MODELS[name] + ["training.device=cpu"])
     waits = CALLS["torch.cuda.synchronize"]
     get_cuda_rng_tracker().reset()
-    with cuda_as_cpu():
+    with cuda_as_cpu(), PageableCopies() as copies:
         gpu, gpu_params, job = _train(MODELS[name] + ["training.device=cuda",
                                                       f"training.optimizer_step={optimizer_step}"])
     # no explicit device-wide wait anywhere in the run (build included)
     assert CALLS["torch.cuda.synchronize"] == waits
+    # G16: no copy of the steps from pageable memory (a stream sync each on CUDA); the token
+    # ids / labels and loss masks of every microbatch went through the pinned staging ring
+    assert [site for site, _ in copies.syncs if "megatron_fastpath" in site and "/train/" in site] == []
+    assert job.step.staging.stats.copies == gpu.steps * 2 and copies.pinned >= 2 * job.step.staging.stats.copies
     # the job seeded Megatron's CUDA RNG tracker, which LoRA dropout (and, under sequence
     # parallelism, the embedding dropout) fork on a GPU: unseeded, the first fork raises
     assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
