@@ -25,8 +25,14 @@ sees only this rank's sequence shard (column: A, row: B) gets a partial gradient
 marked ``sequence_parallel = True``: Megatron's ``finalize_model_grads`` sums such gradients
 over the TP group, as it does for the layernorm weights.
 
-Dropout draws from Megatron's CUDA RNG tracker on CUDA (the Transformer Engine tracker when
-``use_te_rng_tracker``), which is what CUDA graphs can replay; on CPU from the default generator.
+Dropout of the adapter's input follows Megatron's RNG convention: an input sharded over TP
+(row-parallel base, or column-parallel under sequence parallelism) draws from Megatron's CUDA RNG
+tracker (the Transformer Engine tracker when ``use_te_rng_tracker``; a different mask per TP
+rank), a replicated one (column-parallel, no SP) from the default generator (the same mask on
+every TP rank). Both are replayable by CUDA graphs (torch registers the default generator with
+a capture, Megatron the tracker's). NeMo's ``ParallelLinearAdapter`` uses the default generator
+for both, so its row-parallel masks repeat across TP ranks; ours do not. On CPU: the default
+generator.
 
 Shapes: x [S, B, in_local] -> delta [S, B, out_local].
 """
@@ -133,8 +139,22 @@ class LoRALinear(torch.nn.Module):
         self._locked = True
 
     # ------------------------------------------------------------------ compute
+    @property
+    def input_sharded(self) -> bool:
+        """The adapter's input differs per TP rank: a row-parallel base's input is split along
+        the hidden dimension, a column-parallel base's is this rank's sequence shard under
+        sequence parallelism; otherwise (column, no SP) every TP rank holds the same input."""
+        return self.parallel == "row" or self.sequence_parallel
+
     def _dropout_rng(self):
-        if self.dropout is None or not self.training or self.lora_A.device.type != "cuda":
+        """Where the input dropout draws, by Megatron's convention: a sharded activation from
+        the model-parallel RNG stream (a different mask per TP rank, as Megatron's attention
+        dropout and its sequence-parallel hidden dropout), a replicated one from the default
+        generator (the same mask on every TP rank, as Megatron's hidden dropout outside
+        sequence parallelism). Forking for a replicated input gave each TP rank its own mask
+        of the same activation. On a CPU (no CUDA tracker): the default generator."""
+        if (self.dropout is None or not self.training or not self.input_sharded
+                or not torch.cuda.is_available()):
             return contextlib.nullcontext()
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

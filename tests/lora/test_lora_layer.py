@@ -142,14 +142,15 @@ def test_freeze_without_adapters_is_an_error(mcore_parallel):
 @pytest.mark.gpu
 def test_lora_dropout_uses_megatron_rng_tracker_and_stays_bf16_under_fp8(mcore_parallel):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel import RowParallelLinear
 
     model_parallel_cuda_manual_seed(123)
     cfg = build_transformer_config(SHAPE, params_dtype=torch.bfloat16)
     cfg.use_cpu_initialization = False
-    m = LoRALinear(64, 64, config=cfg, init_method=cfg.init_method, bias=False, gather_output=False,
-                   skip_bias_add=True, is_expert=False, base=ColumnParallelLinear,
-                   lora=LoRAConfig(rank=4, dropout=0.5), parallel="column").cuda()
+    # a row-parallel base: its input is sharded over TP, so the mask is the tracker's (G17)
+    m = LoRALinear(64, 64, config=cfg, init_method=cfg.init_method, bias=False, input_is_parallel=True,
+                   skip_bias_add=True, is_expert=False, base=RowParallelLinear,
+                   lora=LoRAConfig(rank=4, dropout=0.5), parallel="row").cuda()
     torch.nn.init.normal_(m.lora_B)
     x = torch.randn(8, 1, 64, device="cuda", dtype=torch.bfloat16)
     state = get_cuda_rng_tracker().get_states()
