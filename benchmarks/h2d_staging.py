@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from load_meter import LoadMeter, describe, write_results  # noqa: E402
+from load_meter import LoadMeter, describe, publish  # noqa: E402
 
 from megatron_fastpath.data import PackedMicrobatch  # noqa: E402
 from megatron_fastpath.packed_seq.staging import PinnedStaging  # noqa: E402
@@ -120,12 +120,7 @@ def main(argv=None) -> dict:
            ("CPU: only the staging memcpy the GPU path adds is measured; the pageable copies it "
             "removes (3 per microbatch, each a stream sync on CUDA) need a GPU to time"),
            describe(env)])
-    print(text)
-    result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k != "json"},
-              "results": rows}
-    if args.json:
-        write_results(args.json, result, text)
-    return result
+    return publish(args, env, rows, text)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,14 @@ def write_results(path, result: dict, text: str) -> None:
     path.write_text(json.dumps(result, indent=1, default=str))
     path.with_suffix(".txt").write_text(text + "\n")
     print(f"wrote {path} and {path.with_suffix('.txt')}")
+
+
+def publish(args, env: dict, rows: list, text: str) -> dict:
+    """Print a benchmark's table, and write it with its JSON when ``args.json`` is set; returns
+    the result dict (environment, the run's options except ``json``, the rows)."""
+    print(text)
+    result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k != "json"},
+              "results": rows}
+    if args.json:
+        write_results(args.json, result, text)
+    return result

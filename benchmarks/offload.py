@@ -67,7 +67,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_meter import LoadMeter, describe, write_results  # noqa: E402
+from load_meter import LoadMeter, describe, publish  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
 from megatron_fastpath.offload.plan import LayerTimes, plan_window  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
@@ -422,12 +422,7 @@ def main(argv=None) -> dict:
     env = _environment(meter)
     text = _table(rows) + "\n\n" + _summary(rows, env) + (
         f"\nwall time {time.perf_counter() - t0:.1f}s")
-    print(text)
-    result = {"environment": env, "config": {k: v for k, v in vars(args).items()
-                                             if k != "json"}, "results": rows}
-    if args.json:
-        write_results(args.json, result, text)
-    return result
+    return publish(args, env, rows, text)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from load_meter import LoadMeter, describe, write_results  # noqa: E402
+from load_meter import LoadMeter, describe, publish  # noqa: E402
 
 MODELS = {  # name: main-job overrides
     "default (tiny_dense, 2 x 256 tokens)": [],
@@ -118,12 +118,7 @@ def main(argv=None) -> dict:
         "ratio: with_over_without = step time with the sentinel / without it "
         "(> 1: what counting costs; training.sync_check=first pays it on the first 3 steps only)",
         describe(env)])
-    print(text)
-    result = {"environment": env, "config": {k: v for k, v in vars(args).items() if k != "json"},
-              "results": rows}
-    if args.json:
-        write_results(args.json, result, text)
-    return result
+    return publish(args, env, rows, text)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 with 0 host syncs in capacity mode and exactly 1 in dropless mode (forward + backward)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from subproc import free_port
 
 MODES = {
     # name: (dispatch overrides, expected host syncs per layer fwd+bwd)
@@ -17,12 +18,6 @@ MODES = {
     "dropless_pad16": (dict(pad_multiple=16), 1),
 }
 H, FF, E, K, S, B = 16, 32, 8, 2, 6, 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tc():
@@ -140,7 +135,7 @@ def _worker(rank, world, port, result_path):
 @pytest.mark.slow
 def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
     path = str(tmp_path / "ep_results")
-    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), path), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(f"{path}.{rank}")
         assert set(results) == set(MODES), results.keys()
@@ -198,7 +193,7 @@ def _padding_worker(rank, world, port, result_path):
 @pytest.mark.slow
 def test_ep2_padding_content_changes_nothing_real(tmp_path):
     path = str(tmp_path / "ep_padding")
-    mp.spawn(_padding_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(_padding_worker, args=(2, free_port(), path), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(f"{path}.{rank}")
         assert set(results) == set(PAD_MODES), results

@@ -5,16 +5,11 @@ apart -- which a checkpoint (one replica saved) then turns into a resume that is
 
 import json
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from subproc import free_port
 
 
 def _worker(rank, world, port, result_path):
@@ -53,7 +48,7 @@ def _worker(rank, world, port, result_path):
 
 def test_grad_norm_is_global_and_equals_megatrons(tmp_path):
     path = str(tmp_path / "r")
-    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), path), nprocs=2, join=True)
     r = [json.load(open(f"{path}.{i}")) for i in range(2)]
     assert r[0]["ours"] == r[1]["ours"]  # one norm: every rank clips by the same factor
     for x in r:
