@@ -23,12 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 __all__ = [
-    "DataParts", "DataProvider", "ExportConfig", "ModelProvider", "ModelSource", "data_provider",
+    "DataParts", "DataProvider", "ExportConfig", "ModelProvider", "ModelSource", "PackedDataSettings",
+    "data_provider",
     "model_provider", "pop_provider_key", "register_data_provider", "register_model_provider",
 ]
+
+
+class PackedDataSettings(Protocol):
+    """What the job reads from any data provider's config: the packed microbatch capacities
+    (the cache's static ``max_tokens`` / ``max_seqs``) and the data seed."""
+
+    max_tokens: int
+    max_seqs: int
+    seed: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@
     python -m megatron_fastpath.train training.steps=50 model=tiny_dense
     torchrun --nproc_per_node=2 -m megatron_fastpath.train  # data parallel
     python -m megatron_fastpath.train model=hf model.path=<hf dir> data=jsonl \
-        data.path=<file.jsonl> fastpath.lora=true export.adapter_dir=<dir>   # fine-tune (hf/job.py)
+        data.path=<file.jsonl> fastpath.lora=true export.adapter_dir=<dir>   # fine-tune (hf/provider.py)
 
 Read like torchtitan's ``train.py``::
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megatron_fastpath import rules
-from megatron_fastpath.data import DataConfig
 from megatron_fastpath.model import ModelConfig
 from megatron_fastpath.providers import (
     ExportConfig,
     ModelSource,
+    PackedDataSettings,
     data_provider,
     model_provider,
     pop_provider_key,
@@ -32,6 +32,13 @@ from megatron_fastpath.settings import (
     bounded,
     parse_group,
 )
+
+if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull in torch / Megatron)
+    from megatron_fastpath.checkpoint import CheckpointConfig
+    from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, GraphPlan
+    from megatron_fastpath.lora import LoRAConfig
+    from megatron_fastpath.offload import OffloadConfig
+    from megatron_fastpath.train.metrics import MetricsConfig
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
            "parse_job_config", "section"]
@@ -135,23 +142,23 @@ class JobConfig:
     """
 
     model: ModelConfig
-    data: DataConfig
+    data: PackedDataSettings  # the data provider's config (DataConfig, hf's JsonlDataConfig)
     training: TrainingConfig
     fastpath: FastpathConfig
     parallel: ParallelConfig
     cluster: ClusterConfig
-    lora: Any  # Optional[LoRAConfig]
-    offload: Any  # Optional[OffloadConfig]
-    cuda_graphs: Any  # Optional[CudaGraphConfig]
-    fp8: Any  # Optional[FP8Config]
+    lora: Optional[LoRAConfig]
+    offload: Optional[OffloadConfig]
+    cuda_graphs: Optional[CudaGraphConfig]
+    fp8: Optional[FP8Config]
     device: torch.device
     attention_backend: str
     linear_impl: str
-    plan: Any  # GraphPlan
+    plan: GraphPlan
     model_source: Optional[ModelSource] = None  # the model provider's parse (providers/)
     data_provider: str = "synthetic"  # the data group's provider key
-    metrics: Any = None  # Optional[MetricsConfig]: None when the tree has no metrics group
-    checkpoint: Any = None  # CheckpointConfig (checkpoint.dir None: off)
+    metrics: Optional[MetricsConfig] = None  # None when the tree has no metrics group
+    checkpoint: Optional[CheckpointConfig] = None  # checkpoint.dir None: off
     export: Optional[ExportConfig] = None  # what the run writes at the end (its model provider)
 
     @property
