@@ -150,10 +150,12 @@ class PackedCoreAttention(MegatronModule):
         if refused:
             raise ValueError(refused[0])
         self.cache = cache
+        # the padded view builds no [T, T] mask, so the mask's size limit does not apply to it
+        sdpa_limit = cache.config.max_tokens if cache.config.sdpa_padded else cache.config.sdpa_mask_max_tokens
         self.backend = resolve_backend(
-            backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens,
-            dtype=config.params_dtype,
+            backend, cache.device, cache.config.max_tokens, sdpa_limit, dtype=config.params_dtype,
         )
+        self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
         self.layer_number = layer_number
         self.apply_rope = apply_rope and cache.config.rope is not None
         self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
@@ -163,7 +165,8 @@ class PackedCoreAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_per_head)
         )
         # What this layer reads from the params; the cache builds it into every slot's params.
-        needs = {"sdpa": ["sdpa_mask"], "flex": ["flex_block_mask"], "flash": [], "te": []}[self.backend]
+        needs = {"sdpa": ["sdpa_padded" if self.sdpa_padded else "sdpa_mask"],
+                 "flex": ["flex_block_mask"], "flash": [], "te": []}[self.backend]
         if self.apply_rope:
             needs.append("rope_freqs" if self.backend == "te" else "rope_cos_sin")
         for kind in needs:
@@ -250,7 +253,8 @@ class PackedCoreAttention(MegatronModule):
                 f"{type(params).__name__}); load the batch with cache.set_batch(lengths or "
                 "cu_seqlens) and pass batch.packed_seq_params"
             )
-        field = {"sdpa": "sdpa_mask_TT", "flex": "flex_kv_indices"}.get(self.backend)
+        field = {"sdpa": "pad_gather_SM" if self.sdpa_padded else "sdpa_mask_TT",
+                 "flex": "flex_kv_indices"}.get(self.backend)
         if field is not None and getattr(params, field) is None:
             raise ValueError(
                 f"packed_seq_params carry no {field}: they come from a PackedSeqCache this "
@@ -281,6 +285,8 @@ class PackedCoreAttention(MegatronModule):
         return get_cuda_rng_tracker().fork()
 
     def _forward_sdpa(self, q, k, v, params):
+        if self.sdpa_padded:
+            return self._forward_sdpa_padded(q, k, v, params)
         mask_TT = params.sdpa_mask_TT  # additive, q's dtype: used as is, saved once per step
         if mask_TT.dtype != q.dtype:
             raise ValueError(
@@ -296,6 +302,27 @@ class PackedCoreAttention(MegatronModule):
                 enable_gqa=q.shape[1] != k.shape[1],
             )
         return out_1HTd.squeeze(0).transpose(0, 1)
+
+    def _forward_sdpa_padded(self, q, k, v, params):
+        """Causal SDPA on the packed-to-padded view: S rows of M tokens, one sequence per row,
+        left-aligned (q, k, v gathered through ``pad_gather_SM``; empty cells read an appended
+        zero row). Right padding needs no mask under causality: a real query at position i
+        sees keys 0..i of its own row, all real. Outputs of empty cells are dropped by the
+        scatter back (``pad_scatter_T``); padding tokens get zeros."""
+        gather_SM = params.pad_gather_SM
+        s_rows, m = gather_SM.shape
+
+        def padded(x_THd):  # [T, h, d] -> [S, h, M, d]
+            x_ext = torch.cat([x_THd, x_THd.new_zeros((1,) + x_THd.shape[1:])])
+            return x_ext[gather_SM].transpose(1, 2)
+
+        with self._dropout_rng():
+            out_ShMd = F.scaled_dot_product_attention(
+                padded(q), padded(k), padded(v), is_causal=True, dropout_p=self._dropout(),
+                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        out_flat = out_ShMd.transpose(1, 2).reshape(s_rows * m, q.shape[1], -1)
+        out_flat = torch.cat([out_flat, out_flat.new_zeros((1,) + out_flat.shape[1:])])
+        return out_flat[params.pad_scatter_T]
 
     def _forward_flex(self, q, k, v, params):
         if self._dropout() > 0:

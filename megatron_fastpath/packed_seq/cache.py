@@ -66,6 +66,12 @@ __all__ = [
 
 # The SDPA mask costs T^2 x (2 or 4) bytes per slot; above this many tokens SDPA is refused.
 DEFAULT_SDPA_MASK_MAX_TOKENS = 16384
+SDPA_LAYOUTS = ("auto", "mask", "padded")
+# sdpa_layout=auto takes the padded view when it computes this many times fewer scores than the
+# [T, T] mask: its gathers and scatter cost more than the saved scores below that. Measured on
+# CPU (benchmarks/results/attention_layout.json, one layer fwd+bwd): 2.7x fewer scores (T 512,
+# 6 sequences) -> the mask 1.9x faster; 21x fewer (T 4096, 48) -> the padded view 7.9x faster.
+PADDED_VIEW_MIN_SAVING = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +140,12 @@ class PackedSeqConfig:
         them into the graph's inputs).
     rope: rotary settings; None disables the RoPE structures.
     sdpa_mask_max_tokens: refuse to build a T x T SDPA mask above this T.
+    sdpa_layout: how the ``sdpa`` backend attends: "mask" (the packed [T] tokens against each
+        other under one [T, T] additive mask: T^2 scores), "padded" (the packed-to-padded view,
+        ``max_seqs`` rows of ``max_seqlen`` tokens, plain causal attention per row: S x M^2
+        scores, no mask) or "auto" (:attr:`sdpa_padded`: the padded view when it computes at
+        least :data:`PADDED_VIEW_MIN_SAVING` times fewer scores, 4 S M^2 < T^2 -- many short
+        sequences; the mask when a few long ones fill T).
     """
 
     max_tokens: int
@@ -142,6 +154,7 @@ class PackedSeqConfig:
     num_slots: int = 1
     rope: Optional[RopeConfig] = None
     sdpa_mask_max_tokens: int = DEFAULT_SDPA_MASK_MAX_TOKENS
+    sdpa_layout: str = "auto"
 
     def __post_init__(self):
         for name in ("max_tokens", "max_seqs", "num_slots"):
@@ -157,10 +170,19 @@ class PackedSeqConfig:
             raise ValueError(
                 f"max_seqlen must be in [1, max_tokens={self.max_tokens}]; got {self.max_seqlen}"
             )
+        if self.sdpa_layout not in SDPA_LAYOUTS:
+            raise ValueError(f"sdpa_layout must be one of {SDPA_LAYOUTS}; got {self.sdpa_layout!r}")
 
     @property
     def max_seqlen_bound(self) -> int:
         return self.max_seqlen if self.max_seqlen is not None else self.max_tokens
+
+    @property
+    def sdpa_padded(self) -> bool:
+        """The ``sdpa`` backend uses the packed-to-padded view (see ``sdpa_layout``)."""
+        if self.sdpa_layout != "auto":
+            return self.sdpa_layout == "padded"
+        return PADDED_VIEW_MIN_SAVING * self.max_seqs * self.max_seqlen_bound ** 2 < self.max_tokens ** 2
 
 
 # The flex BlockMask fields, in BlockMask's constructor order; Q / K blocks of FLEX_BLOCK tokens.
@@ -188,6 +210,11 @@ class CachedPackedSeqParams(PackedSeqParams):
     sdpa_mask_TT: [T, T] additive mask in the compute dtype: 0 where token i may attend j
         (same sequence, j <= i; a padding token attends itself), -inf elsewhere.
     flex_*: the ``BlockMask`` index tensors ([1, 1, Q] / [1, 1, Q, K] int32) of the same mask.
+    pad_gather_SM: [S, M] int64, the packed-to-padded view: row s holds sequence s's tokens
+        (their index in [0, T)) left-aligned; cells past a sequence's end and rows past the
+        batch's sequences hold T (a zero row appended by the reader).
+    pad_scatter_T: [T] int64, back again: the flat cell s * M + position of each token; S * M
+        (the appended zero row) for padding tokens.
     """
 
     position_ids_T: Optional[torch.Tensor] = None
@@ -205,6 +232,8 @@ class CachedPackedSeqParams(PackedSeqParams):
     flex_q_indices: Optional[torch.Tensor] = None
     flex_full_q_num_blocks: Optional[torch.Tensor] = None
     flex_full_q_indices: Optional[torch.Tensor] = None
+    pad_gather_SM: Optional[torch.Tensor] = None
+    pad_scatter_T: Optional[torch.Tensor] = None
 
     def tensors(self) -> dict:
         """Name -> tensor of every tensor field (what a graph copies at replay)."""
@@ -290,6 +319,7 @@ class _Slot:
             real_token_mask_T=torch.zeros(cfg.max_tokens, dtype=torch.bool, device=device),
         )
         self.padding_mask_1T = torch.zeros((1, cfg.max_tokens), dtype=torch.bool, device=device)
+        self.pad_gather_ext: Optional[torch.Tensor] = None  # [S * M + 1]: the padded view's gather
         self.host: Optional[HostPackedMetadata] = None
 
 
@@ -470,6 +500,11 @@ class PackedSeqCache:
             p.rope_freqs_T11D = torch.zeros((t, 1, 1, self.config.rope.dim), device=dev)
         elif kind == "sdpa_mask":
             p.sdpa_mask_TT = torch.zeros((t, t), dtype=dtype, device=dev)
+        elif kind == "sdpa_padded":
+            rows, m = self.config.max_seqs, self.config.max_seqlen_bound
+            slot.pad_gather_ext = torch.zeros((rows * m + 1,), dtype=torch.int64, device=dev)
+            p.pad_gather_SM = slot.pad_gather_ext[: rows * m].view(rows, m)
+            p.pad_scatter_T = torch.zeros((t,), dtype=torch.int64, device=dev)
         elif kind == "flex_block_mask":
             nb = -(-t // FLEX_BLOCK)
             for name in _FLEX_FIELDS:
@@ -534,6 +569,20 @@ class PackedSeqCache:
         outside_TT.logical_or_(torch.gt(j_1T, i_T1))  # after the query: causal
         p.sdpa_mask_TT.zero_().masked_fill_(outside_TT, float("-inf"))
 
+    def _build_sdpa_padded(self, slot: _Slot) -> None:
+        """The packed-to-padded index pair, from the slot's sequence ids and positions on the
+        device (no host read): token t of sequence s at position i sits in cell s * M + i;
+        every other cell gathers the zero row T, every padding token scatters from the zero
+        row S * M (the gather buffer's extra last cell absorbs their writes)."""
+        p, t = slot.params, self.config.max_tokens
+        s_rows, m = p.pad_gather_SM.shape
+        if self._arange_T is None:
+            self._arange_T = torch.arange(t, dtype=torch.int32, device=self.device)
+        seq_T = p.seq_ids_T.to(torch.int64)
+        cell_T = torch.where(seq_T >= 0, seq_T * m + p.position_ids_T.to(torch.int64), s_rows * m)
+        p.pad_scatter_T.copy_(cell_T)
+        slot.pad_gather_ext.fill_(t).scatter_(0, cell_T, self._arange_T.to(torch.int64))
+
     def _build_flex_block_mask(self, slot: _Slot) -> None:
         """The BlockMask of the same mask, copied into the slot's static index tensors
         (``create_block_mask`` allocates fresh ones; a graph replay needs fixed addresses)."""
@@ -546,7 +595,7 @@ class PackedSeqCache:
             getattr(slot.params, f"flex_{name}").copy_(getattr(fresh, name))
 
 
-KINDS = ("real_mask", "rope_cos_sin", "rope_freqs", "sdpa_mask", "flex_block_mask")
+KINDS = ("real_mask", "rope_cos_sin", "rope_freqs", "sdpa_mask", "sdpa_padded", "flex_block_mask")
 
 
 def packed_causal_mask_mod(seq_ids_T: torch.Tensor):

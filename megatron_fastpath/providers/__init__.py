@@ -70,6 +70,13 @@ class DataParts:
     report: Optional[dict] = None
     evaluate: bool = False
 
+    @property
+    def longest_sequence(self) -> int:
+        """The longest sequence of any bin, train or held-out (host lengths): the bound the
+        packed cache is sized by (its ``max_seqlen``)."""
+        bins = tuple(self.train.bins) + tuple(self.eval_bins)
+        return max(int(mb.lengths.max()) for mb in bins)
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:

@@ -86,6 +86,7 @@ class FastpathConfig:
     live in the group of the same name, read only when its switch is on.
 
     attention_backend: auto | sdpa | flex | flash | te (attention always reads the packed cache).
+    sdpa_layout: auto | mask | padded: how the sdpa backend attends (``PackedSeqConfig.sdpa_layout``).
     linear_impl: auto | local | te (te: Transformer Engine linears, needed for FP8).
     offload: double-buffered activation offload of layer inputs (group ``offload``).
     lora: LoRA adapters, base weights frozen (group ``lora``).
@@ -95,6 +96,7 @@ class FastpathConfig:
     """
 
     attention_backend: str = "auto"
+    sdpa_layout: str = "auto"
     linear_impl: str = "auto"
     offload: bool = False
     lora: bool = False
@@ -341,7 +343,11 @@ def parse_job_config(cfg: Any) -> JobConfig:
     facts = _run_facts(par, fast, features, is_moe, device, train.dtype)
     _refuse(rules.refusals(facts))  # the rules shared with the hooks (megatron_fastpath.rules)
     _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
-    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, 16384,
+    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS
+
+    if fast.sdpa_layout not in SDPA_LAYOUTS:
+        raise ValueError(f"fastpath.sdpa_layout must be one of {', '.join(SDPA_LAYOUTS)}; got {fast.sdpa_layout!r}")
+    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, DEFAULT_SDPA_MASK_MAX_TOKENS,
                               dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")

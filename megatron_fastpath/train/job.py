@@ -97,10 +97,22 @@ def build_transformer(cfg: JobConfig):
     )
 
 
-def build_cache(cfg: JobConfig):
+SEQLEN_BUCKET = 64  # the cache's max_seqlen bound is the data's longest sequence, rounded up to this
+
+
+def seqlen_bound(longest: int, max_tokens: int) -> int:
+    """The packed cache's static ``max_seqlen`` for data whose longest sequence is ``longest``:
+    rounded up to a multiple of :data:`SEQLEN_BUCKET`, at most ``max_tokens``. It sizes the
+    sdpa backend's padded view (rows of this many tokens) and is the ``max_seqlen`` flash / TE
+    get (their grids scale with it), instead of T."""
+    return min(max_tokens, -(-longest // SEQLEN_BUCKET) * SEQLEN_BUCKET)
+
+
+def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     """The packed-sequence cache: one slot per microbatch in flight -- on the GPU path as many
     as Megatron's 1F1B schedule holds between a forward and its backward on this pipeline
-    stage (``slots_for_1f1b``: one without pipelining), one on the CPU path."""
+    stage (``slots_for_1f1b``: one without pipelining), one on the CPU path; its sequence bound
+    from the data (:func:`seqlen_bound`; T when not given)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
@@ -111,10 +123,11 @@ def build_cache(cfg: JobConfig):
         in_flight = slots_for_1f1b(cfg.training.micro_batches,
                                    ps.get_pipeline_model_parallel_world_size(),
                                    ps.get_pipeline_model_parallel_rank())
+    bound = None if longest_sequence is None else seqlen_bound(longest_sequence, cfg.data.max_tokens)
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
-                        num_slots=in_flight,
-                        rope=cfg.model_source.rope),
+                        max_seqlen=bound, num_slots=in_flight, rope=cfg.model_source.rope,
+                        sdpa_layout=cfg.fastpath.sdpa_layout),
         device=cfg.device,
     )
 
@@ -175,15 +188,16 @@ def build_job(cfg: JobConfig) -> Job:
 
         prepare_cuda_graphs(cfg.training.seed, use_te_rng_tracker=cfg.cuda_graphs.use_te_rng_tracker)
     tcfg = build_transformer(cfg)
-    cache = build_cache(cfg)
+    dp_world = ps.get_data_parallel_world_size()
+    # the data first: the cache's sequence bound comes from its longest sequence
+    parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
+    cache = build_cache(cfg, parts.longest_sequence)
     model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None
     if cfg.offload is not None:
         from megatron_fastpath.offload import get_offload_manager
 
         offload = get_offload_manager(model)
-    dp_world = ps.get_data_parallel_world_size()
-    parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
     evaluator = None
     if parts.evaluate:  # held-out bins: evaluated every data.eval_every steps
         from megatron_fastpath.train.evaluate import Evaluator

@@ -216,11 +216,15 @@ class StepLogger:
         model_parallel = "".join(f", {name} {size}" for name, size in (
             ("tp", p.tensor_model_parallel_size), ("pp", p.pipeline_model_parallel_size)) if size > 1)
         sp = ", sequence parallel" if p.sequence_parallel else ""
+        layout = ""
+        if c.attention_backend == "sdpa":  # packed_seq/cache.py PackedSeqConfig.sdpa_layout
+            layout = " (padded view)" if j.cache.config.sdpa_padded else " ([T, T] mask)"
         self.print(
             f"megatron_fastpath: {m.num_layers} layers, hidden {m.hidden_size}{experts}, "
             f"{j.total_params:,} params ({j.trainable_params:,} trainable) on {c.device} (world "
             f"{j.world}, dp {j.dp_world}, ep {p.expert_model_parallel_size}{model_parallel}{sp}), "
-            f"{j.data.num_microbatches} packed microbatches, attention {c.attention_backend}, "
+            f"{j.data.num_microbatches} packed microbatches (sequences <= "
+            f"{j.cache.config.max_seqlen_bound} tokens), attention {c.attention_backend}{layout}, "
             f"features: {', '.join(c.features) or 'none'}"
         )
         for note in c.plan.notes:

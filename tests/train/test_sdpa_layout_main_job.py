@@ -1,0 +1,46 @@
+"""The main job sizes the packed cache from its data (issue 25 item 1) and, with the sdpa
+backend, attends through the padded view where it computes fewer scores (item 2): the same
+losses and gradient norms as the [T, T] mask layout, and the startup line says which."""
+
+import pytest
+
+from hydra_compose import compose_job
+from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
+from megatron_fastpath.train.job import seqlen_bound
+
+# T = 512, up to 8 sequences of 8..48 tokens: bound 64, 4 * 8 * 64^2 < 512^2 -> padded view
+SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.max_seqs=8",
+         "model.num_layers=2",
+         "model.hidden_size=64", "model.ffn_hidden_size=96", "metrics.wandb=off",
+         "metrics.tensorboard=false", "metrics.plot=false"]
+
+
+def _run(layout, capsys):
+    job = build_job(parse_job_config(compose_job(SMALL + [f"fastpath.sdpa_layout={layout}"])))
+    logger = StepLogger(job)
+    logger.header()
+    summary = train(job, logger)
+    return job, summary, capsys.readouterr().out
+
+
+def test_padded_view_trains_like_the_mask_layout(mcore_parallel, capsys):
+    job_p, auto, out_p = _run("auto", capsys)
+    job_m, mask, out_m = _run("mask", capsys)
+    longest = max(int(mb.lengths.max()) for mb in job_p.data.bins)
+    assert longest <= 48 and job_p.cache.config.max_seqlen == seqlen_bound(longest, 512) == 64
+    assert job_p.cache.config.sdpa_padded and not job_m.cache.config.sdpa_padded
+    assert "(sequences <= 64 tokens), attention sdpa (padded view)" in out_p
+    assert "attention sdpa ([T, T] mask)" in out_m
+    assert job_p.cache.stats.per_kind.get("sdpa_mask") is None
+    for a, b in zip(auto.records, mask.records):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("longest, expected", [(1, 64), (64, 64), (65, 128), (600, 512)])
+def test_seqlen_bound_buckets(longest, expected):
+    assert seqlen_bound(longest, 512) == expected
+
+
+def test_bad_layout_refused_at_parse():
+    with pytest.raises(ValueError, match="fastpath.sdpa_layout must be one of auto, mask, padded"):
+        parse_job_config(compose_job(["fastpath.sdpa_layout=dense"]))
