@@ -64,6 +64,8 @@ class FastpathSettings:
 
     max_tokens: T, tokens per packed microbatch (the framework's packed sequence size).
     max_seqs: S, sequences per packed microbatch (the static ``cu_seqlens`` capacity is S + 1).
+    max_seqlen: the longest sequence bound M (None: T): the ``max_seqlen`` flash / TE get and
+        the rows of the sdpa backend's padded view (``PackedSeqConfig.max_seqlen``).
     num_slots: microbatches in flight at once (the pipeline size for 1F1B, 1 without PP).
     attention_backend: "auto" | "sdpa" | "flex" | "flash" | "te" (see ``PackedCoreAttention``).
     linear_impl: None (per backend), "local" or "te" (Transformer Engine linears; FP8 needs it).
@@ -78,6 +80,7 @@ class FastpathSettings:
 
     max_tokens: int
     max_seqs: int
+    max_seqlen: Optional[int] = None
     num_slots: int = 1
     attention_backend: str = "auto"
     linear_impl: Optional[str] = None
@@ -99,6 +102,10 @@ class FastpathSettings:
                 f"FastpathSettings.max_seqs={self.max_seqs} > max_tokens={self.max_tokens}: "
                 "every sequence has at least one token"
             )
+        if self.max_seqlen is not None and not (
+                isinstance(self.max_seqlen, int) and 0 < self.max_seqlen <= self.max_tokens):
+            raise ValueError(f"FastpathSettings.max_seqlen must be an int in [1, max_tokens="
+                             f"{self.max_tokens}] or None; got {self.max_seqlen!r}")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}; got {self.attention_backend!r}"
@@ -160,6 +167,7 @@ def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.de
         PackedSeqConfig(
             max_tokens=settings.max_tokens,
             max_seqs=settings.max_seqs,
+            max_seqlen=settings.max_seqlen,
             num_slots=settings.num_slots,
             rope=rope,
         ),

@@ -53,6 +53,7 @@ class HookRequest:
     attention_backend: str = "auto"
     packed_cache: bool = True
     max_seqs: Optional[int] = None
+    max_seqlen: Optional[int] = None
     cuda_graphs: Optional[bool] = None
     fp8: Any = None  # None (keep), False (off), "hybrid" | "e4m3"
     fp8_recipe: Optional[str] = None
@@ -322,6 +323,10 @@ def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[
         reasons.append(
             f"max_seqs={request.max_seqs} must be in [1, packed_sequence_size={facts.packed_size}]"
         )
+    if request.max_seqlen is not None and facts.packed and not 0 < request.max_seqlen <= facts.packed_size:
+        reasons.append(
+            f"max_seqlen={request.max_seqlen} must be in [1, packed_sequence_size={facts.packed_size}]"
+        )
     return reasons
 
 
@@ -386,6 +391,7 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
     settings = dict(
         max_tokens=max_tokens,
         max_seqs=request.max_seqs or max_tokens,
+        max_seqlen=request.max_seqlen,
         num_slots=facts.pipeline_size,
         attention_backend=request.attention_backend,
         linear_impl="te" if _fp8_on(facts, request) else None,

@@ -59,6 +59,7 @@ __all__ = [
     "RecipeNotSupportedError",
     "apply_fastpath",
     "fastpath_forward_step",
+    "max_seqlen_from_pack_metadata",
     "max_seqs_from_pack_metadata",
 ]
 
@@ -148,15 +149,30 @@ def fastpath_forward_step(model, batch: dict):
     return forward(getattr(model, "module", model), pb, batch["tokens"], batch["labels"])
 
 
+def _pack_metadata(path, key: str) -> list:
+    with open(path) as f:
+        meta = json.load(f)
+    if not isinstance(meta, list) or not meta or not all(isinstance(m, dict) and key in m for m in meta):
+        raise ValueError(f"{path} is not a NeMo packing metadata file (list of dicts with {key})")
+    return meta
+
+
 def max_seqs_from_pack_metadata(path) -> int:
     """``max_seqs`` for :func:`apply_fastpath` from NeMo's packing metadata JSON (written by
     ``prepare_packed_sequence_data``: one dict per packed split with ``max_samples_per_bin``),
-    plus one for the padding chunk the collate appends as its own ``cu_seqlens`` entry."""
-    with open(path) as f:
-        meta = json.load(f)
-    if not isinstance(meta, list) or not meta or not all("max_samples_per_bin" in m for m in meta):
-        raise ValueError(f"{path} is not a NeMo packing metadata file (list of dicts with max_samples_per_bin)")
-    return max(int(m["max_samples_per_bin"]) for m in meta) + 1
+    plus one for the padding chunk a collate without ``token_count`` keeps as a sequence."""
+    return max(int(m["max_samples_per_bin"]) for m in _pack_metadata(path, "max_samples_per_bin")) + 1
+
+
+def max_seqlen_from_pack_metadata(path) -> int:
+    """``max_seqlen`` for :func:`apply_fastpath` from the same file: its ``dataset_max_seqlen``
+    (the longest tokenized sample; the collate feeds one token less of it) rounded up by
+    ``packed_seq.cache.seqlen_bound`` and capped at the pack size."""
+    from megatron_fastpath.packed_seq.cache import seqlen_bound
+
+    meta = _pack_metadata(path, "dataset_max_seqlen")
+    return max(seqlen_bound(int(m["dataset_max_seqlen"]), int(m.get("pack_size") or m["dataset_max_seqlen"]))
+               for m in meta)
 
 
 def apply_fastpath(
@@ -165,6 +181,7 @@ def apply_fastpath(
     attention_backend: str = "auto",
     packed_cache: bool = True,
     max_seqs: Optional[int] = None,
+    max_seqlen: Optional[int] = None,
     cuda_graphs: Optional[bool] = None,
     fp8: Optional[str | bool] = None,
     fp8_recipe: Optional[str] = None,
@@ -182,6 +199,9 @@ def apply_fastpath(
         max_seqs: static sequences-per-pack capacity S. Default: packed_sequence_size (always
             enough). A tighter S makes the varlen kernels' grids smaller: use
             :func:`max_seqs_from_pack_metadata` once NeMo has packed the data.
+        max_seqlen: bound M on the longest sequence (default: packed_sequence_size). The
+            kernels' ``max_seqlen`` and the sdpa padded view's rows:
+            :func:`max_seqlen_from_pack_metadata` reads it from NeMo's packing metadata.
         cuda_graphs: True sets ``enable_cuda_graph`` (+ ``use_te_rng_tracker``, which NeMo
             requires); False clears it; None keeps the recipe's value.
         fp8: "hybrid" / "e4m3" turns FP8 on in the recipe's ``MegatronMixedPrecision`` plugin,
@@ -204,7 +224,7 @@ def apply_fastpath(
 
     request = core.HookRequest(
         attention_backend=attention_backend, packed_cache=packed_cache, max_seqs=max_seqs,
-        cuda_graphs=cuda_graphs, fp8=fp8, fp8_recipe=fp8_recipe, lora=lora,
+        max_seqlen=max_seqlen, cuda_graphs=cuda_graphs, fp8=fp8, fp8_recipe=fp8_recipe, lora=lora,
         moe_expert_backend=moe_expert_backend,
     )
     model_cfg = _gpt_model_config(recipe)

@@ -62,6 +62,7 @@ __all__ = [
     "PackedSeqCache",
     "PackedSeqConfig",
     "RopeConfig",
+    "seqlen_bound",
 ]
 
 # The SDPA mask costs T^2 x (2 or 4) bytes per slot; above this many tokens SDPA is refused.
@@ -72,6 +73,17 @@ SDPA_LAYOUTS = ("auto", "mask", "padded")
 # CPU (benchmarks/results/attention_layout.json, one layer fwd+bwd): 2.7x fewer scores (T 512,
 # 6 sequences) -> the mask 1.9x faster; 21x fewer (T 4096, 48) -> the padded view 7.9x faster.
 PADDED_VIEW_MIN_SAVING = 4
+SEQLEN_BUCKET = 64  # a data-derived max_seqlen is the longest sequence rounded up to this
+
+
+def seqlen_bound(longest: int, max_tokens: int) -> int:
+    """The static ``max_seqlen`` for data whose longest sequence is ``longest`` tokens: rounded
+    up to a multiple of :data:`SEQLEN_BUCKET`, at most ``max_tokens``. It sizes the sdpa
+    backend's padded view (rows of this many tokens) and is the ``max_seqlen`` flash / TE get
+    (their grids scale with it) instead of T."""
+    if longest < 1:
+        raise ValueError(f"the longest sequence must be >= 1 token; got {longest}")
+    return min(max_tokens, -(-longest // SEQLEN_BUCKET) * SEQLEN_BUCKET)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,25 +97,15 @@ def build_transformer(cfg: JobConfig):
     )
 
 
-SEQLEN_BUCKET = 64  # the cache's max_seqlen bound is the data's longest sequence, rounded up to this
-
-
-def seqlen_bound(longest: int, max_tokens: int) -> int:
-    """The packed cache's static ``max_seqlen`` for data whose longest sequence is ``longest``:
-    rounded up to a multiple of :data:`SEQLEN_BUCKET`, at most ``max_tokens``. It sizes the
-    sdpa backend's padded view (rows of this many tokens) and is the ``max_seqlen`` flash / TE
-    get (their grids scale with it), instead of T."""
-    return min(max_tokens, -(-longest // SEQLEN_BUCKET) * SEQLEN_BUCKET)
-
-
 def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     """The packed-sequence cache: one slot per microbatch in flight -- on the GPU path as many
     as Megatron's 1F1B schedule holds between a forward and its backward on this pipeline
     stage (``slots_for_1f1b``: one without pipelining), one on the CPU path; its sequence bound
-    from the data (:func:`seqlen_bound`; T when not given)."""
+    from the data (``packed_seq.cache.seqlen_bound``; T when not given)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+    from megatron_fastpath.packed_seq.cache import seqlen_bound
     from megatron_fastpath.packed_seq.inflight import slots_for_1f1b
 
     in_flight = 1

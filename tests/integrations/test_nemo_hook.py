@@ -297,6 +297,31 @@ def test_pipeline_parallel_sets_slots():
     assert fdl.build(r.model.config.transformer_layer_spec.settings).num_slots == 4
 
 
+def test_max_seqlen_from_pack_metadata_bounds_the_cache(tmp_path, mcore_parallel):
+    """Issue 25 item 1 for the hooks: the sequence bound comes from NeMo's packing metadata
+    (dataset_max_seqlen, rounded up to 64, capped at the pack size), not from T."""
+    from megatron_fastpath.integrations.nemo import max_seqlen_from_pack_metadata
+
+    meta = tmp_path / "metadata.json"
+    meta.write_text(json.dumps([{"dataset_max_seqlen": 100, "max_samples_per_bin": 9, "pack_size": 4096},
+                                {"dataset_max_seqlen": 130, "max_samples_per_bin": 7, "pack_size": 4096}]))
+    assert max_seqlen_from_pack_metadata(meta) == 192
+    meta.write_text(json.dumps([{"dataset_max_seqlen": 4000, "max_samples_per_bin": 1, "pack_size": 4000}]))
+    assert max_seqlen_from_pack_metadata(meta) == 4000
+    meta.write_text(json.dumps([{"max_samples_per_bin": 1}]))
+    with pytest.raises(ValueError, match="with dataset_max_seqlen"):
+        max_seqlen_from_pack_metadata(meta)
+
+    r = apply_fastpath(make_tiny(recipe()), max_seqs=16, max_seqlen=32)
+    settings = fdl.build(r.model.config.transformer_layer_spec.settings)
+    assert settings.max_seqlen == 32
+    build_model(r)
+    cache, _ = cache_for(settings)
+    assert cache.config.max_seqlen == 32 and cache.config.max_seqlen_bound == 32
+    with pytest.raises(RecipeNotSupportedError, match=r"max_seqlen=65 must be in \[1, packed_sequence_size=64\]"):
+        apply_fastpath(make_tiny(recipe()), max_seqlen=65)
+
+
 # --------------------------------------------------------------------------- built models
 def test_hooked_tiny_llama_builds_fastpath_layers_and_nemo_io(mcore_parallel, tmp_path):
     from nemo.lightning import io

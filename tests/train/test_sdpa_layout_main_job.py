@@ -6,7 +6,7 @@ import pytest
 
 from hydra_compose import compose_job
 from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
-from megatron_fastpath.train.job import seqlen_bound
+from megatron_fastpath.packed_seq.cache import seqlen_bound
 
 # T = 512, up to 8 sequences of 8..48 tokens: bound 64, 4 * 8 * 64^2 < 512^2 -> padded view
 SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.max_seqs=8",
