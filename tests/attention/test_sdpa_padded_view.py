@@ -102,3 +102,18 @@ def test_padded_view_lifts_the_mask_size_limit():
     assert attn.backend == "sdpa" and attn.sdpa_padded  # the mask would be refused at 40000
     with pytest.raises(ValueError, match="sdpa_layout must be one of"):
         PackedSeqConfig(max_tokens=T, max_seqs=S, sdpa_layout="dense")
+
+
+def test_padded_view_saves_no_t_by_t_tensor_for_backward():
+    """Issue 25: the padded-view path keeps nothing of T x T elements for backward (the mask
+    layout saves its [T, T] mask), checked with autograd's saved-tensor hooks."""
+    saved = {}
+    for layout in ("padded", "mask"):
+        attn, cache = attention(layout)
+        q, k, v = qkv()
+        shapes = []
+        with cache.batch([10, 22, 5, 3]) as pb:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, lambda t: t):
+                attn(q, k, v, None, packed_seq_params=pb.packed_seq_params)
+        saved[layout] = [s for s in shapes if tuple(s[-2:]) == (T, T)]
+    assert saved["padded"] == [] and saved["mask"]
