@@ -42,6 +42,8 @@ class StepResult:
     eval_loss: Optional[float] = None  # held-out loss measured right after this step
     eval_token_accuracy: Optional[float] = None  # share of held-out loss tokens predicted (argmax)
     applied: Optional[torch.Tensor] = None  # sync-free step: False = update skipped (inf/nan)
+    # CUDA: (start, end) timing events around the step; its device time is read with its loss
+    device_timing: Optional[tuple] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +66,22 @@ class StepRecord:
     eval_loss: Optional[float] = None
     eval_token_accuracy: Optional[float] = None
     skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
+    host_ms: Optional[float] = None  # time the host spent issuing the step (== step_ms on CPU)
 
     @classmethod
     def from_result(cls, r: StepResult, loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
+        """``step_ms`` (and tok/s) is the step's device time on CUDA -- the events around it,
+        read after its loss, so they have completed -- and its host time on a CPU. A GPU step's
+        host time only measures how fast work was queued: it overstates throughput whenever
+        nothing inside the step waits for the device."""
+        step_ms = r.step_ms
+        if r.device_timing is not None:
+            start, end = r.device_timing
+            step_ms = float(start.elapsed_time(end))
         return cls(
             skipped=None if applied is None else not _scalar(applied),
             step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
-            step_ms=r.step_ms, tokens_per_s=r.tokens / (r.step_ms / 1e3),
+            step_ms=step_ms, tokens_per_s=r.tokens / (step_ms / 1e3), host_ms=r.step_ms,
             syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
             cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,

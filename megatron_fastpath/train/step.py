@@ -74,12 +74,18 @@ def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = T
     stats_before = job.cache.stats.snapshot()
     if job.offload is not None:
         job.offload.begin_step()
+    timing = None
+    if job.cfg.device.type == "cuda":  # the step's device time, read when its loss is (a step late)
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        timing[0].record()
     t0 = time.perf_counter()
     with job.audit.step() if audit else contextlib.nullcontext():
         with sync_check(check_syncs, f"step {batch.step}") as step_sentinel:
             loss_sum, fwd_bwd = job.step.forward_backward(
                 batch.microbatches, batch.global_loss_tokens, check_syncs)
     step_ms = (time.perf_counter() - t0) * 1e3
+    if timing is not None:
+        timing[1].record()
     off = job.offload.end_step() if job.offload is not None else None
     # the sync-free optimizer step's applied flag: a device tensor, logged a step late
     sync_free = getattr(job.step.optimizer, "last", None)
@@ -88,7 +94,7 @@ def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = T
     d = job.cache.stats.since(stats_before)
     return StepResult(
         step=batch.step, loss_sum=loss_sum, lr=lr, tokens=batch.global_tokens,
-        loss_tokens=batch.global_loss_tokens, step_ms=step_ms,
+        loss_tokens=batch.global_loss_tokens, step_ms=step_ms, device_timing=timing,
         syncs_fwd_bwd=fwd_bwd.num_syncs, syncs_step=step_sentinel.num_syncs,
         sync_sites=tuple(sorted(step_sentinel.by_location())),
         cache_builds=d.builds,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from typing import Iterator
 from unittest import mock
 
@@ -142,11 +143,24 @@ class _FakeStream:
 
 
 class _FakeEvent:
-    def __init__(self, *args, **kwargs):
-        pass
+    """Stand-in for ``torch.cuda.Event``. ``elapsed_time`` keeps the real contract (torch
+    ``cuda/streams.py`` -> ``cudaEventElapsedTime``): both events created with
+    ``enable_timing=True`` and both recorded, else it raises as CUDA does; the time is the
+    host's between the two ``record`` calls (on the CPU the work ran in between)."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+        self.recorded_at = None
 
     def record(self, stream=None):
-        pass
+        self.recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end_event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.recorded_at is None or end_event.recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event.recorded_at - self.recorded_at) * 1e3
 
     def wait(self, stream=None):
         pass
