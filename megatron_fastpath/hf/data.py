@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
            "DataError"]
 
-CACHE_VERSION = 2  # bump when tokenization or masking changes
+CACHE_VERSION = 3  # bump when tokenization or masking changes
 
 
 class DataError(ValueError):
@@ -41,6 +41,8 @@ class JsonlDataConfig:
     eval_every: held-out loss every this many steps (0: only before and after training).
     bad_records: error | skip (malformed lines and records longer than max_tokens).
     cache: cache tokenized records beside the data file.
+    format: auto (detected per record from its keys, as TRL does) | messages |
+        prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
     """
 
     path: str = ""
@@ -52,10 +54,13 @@ class JsonlDataConfig:
     bad_records: str = "error"
     cache: bool = True
     seed: int = 1234
+    format: str = "auto"
 
     def __post_init__(self):
         if not self.path:
             raise DataError("data.path must name a JSONL file (data=jsonl data.path=<file.jsonl>)")
+        if self.format not in FORMATS:
+            raise DataError(f"data.format must be one of {', '.join(FORMATS)}; got {self.format!r}")
         if self.bad_records not in ("error", "skip"):
             raise DataError(f"data.bad_records must be 'error' or 'skip'; got {self.bad_records!r}")
         if self.eval_every < 0:
@@ -75,23 +80,113 @@ class TokenizedData:
     malformed: list
 
 
-def _validate(rec):
-    """'chat' or 'pc' for a well-formed record, else a reason string (raises nothing)."""
-    if not isinstance(rec, dict):
-        return None, "not a JSON object"
+# data.format: "auto" detects per record (below); the others force one format for every record.
+FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "sharegpt", "text")
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speaker names (from/value), the aliases FastChat / Axolotl / LLaMA-Factory accept
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                  "bing": "assistant", "model": "assistant", "tool": "tool"}
+
+
+def _detect(rec) -> Optional[str]:
+    """The record's format from its keys, as TRL detects a dataset's: messages,
+    conversations (ShareGPT), prompt + completion, instruction + output (Alpaca), text."""
     if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            return None, "'messages' must be a non-empty list"
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return None, f"messages[{j}] needs string 'role' and 'content'"
-        if not any(m["role"] == "assistant" for m in msgs):
-            return None, "no assistant message (nothing to learn)"
-        return "chat", None
-    if isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-        return "pc", None
-    return None, "no 'messages' key (nor string 'prompt' and 'completion')"
+        return "messages"
+    if "conversations" in rec:
+        return "sharegpt"
+    if "prompt" in rec and "completion" in rec:
+        return "prompt_completion"
+    if "instruction" in rec and "output" in rec:
+        return "alpaca"
+    if "text" in rec:
+        return "text"
+    return None
+
+
+def _checked_messages(msgs, where: str):
+    if not isinstance(msgs, list) or not msgs:
+        return None, f"'{where}' must be a non-empty list"
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return None, f"{where}[{j}] needs string 'role' and 'content'"
+        if m["role"] not in ROLES:
+            return None, (f"{where}[{j}] has the unknown role {m['role']!r} (roles: "
+                          f"{', '.join(ROLES)}); a misspelled role would train as context")
+    return msgs, None
+
+
+def _normalise(rec, fmt: str):
+    """(kind, payload, None) of a well-formed record of format ``fmt``, else (None, None, reason).
+    kind "chat": payload = the messages (loss on assistant turns); "pc": (prompt, completion)
+    strings (loss on the completion + EOS); "text": the text (loss on every token)."""
+    if fmt == "messages":
+        msgs, why = _checked_messages(rec.get("messages"), "messages")
+    elif fmt == "sharegpt":
+        conv = rec.get("conversations")
+        if not isinstance(conv, list) or not conv:
+            return None, None, "'conversations' must be a non-empty list"
+        msgs = []
+        for j, turn in enumerate(conv):
+            if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+                return None, None, f"conversations[{j}] needs string 'from' and 'value'"
+            role = SHAREGPT_ROLES.get(turn["from"].lower())
+            if role is None:
+                return None, None, (f"conversations[{j}] has the unknown speaker {turn['from']!r} "
+                                    f"(known: {', '.join(sorted(SHAREGPT_ROLES))})")
+            msgs.append({"role": role, "content": turn["value"]})
+        why = None
+    elif fmt == "alpaca":
+        inst, extra, out = rec.get("instruction"), rec.get("input", ""), rec.get("output")
+        if not all(isinstance(x, str) for x in (inst, extra, out)):
+            return None, None, "alpaca records need string 'instruction' and 'output' (and 'input' if given)"
+        user = inst if not extra else f"{inst}\n\n{extra}"
+        msgs, why = [{"role": "user", "content": user}, {"role": "assistant", "content": out}], None
+    elif fmt == "prompt_completion":
+        prompt, completion = rec.get("prompt"), rec.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return "pc", (prompt, completion), None
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            return None, None, "'prompt' and 'completion' must both be strings or both message lists"
+        p, why = _checked_messages(prompt, "prompt")
+        c, why_c = _checked_messages(completion, "completion") if why is None else (None, None)
+        why = why or why_c
+        if why is None and any(m["role"] == "assistant" for m in p):
+            why = ("prompt-completion message lists with assistant turns in the prompt: only the "
+                   "completion may be trained; put the conversation in 'messages' instead")
+        if why is None and any(m["role"] != "assistant" for m in c):
+            why = "the completion message list must hold assistant turns only"
+        msgs = None if why else p + c
+    elif fmt == "text":
+        text = rec.get("text")
+        if not isinstance(text, str) or not text:
+            return None, None, "'text' must be a non-empty string"
+        return "text", text, None
+    else:  # pragma: no cover - FORMATS is checked at parse
+        raise ValueError(fmt)
+    if why is not None:
+        return None, None, why
+    if not any(m["role"] == "assistant" for m in msgs):
+        return None, None, "no assistant message (nothing to learn)"
+    return "chat", msgs, None
+
+
+def _validate(rec, forced: str = "auto", family: Optional[str] = None):
+    """(kind, payload, None) or (None, None, reason) for one parsed record (raises nothing).
+    ``forced``: data.format; under "auto" the format is detected per record, and ``family``
+    ("text" or "conversational", set by the file's first good record) keeps plain-text and
+    conversational records from mixing silently."""
+    if not isinstance(rec, dict):
+        return None, None, "not a JSON object"
+    fmt = forced if forced != "auto" else _detect(rec)
+    if fmt is None:
+        return None, None, ("no 'messages' key (nor 'conversations', string or message-list "
+                            "'prompt' and 'completion', 'instruction' and 'output', or 'text')")
+    if forced == "auto" and family is not None and (fmt == "text") != (family == "text"):
+        return None, None, (f"a {fmt} record in a {family} file (the format of its first record); "
+                            "set data.format to train one format")
+    return _normalise(rec, fmt)
 
 
 def _progress(total: int, desc: str):
@@ -114,25 +209,33 @@ def _file_digest(*paths: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_jsonl(path: str, tokenizer) -> TokenizedData:
-    """Tokenize every line of ``path`` (no caching here)."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto") -> TokenizedData:
+    """Tokenize every line of ``path`` (no caching here); ``fmt``: data.format."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
     with BoundedRenderer(tokenizer, path) as renderer:  # chat templates bounded in time and memory
-        return _tokenize_lines(lines, tokenizer, renderer)
+        return _tokenize_lines(lines, tokenizer, renderer, fmt)
 
 
-def _tokenize_lines(lines: list, tokenizer, renderer) -> TokenizedData:
+def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+    """``lines``: the file's raw lines (bytes; str accepted), each decoded on its own so a
+    line of invalid UTF-8 is one malformed record, not the file's end."""
     from megatron_fastpath.hf.tokenizer import TokenizerError
 
     ids, masks, nums, malformed = [], [], [], []
     chat_seen = False
+    family = None  # "text" or "conversational": the file's, from its first good record
     bar = _progress(len(lines), "tokenizing")
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, raw in enumerate(lines, start=1):
         if bar is not None:
             bar.update(1)
+        try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as exc:
+            malformed.append((lineno, f"invalid UTF-8 at byte {exc.start} of the line"))
+            continue
         if not line.strip():
             continue
         try:
@@ -140,7 +243,7 @@ def _tokenize_lines(lines: list, tokenizer, renderer) -> TokenizedData:
         except json.JSONDecodeError as exc:
             malformed.append((lineno, f"invalid JSON ({exc.msg})"))
             continue
-        kind, why = _validate(rec)
+        kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((lineno, why))
             continue
@@ -149,15 +252,22 @@ def _tokenize_lines(lines: list, tokenizer, renderer) -> TokenizedData:
                 tokenizer.require_template()
                 chat_seen = True
             try:
-                text, spans = renderer.render_chat(rec["messages"], lineno)
+                text, spans = renderer.render_chat(payload, lineno)
             except TokenizerError:
                 raise
             except ValueError as exc:  # a template's raise_exception, bad roles, ...
                 malformed.append((lineno, f"chat template failed: {exc}"))
                 continue
             i, m = tokenizer.tokens_and_mask(text, spans)
-        else:
-            i, m = tokenizer.encode_prompt_completion(rec["prompt"], rec["completion"])
+        elif kind == "pc":
+            i, m = tokenizer.encode_prompt_completion(*payload)
+        else:  # text: continued pretraining, every token in the loss
+            i, m = tokenizer.encode_prompt_completion("", payload)
+        if not any(m):
+            malformed.append((lineno, "no loss token (the template put nothing of the assistant "
+                                      "reply inside its generation span)"))
+            continue
+        family = family or ("text" if kind == "text" else "conversational")
         ids.append(np.asarray(i, dtype=np.int32))
         masks.append(np.asarray(m, dtype=np.uint8))
         nums.append(lineno)
@@ -167,7 +277,7 @@ def _tokenize_lines(lines: list, tokenizer, renderer) -> TokenizedData:
 
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
-    digest = _file_digest(cfg.path, os.path.join(tok_dir, "tokenizer.json"),
+    digest = _file_digest(cfg.path, f"format={cfg.format}", os.path.join(tok_dir, "tokenizer.json"),
                           os.path.join(tok_dir, "tokenizer_config.json"),
                           os.path.join(tok_dir, "chat_template.jinja"))
     return f"{cfg.path}.{digest}.tokens.npz"
@@ -216,7 +326,7 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
             return data
         except ValueError as exc:
             log(f"data: {exc}; tokenizing again")
-    data = tokenize_jsonl(cfg.path, tokenizer)
+    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format)
     if cache:
         try:
             _save_cache(cache, data)

@@ -108,7 +108,7 @@ def test_bad_lines_reported_with_line_numbers(tok_dirs, tmp_path):
         load_jsonl_splits(cfg, tagged, log=lambda m: None)
     msg = str(e.value)
     assert path in msg and "3 malformed line(s)" in msg and "1 record(s) longer than" in msg
-    assert "line 2 (invalid JSON" in msg and "line 3 (no 'messages' key" in msg
+    assert "line 2 (invalid JSON" in msg and "line 3 (a text record in a conversational file" in msg
     assert "line 7 (messages[0] needs string 'role' and 'content')" in msg and "line 5 (" in msg
     logs = []
     cfg = JsonlDataConfig(path=path, max_tokens=64, eval_fraction=0.0, cache=False, bad_records="skip")
@@ -234,3 +234,77 @@ def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_pat
     assert any("is not a" in m and "tokenizing again" in m for m in logs), logs
     for a, b in zip(fresh[0].samples, again[0].samples, strict=True):
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+# --------------------------------------------------------------------------- formats (issue 26 item 3)
+def _records(tagged, tmp_path, records, **cfg):
+    path = write_jsonl(tmp_path / "f.jsonl", records)
+    return load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False, **cfg), tagged,
+                             log=lambda m: None)
+
+
+@pytest.mark.parametrize("record", [
+    {"conversations": [{"from": "human", "value": "What is 3 + 4?"}, {"from": "gpt", "value": "3 + 4 = 7."}]},
+    {"instruction": "What is 3 + 4?", "output": "3 + 4 = 7."},
+    {"prompt": [{"role": "user", "content": "What is 3 + 4?"}],
+     "completion": [{"role": "assistant", "content": "3 + 4 = 7."}]},
+], ids=["sharegpt", "alpaca", "prompt_completion_messages"])
+def test_chat_formats_equal_transformers_on_the_same_messages(tok_dirs, tmp_path, record):
+    """ShareGPT, Alpaca and conversational prompt-completion records train exactly what their
+    messages give under transformers' apply_chat_template (ids and assistant mask)."""
+    tagged, _ = tok_dirs
+    train, _, _ = _records(tagged, tmp_path, [record] * 2)
+    ids, mask = hf_reference(tagged, CONVERSATIONS[0])
+    tokens, loss = train.samples[0]
+    assert tokens.tolist() == ids
+    assert loss.tolist() == [float(x) for x in mask[1:]] + [0.0]  # loss on the next token
+
+
+def test_text_records_train_every_token(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    text = "12 * 3 = 36. Then 36 + 4 = 40."
+    train, _, _ = _records(tagged, tmp_path, [{"text": text}] * 2)
+    ref = transformers.AutoTokenizer.from_pretrained(tagged)
+    want = ref(text)["input_ids"] + [ref.eos_token_id]
+    tokens, loss = train.samples[0]
+    assert tokens.tolist() == want and loss.tolist() == [1.0] * (len(want) - 1) + [0.0]
+    # forced: a chat record in a text file is refused, not silently trained as text
+    with pytest.raises(DataError, match=r"line 2 \(a messages record in a text file"):
+        _records(tagged, tmp_path, [{"text": text}, {"messages": CONVERSATIONS[0]}])
+    with pytest.raises(DataError, match=r"line 1 \('text' must be a non-empty string"):
+        _records(tagged, tmp_path, [{"messages": CONVERSATIONS[0]}], format="text")
+
+
+def test_bad_records_of_every_kind_reported_with_lines(tok_dirs, tmp_path):
+    """Invalid UTF-8 is one bad line (it raised a bare UnicodeDecodeError for the whole file),
+    a misspelled role is refused (it trained as context), an alpaca record with a non-string
+    input and an unknown ShareGPT speaker are named."""
+    tagged, _ = tok_dirs
+    good = json.dumps({"messages": CONVERSATIONS[0]}).encode()
+    bad_role = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistent", "content": "x"}]}).encode()
+    bad_speaker = json.dumps({"conversations": [{"from": "narrator", "value": "x"}]}).encode()
+    bad_alpaca = json.dumps({"instruction": "x", "input": 3, "output": "y"}).encode()
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join([good, b'{"text": "\xff\xfe"}', bad_role, bad_speaker, bad_alpaca, good]) + b"\n")
+    cfg = JsonlDataConfig(path=str(path), eval_fraction=0.0, cache=False)
+    with pytest.raises(DataError) as e:
+        load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    msg = str(e.value)
+    assert "4 malformed line(s)" in msg and "line 2 (invalid UTF-8 at byte" in msg
+    assert "line 3 (messages[1] has the unknown role 'assistent'" in msg
+    assert "line 4 (conversations[0] has the unknown speaker 'narrator'" in msg
+    assert "line 5 (alpaca records need string 'instruction' and 'output'" in msg
+    train, _, report = load_jsonl_splits(dataclasses_replace(cfg, bad_records="skip"), tagged, log=lambda m: None)
+    assert len(train) == 2 and report["malformed"] == 4
+
+
+def test_data_format_is_checked(tmp_path):
+    with pytest.raises(DataError, match="data.format must be one of auto, messages"):
+        JsonlDataConfig(path="x.jsonl", format="chatml")
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
