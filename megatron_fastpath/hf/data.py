@@ -138,7 +138,8 @@ def _normalise(rec, fmt: str):
             msgs.append({"role": role, "content": turn["value"]})
         why = None
     elif fmt == "alpaca":
-        inst, extra, out = rec.get("instruction"), rec.get("input", ""), rec.get("output")
+        inst, out = rec.get("instruction"), rec.get("output")
+        extra = "" if rec.get("input") is None else rec["input"]  # absent or null: no input
         if not all(isinstance(x, str) for x in (inst, extra, out)):
             return None, None, "alpaca records need string 'instruction' and 'output' (and 'input' if given)"
         user = inst if not extra else f"{inst}\n\n{extra}"
