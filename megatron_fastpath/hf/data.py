@@ -151,8 +151,8 @@ def _normalise(rec, fmt: str):
         if not (isinstance(prompt, list) and isinstance(completion, list)):
             return None, None, "'prompt' and 'completion' must both be strings or both message lists"
         p, why = _checked_messages(prompt, "prompt")
-        c, why_c = _checked_messages(completion, "completion") if why is None else (None, None)
-        why = why or why_c
+        if why is None:
+            c, why = _checked_messages(completion, "completion")
         if why is None and any(m["role"] == "assistant" for m in p):
             why = ("prompt-completion message lists with assistant turns in the prompt: only the "
                    "completion may be trained; put the conversation in 'messages' instead")

@@ -121,13 +121,9 @@ class JsonlData(DataProvider):
 
     def parse(self, group: dict, model: ModelSource):
         from megatron_fastpath.hf.data import JsonlDataConfig
+        from megatron_fastpath.settings import parse_group
 
-        fields = {f.name for f in dataclasses.fields(JsonlDataConfig)}
-        unknown = sorted(set(group) - fields)
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in config group 'data' (jsonl); valid: "
-                             f"{sorted(fields)}")
-        data = JsonlDataConfig(**group)
+        data = parse_group("data", JsonlDataConfig, group)  # unknown keys, types: naming the key
         if model.tokenizer_path is None and not data.tokenizer_path:
             raise ValueError("data=jsonl needs the checkpoint's tokenizer: use model=hf "
                              "model.path=<dir> (or set data.tokenizer_path)")
