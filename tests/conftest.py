@@ -1,18 +1,8 @@
 """Shared test fixtures: a one-process gloo group + Megatron parallel state on CPU, and the
 `gpu` marker (tests that need CUDA are skipped, with the reason, on CPU machines)."""
 
-import os
-import sys
-
 import pytest
 import torch
-
-# The one place tests extend the import path: test-only helpers (CUDA-as-CPU mode, CUDA-graph
-# stand-in; the package never imports them), the repository's examples (tiny checkpoints and
-# tokenizers) and benchmark scripts, imported by name from every test folder.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _dir in ("benchmarks", "examples", os.path.join("tests", "support")):
-    sys.path.insert(0, os.path.join(_REPO, _dir))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,7 +55,7 @@ def build_pair(mcore_parallel):
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from packed_reference import TINY, reference_layer_spec
+    from tests.support.packed_reference import TINY, reference_layer_spec
 
     def build(model_cfg=TINY, max_tokens=32, max_seqs=8, num_slots=1, backend="sdpa",
               dtype=torch.float32):

@@ -176,3 +176,48 @@ def test_the_cycle_check_sees_a_planted_cycle():
                ("model.py", "def f():\n    from megatron_fastpath import providers\n")]
     assert module_level_import_cycles(planted) == [["megatron_fastpath.providers",
                                                     "megatron_fastpath.providers.synthetic"]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The test suite: a package (``tests.*``), helpers in tests/support or beside their tests, never
+# another test module, and no code of its own that edits the import path
+# ------------------------------------------------------------------------------------------------
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def suite_import_problems(source: str, filename: str) -> list[str]:
+    problems = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append"):
+            problems.append(f"{filename}:{node.lineno} edits sys.path")
+    for lineno, module in imports_of(source, filename):
+        if module.rsplit(".", 1)[-1].startswith("test_"):
+            problems.append(f"{filename}:{lineno} imports the test module {module}")
+    return problems
+
+
+def suite_sources():
+    for dirpath, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for fn in sorted(files):
+            if fn.endswith(".py"):
+                path = os.path.join(dirpath, fn)
+                with open(path) as f:
+                    yield os.path.relpath(path, TESTS), f.read()
+
+
+def test_tests_import_helpers_not_test_modules_and_leave_sys_path_alone():
+    problems = [p for name, src in suite_sources() for p in suite_import_problems(src, name)]
+    assert not problems, "\n".join(problems)
+    missing = [os.path.relpath(d, TESTS) for d, dirs, files in os.walk(TESTS)
+               if "__pycache__" not in d and any(f.endswith(".py") for f in files)
+               and "__init__.py" not in files]
+    assert not missing, f"test folders that are not packages: {missing}"
+
+
+def test_the_suite_check_sees_each_planted_form():
+    planted = ("import sys\nsys.path.insert(0, 'x')\nfrom test_other import helper\n"
+               "import tests.hf.test_hf_parity as p\n")
+    assert suite_import_problems(planted, "t.py") == [
+        "t.py:2 edits sys.path", "t.py:3 imports the test module test_other",
+        "t.py:4 imports the test module tests.hf.test_hf_parity"]

@@ -70,7 +70,7 @@ def test_rule_messages_exist_once_in_the_package():
 
 # ------------------------------------------------------------------ the three entry points
 def _main_job_error(overrides):
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
     from megatron_fastpath.train.config import parse_job_config
 
     with pytest.raises(ValueError) as info:

@@ -6,7 +6,7 @@ import torch
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.sync import SyncSentinel
-from packed_reference import packed_inputs
+from tests.support.packed_reference import packed_inputs
 
 
 def run(model, cache, lengths, inputs):
@@ -92,7 +92,7 @@ def test_gpu_backends_match_cpu_reference_and_are_sync_free(mcore_parallel, back
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from packed_reference import TINY
+    from tests.support.packed_reference import TINY
 
     if backend == "flash" and not have("flash_attn"):
         pytest.skip("flash-attn not installed")
@@ -128,7 +128,7 @@ def test_sdpa_saves_one_mask_per_step_shared_by_all_layers(build_pair, layers):
     is used as is: ONE [T, T] storage saved for backward per step, whatever L."""
     import dataclasses
 
-    from packed_reference import TINY
+    from tests.support.packed_reference import TINY
 
     t = 80  # no weight of TINY is 80 x 80
     packed, _, cache = build_pair(model_cfg=dataclasses.replace(TINY, num_layers=layers),

@@ -6,12 +6,12 @@ the default (data-parallel) stream is not consumed. It drew from the default gen
 alike on every TP rank. Run under the test-only CUDA-as-CPU mode with Megatron's real tracker."""
 
 import torch
-from megatron_rng import run_as_rank
+from tests.support.megatron_rng import run_as_rank
 
 from megatron_fastpath.attention.core_attention import PackedCoreAttention
 from megatron_fastpath.model import build_transformer_config, rope_config_for
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-from packed_reference import TINY
+from tests.support.packed_reference import TINY
 
 T = 32
 

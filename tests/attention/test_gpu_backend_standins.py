@@ -17,13 +17,13 @@ from megatron_fastpath.layer_spec import get_fastpath_layer_spec
 from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 from megatron_fastpath.sync import SyncSentinel
-from gpu_standins import (
+from tests.support.gpu_standins import (
     TEDotProductAttentionStandIn,
     fake_flash_attn_module,
     te_apply_rotary_pos_emb,
 )
-from packed_reference import TINY
-from packed_reference import packed_inputs
+from tests.support.packed_reference import TINY
+from tests.support.packed_reference import packed_inputs
 
 T = 32
 

@@ -72,7 +72,7 @@ def test_budget_leaves_later_items_not_run(tmp_path, monkeypatch):
 def test_headline_jobs_parse(name):
     """Each headline configuration is one the main job accepts (checked here without a GPU:
     parse only, the memory check skipped)."""
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.train import parse_job_config
 

@@ -4,7 +4,7 @@ checkpoint tests, independent of the main job."""
 import torch
 
 from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters
-from tiny_gpt import SHAPE, T, build_tiny_gpt  # noqa: F401  (SHAPE: re-exported to the tests)
+from tests.support.tiny_gpt import SHAPE, T, build_tiny_gpt  # noqa: F401  (SHAPE: re-exported to the tests)
 
 LENGTHS = [9, 1, 14, 8]
 STEPS = 6

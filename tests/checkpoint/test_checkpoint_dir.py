@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.checkpoint import CheckpointDirError
 from megatron_fastpath.train import run
@@ -77,7 +77,7 @@ def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
 def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcore_parallel, tmp_path):
     """Issue 27 item 9: a save that fills the disk says so (not 'unexpected pos N vs M'), and
     the checkpoint published before it still loads."""
-    from ckpt_harness import Run
+    from tests.checkpoint.ckpt_harness import Run
 
     import shutil
 

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from ckpt_harness import LORA, SHAPE, STEPS, Run
+from tests.checkpoint.ckpt_harness import LORA, SHAPE, STEPS, Run
 from megatron_fastpath.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -339,7 +339,7 @@ def test_keep_best_keeps_the_lowest_held_out_loss(mcore_parallel, tmp_path, keep
 
 
 def test_keep_best_needs_held_out_evaluation(tmp_path):
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.train import parse_job_config
 

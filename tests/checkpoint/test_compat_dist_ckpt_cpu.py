@@ -117,7 +117,7 @@ def _probe(mode):
     import subprocess
     import sys
 
-    from subproc import child_env
+    from tests.support.subproc import child_env
 
     out = subprocess.run([sys.executable, "-c", _HELPER_PROBE], env=child_env(PROBE=mode),
                          capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from subproc import child_env
+from tests.support.subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",

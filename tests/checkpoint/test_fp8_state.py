@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from ckpt_harness import Run
+from tests.checkpoint.ckpt_harness import Run
 from megatron_fastpath.checkpoint.fp8 import collect_fp8_state, restore_fp8_state
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from subproc import child_env
+from tests.support.subproc import child_env
 
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
 

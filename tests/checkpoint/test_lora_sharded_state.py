@@ -6,8 +6,8 @@ import torch
 
 from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 from megatron_fastpath.lora import LoRAConfig, lora_modules
-from tiny_gpt import SHAPE
-from tiny_gpt import build_tiny_gpt as build
+from tests.support.tiny_gpt import SHAPE
+from tests.support.tiny_gpt import build_tiny_gpt as build
 
 LORA = LoRAConfig(rank=4, alpha=8, dropout=0.0,
                   targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))

@@ -5,8 +5,8 @@ from another seed continue with bit-identical losses (Megatron's own optimizer
 
 import torch
 
-from ckpt_harness import LENGTHS, SHAPE, T
-from cuda_as_cpu import cuda_as_cpu
+from tests.checkpoint.ckpt_harness import LENGTHS, SHAPE, T
+from tests.support.cuda_as_cpu import cuda_as_cpu
 
 
 def _make(seed):

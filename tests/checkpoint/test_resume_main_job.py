@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
 

@@ -233,7 +233,7 @@ def test_main_job_resume_refuses_the_reported_exploit(mcore_parallel, tmp_path):
     """The report: stop the main job at step 2, replace .metadata with the dotted-name payload,
     rewrite the manifest (whoever writes the checkpoint writes it), rerun: nothing runs, the
     resume is refused naming the file; the untouched checkpoint of a second run still resumes."""
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.checkpoint.manager import _crc32
     from megatron_fastpath.train import run

@@ -6,7 +6,7 @@ buffer chosen in Python per call, a reallocated tensor, a host read during captu
 import pytest
 import torch
 
-from fake_cuda_graph import MEGATRON_SITES, CaptureError, HostReadDuringCapture, fake_cuda_graphs
+from tests.support.fake_cuda_graph import MEGATRON_SITES, CaptureError, HostReadDuringCapture, fake_cuda_graphs
 
 
 def _mlp():
@@ -130,7 +130,7 @@ def test_backward_capture_with_autograd_grad_matches_eager():
 
 
 def test_megatron_sites_still_exist():
-    from cuda_as_cpu import moved_megatron_sites
+    from tests.support.cuda_as_cpu import moved_megatron_sites
 
     moved = moved_megatron_sites(MEGATRON_SITES)
     assert not moved, "\n".join(moved)

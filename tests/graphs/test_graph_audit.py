@@ -9,8 +9,8 @@ import torch
 
 from megatron_fastpath.graphs import GraphSafetyAudit, GraphSafetyError
 from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters, lora_modules
-from tiny_gpt import LENGTHS, batch
-from tiny_gpt import build_tiny_gpt as build
+from tests.support.tiny_gpt import LENGTHS, batch
+from tests.support.tiny_gpt import build_tiny_gpt as build
 
 
 def train_steps(model, cache, audit, steps=3, before_step=None, params_hook=None):

@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps
+from tests.support.megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps
 
 T, MAX_SEQS, V = 32, 8, 61
 # three packings with different boundaries, padding tails and sequence counts

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
-from subproc import child_env
+from tests.support.subproc import child_env
 
 
 SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",

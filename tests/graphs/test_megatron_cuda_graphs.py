@@ -10,7 +10,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from megatron_graphs import graph_runners, graph_session, max_rel_diff, run_steps
+from tests.support.megatron_graphs import graph_runners, graph_session, max_rel_diff, run_steps
 
 S, B, V = 16, 2, 50
 

@@ -3,12 +3,20 @@ and helpers to run our packed model next to the transformers model."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FAMILIES = ("llama", "llama3_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
             "qwen3_moe_norm")
 MOE = ("mixtral", "qwen3_moe", "qwen3_moe_norm")
 VOCAB = 96
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")  # shipped chat data
+# the packed batch the parity tests run: five sequences in MAX_TOKENS
+LENGTHS = [13, 7, 20, 9, 1]
+MAX_TOKENS = 64
+REL_TOL = 1e-4
 
 
 def hf_config(family: str):
@@ -67,3 +75,52 @@ def packed_tokens(lengths, max_tokens: int, seed: int = 0):
     tokens = torch.zeros(1, max_tokens, dtype=torch.long)
     tokens[0, :total] = torch.randint(0, VOCAB, (total,), generator=gen)
     return tokens
+
+
+# --- our model next to the transformers model ---------------------------------------------
+def build_ours(path, lora=None, max_tokens=MAX_TOKENS):
+    from megatron_fastpath.hf.config import read_hf_config
+    from megatron_fastpath.hf.model import load_hf_model
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    spec = read_hf_config(path)
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, rope=spec.rope_config()))
+    model, _, spec = load_hf_model(path, cache, lora=lora, show_progress=False)
+    return model, cache, spec
+
+
+def packed_logits(model, cache, tokens, lengths=LENGTHS):
+    with cache.batch(lengths) as pb:
+        return model(tokens, pb.position_ids_1T, None, packed_seq_params=pb.packed_seq_params)
+
+
+def assert_rel_close(ours, ref, tol=REL_TOL, what=""):
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= tol, f"{what}: relative error {rel:.2e} > {tol:.0e}"
+    return rel
+
+
+def per_sequence(tokens, lengths=LENGTHS):
+    start = 0
+    for n in lengths:
+        yield start, tokens[:, start : start + n]
+        start += n
+
+
+def lora_targets(family):
+    return ("linear_qkv", "linear_proj") if family in MOE else (
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def held_out_loss(model, records, with_accuracy=False):
+    """transformers' held-out loss (and share of loss tokens whose argmax is the label)."""
+    total, correct, tokens = 0.0, 0, 0
+    with torch.no_grad():
+        for ids, loss_mask in records:
+            logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0, :-1]
+            labels, mask = torch.as_tensor(ids[1:]), torch.as_tensor(loss_mask[:-1])
+            ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+            total += float((ce * mask).sum())
+            correct += int(((logits.argmax(-1) == labels) * mask.bool()).sum())
+            tokens += int(loss_mask.sum())
+    return (total / tokens, correct / tokens) if with_accuracy else total / tokens

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_reference import make_checkpoint  # noqa: E402
+from tests.hf.hf_reference import make_checkpoint  # noqa: E402
 
 from megatron_fastpath.hf import CheckpointError, SafetensorsCheckpoint, UnsupportedCheckpointError, read_hf_config  # noqa: E402
 

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from hf_reference import make_checkpoint, packed_tokens  # noqa: E402
-from test_hf_parity import LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, lora_targets, packed_logits, per_sequence  # noqa: E402
+from tests.hf.hf_reference import make_checkpoint, packed_tokens  # noqa: E402
+from tests.hf.hf_reference import LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, lora_targets, packed_logits, per_sequence  # noqa: E402
 
 
 def train_a_few_steps(model, cache, steps=3):

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+from tests.hf.hf_reference import DATA, REPO, held_out_loss
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")
 STEPS = 40
 
 BLOCK_HF = """
@@ -98,20 +97,6 @@ def test_metrics_files_written(finetuned):
         return
     run_dir = finetuned["summary"]["artifacts"]["wandb"]
     assert run_dir.startswith(finetuned["metrics"]) and "offline-run" in run_dir
-
-
-def held_out_loss(model, records, with_accuracy=False):
-    """transformers' held-out loss (and share of loss tokens whose argmax is the label)."""
-    total, correct, tokens = 0.0, 0, 0
-    with torch.no_grad():
-        for ids, loss_mask in records:
-            logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0, :-1]
-            labels, mask = torch.as_tensor(ids[1:]), torch.as_tensor(loss_mask[:-1])
-            ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-            total += float((ce * mask).sum())
-            correct += int(((logits.argmax(-1) == labels) * mask.bool()).sum())
-            tokens += int(loss_mask.sum())
-    return (total / tokens, correct / tokens) if with_accuracy else total / tokens
 
 
 def test_exported_adapter_lowers_transformers_held_out_loss(finetuned):

@@ -11,13 +11,12 @@ import torch
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from hf_reference import FAMILIES, MOE, VOCAB, make_checkpoint, packed_tokens  # noqa: E402
+from tests.hf.hf_reference import (  # noqa: E402
+    FAMILIES, LENGTHS, MAX_TOKENS, VOCAB, assert_rel_close, build_ours, lora_targets,
+    make_checkpoint, packed_logits, packed_tokens, per_sequence)
 
 from megatron_fastpath.hf.convert import fuse_qkv  # noqa: E402
 
-LENGTHS = [13, 7, 20, 9, 1]
-MAX_TOKENS = 64
-REL_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -32,35 +31,6 @@ def checkpoints(tmp_path_factory):
         return made[key]
 
     return get
-
-
-def build_ours(path, lora=None, max_tokens=MAX_TOKENS):
-    from megatron_fastpath.hf.config import read_hf_config
-    from megatron_fastpath.hf.model import load_hf_model
-    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-
-    spec = read_hf_config(path)
-    cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, rope=spec.rope_config()))
-    model, _, spec = load_hf_model(path, cache, lora=lora, show_progress=False)
-    return model, cache, spec
-
-
-def packed_logits(model, cache, tokens, lengths=LENGTHS):
-    with cache.batch(lengths) as pb:
-        return model(tokens, pb.position_ids_1T, None, packed_seq_params=pb.packed_seq_params)
-
-
-def assert_rel_close(ours, ref, tol=REL_TOL, what=""):
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-    assert rel <= tol, f"{what}: relative error {rel:.2e} > {tol:.0e}"
-    return rel
-
-
-def per_sequence(tokens, lengths=LENGTHS):
-    start = 0
-    for n in lengths:
-        yield start, tokens[:, start : start + n]
-        start += n
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -86,11 +56,6 @@ def test_sharded_checkpoint_loads_the_same(mcore_parallel, checkpoints):
         ours = packed_logits(model.eval(), cache, tokens)
         for start, seq in per_sequence(tokens):
             assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits)
-
-
-def lora_targets(family):
-    return ("linear_qkv", "linear_proj") if family in MOE else (
-        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def make_peft(ref, spec, ours, cfg):

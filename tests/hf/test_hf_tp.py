@@ -14,8 +14,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from subproc import child_env, free_port  # noqa: E402
-from test_hf_main_job import DATA, REPO, held_out_loss  # noqa: E402
+from tests.support.subproc import child_env, free_port  # noqa: E402
+from tests.hf.hf_reference import DATA, REPO, held_out_loss  # noqa: E402
 
 
 def _main_job(tmp_path, nproc: int, args, summary) -> dict:
@@ -66,7 +66,7 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
 
     from safetensors.torch import load_file
 
-    from hf_reference import make_checkpoint
+    from tests.hf.hf_reference import make_checkpoint
 
     ckpt = str(tmp_path / "moe")
     make_checkpoint("qwen3_moe_norm", ckpt)
@@ -121,7 +121,7 @@ def test_tp2_trains_as_one_process(tmp_path, family, lora):
     (every step's norm > clip_grad = 1): the clip uses Megatron's TP-aware norm, which needs
     the TP marks of the sharded weights (the loaded base: Megatron sets them only when it
     initialises; the LoRA adapters) and the qk layernorm gradients summed over TP (Qwen3)."""
-    from hf_reference import make_checkpoint
+    from tests.hf.hf_reference import make_checkpoint
 
     ckpt = str(tmp_path / family)
     make_checkpoint(family, ckpt)

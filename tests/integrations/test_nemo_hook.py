@@ -510,7 +510,7 @@ def test_hooked_tiny_llama31_packed_equals_nemos_own_model_per_sequence(mcore_pa
     rotary module moves itself to CUDA, hence the test-only CUDA-as-CPU mode."""
     import contextlib
 
-    from cuda_as_cpu import cuda_as_cpu
+    from tests.support.cuda_as_cpu import cuda_as_cpu
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     # Megatron's DotProductAttention forks the CUDA RNG tracker for its dropout (0 here).

@@ -8,22 +8,18 @@ norm is a stand-in for TENorm's contract (Megatron's local torch norm refuses
 ``finalize_model_grads`` sums it over TP). The SP model's gradients are reduced by Megatron's
 own ``_allreduce_non_tensor_model_parallel_grads`` (what ``finalize_model_grads`` calls).
 
-    torchrun --nproc_per_node=2 tests/lora/sp_worker.py OUT.pt   ->  OUT.pt.rank{r}
+    torchrun --nproc_per_node=2 -m tests.lora.sp_worker OUT.pt   (PYTHONPATH=<repository>)   ->  OUT.pt.rank{r}
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
-
-from cuda_as_cpu import cuda_as_cpu  # noqa: E402
-from tiny_gpt import LENGTHS, SHAPE, T, batch  # noqa: E402
+from tests.support.cuda_as_cpu import cuda_as_cpu
+from tests.support.tiny_gpt import LENGTHS, SHAPE, T, batch
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

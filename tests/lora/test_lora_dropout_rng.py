@@ -8,11 +8,11 @@ RNG tracker, each TP rank simulated by its tracker seeding (megatron_rng.run_as_
 
 import pytest
 import torch
-from megatron_rng import run_as_rank
+from tests.support.megatron_rng import run_as_rank
 
 from megatron_fastpath.lora import LoRAConfig, LoRALinear
 from megatron_fastpath.model import build_transformer_config
-from tiny_gpt import SHAPE
+from tests.support.tiny_gpt import SHAPE
 
 
 def _adapter(parallel):

@@ -17,8 +17,8 @@ from megatron_fastpath.lora import (
     set_lora_enabled,
 )
 from megatron_fastpath.model import ModelConfig, build_transformer_config
-from tiny_gpt import LENGTHS, SHAPE, batch
-from tiny_gpt import build_tiny_gpt as build
+from tests.support.tiny_gpt import LENGTHS, SHAPE, batch
+from tests.support.tiny_gpt import build_tiny_gpt as build
 
 def loss_of(model, cache, seed=0):
     tokens, labels, mask = batch(seed)

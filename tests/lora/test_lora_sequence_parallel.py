@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from cuda_as_cpu import cuda_as_cpu
-from subproc import child_env, free_port
+from tests.support.cuda_as_cpu import cuda_as_cpu
+from tests.support.subproc import child_env, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -34,7 +34,7 @@ def _expected_sequence_parallel_params(num_layers=2) -> set:
 def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
     out = str(tmp_path / "sp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", os.path.join(HERE, "sp_worker.py"), out]
+           f"--master_port={free_port()}", "-m", "tests.lora.sp_worker", out]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -54,7 +54,7 @@ def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
 
 
 def _parse(overrides):
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.train import parse_job_config
 

@@ -5,7 +5,7 @@ and HF names were refused. The reference for what the HF names and ``all-linear`
 peft itself, applied to a transformers Llama."""
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.lora.config import HF_TARGETS, LoRAConfig
 

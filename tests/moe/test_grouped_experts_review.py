@@ -9,7 +9,7 @@ CUDA-as-CPU mode, whose "CUDA" generator Megatron's tracker forks for real."""
 
 import torch
 import torch.nn.functional as F
-from megatron_rng import run_as_rank
+from tests.support.megatron_rng import run_as_rank
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_fastpath.moe.experts import GroupedSwiGLUExperts

@@ -7,7 +7,7 @@ import pytest
 import torch.nn.functional as F
 from packaging.version import Version
 
-from cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu
 
 
 def _tc(**kw):

@@ -17,7 +17,7 @@ from megatron_fastpath.moe.dispatch import (
 )
 from megatron_fastpath.sync import SyncSentinel
 
-from moe_dispatch_reference import (
+from tests.moe.moe_dispatch_reference import (
     aux_loss_reference,
     dense_router_reference,
     moe_reference,

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from subproc import free_port
+from tests.support.subproc import free_port
 
 MODES = {
     # name: (dispatch overrides, expected host syncs per layer fwd+bwd)
@@ -158,7 +158,7 @@ def _padding_worker(rank, world, port, result_path):
     _init_ep(rank, world, port)
     from megatron_fastpath.distributed import destroy_distributed
     from megatron_fastpath.sync import SyncSentinel
-    from test_moe_padding import compare_runs, padding_mask_BS, run_layer, two_paddings
+    from tests.moe.padding_support import compare_runs, padding_mask_BS, run_layer, two_paddings
 
     results = {}
     try:

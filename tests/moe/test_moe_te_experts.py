@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu
 
 H, FF, E = 16, 32, 4
 

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from subproc import child_env
+from tests.support.subproc import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 

@@ -19,7 +19,7 @@ from megatron_fastpath.compat import offload as offload_compat
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice
 from megatron_fastpath.offload.spec import with_activation_offload
 
-from offload_models import LayerStack, cpu_layer_spec, make_config
+from tests.offload.offload_models import LayerStack, cpu_layer_spec, make_config
 
 S, B, H = 16, 2, 64
 CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)

@@ -20,14 +20,14 @@ CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 
 
 def _config(**kw):
-    from offload_models import make_config
+    from tests.offload.offload_models import make_config
 
     return dataclasses.replace(make_config(num_layers=L, hidden=H, heads=8,
                                            dtype=torch.bfloat16), **kw)
 
 
 def _cuda_stack(spec, config):
-    from offload_models import LayerStack
+    from tests.offload.offload_models import LayerStack
 
     torch.manual_seed(0)
     return LayerStack(spec, config).cuda()

@@ -22,7 +22,7 @@ from megatron_fastpath.offload.spec import get_offload_manager, with_activation_
 from megatron_fastpath.offload.timing import replay_schedule
 from megatron_fastpath.sync import SyncSentinel
 
-from offload_models import LayerStack, build_pair, cpu_layer_spec, make_config, run_step
+from tests.offload.offload_models import LayerStack, build_pair, cpu_layer_spec, make_config, run_step
 
 pytestmark = pytest.mark.usefixtures("mcore_parallel")
 

@@ -17,7 +17,7 @@ from megatron_fastpath.offload import (
 )
 from megatron_fastpath.compat.te_quantized import is_quantized, never_offload
 from megatron_fastpath.offload.timing import replay_schedule, step_hidden_fraction
-from offload_models import manager_step_trace
+from tests.offload.offload_models import manager_step_trace
 
 CFG = dict(min_offload_bytes=0, headroom_margin_bytes=0)
 

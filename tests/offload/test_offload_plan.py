@@ -12,7 +12,7 @@ import torch
 from megatron_fastpath.offload import ActivationOffloadManager, OffloadConfig, RecordingDevice
 from megatron_fastpath.offload.plan import LayerTimes, model_step, plan_order, plan_window
 from megatron_fastpath.offload.timing import step_hidden_fraction
-from offload_models import manager_step_trace, run_manager_step
+from tests.offload.offload_models import manager_step_trace, run_manager_step
 
 NBYTES = 4000
 BASE = dict(min_offload_bytes=0, headroom_margin_bytes=0)

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from subproc import free_port
+from tests.support.subproc import free_port
 
 
 def _worker(rank, world, port, result_path):
@@ -19,7 +19,7 @@ def _worker(rank, world, port, result_path):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 
-    from cuda_as_cpu import cuda_as_cpu
+    from tests.support.cuda_as_cpu import cuda_as_cpu
     from megatron_fastpath.distributed import init_distributed
     from megatron_fastpath.train.step import global_grad_norm
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu
 from megatron_fastpath.optim import SyncFreeOptimizer
 from megatron_fastpath.sync import SyncSentinel
 
@@ -206,7 +206,7 @@ def test_main_job_choice_of_step(mcore_parallel):
 
 
 def test_optimizer_step_setting_validated():
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.train import parse_job_config
 

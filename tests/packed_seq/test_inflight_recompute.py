@@ -17,8 +17,8 @@ from megatron_fastpath.model import build_gpt_model, build_transformer_config, r
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice, with_activation_offload
 from megatron_fastpath.offload.spec import get_offload_manager
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-from packed_reference import TINY
-from packed_reference import packed_inputs
+from tests.support.packed_reference import TINY
+from tests.support.packed_reference import packed_inputs
 
 T = 32
 BATCHES = {"A": [5, 11, 16], "B": [30, 1]}  # different packings

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_fastpath.sync import SyncSentinel
-from packed_reference import packed_inputs
+from tests.support.packed_reference import packed_inputs
 
 
 def packed_loss(model, cache, lengths, tokens, labels, loss_mask):
@@ -87,7 +87,7 @@ def test_random_packings_equal_unpacked(build_pair):
 
 
 def test_gqa_and_mha_and_partial_rotary(build_pair):
-    from packed_reference import TINY
+    from tests.support.packed_reference import TINY
     import dataclasses
 
     for cfg in (dataclasses.replace(TINY, num_query_groups=4),
@@ -140,7 +140,7 @@ def test_slot_exhaustion_is_an_error_not_an_overwrite(build_pair):
 
 def test_zero_host_syncs_static_buffers_and_l_independent_metadata(build_pair):
     """10 steps: 0 host syncs per step, buffers never move, metadata work independent of L."""
-    from packed_reference import TINY
+    from tests.support.packed_reference import TINY
     import dataclasses
 
     results = {}

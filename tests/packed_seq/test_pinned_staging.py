@@ -5,7 +5,7 @@ PageableCopies stand-in, which records what CUDA would synchronise."""
 
 import torch
 
-from cuda_as_cpu import PageableCopies, cuda_as_cpu
+from tests.support.cuda_as_cpu import PageableCopies, cuda_as_cpu
 from megatron_fastpath.data import PackedMicrobatch
 from megatron_fastpath.packed_seq.staging import PinnedStaging
 

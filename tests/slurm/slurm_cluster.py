@@ -18,8 +18,8 @@ From a shell (to try slurm/*.sbatch by hand)::
     python tests/slurm/slurm_cluster.py up      # prints: export SLURM_CONF=...
     python tests/slurm/slurm_cluster.py down
 
-Installing needs root and apt-get (``ensure_installed``) and happens only in CI (CI=true) or
-with FASTPATH_SLURM_INSTALL=1; FASTPATH_SLURM_NO_INSTALL=1 forbids it. Whatever cannot be done raises ``SlurmUnavailable`` with the reason, which the tests
+Installing needs root and apt-get (``ensure_installed``): `.ci/run` installs the packages before
+the suite, and a test installs them only when a developer asks with FASTPATH_SLURM_INSTALL=1; FASTPATH_SLURM_NO_INSTALL=1 forbids it. Whatever cannot be done raises ``SlurmUnavailable`` with the reason, which the tests
 turn into a skip.
 """
 
@@ -102,16 +102,16 @@ def _missing_binaries() -> list[str]:
 def apt_install(packages: Sequence[str], timeout_s: float = 900) -> InstallResult:
     """``apt-get update`` + ``apt-get install -y --no-install-recommends packages``.
 
-    Installs only in CI (CI=true) or when FASTPATH_SLURM_INSTALL=1, so a developer's plain
-    ``pytest`` stays fast and skips with the reason. Raises SlurmUnavailable when installing is
+    Installs only when FASTPATH_SLURM_INSTALL=1 (CI installs the packages in `.ci/run`, before
+    the suite), so a plain ``pytest`` stays fast and skips with the reason. Raises SlurmUnavailable when installing is
     not asked for, when not root, without apt-get, when FASTPATH_SLURM_NO_INSTALL=1, or when apt
     fails (the message carries apt's last lines)."""
     if os.environ.get("FASTPATH_SLURM_NO_INSTALL") == "1":
         raise SlurmUnavailable(f"{' '.join(packages)} not installed and FASTPATH_SLURM_NO_INSTALL=1")
-    if os.environ.get("CI", "").lower() != "true" and os.environ.get("FASTPATH_SLURM_INSTALL") != "1":
+    if os.environ.get("FASTPATH_SLURM_INSTALL") != "1":
         raise SlurmUnavailable(
             f"{' '.join(packages)} not installed; set FASTPATH_SLURM_INSTALL=1 to let the test "
-            "apt-get it (CI=true does)"
+            "apt-get it (`.ci/run` installs it before the suite)"
         )
     if os.geteuid() != 0:
         raise SlurmUnavailable(f"{' '.join(packages)} not installed and not root (cannot apt-get)")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import (
+from tests.slurm.slurm_cluster import (
     LocalSlurmCluster,
     SlurmUnavailable,
     apt_install,
@@ -194,7 +194,7 @@ def test_torchrun_needs_processes_per_node(tmp_path):
 
 
 def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     fake_bin = _fake_slurm_bin(tmp_path)
     env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-lora-graphs", FASTPATH_HOME=str(REPO))
@@ -222,14 +222,13 @@ def test_lora_graphs_preset_needs_the_repository(tmp_path):
 
 
 def test_missing_slurm_gives_a_skip_reason_not_a_pass(monkeypatch):
-    import slurm_cluster
+    from tests.slurm import slurm_cluster
 
     monkeypatch.setattr(slurm_cluster, "_SLURM_BINARIES", ("sbatch", "no-such-slurm-binary"))
     monkeypatch.setenv("FASTPATH_SLURM_NO_INSTALL", "1")
     with pytest.raises(SlurmUnavailable, match="not installed and FASTPATH_SLURM_NO_INSTALL=1"):
         ensure_installed()
     monkeypatch.delenv("FASTPATH_SLURM_NO_INSTALL")
-    monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("FASTPATH_SLURM_INSTALL", raising=False)
     with pytest.raises(SlurmUnavailable, match="set FASTPATH_SLURM_INSTALL=1"):
         ensure_installed()
@@ -253,27 +252,6 @@ def test_submit_env_drops_rank_and_enclosing_slurm_variables():
 # ------------------------------------------------------------------------------------------------
 # The real thing: a local two-node Slurm cluster
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def local_slurm():
-    """Install (if missing) and start a loopback 2-node cluster once per session; stop it after."""
-    try:
-        install = ensure_installed()
-    except SlurmUnavailable as e:
-        pytest.skip(f"no local Slurm: {e}")
-    cluster = LocalSlurmCluster.create()
-    t0 = time.perf_counter()
-    try:
-        cluster.start()
-    except SlurmUnavailable as e:
-        cluster.stop(remove=True)
-        pytest.skip(f"local Slurm did not start: {e}")
-    print(f"\nlocal Slurm: apt install {install.seconds:.1f} s "
-          f"({'installed now' if install.installed_now else 'already installed'}), "
-          f"cluster start {time.perf_counter() - t0:.1f} s, root {cluster.root}")
-    yield cluster
-    cluster.stop(remove=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     script: Path

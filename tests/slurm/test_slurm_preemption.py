@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import clean_submit_env
+from tests.slurm.slurm_cluster import clean_submit_env
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "train.sbatch"
@@ -106,8 +106,6 @@ def test_tasks_failing_after_a_signal_are_not_requeued(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The real thing: the local two-node Slurm cluster (2 nodes x 1 task: DP=2 over gloo)
 # ------------------------------------------------------------------------------------------------
-from test_slurm_local import local_slurm  # noqa: E402,F401  (the session's cluster fixture)
-
 STEPS = 40
 FAST = [f"training.steps={STEPS}", "model.num_layers=2", "data.num_samples=256",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256"]

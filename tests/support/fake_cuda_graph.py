@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu
 from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
 
 # (file relative to megatron/core, line, text expected on that line)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from fake_cuda_graph import fake_cuda_graphs, reset_megatron_cuda_graphs
+from tests.support.fake_cuda_graph import fake_cuda_graphs, reset_megatron_cuda_graphs
 
 
 @contextlib.contextmanager

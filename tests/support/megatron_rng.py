@@ -3,7 +3,7 @@ goes: under the CUDA-as-CPU mode (whose "CUDA" generator is the CPU one), Megatr
 seeded by ``model_parallel_cuda_manual_seed(seed, **ranks)``."""
 
 import torch
-from cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu
 
 
 def run_as_rank(fn, seed: int = 1234, **ranks):

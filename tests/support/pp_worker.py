@@ -3,7 +3,7 @@ process or under ``torchrun`` (gloo; Megatron's pipeline p2p over gloo). Records
 pipeline tests compare: per-step losses and grad norms, the gradients of step 1 and the final
 parameters under *global* layer names, and the cache's slot bookkeeping.
 
-    torchrun --nproc_per_node=2 tests/support/pp_worker.py OUT.pt parallel.pipeline_model_parallel_size=2 ...
+    torchrun --nproc_per_node=2 -m tests.support.pp_worker OUT.pt parallel.pipeline_model_parallel_size=2 ...
 
 writes ``OUT.pt.rank{r}`` per rank (``collect`` is also called in-process for PP=1).
 """
@@ -16,9 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cuda_as_cpu import CALLS, cuda_as_cpu  # noqa: E402
+from tests.support.cuda_as_cpu import CALLS, cuda_as_cpu
 
 
 def _global_names(model) -> dict:
@@ -39,7 +37,7 @@ def _load_initial(model, names, path) -> None:
 
 
 def collect(overrides, save_init=None, load_init=None) -> dict:
-    from hydra_compose import compose_job
+    from tests.support.hydra_compose import compose_job
 
     from megatron_fastpath.train import build_job, parse_job_config, train_step
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cuda_as_cpu import MEGATRON_SITES, cuda_as_cpu, moved_megatron_sites
+from tests.support.cuda_as_cpu import MEGATRON_SITES, cuda_as_cpu, moved_megatron_sites
 
 
 def test_device_arguments_stay_on_cpu():
@@ -53,7 +53,7 @@ def test_package_never_imports_the_mode():
 def test_packed_cache_on_cuda_device_runs_with_pinned_staging():
     """The cache pins its host staging record when its device is CUDA; the mode keeps that on
     plain host memory, so the main job's cache builds and loads batches here."""
-    from cuda_as_cpu import cuda_as_cpu
+    from tests.support.cuda_as_cpu import cuda_as_cpu
 
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
@@ -67,7 +67,7 @@ def test_packed_cache_on_cuda_device_runs_with_pinned_staging():
 
 
 def test_explicit_device_waits_counted():
-    from cuda_as_cpu import CALLS
+    from tests.support.cuda_as_cpu import CALLS
 
     before = CALLS["torch.cuda.synchronize"]
     with cuda_as_cpu():

@@ -9,7 +9,7 @@ from packaging.version import Version
 from megatron_fastpath import compat
 from megatron_fastpath.compat import tensor_parallel as tensor_parallel_compat
 from megatron_fastpath.model import build_transformer_config
-from tiny_gpt import SHAPE
+from tests.support.tiny_gpt import SHAPE
 
 
 def _layers(perform_initialization):

@@ -2,7 +2,7 @@
 message naming the key, the value and what is allowed (issue 27 item 13)."""
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import parse_job_config
 
@@ -52,7 +52,7 @@ def test_main_job_prints_the_message_without_a_traceback(tmp_path):
     import subprocess
     import sys
 
-    from subproc import child_env  # tests/support (conftest.py puts it on the path)
+    from tests.support.subproc import child_env  # tests/support (conftest.py puts it on the path)
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     args = [sys.executable, "-m", "megatron_fastpath.train", "training.lr=nan",

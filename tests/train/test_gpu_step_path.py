@@ -6,9 +6,9 @@ path's host-sync count."""
 
 import pytest
 import torch
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
-from cuda_as_cpu import CALLS, PageableCopies, cuda_as_cpu
+from tests.support.cuda_as_cpu import CALLS, PageableCopies, cuda_as_cpu
 from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
 
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from subproc import child_env
+from tests.support.subproc import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",

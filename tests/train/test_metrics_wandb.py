@@ -8,7 +8,7 @@ import sys
 import types
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
 

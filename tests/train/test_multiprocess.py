@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from subproc import child_env, free_port
+from tests.support.subproc import child_env, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 

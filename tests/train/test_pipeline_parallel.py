@@ -11,16 +11,15 @@ import sys
 import pytest
 import torch
 
-import pp_worker
-from subproc import child_env, free_port
+from tests.support import pp_worker
+from tests.support.subproc import child_env, free_port
 
 COMMON = ["training.steps=3", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
           "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
           "training.lr=5e-3", "cluster.backend=gloo", "training.device=cuda",
           "training.micro_batches=4",
           "training.skip_memory_check=true"]  # reads GPU properties; the mode has no GPU
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support",
-                      "pp_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Measured: losses, gradients and parameters bit-identical; the grad norm (a sum of per-stage
 # squares all-reduced over the pipeline group instead of one norm) within 1e-7 relative.
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -28,10 +27,9 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 
 def _torchrun(tmp_path, overrides, init):
     out = str(tmp_path / "pp.pt")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))  # tests/support/.. /..
-    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=repo, PP_WORKER_INIT=init)
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO, PP_WORKER_INIT=init)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", WORKER, out, *overrides]
+           f"--master_port={free_port()}", "-m", "tests.support.pp_worker", out, *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(f"{out}.rank{r}") for r in (0, 1)]

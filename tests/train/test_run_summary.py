@@ -2,7 +2,7 @@
 mean of per-step rates, which overstates it when steps differ in length)."""
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
 

@@ -4,7 +4,7 @@ losses and gradient norms as the [T, T] mask layout, and the startup line says w
 
 import pytest
 
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
 from megatron_fastpath.packed_seq.cache import seqlen_bound
 

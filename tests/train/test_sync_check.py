@@ -5,7 +5,7 @@ none. Checked from inside the model: which modes are active while it runs."""
 
 import pytest
 import torch
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 

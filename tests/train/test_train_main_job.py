@@ -4,8 +4,8 @@ host syncs per step, and config errors raised before any model is built."""
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from hydra_compose import compose_job
-from subproc import child_env
+from tests.support.hydra_compose import compose_job
+from tests.support.subproc import child_env
 
 
 FAST = ["training.steps=12", "data.num_samples=256", "model.num_layers=2", "model.hidden_size=64",

@@ -4,7 +4,7 @@ built, with the estimate and the machine's memory; ``training.skip_memory_check`
 import time
 
 import pytest
-from hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train.config import parse_job_config
 from megatron_fastpath.train.memory import GIB, check_memory, estimate_memory, parameter_count
