@@ -5,11 +5,9 @@ first line says)."""
 
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.support.subproc import child_env
+from tests.support.main_job import run_main_job
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
@@ -33,9 +31,7 @@ def test_the_resume_commands_print_what_the_page_says(tmp_path):
     steps, expect = _block()
     assert len(steps) >= 2 and set(expect) >= {0, 1}
     for i, argv in enumerate(steps[:2]):
-        cmd = [sys.executable, *argv[1:], *SMALL, f"hydra.run.dir={tmp_path}/run{i}"]
-        out = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert argv[:3] == ["python", "-m", "megatron_fastpath.train"]
+        out = run_main_job([*argv[3:], *SMALL], tmp_path, name=f"run{i}", timeout=600)
         want = re.escape(expect[i]).replace(re.escape("/…/"), ".*/")
         assert re.fullmatch(want, out.stdout.splitlines()[0]), (expect[i], out.stdout.splitlines()[0])

@@ -6,7 +6,7 @@ signal also killed the helper process megatron-core's checkpoint writer starts (
 Manager), so the save failed and the job exited 1 (6 of 30 trials in the issue; here every
 trial after the first save).
 
-Unit tier: two trials (SIGTERM with async saves, SIGUSR1 with sync ones). Integration tier (``slow``): 20 trials at seeded
+Unit tier: two trials (SIGTERM with async saves, SIGUSR1 with sync ones). Integration tier (``integration``): 20 trials at seeded
 random moments. And a SIGKILL of the main process alone: its helpers exit too (they used to stay,
 about 280 MB each)."""
 
@@ -15,14 +15,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.support.subproc import child_env
 
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
+from tests.support.main_job import job_env, main_job_cmd
 
 STEPS = 40
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
@@ -31,13 +30,11 @@ FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
 
 
 def _cmd(run_dir: Path, *overrides: str):
-    return [sys.executable, "-m", "megatron_fastpath.train", *FAST, f"hydra.run.dir={run_dir}/hydra",
-            *overrides]
+    return main_job_cmd([*FAST, f"hydra.run.dir={run_dir}/hydra", *overrides])
 
 
 def _env():
-    return child_env(OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1",
-                     PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    return job_env(HYDRA_FULL_ERROR="1")
 
 
 def _records(path: Path):
@@ -127,7 +124,7 @@ def test_group_signal_after_first_checkpoint_saves_and_requeues(tmp_path, straig
     _trial(tmp_path, straight, sig, async_save, delay_s=0.3)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("trial", range(20))
 def test_group_signal_at_random_moments(tmp_path, straight, trial):
     rng = random.Random(trial)  # seeded: a failing trial reruns at the same moment

@@ -7,30 +7,26 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
+from tests.support.main_job import job_env, main_job_cmd, run_main_job
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256"]
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="1")
-    return env
+    return job_env(HYDRA_FULL_ERROR="1")
 
 
 def _cmd(tmp_path, *overrides, launcher=None):
-    head = [sys.executable, str(launcher)] if launcher else [sys.executable, "-m", "megatron_fastpath.train"]
-    return head + FAST + [f"hydra.run.dir={tmp_path}/hydra", *overrides]
+    return main_job_cmd([*FAST, f"hydra.run.dir={tmp_path}/hydra", *overrides],
+                        entry=[str(launcher)] if launcher else None)
 
 
 def _records(path):
@@ -38,11 +34,11 @@ def _records(path):
         return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
 
 
-def _straight(tmp_path):
-    out = tmp_path / "straight.json"
-    subprocess.run(_cmd(tmp_path, f"training.summary_json={out}"), env=_env(), check=True,
-                   capture_output=True, timeout=600)
-    return _records(out)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run's (step, loss, lr) records, once for the module."""
+    d = tmp_path_factory.mktemp("straight")
+    return [(r["step"], r["loss"], r["lr"]) for r in run_main_job(FAST, d, env=_env()).summary["records"]]
 
 
 def _wait_for(proc, pred, what, timeout_s=300):
@@ -53,9 +49,9 @@ def _wait_for(proc, pred, what, timeout_s=300):
         time.sleep(0.02)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, sig):
+def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, straight, sig):
     d = tmp_path / "ckpt"
     log = tmp_path / "first.log"
     with open(log, "w") as f:
@@ -74,11 +70,11 @@ def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, sig):
                             env=_env(), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert second.stdout.splitlines()[0].startswith(f"resuming from {d}/step_{stopped:08d}")
-    assert _records(summary) == _straight(tmp_path)
+    assert _records(summary) == straight
 
 
-@pytest.mark.slow
-def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
+@pytest.mark.integration
+def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, straight):
     d = tmp_path / "ckpt"
     marker = tmp_path / "hanging"
     env = dict(_env(), FASTPATH_TEST_HANG_AT_STEP="4", FASTPATH_TEST_MARKER=str(marker))
@@ -103,7 +99,7 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
     assert second.stdout.splitlines()[0] == (
         f"resuming from {d}/step_00000002: 2 of {STEPS} steps done, continuing at step 3")
     assert not any(n.startswith(".tmp.") for n in os.listdir(d))  # the partial one was cleared
-    assert _records(summary) == _straight(tmp_path)
+    assert _records(summary) == straight
 
 
 @pytest.mark.parametrize("with_checkpoints", [True, False], ids=["checkpoint-dir", "no-checkpoint-dir"])

@@ -8,43 +8,63 @@
 * Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2,
   EP=2 (1 microbatch per rank: the same global batch) or TP=2 (each rank loads its shards). The resumed steps equal an uninterrupted
   run at that layout within fp32 tolerance (rel 2e-4: world 1 and world 2 sum gradients in a
-  different order, as in test_multiprocess.py); the restored records of the first steps are the
+  different order, as in the two-processes test below); the restored records of the first steps are the
   world-1 run's, exactly.
+* Two processes match one: the first steps of the DP=2 and EP=2 runs equal the world-1 run of the
+  same global batch within the same tolerance.
+
+The runs are shared within the module (each is a torchrun of the main job, ~25 s here): the DP=2
+and EP=2 uninterrupted runs serve as the exact-resume reference, the resharding reference and
+the two-processes side; one world-1 checkpoint per model serves every layout resumed from it.
 """
 
-import json
-import os
-import subprocess
-import sys
+import shutil
 
 import pytest
 import torch
 
-from tests.support.subproc import child_env, free_port
+from tests.support.main_job import run_main_job
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 STEPS, STOP = 6, 3
 COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128", "data.max_len=48",
           "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",
           "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
 LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_moe", "parallel=ep2"],
            "tp2": ["model=tiny_dense", "parallel=single", "parallel.tensor_model_parallel_size=2"]}
+# micro-batches per rank for a global batch of 2 (TP ranks share their microbatches)
+PER_RANK = {"dp2": 1, "ep2": 1, "tp2": 2}
 REL_TOL = 2e-4
 
 
-def _run(tmp_path, name, overrides, nproc):
-    out = tmp_path / f"{name}.json"
-    entry = ["-m", "megatron_fastpath.train", *COMMON, *overrides, f"training.summary_json={out}",
-             f"hydra.run.dir={tmp_path}/hydra-{name}"]
-    cmd = [sys.executable, *entry]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", *entry]
-    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out) as f:
-        return json.load(f), proc.stdout
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> the main job's run (summary, output), each run once per module."""
+    root = tmp_path_factory.mktemp("torchrun")
+    done = {}
+
+    def run(name, overrides, nproc):
+        if name not in done:
+            cwd = root / name
+            cwd.mkdir()
+            done[name] = run_main_job(COMMON + [o.format(root=root) for o in overrides], cwd,
+                                      nproc=nproc, name=name)
+        return done[name]
+
+    run.root = root
+    return run
+
+
+def straight(runs, layout):
+    """The uninterrupted two-process run at ``layout`` with 1 microbatch per rank, saving."""
+    return runs(f"straight-{layout}", LAYOUTS[layout] + ["training.micro_batches=1",
+                                                          f"checkpoint.dir={{root}}/straight-{layout}/ckpt"], 2)
+
+
+def world1(runs, model):
+    """One process, 2 microbatches per step (the global batch of two ranks), stopped at STOP."""
+    return runs(f"world1-{model}", [model, "training.micro_batches=2",
+                                    f"checkpoint.dir={{root}}/world1-{model}/ckpt",
+                                    f"training.stop_at_step={STOP}"], 1)
 
 
 def _first_line(out):
@@ -56,49 +76,70 @@ def _records(summary):
     return [(r["step"], r["loss"], r["lr"]) for r in summary["records"]]
 
 
-@pytest.mark.slow
+def _close(a_records, b_records):
+    for a, b in zip(a_records, b_records, strict=True):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) <= REL_TOL * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_exact_resume_two_processes(tmp_path, layout):
-    par = LAYOUTS[layout] + ["training.micro_batches=1"]
-    ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
-    straight, _ = _run(tmp_path, "straight", par + [f"checkpoint.dir={tmp_path}/straight_ckpt"], 2)
-    first, _ = _run(tmp_path, "first", par + ckpt + [f"training.stop_at_step={STOP}"], 2)
+def test_exact_resume_two_processes(runs, layout):
+    par = LAYOUTS[layout] + ["training.micro_batches=1", f"checkpoint.dir={{root}}/exact-{layout}"]
+    ref = straight(runs, layout).summary
+    first = runs(f"first-{layout}", par + [f"training.stop_at_step={STOP}"], 2).summary
     assert first["stopped"] == "stop_at_step" and len(first["records"]) == STOP
-    resumed, out = _run(tmp_path, "resumed", par + ckpt, 2)
-    assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
-    assert resumed["world_size"] == 2
-    assert _records(resumed) == _records(straight)
-    assert [r["grad_norm"] for r in resumed["records"]] == [r["grad_norm"] for r in straight["records"]]
+    resumed = runs(f"resumed-{layout}", par, 2)
+    ckpt = runs.root / f"exact-{layout}"
+    assert _first_line(resumed.stdout).startswith(f"resuming from {ckpt}/step_{STOP:08d}")
+    assert resumed.summary["world_size"] == 2
+    assert _records(resumed.summary) == _records(ref)
+    assert [r["grad_norm"] for r in resumed.summary["records"]] == [r["grad_norm"] for r in ref["records"]]
     final = f"step_{STEPS:08d}/model"  # final parameters and optimizer state, every tensor
-    a, b = _tensors(tmp_path / "ckpt" / final, tmp_path), _tensors(tmp_path / "straight_ckpt" / final, tmp_path)
+    a = _tensors(ckpt / final, runs.root / f"resumed-{layout}")
+    b = _tensors(runs.root / f"straight-{layout}" / "ckpt" / final, runs.root / f"straight-{layout}")
     assert sorted(a) == sorted(b) and len(a) > 10
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-def _tensors(model_dir, tmp_path):
+def _tensors(model_dir, out_dir):
     """Every tensor of a torch_dist checkpoint directory (torch DCP), read without a process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = tmp_path / f"{model_dir.parent.parent.name}.pt"
+    out = out_dir / "final_tensors.pt"
     dcp_to_torch_save(str(model_dir), str(out))
     return {k: v for k, v in torch.load(out, weights_only=True).items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", ["dp2", "ep2"])
+def test_two_processes_match_one(runs, layout):
+    """Data / expert parallel over two processes gives the losses of one process running the
+    same global batch (2 microbatches)."""
+    multi, out = straight(runs, layout).summary, straight(runs, layout).stdout
+    single = world1(runs, LAYOUTS[layout][0]).summary
+    assert multi["world_size"] == 2 and single["world_size"] == 1
+    _close(multi["records"][:STOP], single["records"])
+    assert multi["last_loss"] < multi["first_loss"]
+    assert {"ep2": "ep 2", "dp2": "dp 2"}[layout] in out
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_world1_checkpoint_resumes_resharded_at_world2(tmp_path, layout):
-    model = LAYOUTS[layout][:1]
-    ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
-    one, _ = _run(tmp_path, "world1", model + ["training.micro_batches=2", *ckpt,
-                                              f"training.stop_at_step={STOP}"], 1)
-    per_rank = [f"training.micro_batches={2 if layout == 'tp2' else 1}"]  # global batch: 2
-    resumed, out = _run(tmp_path, "resumed", LAYOUTS[layout] + per_rank + ckpt, 2)
-    reference, _ = _run(tmp_path, "reference", LAYOUTS[layout] + per_rank, 2)
-    assert _first_line(out).startswith(f"resuming from {tmp_path}/ckpt/step_{STOP:08d}")
+def test_world1_checkpoint_resumes_resharded_at_world2(runs, layout):
+    model = LAYOUTS[layout][0]
+    one = world1(runs, model)
+    ckpt = runs.root / f"reshard-{layout}"  # a copy: the resumed run adds its own checkpoints
+    shutil.copytree(runs.root / f"world1-{model}" / "ckpt", ckpt)
+    per_rank = [f"training.micro_batches={PER_RANK[layout]}"]
+    resumed = runs(f"reshard-resumed-{layout}", LAYOUTS[layout] + per_rank + [f"checkpoint.dir={ckpt}"], 2)
+    # the uninterrupted run at that layout (DP=2 / EP=2: the straight run, same settings)
+    reference = (straight(runs, layout) if PER_RANK[layout] == 1
+                 else runs(f"reference-{layout}", LAYOUTS[layout] + per_rank, 2)).summary
+    out = resumed.stdout
+    assert _first_line(out).startswith(f"resuming from {ckpt}/step_{STOP:08d}")
     assert "RNG states not restored: saved at world 1, now 2" in out
     assert {"ep2": "ep 2", "dp2": "dp 2", "tp2": "tp 2"}[layout] in out
-    assert _records(resumed)[:STOP] == _records(one)  # restored from the world-1 checkpoint
-    for a, b in zip(resumed["records"][STOP:], reference["records"][STOP:]):
-        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
-        assert abs(a["loss"] - b["loss"]) <= REL_TOL * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-    assert len(resumed["records"]) == STEPS
+    assert _records(resumed.summary)[:STOP] == _records(one.summary)  # restored from world 1
+    _close(resumed.summary["records"][STOP:], reference["records"][STOP:])
+    assert len(resumed.summary["records"]) == STEPS

@@ -8,12 +8,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from tests.hf.hf_reference import DATA, REPO, held_out_loss
+from tests.support.main_job import job_env, run_main_job
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -35,14 +34,10 @@ assert 'transformers' not in sys.modules and 'peft' not in sys.modules
 
 
 def run_job(args, cwd, block_hf=False):
-    # this pytest process may hold a gloo store on its own MASTER_PORT: drop rendezvous vars
-    drop = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-c", BLOCK_HF] if block_hf else [sys.executable, "-m", "megatron_fastpath.train"]
-    proc = subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    """The main job's stdout; ``block_hf``: run it where transformers and peft cannot import."""
+    run = run_main_job(args, cwd, env=job_env(WANDB_MODE="offline"),
+                       entry=["-c", BLOCK_HF] if block_hf else None)
+    return run.stdout
 
 
 @pytest.fixture(scope="module")

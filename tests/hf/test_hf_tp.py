@@ -3,31 +3,24 @@ checkpoint (the held-out loss before training equals transformers' on the full m
 TP-gathered exports (PEFT adapter, merged checkpoint) reproduce the TP model's final held-out
 loss in transformers."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tests.support.subproc import child_env, free_port  # noqa: E402
-from tests.hf.hf_reference import DATA, REPO, held_out_loss  # noqa: E402
+from tests.support.main_job import run_main_job  # noqa: E402
+from tests.hf.hf_reference import DATA, held_out_loss  # noqa: E402
 
 
 def _main_job(tmp_path, nproc: int, args, summary) -> dict:
     """Run the main job with ``args`` (under torchrun when ``nproc`` > 1); its summary JSON."""
-    launch = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                  f"--master_port={free_port()}"] if nproc > 1 else [])
-    cmd = launch + ["-m", "megatron_fastpath.train", *args, "metrics.tensorboard=false",
-                    "metrics.wandb=off", "metrics.plot=false", f"training.summary_json={summary}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.load(open(summary))
+    name = os.path.splitext(os.path.basename(str(summary)))[0]
+    run = run_main_job([*args, "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"],
+                       tmp_path, nproc=nproc, name=name)
+    return run.summary
 
 
 def test_tp2_load_train_export(tmp_path):

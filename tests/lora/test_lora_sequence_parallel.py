@@ -30,7 +30,7 @@ def _expected_sequence_parallel_params(num_layers=2) -> set:
     return names
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
     out = str(tmp_path / "sp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

@@ -132,7 +132,7 @@ def _worker(rank, world, port, result_path):
         destroy_distributed()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
     path = str(tmp_path / "ep_results")
     mp.spawn(_worker, args=(2, free_port(), path), nprocs=2, join=True)
@@ -190,7 +190,7 @@ def _padding_worker(rank, world, port, result_path):
         destroy_distributed()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ep2_padding_content_changes_nothing_real(tmp_path):
     path = str(tmp_path / "ep_padding")
     mp.spawn(_padding_worker, args=(2, free_port(), path), nprocs=2, join=True)

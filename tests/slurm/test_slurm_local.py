@@ -285,7 +285,7 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("case", CASES)
 def test_sbatch_trains_on_local_two_node_slurm(local_slurm, tmp_path, case: Case):
     work = tmp_path / "submit"

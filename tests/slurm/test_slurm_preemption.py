@@ -153,7 +153,7 @@ def reference(local_slurm, tmp_path_factory):
     return _records(d / "ref.json")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slurm, reference, tmp_path):
     work = tmp_path / "pre"
     job = _submit(local_slurm, work, f"training.summary_json={tmp_path}/pre.json")
@@ -170,7 +170,7 @@ def test_usr1_mid_run_saves_requeues_resumes_with_the_same_final_loss(local_slur
     assert _records(tmp_path / "pre.json") == reference
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_scancel_term_to_the_steps_after_checkpoints_requeues_and_resumes_exactly(
         local_slurm, reference, tmp_path):
     """Preemption as Slurm does it to a running job: SIGTERM to every process of the job's
@@ -191,7 +191,7 @@ def test_scancel_term_to_the_steps_after_checkpoints_requeues_and_resumes_exactl
     assert _records(tmp_path / "pre.json") == reference
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sigkilled_save_resumes_from_the_previous_checkpoint(local_slurm, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     marker = tmp_path / "hanging"

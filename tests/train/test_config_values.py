@@ -48,20 +48,12 @@ def test_good_values_still_parse():
 def test_main_job_prints_the_message_without_a_traceback(tmp_path):
     """A config error: the message alone on stderr and exit 2; HYDRA_FULL_ERROR=1 keeps the
     traceback."""
-    import os
-    import subprocess
-    import sys
+    from tests.support.main_job import job_env, run_main_job
 
-    from tests.support.subproc import child_env  # tests/support (conftest.py puts it on the path)
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    args = [sys.executable, "-m", "megatron_fastpath.train", "training.lr=nan",
-            f"hydra.run.dir={tmp_path}/run"]
-    plain = subprocess.run(args, cwd=tmp_path, env=child_env(PYTHONPATH=repo), capture_output=True,
-                           text=True, timeout=300)
+    args = ["training.lr=nan", f"hydra.run.dir={tmp_path}/run"]
+    plain = run_main_job(args, tmp_path, check=False, timeout=300)
     assert plain.returncode == 2
     assert "error: training.lr=nan: must be a finite number > 0" in plain.stderr
-    assert "Traceback" not in plain.stderr + plain.stdout
-    full = subprocess.run(args, cwd=tmp_path, env=child_env(PYTHONPATH=repo, HYDRA_FULL_ERROR="1"),
-                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in plain.output
+    full = run_main_job(args, tmp_path, check=False, timeout=300, env=job_env(HYDRA_FULL_ERROR="1"))
     assert full.returncode == 1 and "Traceback" in full.stderr and "training.lr=nan" in full.stderr

@@ -6,10 +6,12 @@ path's host-sync count."""
 
 import pytest
 import torch
-from tests.support.hydra_compose import compose_job
 
 from tests.support.cuda_as_cpu import CALLS, PageableCopies, cuda_as_cpu
-from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
+from tests.support.hydra_compose import compose_job
+from tests.support.main_job import train_in_process
+
+from megatron_fastpath.train import parse_job_config
 
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
         "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
@@ -32,20 +34,8 @@ LOSS_RTOL = 1e-6
 PARAM_ATOL, PARAM_RTOL = 2e-6, 1e-5
 
 
-def _cfg(overrides):
-    return compose_job(list(overrides))
-
-
-def _train(overrides, capsys=None):
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    # Megatron keeps the aux-loss scale in a class attribute; each run starts from none
-    # (as a fresh process would): the CPU path's lazy 0-dim default and the schedule's [1]
-    # tensor cannot share it.
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    job = build_job(parse_job_config(_cfg(FAST + overrides)))
-    logger = StepLogger(job)
-    summary = train(job, logger)
+def _train(overrides):
+    job, summary = train_in_process(FAST + overrides)
     params = {n: p.detach().clone() for n, p in job.model.named_parameters()}
     return summary, params, job
 
@@ -121,7 +111,7 @@ def test_pipeline_with_offload_refused():
     offload manager; 1F1B has two on stage 0)."""
     with cuda_as_cpu():
         with pytest.raises(ValueError, match="offload with pipeline parallelism is not supported"):
-            parse_job_config(_cfg(FAST + ["training.device=cuda", "fastpath.offload=true",
+            parse_job_config(compose_job(FAST + ["training.device=cuda", "fastpath.offload=true",
                                           "parallel.pipeline_model_parallel_size=2"]))
 
 

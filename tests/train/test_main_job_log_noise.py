@@ -4,28 +4,25 @@ of Megatron's per-module TE/Apex fallback warnings, torch's pynvml FutureWarning
 
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.support.subproc import child_env
+from tests.support.main_job import job_env, run_main_job
+from tests.support.subproc import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
          "Falling back", "multistorageclient", "Megatron-FSDP", "fontManager", "[INFO]")
 
 
-def _run(args, tmp_path):
+def _env(tmp_path):
     # a fresh matplotlib cache: its first plot logs "generated new fontManager" (INFO)
-    env = child_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
+    env = job_env(MPLCONFIGDIR=str(tmp_path / "mpl"))
     env.pop("PYTHONWARNINGS", None)  # the job's own filters are under test
-    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return env
 
 
 def test_main_job_prints_one_absent_packages_line_and_no_warnings(tmp_path):
-    proc = _run(["-m", "megatron_fastpath.train", "model=tiny_moe", "model.num_layers=3",
-                 "training.steps=2", "data.num_samples=128", f"hydra.run.dir={tmp_path}/run"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (proc.stdout + proc.stderr).splitlines()
+    run = run_main_job(["model=tiny_moe", "model.num_layers=3", "training.steps=2",
+                        "data.num_samples=128"], tmp_path, env=_env(tmp_path), timeout=600)
+    lines = run.output.splitlines()
     noisy = [line for line in lines if any(word in line for word in NOISE)]
     assert noisy == []
     absent = [line for line in lines if "optional packages absent" in line]
@@ -51,7 +48,7 @@ def test_library_users_keep_every_warning(tmp_path):
         "from megatron_fastpath.layer_spec import megatron_base_spec\n"
         "import dataclasses, torch\n"
         "from megatron.core import parallel_state as ps\n"
-        "torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:29531', rank=0, world_size=1)\n"
+        "torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
         "ps.initialize_model_parallel()\n"
         "cfg = build_transformer_config(ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_experts=2))\n"
         "base = megatron_base_spec('local', num_experts=2)\n"
@@ -59,7 +56,9 @@ def test_library_users_keep_every_warning(tmp_path):
         "from megatron.core.transformer.transformer_layer import TransformerLayer\n"
         "TransformerLayer(cfg, spec)\n"
     )
-    proc = _run(["-c", code], tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code.replace("{port}", str(free_port()))],
+                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "The pynvml package is deprecated" in proc.stderr
     assert "Apex is not installed. Falling back" in proc.stderr

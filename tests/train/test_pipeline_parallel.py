@@ -44,7 +44,7 @@ MODELS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(MODELS))
 def test_pp2_1f1b_equals_pp1(mcore_parallel, tmp_path, name):
     init = str(tmp_path / "init.pt")

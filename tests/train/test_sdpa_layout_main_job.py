@@ -5,7 +5,9 @@ losses and gradient norms as the [T, T] mask layout, and the startup line says w
 import pytest
 
 from tests.support.hydra_compose import compose_job
-from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
+from tests.support.main_job import train_in_process
+
+from megatron_fastpath.train import parse_job_config
 from megatron_fastpath.packed_seq.cache import seqlen_bound
 
 # T = 512, up to 8 sequences of 8..48 tokens: bound 64, 4 * 8 * 64^2 < 512^2 -> padded view
@@ -16,10 +18,7 @@ SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.ma
 
 
 def _run(layout, capsys):
-    job = build_job(parse_job_config(compose_job(SMALL + [f"fastpath.sdpa_layout={layout}"])))
-    logger = StepLogger(job)
-    logger.header()
-    summary = train(job, logger)
+    job, summary = train_in_process(SMALL + [f"fastpath.sdpa_layout={layout}"], header=True)
     return job, summary, capsys.readouterr().out
 
 

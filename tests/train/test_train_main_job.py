@@ -5,7 +5,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from tests.support.hydra_compose import compose_job
-from tests.support.subproc import child_env
+from tests.support.main_job import run_main_job
 
 
 FAST = ["training.steps=12", "data.num_samples=256", "model.num_layers=2", "model.hidden_size=64",
@@ -104,8 +104,9 @@ def test_every_shipped_config_composes_into_typed_sections(model, parallel, clus
     tc = build_transformer_config(m)  # Megatron validates head/group/expert shapes
     assert tc.num_layers == m.num_layers and tc.num_moe_experts == m.num_experts
     from megatron_fastpath.model import rope_config_for
+    from megatron_fastpath.packed_seq import Llama3RopeScaling
 
-    assert rope_config_for(m).llama3_scaling_factor == (8.0 if model == "llama31_8b" else None)
+    assert rope_config_for(m).llama3 == (Llama3RopeScaling(8.0) if model == "llama31_8b" else None)
 
 
 def test_real_shape_parameter_counts():
@@ -133,26 +134,17 @@ def test_real_shape_parameter_counts():
 def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
     """On >= 2 GPUs: the same entry point drives Megatron's get_forward_backward_func with PP=2
     and equals the PP=1 run's losses."""
-    import json
-    import subprocess
-    import sys
-
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
 
-    env = child_env()
     losses = {}
     for pp, nproc in ((1, 1), (2, 2)):
-        out = tmp_path / f"pp{pp}.json"
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-             "-m", "megatron_fastpath.train", "training.device=cuda", "training.steps=6",
-             f"parallel.pipeline_model_parallel_size={pp}", f"training.summary_json={out}"],
-            check=True, timeout=900, env=env,
-        )
-        losses[pp] = [r["loss"] for r in json.loads(out.read_text())["records"]]
+        run = run_main_job(["training.device=cuda", "training.steps=6",
+                            f"parallel.pipeline_model_parallel_size={pp}"], tmp_path, nproc=nproc,
+                           name=f"pp{pp}")
+        losses[pp] = [r["loss"] for r in run.summary["records"]]
     assert losses[2][-1] < losses[2][0]
     for a, b in zip(losses[1], losses[2]):
         assert abs(a - b) < 1e-3 * abs(a)

@@ -23,7 +23,7 @@ def _can_build_wheels() -> bool:
     return Version(setuptools.__version__) >= Version("70.1") or importlib.util.find_spec("wheel") is not None
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(not _can_build_wheels(), reason="this venv's setuptools cannot build wheels "
                     "(needs setuptools >= 70.1 or the wheel package)")
 def test_wheel_ships_configs_and_runs_the_main_job(tmp_path):

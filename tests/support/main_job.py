@@ -1,0 +1,96 @@
+"""The main job (``python -m megatron_fastpath.train``) as tests run it: the one helper.
+
+``train_in_process(overrides)`` composes the config with Hydra, builds the job and trains it in
+this process (world size 1; the caller's ``mcore_parallel`` fixture has initialised
+torch.distributed). ``run_main_job(overrides, cwd)`` runs it as a user does, in a child process,
+under ``torchrun`` when ``nproc > 1``, and returns what it printed and its summary JSON.
+``main_job_cmd`` / ``job_env`` give the command and environment to tests that drive the child
+themselves (signals, Slurm, a launcher script).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tests.support.hydra_compose import compose_job
+from tests.support.subproc import child_env, free_port
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def train_in_process(overrides: Sequence[str] = (), *, header: bool = False):
+    """(job, summary) of the main job composed from ``overrides``, trained in this process."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_fastpath.train import StepLogger, build_job, parse_job_config, train
+
+    # Megatron keeps the aux-loss scale in a class attribute; each run starts from none, as a
+    # fresh process would (a CPU step's lazy 0-dim scale and a schedule's [1] one cannot share it)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    job = build_job(parse_job_config(compose_job(list(overrides))))
+    logger = StepLogger(job)
+    if header:
+        logger.header()
+    return job, train(job, logger)
+
+
+def job_env(**extra: str) -> dict:
+    """The child's environment: no inherited rendezvous variables, one thread per process (2-core
+    machine), the repository importable (tests.*), plus ``extra``."""
+    return child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
+
+
+def main_job_cmd(overrides: Sequence[str] = (), *, nproc: int = 1,
+                 entry: Optional[Sequence[str]] = None) -> list[str]:
+    """``python -m megatron_fastpath.train overrides`` (``entry`` replaces ``-m
+    megatron_fastpath.train``, e.g. a launcher script), under torchrun when ``nproc > 1``."""
+    head = list(entry) if entry is not None else ["-m", "megatron_fastpath.train"]
+    if nproc > 1:
+        head = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}", *head]
+    return [sys.executable, *head, *overrides]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    summary: Optional[dict]  # training.summary_json, when the run wrote it
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_main_job(overrides: Sequence[str], cwd, *, nproc: int = 1, name: str = "job",
+                 env: Optional[dict] = None, timeout: float = 900, check: bool = True,
+                 entry: Optional[Sequence[str]] = None) -> JobRun:
+    """Run the main job in a child process in ``cwd``; its summary JSON is ``cwd/<name>.json``
+    and its Hydra run directory ``cwd/hydra-<name>`` unless ``overrides`` name them. ``check``:
+    assert it exited 0 (the message carries the tails of its output)."""
+    cwd = Path(cwd)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    summary = cwd / f"{name}.json"
+    args = list(overrides)
+    if "training.summary_json" in given:
+        summary = Path(next(o for o in overrides if o.startswith("training.summary_json=")).split("=", 1)[1])
+    else:
+        args.append(f"training.summary_json={summary}")
+    if "hydra.run.dir" not in given:
+        args.append(f"hydra.run.dir={cwd}/hydra-{name}")
+    proc = subprocess.run(main_job_cmd(args, nproc=nproc, entry=entry), cwd=cwd,
+                          env=job_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(summary.read_text()) if summary.exists() else None
+    return JobRun(proc.returncode, proc.stdout, proc.stderr, data)
+
+
+__all__ = ["JobRun", "REPO", "job_env", "main_job_cmd", "run_main_job", "train_in_process"]
