@@ -354,7 +354,7 @@ class CheckpointManager:
         from megatron_fastpath.checkpoint.rng import capture_rng
 
         _write_json(os.path.join(tmp, "rng", f"rank_{_rank():05d}.json"), capture_rng())
-        from megatron_fastpath.checkpoint.fp8 import save_fp8_state
+        from megatron_fastpath.fp8 import save_fp8_state
 
         save_fp8_state(os.path.join(tmp, "fp8"), _rank(), fp8_state or {})
         if _rank() == 0:
@@ -590,7 +590,7 @@ class CheckpointManager:
             notes.append(f"RNG states not restored: saved at world {state['world_size']}, now {_world()}")
         fp8_dir = os.path.join(path, "fp8")
         if os.path.isdir(fp8_dir):
-            from megatron_fastpath.checkpoint.fp8 import load_fp8_state
+            from megatron_fastpath.fp8 import load_fp8_state
 
             if restore_fp8 is None:
                 notes.append("FP8 scaling history not restored: this run has no FP8 modules")

@@ -1,5 +1,5 @@
 """Transformer Engine: LoRA on TE's fused LayerNorm+linear (lora/adapter.py) and FP8
-delayed-scaling state without pickle (checkpoint/fp8.py)."""
+delayed-scaling state without pickle (fp8/state.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def split_layernorm_linear_output(out) -> tuple:
     return output, bias, ln_out
 
 # =============================================================================================
-# Transformer Engine FP8 delayed-scaling state, without pickle (checkpoint/fp8.py).
+# Transformer Engine FP8 delayed-scaling state, without pickle (fp8/state.py).
 #
 # TE keeps a delayed-scaling module's scales and amax histories in ``fp8_meta["scaling_fwd"]`` /
 # ``["scaling_bwd"]`` (``DelayedScalingRecipeState``: ``.scale`` [3 * num_gemms] and

@@ -1,5 +1,7 @@
 """One flag for per-layer CUDA graphs (and FP8): the TransformerConfig fields, environment and
-the combinations that cannot work, refused before any step runs.
+the combinations that cannot work, refused before any step runs. FP8's own settings, fields and
+refusals are :mod:`megatron_fastpath.fp8` (:func:`~megatron_fastpath.fp8.plan_fp8`, which
+:func:`plan_graphs_and_fp8` calls).
 
 Passing a ``CudaGraphConfig`` (``None`` = off) gives what the MLPerf Llama-2-70B LoRA submissions run
 (Megatron-Core 0.16.1 ``cuda_graph_impl="local"``, i.e. the deprecated ``enable_cuda_graph=True``):
@@ -14,11 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-__all__ = ["CudaGraphConfig", "FP8Config", "GraphPlan", "plan_graphs_and_fp8"]
+from megatron_fastpath.fp8.config import plan_fp8
+
+if TYPE_CHECKING:
+    from megatron_fastpath.fp8 import FP8Config
+
+__all__ = ["CudaGraphConfig", "GraphPlan", "plan_graphs_and_fp8"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,35 +52,6 @@ class CudaGraphConfig:
                 "cuda_graphs.warmup_steps must be an int >= 0 (zero-input warm-up passes per "
                 f"layer before its capture); got {self.warmup_steps!r}"
             )
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Config:
-    """Transformer Engine FP8 settings (TransformerConfig fp8* fields); on when passed to
-    ``plan_graphs_and_fp8`` (the main job's switch is ``fastpath.fp8``).
-
-    format: "hybrid" (E4M3 forward, E5M2 backward) or "e4m3".
-    recipe: "delayed" (amax history), "tensorwise", "mxfp8" or "blockwise".
-    amax_history_len / amax_compute_algo: delayed scaling's history ("max" or "most_recent").
-    dot_product_attention: FP8 attention (TE fused attention).
-    """
-
-    format: str = "hybrid"
-    recipe: str = "delayed"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    dot_product_attention: bool = False
-
-    def __post_init__(self):
-        if self.format not in ("hybrid", "e4m3"):
-            raise ValueError(f"fp8.format must be 'hybrid' or 'e4m3'; got {self.format!r}")
-        if self.recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
-            raise ValueError(f"fp8.recipe must be delayed|tensorwise|mxfp8|blockwise; got {self.recipe!r}")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError("fp8.amax_compute_algo must be 'max' or 'most_recent'")
-        if self.amax_history_len < 1:
-            raise ValueError("fp8.amax_history_len must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +97,9 @@ def plan_graphs_and_fp8(
     notes: list = []
     cuda = device.type == "cuda"
     if fp8 is not None:
-        _plan_fp8(fp8, linear_impl, tc, notes)
+        fp8_fields, fp8_note = plan_fp8(fp8, linear_impl)
+        tc.update(fp8_fields)
+        notes.append(fp8_note)
     if graphs is not None:
         _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading)
         if cuda:
@@ -136,32 +116,6 @@ def plan_graphs_and_fp8(
         capture=graphs is not None and cuda,
         audit=graphs is not None and not cuda,
         notes=tuple(notes),
-    )
-
-
-def _plan_fp8(fp8: FP8Config, linear_impl: str, tc: dict, notes: list) -> None:
-    from megatron_fastpath._optional import require
-
-    # fp8.dot_product_attention on packed (THD) sequences is refused by megatron_fastpath.rules
-    require("transformer_engine.pytorch", "FP8 training (fastpath.fp8=true)",
-            "fastpath.fp8=false (bf16)")
-    if linear_impl != "te":
-        raise ValueError(
-            "FP8 needs Transformer Engine linears: use the 'te' linear implementation "
-            "(fastpath.linear_impl=te, or fastpath.attention_backend=te with linear_impl auto)"
-        )
-    tc.update(
-        fp8=fp8.format,
-        fp8_recipe=fp8.recipe,
-        fp8_margin=fp8.margin,
-        fp8_amax_history_len=fp8.amax_history_len,
-        fp8_amax_compute_algo=fp8.amax_compute_algo,
-        fp8_dot_product_attention=fp8.dot_product_attention,
-    )
-    notes.append(
-        f"FP8 {fp8.format}/{fp8.recipe}: amax reduced once per step (TE reduces at the end of "
-        "the outermost fp8_autocast, which Megatron opens once around the layer block); MoE "
-        "expert groups padded to Megatron's FP8 alignment (16 rows; 32 for mxfp8)"
     )
 
 

@@ -240,7 +240,7 @@ class JobCheckpointer:
             return None
         from megatron.core.fp8_utils import get_fp8_recipe
 
-        from megatron_fastpath.checkpoint.fp8 import restore_fp8_state
+        from megatron_fastpath.fp8 import restore_fp8_state
 
         recipe = get_fp8_recipe(self.job.tcfg)
         return lambda tensors: restore_fp8_state(self.job.model, tensors, recipe)
@@ -273,7 +273,7 @@ class JobCheckpointer:
         for r in self.manager.poll(blocking=True):  # one save in flight: wait for the previous
             self._report(r, published=True)
         extra = {**self.extra_fn(), "data": self._data_position(step), **self.logger.history()}
-        from megatron_fastpath.checkpoint.fp8 import collect_fp8_state
+        from megatron_fastpath.fp8 import collect_fp8_state
 
         fp8 = collect_fp8_state(self.job.model)
         self._report(self.manager.save(step, self.state_fn, extra, fp8_state=fp8), published=False)

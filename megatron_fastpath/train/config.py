@@ -35,7 +35,8 @@ from megatron_fastpath.settings import (
 
 if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull in torch / Megatron)
     from megatron_fastpath.checkpoint import CheckpointConfig
-    from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, GraphPlan
+    from megatron_fastpath.fp8 import FP8Config
+    from megatron_fastpath.graphs.config import CudaGraphConfig, GraphPlan
     from megatron_fastpath.lora import LoRAConfig
     from megatron_fastpath.offload import OffloadConfig
     from megatron_fastpath.train.metrics import MetricsConfig
@@ -190,7 +191,8 @@ def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str 
 
 def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
     """Settings of each feature switched on in ``fastpath`` (None when off)."""
-    from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config
+    from megatron_fastpath.fp8 import FP8Config
+    from megatron_fastpath.graphs.config import CudaGraphConfig
     from megatron_fastpath.lora import LoRAConfig
     from megatron_fastpath.offload import OffloadConfig
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.checkpoint.ckpt_harness import Run
-from megatron_fastpath.checkpoint.fp8 import collect_fp8_state, restore_fp8_state
+from megatron_fastpath.fp8 import collect_fp8_state, restore_fp8_state
 
 
 class DelayedRecipe:
@@ -135,12 +135,12 @@ def test_round_trip_through_the_checkpoint(mcore_parallel, tmp_path):
 
 
 def test_other_layout_is_not_restored_and_says_so(mcore_parallel, tmp_path, monkeypatch):
-    import megatron_fastpath.checkpoint.fp8 as fp8
+    import megatron_fastpath.fp8.state as fp8_state
 
     saved = _with_te(Run().train(1), {"te": StandInTEModule().after_steps(1)})
     mgr, (state_fn, _, extra_fn) = saved.manager(tmp_path)
     mgr.save(1, state_fn, extra_fn(), fp8_state=collect_fp8_state(saved.model))
-    monkeypatch.setattr(fp8, "layout", lambda: "world=2 tp=1 pp=1 ep=2")
+    monkeypatch.setattr(fp8_state, "layout", lambda: "world=2 tp=1 pp=1 ep=2")
     fresh = _with_te(Run(), {"te": StandInTEModule()})
     mgr, (state_fn, apply_fn, _) = fresh.manager(tmp_path)
     resumed = mgr.load(state_fn, apply_fn, lambda t: restore_fp8_state(fresh.model, t, DelayedRecipe()))

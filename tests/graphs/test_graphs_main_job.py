@@ -9,7 +9,8 @@ import torch
 from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath._optional import MissingDependencyError, have
-from megatron_fastpath.graphs.config import CudaGraphConfig, FP8Config, plan_graphs_and_fp8
+from megatron_fastpath.fp8 import FP8Config
+from megatron_fastpath.graphs.config import CudaGraphConfig, plan_graphs_and_fp8
 from tests.support.subproc import child_env
 
 
