@@ -105,7 +105,7 @@ def rope_config_of(config):
     :func:`build_transformer_config` carry on the config: ``rotary_percent``, ``rotary_base``,
     ``seq_len_interpolation_factor``, ``rope_scaling`` / ``rope_scaling_factor`` (Llama 3.1).
     dim = kv_channels * rotary_percent, as RotaryEmbedding computes it."""
-    from megatron_fastpath.packed_seq.cache import RopeConfig
+    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig
 
     kv_channels = config.kv_channels or config.hidden_size // config.num_attention_heads
     return RopeConfig(
@@ -113,10 +113,10 @@ def rope_config_of(config):
         base=float(getattr(config, "rotary_base", 10000)),
         interleaved=bool(getattr(config, "rotary_interleaved", False)),
         seq_len_interpolation_factor=getattr(config, "seq_len_interpolation_factor", None),
-        llama3_scaling_factor=(
-            float(getattr(config, "rope_scaling_factor", 8.0))
-            if getattr(config, "rope_scaling", False) else None
-        ),
+        # Megatron's rope_scaling takes only the factor; the other three are _apply_scaling's
+        # defaults, which are Llama3RopeScaling's.
+        llama3=(Llama3RopeScaling(getattr(config, "rope_scaling_factor", 8.0))
+                if getattr(config, "rope_scaling", False) else None),
     )
 
 

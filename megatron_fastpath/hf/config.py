@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig
 
 __all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "HFConfigError", "read_hf_config"]
 
@@ -68,7 +71,7 @@ class HFModelSpec:
     tie_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
-    llama3_rope: Optional[tuple] = None  # (factor, low, high, original_max_position)
+    llama3_rope: Optional[Llama3RopeScaling] = None  # rope_scaling of rope_type llama3
     num_experts: Optional[int] = None
     topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -89,7 +92,7 @@ class HFModelSpec:
             num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
             rotary_base=self.rope_theta,
-            rope_scaling_factor=self.llama3_rope[0] if self.llama3_rope else None,
+            rope_scaling_factor=self.llama3_rope.factor if self.llama3_rope else None,
             kv_channels=self.head_dim, qk_layernorm=self.qk_norm,
             seq_length=self.max_position_embeddings, num_experts=self.num_experts,
             moe_router_topk=self.topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
@@ -108,15 +111,10 @@ class HFModelSpec:
                        moe_router_load_balancing_type="aux_loss" if self.aux_loss_coeff else "none")
         return out
 
-    def rope_config(self):
-        from megatron_fastpath.packed_seq.cache import RopeConfig
+    def rope_config(self) -> RopeConfig:
+        from megatron_fastpath.packed_seq.rope import RopeConfig
 
-        if self.llama3_rope is None:
-            return RopeConfig(dim=self.head_dim, base=self.rope_theta)
-        factor, low, high, orig = self.llama3_rope
-        return RopeConfig(dim=self.head_dim, base=self.rope_theta, llama3_scaling_factor=factor,
-                          llama3_low_freq_factor=low, llama3_high_freq_factor=high,
-                          llama3_original_max_position=orig)
+        return RopeConfig(dim=self.head_dim, base=self.rope_theta, llama3=self.llama3_rope)
 
     def check_parallel(self, tp: int, ep: int = 1) -> None:
         """Refuse TP / EP sizes that do not divide the heads, groups, FFN, vocab or experts."""
@@ -168,7 +166,9 @@ def _refuse(where: str, what: str) -> None:
     raise UnsupportedCheckpointError(f"{where}: {what} is not supported. Supported: {SUPPORTED_TEXT}")
 
 
-def _llama3_rope(cfg: dict, where: str) -> Optional[tuple]:
+def _llama3_rope(cfg: dict, where: str) -> Optional[Llama3RopeScaling]:
+    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling
+
     rs = cfg.get("rope_scaling")
     if not rs:
         return None
@@ -180,9 +180,13 @@ def _llama3_rope(cfg: dict, where: str) -> Optional[tuple]:
     if kind != "llama3":
         _refuse(where, f"rope_scaling type {kind!r} (supported rope types: none, default, llama3)")
     at = f"{where} (rope_scaling)"
-    return (_float(rs, "factor", at), _float(rs, "low_freq_factor", at, 1.0),
-            _float(rs, "high_freq_factor", at, 4.0),
-            _int(rs, "original_max_position_embeddings", at, 8192))
+    try:
+        return Llama3RopeScaling(
+            factor=_float(rs, "factor", at), low_freq_factor=_float(rs, "low_freq_factor", at, 1.0),
+            high_freq_factor=_float(rs, "high_freq_factor", at, 4.0),
+            original_max_position=_int(rs, "original_max_position_embeddings", at, 8192))
+    except ValueError as exc:  # values each fine, together not (low_freq_factor >= high)
+        raise HFConfigError(f"{at}: {exc}") from None
 
 
 def _check_attention(cfg: dict, mt: str, where: str) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from megatron_fastpath.moe.config import EXPERT_BACKENDS
 from megatron_fastpath.packed_seq.inflight import InFlightBatches
+from megatron_fastpath.packed_seq.rope import Llama3RopeScaling
 
 if TYPE_CHECKING:
     from megatron_fastpath.packed_seq import PackedBatch
@@ -75,7 +76,9 @@ class FastpathSettings:
     llama3_*: Llama 3.1 frequency scaling the framework applies outside the config's Megatron
         fields (NeMo ``Llama31Config``, Bridge ``Llama31ModelProvider``: ``scale_factor``,
         ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``), carried into the
-        cache's ``RopeConfig``; None when the config has none.
+        cache's ``RopeConfig``; ``llama3_scaling_factor`` None when the config has none. Flat
+        fields because NeMo-Run serialises them to YAML; read them as one
+        :class:`~megatron_fastpath.packed_seq.Llama3RopeScaling` through :attr:`llama3_rope`.
     """
 
     max_tokens: int
@@ -116,6 +119,35 @@ class FastpathSettings:
             raise ValueError(
                 f"moe_expert_backend must be one of {EXPERT_BACKENDS}; got {self.moe_expert_backend!r}"
             )
+        try:
+            self.llama3_rope  # the llama3_* fields make a valid Llama3RopeScaling
+        except ValueError as exc:
+            raise ValueError(f"FastpathSettings.llama3_* (Llama 3.1 RoPE scaling): {exc}") from None
+
+    @property
+    def llama3_rope(self) -> Optional[Llama3RopeScaling]:
+        """The ``llama3_*`` fields as one value (None without scaling): the one place they are
+        read."""
+        if self.llama3_scaling_factor is None:
+            return None
+        return Llama3RopeScaling(**{k: getattr(self, f) for k, f in _LLAMA3_FIELDS.items()})
+
+    @staticmethod
+    def llama3_fields(scaling: Optional[Llama3RopeScaling]) -> dict:
+        """The ``llama3_*`` field values that carry ``scaling`` (the inverse of
+        :attr:`llama3_rope`; empty for None, which the field defaults mean)."""
+        if scaling is None:
+            return {}
+        return {f: getattr(scaling, k) for k, f in _LLAMA3_FIELDS.items()}
+
+
+# Llama3RopeScaling field -> the flat FastpathSettings field carrying it.
+_LLAMA3_FIELDS = {
+    "factor": "llama3_scaling_factor",
+    "low_freq_factor": "llama3_low_freq_factor",
+    "high_freq_factor": "llama3_high_freq_factor",
+    "original_max_position": "llama3_original_max_position",
+}
 
 
 @dataclasses.dataclass
@@ -185,15 +217,8 @@ def _rope_of(settings: FastpathSettings, config):
     if not settings.rope:
         return None
     rope = rope_config_of(config)
-    if settings.llama3_scaling_factor is None:
-        return rope
-    return dataclasses.replace(
-        rope,
-        llama3_scaling_factor=settings.llama3_scaling_factor,
-        llama3_low_freq_factor=settings.llama3_low_freq_factor,
-        llama3_high_freq_factor=settings.llama3_high_freq_factor,
-        llama3_original_max_position=settings.llama3_original_max_position,
-    )
+    scaling = settings.llama3_rope
+    return rope if scaling is None else dataclasses.replace(rope, llama3=scaling)
 
 
 def clear_caches() -> None:

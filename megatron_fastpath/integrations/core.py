@@ -21,8 +21,10 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from megatron_fastpath import rules
+from megatron_fastpath.integrations._runtime import FastpathSettings
 from megatron_fastpath.lora.config import LORA_TARGETS
 from megatron_fastpath.moe.config import EXPERT_BACKENDS  # the one list of expert backends
+from megatron_fastpath.packed_seq.rope import Llama3RopeScaling
 from megatron_fastpath.rules import NAMES  # how each framework spells the settings
 from megatron_fastpath.rules import Names as FrameworkNames
 
@@ -31,7 +33,6 @@ __all__ = [
     "HookPlan",
     "run_facts",
     "HookRequest",
-    "Llama31Rope",
     "ModelFacts",
     "PeftFacts",
     "NAMES",
@@ -62,26 +63,6 @@ class HookRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama31Rope:
-    """Llama 3.1 frequency scaling that the framework applies to Megatron's rotary embedding
-    after building the model (NeMo ``Llama31Config`` / Bridge ``Llama31ModelProvider``)."""
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    old_context_len: int = 8192
-
-    def settings(self) -> dict:
-        """The FastpathSettings fields that carry it into the cache's ``RopeConfig``."""
-        return dict(
-            llama3_scaling_factor=float(self.factor),
-            llama3_low_freq_factor=float(self.low_freq_factor),
-            llama3_high_freq_factor=float(self.high_freq_factor),
-            llama3_original_max_position=int(self.old_context_len),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class PeftFacts:
     """The config's PEFT: its class name, whether it is LoRA / DoRA (wraps the linears by
     name, which the fastpath layer keeps) and its target modules."""
@@ -99,7 +80,9 @@ class ModelFacts:
         fields); missing attributes read as their Megatron defaults.
     custom_layer_spec: name of a layer spec other than the framework's default GPT spec.
     build_override: name of an unknown override of the framework's model-building method.
-    llama31_rope: Llama 3.1 scaling applied by the framework's (known) build override.
+    llama31_rope: Llama 3.1 scaling that the framework's (known) build override applies to
+        Megatron's rotary embedding after building the model (NeMo ``Llama31Config`` / Bridge
+        ``Llama31ModelProvider``).
     packed_size: tokens per packed microbatch; None or <= 0 when the data is not packed.
     graphs_on: per-layer CUDA graphs are on in the config now.
     has_precision: the config has a mixed-precision object FP8 can be set on.
@@ -111,7 +94,7 @@ class ModelFacts:
     model: Any
     custom_layer_spec: Optional[str]
     build_override: Optional[str]
-    llama31_rope: Optional[Llama31Rope]
+    llama31_rope: Optional[Llama3RopeScaling]
     context_parallel_size: int
     virtual_pipeline_size: Optional[int]
     pipeline_size: int
@@ -170,7 +153,7 @@ def model_config_facts(model, cls: type, method: str, base: type, llama31: Optio
         custom_layer_spec=None if spec is default_spec else (
             getattr(spec, "__qualname__", None) or repr(spec)),
         build_override=None if impl is getattr(base, method) or is_llama31 else f"{cls.__name__}.{method}",
-        llama31_rope=Llama31Rope(
+        llama31_rope=Llama3RopeScaling(
             model.scale_factor, model.low_freq_factor, model.high_freq_factor,
             model.old_context_len) if is_llama31 else None,
     )
@@ -399,8 +382,8 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
         rope=rope_in_cache,
         packed_cache=request.packed_cache,
     )
-    if rope_in_cache and facts.llama31_rope is not None:
-        settings.update(facts.llama31_rope.settings())
+    if rope_in_cache:
+        settings.update(FastpathSettings.llama3_fields(facts.llama31_rope))
     keep_megatron_rope = facts.llama31_rope is not None  # its build override rescales it
     return HookPlan(
         settings=settings,

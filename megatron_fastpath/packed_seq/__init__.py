@@ -1,4 +1,4 @@
-"""Packed-sequence metadata: host construction, the static-buffer cache, packing."""
+"""Packed-sequence metadata: host construction, the static-buffer cache, packing, RoPE."""
 
 from megatron_fastpath.packed_seq.cache import (
     CacheStats,
@@ -6,7 +6,6 @@ from megatron_fastpath.packed_seq.cache import (
     PackedBatch,
     PackedSeqCache,
     PackedSeqConfig,
-    RopeConfig,
 )
 from megatron_fastpath.packed_seq.metadata import (
     HostPackedMetadata,
@@ -14,11 +13,13 @@ from megatron_fastpath.packed_seq.metadata import (
     lengths_from_cu_seqlens,
 )
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing
+from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig
 
 __all__ = [
     "CacheStats",
     "CachedPackedSeqParams",
     "HostPackedMetadata",
+    "Llama3RopeScaling",
     "PackedBatch",
     "PackedSeqCache",
     "PackedSeqConfig",

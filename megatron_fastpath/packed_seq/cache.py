@@ -11,7 +11,8 @@ ints on every step):
 
 * ``cu_seqlens_q/kv``: boundaries with the padding tail closed at T (no ``*_padded``);
 * ``position_ids_T``, ``seq_ids_T``, ``real_token_mask_T`` (True on real tokens);
-* per-token RoPE ``rope_cos_T1D`` / ``rope_sin_T1D`` (or TE's ``rope_freqs_T11D``);
+* per-token RoPE ``rope_cos_T1D`` / ``rope_sin_T1D`` (or TE's ``rope_freqs_T11D``; settings and
+  math in :mod:`megatron_fastpath.packed_seq.rope`);
 * the SDPA mask ``sdpa_mask_TT``: ONE additive mask (0 / -inf) in the compute dtype, shared by
   all layers (SDPA saves it once per step and converts nothing);
 * the ``flex_attention`` BlockMask as eight index tensors ``flex_*``.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Iterator, Optional
 
 import numpy as np
@@ -54,6 +54,7 @@ from megatron_fastpath.packed_seq.metadata import (
     resolve_lengths,
     split_record,
 )
+from megatron_fastpath.packed_seq.rope import RopeConfig
 
 __all__ = [
     "CacheStats",
@@ -61,7 +62,6 @@ __all__ = [
     "PackedBatch",
     "PackedSeqCache",
     "PackedSeqConfig",
-    "RopeConfig",
     "seqlen_bound",
 ]
 
@@ -84,58 +84,6 @@ def seqlen_bound(longest: int, max_tokens: int) -> int:
     if longest < 1:
         raise ValueError(f"the longest sequence must be >= 1 token; got {longest}")
     return min(max_tokens, -(-longest // SEQLEN_BUCKET) * SEQLEN_BUCKET)
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding settings (Llama-style, as Megatron's ``RotaryEmbedding``).
-
-    dim: number of rotated channels per head (``kv_channels * rotary_percent``), even.
-    base: rotary base (theta).
-    interleaved: rotate (even, odd) pairs instead of the two halves.
-    seq_len_interpolation_factor: positions are divided by this (linear scaling), if set.
-    llama3_scaling_factor: Llama 3.1 frequency scaling (Megatron's ``rope_scaling=True`` with
-        ``rope_scaling_factor``; 8 for Llama 3.1/3.2/3.3), None for none. The low/high
-        frequency factors and the original context (1, 4, 8192) are Llama 3.1's and Megatron's.
-    """
-
-    dim: int
-    base: float = 10000.0
-    interleaved: bool = False
-    seq_len_interpolation_factor: Optional[float] = None
-    llama3_scaling_factor: Optional[float] = None
-    llama3_low_freq_factor: float = 1.0
-    llama3_high_freq_factor: float = 4.0
-    llama3_original_max_position: int = 8192
-
-    def __post_init__(self):
-        if self.dim <= 0 or self.dim % 2:
-            raise ValueError(f"RopeConfig.dim must be a positive even number; got {self.dim}")
-        if self.llama3_scaling_factor is not None and self.llama3_scaling_factor <= 0:
-            raise ValueError("RopeConfig.llama3_scaling_factor must be positive")
-        if not self.llama3_low_freq_factor < self.llama3_high_freq_factor:
-            raise ValueError("RopeConfig needs llama3_low_freq_factor < llama3_high_freq_factor")
-
-    def inv_freq(self, device=None) -> torch.Tensor:
-        """[D/2] float32, exactly as Megatron's RotaryEmbedding computes it (including its
-        Llama 3.1 ``_apply_scaling`` when ``llama3_scaling_factor`` is set)."""
-        inv = 1.0 / (
-            self.base
-            ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim)
-        )
-        if self.llama3_scaling_factor is None:
-            return inv
-        factor, low, high = (
-            self.llama3_scaling_factor, self.llama3_low_freq_factor, self.llama3_high_freq_factor)
-        old_len = self.llama3_original_max_position
-        wavelen = 2 * math.pi / inv
-        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high)
-        # kept, and the band between interpolated smoothly.
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,14 +487,7 @@ class PackedSeqCache:
 
     def _rope_emb_TD(self, slot: _Slot) -> torch.Tensor:
         """[T, D] float32 rotation angles of every token (position within its sequence)."""
-        rope = self.config.rope
-        pos_T = slot.params.position_ids_T.to(torch.float32)
-        if rope.seq_len_interpolation_factor is not None:
-            pos_T = pos_T / rope.seq_len_interpolation_factor
-        freqs_TF = torch.outer(pos_T, self._inv_freq)
-        if rope.interleaved:
-            return torch.stack((freqs_TF, freqs_TF), dim=-1).flatten(-2)
-        return torch.cat((freqs_TF, freqs_TF), dim=-1)
+        return self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
 
     def _build_rope_freqs(self, slot: _Slot) -> None:
         """[T, 1, 1, D] float32 angles: the ``freqs`` of TE's fused RoPE in ``sbhd`` layout

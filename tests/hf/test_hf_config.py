@@ -106,6 +106,8 @@ def test_bad_config_field_names_file_field_and_value(tmp_path, field):
     ({"rope_type": "llama3", "low_freq_factor": 1.0}, r"\(rope_scaling\): required key 'factor' is missing"),
     ({"rope_type": "llama3", "factor": -8.0}, r"\(rope_scaling\): field 'factor' is -8.0: must be a finite"),
     ([8.0], r"field 'rope_scaling' is \[8.0\]: must be an object or null"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     r"\(rope_scaling\): Llama3RopeScaling.low_freq_factor=4.0 is not below high_freq_factor=1.0"),
 ])
 def test_bad_rope_scaling_named(tmp_path, rope_scaling, match):
     cfg = dict(PUBLISHED["llama31_8b"], rope_scaling=rope_scaling)

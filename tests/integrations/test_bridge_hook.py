@@ -19,6 +19,7 @@ from megatron_fastpath.integrations import (
     clear_caches,
     host_cu_seqlens,
 )
+from megatron_fastpath.packed_seq import Llama3RopeScaling
 
 T = 32
 
@@ -244,7 +245,7 @@ def test_rope_config_of_reads_every_rotary_field_megatron_reads():
     config.rope_scaling, config.rope_scaling_factor = True, 16.0
     rope = rope_config_of(config)
     assert (rope.dim, rope.base, rope.interleaved, rope.seq_len_interpolation_factor,
-            rope.llama3_scaling_factor) == (8, 500000.0, True, 2.0, 16.0)
+            rope.llama3) == (8, 500000.0, True, 2.0, Llama3RopeScaling(16.0))
     ref = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_interleaved=True,
                           seq_len_interpolation_factor=2.0, rotary_base=500000, rope_scaling=True,
                           rope_scaling_factor=16.0, use_cpu_initialization=True)
@@ -317,10 +318,27 @@ def test_core_rules_once_for_both_hooks():
 
     dense = tiny_config()
     dense.position_embedding_type = "rope"
-    plan = core.plan(_facts(dense, llama31_rope=core.Llama31Rope(32)), core.HookRequest(max_seqs=4))
+    scaling = Llama3RopeScaling(32, high_freq_factor=2.0, original_max_position=4096)
+    plan = core.plan(_facts(dense, llama31_rope=scaling), core.HookRequest(max_seqs=4))
     assert plan.position_embedding_type is None  # the framework's override rescales Megatron's
     assert plan.settings["llama3_scaling_factor"] == 32.0 and plan.settings["max_seqs"] == 4
+    assert plan.settings["llama3_high_freq_factor"] == 2.0
+    assert plan.settings["llama3_original_max_position"] == 4096
     assert core.plan(_facts(dense), core.HookRequest()).position_embedding_type == "none"
     FastpathSettings(**plan.settings)
     cache, _ = cache_for(FastpathSettings(**plan.settings), dense, device="cpu")
-    assert cache.config.rope.llama3_scaling_factor == 32.0
+    assert cache.config.rope.llama3 == scaling
+
+
+def test_fastpath_settings_read_their_flat_llama3_fields_as_one_scaling():
+    """NeMo-Run serialises the flat llama3_* fields to YAML; they are read as one
+    Llama3RopeScaling (llama3_fields is the inverse), and bad values are refused when the
+    settings are made, not when the model is built."""
+    scaling = Llama3RopeScaling(8.0, low_freq_factor=2.0, high_freq_factor=3.0, original_max_position=4096)
+    settings = FastpathSettings(max_tokens=T, max_seqs=4, **FastpathSettings.llama3_fields(scaling))
+    assert settings.llama3_rope == scaling and settings.llama3_low_freq_factor == 2.0
+    assert FastpathSettings(max_tokens=T, max_seqs=4).llama3_rope is None
+    assert FastpathSettings.llama3_fields(None) == {}
+    with pytest.raises(ValueError, match=r"FastpathSettings.llama3_\* \(Llama 3.1 RoPE scaling\): "
+                                         r"Llama3RopeScaling.low_freq_factor=4.0 is not below"):
+        FastpathSettings(max_tokens=T, max_seqs=4, llama3_scaling_factor=8.0, llama3_low_freq_factor=4.0)

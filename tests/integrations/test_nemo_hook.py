@@ -32,6 +32,7 @@ from megatron_fastpath.integrations.nemo import (  # noqa: E402
     apply_fastpath,
     max_seqs_from_pack_metadata,
 )
+from megatron_fastpath.packed_seq import Llama3RopeScaling  # noqa: E402
 from megatron_fastpath.sync import SyncSentinel  # noqa: E402
 
 T = 64  # packed_sequence_size of the tiny models
@@ -175,6 +176,7 @@ def test_llama31_and_llama32_recipes_are_hooked_with_their_rope_scaling(kind, fa
     settings = fdl.build(r.model.config.transformer_layer_spec.settings)
     assert (settings.llama3_scaling_factor, settings.llama3_low_freq_factor,
             settings.llama3_high_freq_factor, settings.llama3_original_max_position) == (factor, 1.0, 4.0, 8192)
+    assert settings.llama3_rope == Llama3RopeScaling(factor)
     assert settings.rope is True and settings.max_seqs == 96
     assert "position_embedding_type" not in r.model.config.__arguments__
     changed = {k for k in r.model.config.__arguments__
@@ -200,7 +202,7 @@ def test_hooked_tiny_llama31_cache_rope_equals_nemos_scaled_rotary_embedding(mco
     nemo_inv_freq = model.module.rotary_pos_emb.inv_freq
     assert cache.config.rope.dim == 64 and cache.config.rope.base == 500_000.0
     assert torch.equal(cache.config.rope.inv_freq(), nemo_inv_freq)
-    assert not torch.equal(dataclasses.replace(cache.config.rope, llama3_scaling_factor=None).inv_freq(),
+    assert not torch.equal(dataclasses.replace(cache.config.rope, llama3=None).inv_freq(),
                            nemo_inv_freq)
 
 
@@ -537,7 +539,7 @@ def test_hooked_tiny_llama31_packed_equals_nemos_own_model_per_sequence(mcore_pa
             torch.testing.assert_close(loss_1T[0, start:start + n], ref_1n[0], rtol=1e-4, atol=1e-4)
         # the check can fail: without the scaling the same comparison is off
         reference.module.rotary_pos_emb.inv_freq = dataclasses.replace(
-            cache_for(step.settings)[0].config.rope, llama3_scaling_factor=None).inv_freq()
+            cache_for(step.settings)[0].config.rope, llama3=None).inv_freq()
         reference.module.rotary_pos_emb.forward.cache_clear()
         n = expected[0][0]
         off = reference(input_ids=b["tokens"][:, :n], position_ids=torch.arange(n)[None],

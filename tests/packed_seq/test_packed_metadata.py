@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig, RopeConfig
+from megatron_fastpath.packed_seq import Llama3RopeScaling, PackedSeqCache, PackedSeqConfig, RopeConfig
 from megatron_fastpath.packed_seq.metadata import (
     build_host_metadata,
     lengths_from_cu_seqlens,
@@ -254,7 +254,8 @@ def test_rope_inv_freq_matches_megatron_rotary_embedding(factor):
     kw = dict(rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
     ref = RotaryEmbedding(kv_channels=128, rotary_percent=1.0, rotary_base=500000,
                           use_cpu_initialization=True, **kw).inv_freq
-    ours = RopeConfig(dim=128, base=500000.0, llama3_scaling_factor=factor).inv_freq()
+    ours = RopeConfig(dim=128, base=500000.0,
+                      llama3=Llama3RopeScaling(factor) if factor is not None else None).inv_freq()
     assert torch.equal(ours, ref)
     if factor is not None:
         assert not torch.equal(ours, RopeConfig(dim=128, base=500000.0).inv_freq())

@@ -1,0 +1,122 @@
+"""Rotary position embedding: the settings (:class:`RopeConfig`, with Llama 3.1's frequency
+scaling as one :class:`Llama3RopeScaling` value) and the math the packed cache builds its RoPE
+tensors with, exactly as Megatron's ``RotaryEmbedding`` computes them.
+
+Shape letters: T = tokens, D = rotary dim, F = D / 2 rotary frequencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+__all__ = ["Llama3RopeScaling", "RopeConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency scaling of RoPE (Megatron's ``rope_scaling=True`` with
+    ``rope_scaling_factor``; Hugging Face ``rope_scaling`` of ``rope_type: llama3``; NeMo
+    ``Llama31Config`` / Bridge ``Llama31ModelProvider``).
+
+    factor: long wavelengths are divided by it (8 for Llama 3.1 / 3.3, 32 for Llama 3.2).
+    low_freq_factor / high_freq_factor: wavelengths above ``original_max_position /
+        low_freq_factor`` are scaled, those below ``original_max_position / high_freq_factor``
+        kept, and the band between interpolated smoothly.
+    original_max_position: the context the model was pre-trained on (HF
+        ``original_max_position_embeddings``, NeMo ``old_context_len``).
+
+    The defaults (1, 4, 8192) are Llama 3.1's and those of Megatron's ``_apply_scaling``.
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+                    or v <= 0):
+                raise ValueError(
+                    f"Llama3RopeScaling.{name} is {v!r}: the scaled wavelengths are divided by it, "
+                    "so it must be a finite number > 0; Llama 3.1 uses factor=8.0, "
+                    "low_freq_factor=1.0, high_freq_factor=4.0")
+            object.__setattr__(self, name, float(v))
+        if not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"Llama3RopeScaling.low_freq_factor={self.low_freq_factor} is not below "
+                f"high_freq_factor={self.high_freq_factor}: the band between them is interpolated "
+                "(a division by their difference), so it must be non-empty; use low < high "
+                "(Llama 3.1: 1.0 and 4.0)")
+        n = self.original_max_position
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+            raise ValueError(
+                f"Llama3RopeScaling.original_max_position is {n!r}: it is the pre-training context "
+                "in tokens, so it must be a whole number >= 1; Llama 3.1 uses 8192")
+        object.__setattr__(self, "original_max_position", int(n))
+
+    def apply(self, inv_freq_F: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (Megatron's ``RotaryEmbedding._apply_scaling``, op for
+        op, so the result is bitwise the same)."""
+        factor, low, high = self.factor, self.low_freq_factor, self.high_freq_factor
+        old_len = self.original_max_position
+        wavelen_F = 2 * math.pi / inv_freq_F
+        # long wavelengths (> old_len / low) are divided by factor, short ones (< old_len / high)
+        # kept, and the band between interpolated smoothly.
+        scaled_F = torch.where(wavelen_F > old_len / low, inv_freq_F / factor, inv_freq_F)
+        smooth_F = (old_len / wavelen_F - low) / (high - low)
+        smoothed_F = (1 - smooth_F) * scaled_F / factor + smooth_F * scaled_F
+        medium_F = ~(wavelen_F < old_len / high) * ~(wavelen_F > old_len / low)
+        return torch.where(medium_F, smoothed_F, scaled_F)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding settings (Llama-style, as Megatron's ``RotaryEmbedding``).
+
+    dim: number of rotated channels per head (``kv_channels * rotary_percent``), even.
+    base: rotary base (theta).
+    interleaved: rotate (even, odd) pairs instead of the two halves.
+    seq_len_interpolation_factor: positions are divided by this (linear scaling), if set.
+    llama3: Llama 3.1 frequency scaling, None for none.
+    """
+
+    dim: int
+    base: float = 10000.0
+    interleaved: bool = False
+    seq_len_interpolation_factor: Optional[float] = None
+    llama3: Optional[Llama3RopeScaling] = None
+
+    def __post_init__(self):
+        if self.dim <= 0 or self.dim % 2:
+            raise ValueError(f"RopeConfig.dim must be a positive even number; got {self.dim}")
+        if self.llama3 is not None and not isinstance(self.llama3, Llama3RopeScaling):
+            raise TypeError(
+                f"RopeConfig.llama3 is {self.llama3!r}: it must be a Llama3RopeScaling or None "
+                "(e.g. llama3=Llama3RopeScaling(factor=8.0))")
+
+    def inv_freq(self, device=None) -> torch.Tensor:
+        """[F] float32, exactly as Megatron's RotaryEmbedding computes it (including its
+        Llama 3.1 ``_apply_scaling`` when ``llama3`` is set)."""
+        inv_F = 1.0 / (
+            self.base
+            ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim)
+        )
+        return inv_F if self.llama3 is None else self.llama3.apply(inv_F)
+
+    def angles_TD(self, position_ids_T: torch.Tensor, inv_freq_F: torch.Tensor) -> torch.Tensor:
+        """[T, D] float32 rotation angles of tokens at ``position_ids_T`` (position within their
+        sequence), given this config's ``inv_freq_F`` (computed once by the caller)."""
+        pos_T = position_ids_T.to(torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            pos_T = pos_T / self.seq_len_interpolation_factor
+        freqs_TF = torch.outer(pos_T, inv_freq_F)
+        if self.interleaved:
+            return torch.stack((freqs_TF, freqs_TF), dim=-1).flatten(-2)
+        return torch.cat((freqs_TF, freqs_TF), dim=-1)
