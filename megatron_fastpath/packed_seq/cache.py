@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -59,6 +59,8 @@ from megatron_fastpath.packed_seq.rope import RopeConfig
 __all__ = [
     "CacheStats",
     "CachedPackedSeqParams",
+    "DERIVED_KINDS",
+    "DerivedKind",
     "PackedBatch",
     "PackedSeqCache",
     "PackedSeqConfig",
@@ -423,19 +425,19 @@ class PackedSeqCache:
 
     # ------------------------------------------------------------------ derived tensors
     def register(self, kind: str, dtype: Optional[torch.dtype] = None) -> None:
-        """Declare that a consumer needs the derived tensors ``kind`` (one of :data:`KINDS`),
-        computed in ``dtype`` ("rope_cos_sin" and "sdpa_mask"; default float32; the
-        ``"kind:dtype"`` form is accepted). Allocates the field in every slot's params now (the
-        address never changes afterwards) and builds it for batches already loaded."""
+        """Declare that a consumer needs the derived tensors ``kind`` (a key of
+        :data:`DERIVED_KINDS`), computed in ``dtype`` (kinds with ``compute_dtype``:
+        "rope_cos_sin" and "sdpa_mask"; default float32; the ``"kind:dtype"`` form is accepted).
+        Allocates the field in every slot's params now (the address never changes afterwards)
+        and builds it for batches already loaded."""
         kind, _, dtype_name = kind.partition(":")
-        if kind not in KINDS:
-            raise ValueError(f"unknown derived kind {kind!r}; known: {list(KINDS)}")
+        spec = derived_kind(kind)
         if dtype_name:
             dtype = getattr(torch, dtype_name)
-        dtype = dtype if kind in ("rope_cos_sin", "sdpa_mask") and dtype is not None else torch.float32
-        if kind in ("rope_cos_sin", "rope_freqs") and self.config.rope is None:
+        dtype = dtype if spec.compute_dtype and dtype is not None else torch.float32
+        if spec.needs_rope and self.config.rope is None:
             raise ValueError("RoPE requested but PackedSeqConfig.rope is None")
-        if kind == "sdpa_mask":
+        if spec.dense_mask:
             self._check_sdpa_size()
         if kind in self._kinds:
             if self._kinds[kind] != dtype:
@@ -446,30 +448,9 @@ class PackedSeqCache:
             return
         self._kinds[kind] = dtype
         for slot in self.slots:
-            self._allocate(slot, kind, dtype)
+            spec.allocate(self, slot, dtype)
             if slot.busy:
                 self._build(slot, kind)
-
-    def _allocate(self, slot: _Slot, kind: str, dtype: torch.dtype) -> None:
-        t, p, dev = self.config.max_tokens, slot.params, self.device
-        if kind == "rope_cos_sin":
-            d = self.config.rope.dim
-            p.rope_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=dev)
-            p.rope_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=dev)
-        elif kind == "rope_freqs":
-            p.rope_freqs_T11D = torch.zeros((t, 1, 1, self.config.rope.dim), device=dev)
-        elif kind == "sdpa_mask":
-            p.sdpa_mask_TT = torch.zeros((t, t), dtype=dtype, device=dev)
-        elif kind == "sdpa_padded":
-            rows, m = self.config.max_seqs, self.config.max_seqlen_bound
-            slot.pad_gather_ext = torch.zeros((rows * m + 1,), dtype=torch.int64, device=dev)
-            p.pad_gather_SM = slot.pad_gather_ext[: rows * m].view(rows, m)
-            p.pad_scatter_T = torch.zeros((t,), dtype=torch.int64, device=dev)
-        elif kind == "flex_block_mask":
-            nb = -(-t // FLEX_BLOCK)
-            for name in _FLEX_FIELDS:
-                shape = (1, 1, nb) if name.endswith("num_blocks") else (1, 1, nb, nb)
-                setattr(p, f"flex_{name}", torch.zeros(shape, dtype=torch.int32, device=dev))
 
     def _build_all(self, slot: _Slot) -> None:
         torch.ge(slot.params.seq_ids_T, 0, out=slot.params.real_token_mask_T)
@@ -478,26 +459,37 @@ class PackedSeqCache:
             self._build(slot, kind)
 
     def _build(self, slot: _Slot, kind: str) -> None:
-        getattr(self, f"_build_{kind}")(slot)
+        DERIVED_KINDS[kind].build(self, slot)
         self.stats.builds += 1
         self.stats.per_kind[kind] = self.stats.per_kind.get(kind, 0) + 1
 
-    def _build_real_mask(self, slot: _Slot) -> None:
-        pass  # built for every batch by _build_all (MoE routers read it too)
+    # real_mask: real_token_mask_T is a field of every slot, built for every batch by
+    # _build_all (MoE routers read it too); registering it only counts its builds.
+    def _allocate_real_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
+        pass
 
-    def _rope_emb_TD(self, slot: _Slot) -> torch.Tensor:
-        """[T, D] float32 rotation angles of every token (position within its sequence)."""
-        return self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
+    def _build_real_mask(self, slot: _Slot) -> None:
+        pass
+
+    def _allocate_rope_cos_sin(self, slot: _Slot, dtype: torch.dtype) -> None:
+        t, d = self.config.max_tokens, self.config.rope.dim
+        slot.params.rope_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+        slot.params.rope_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+
+    def _build_rope_cos_sin(self, slot: _Slot) -> None:
+        emb_TD = self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
+        slot.params.rope_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
+        slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+
+    def _allocate_rope_freqs(self, slot: _Slot, dtype: torch.dtype) -> None:
+        t, d = self.config.max_tokens, self.config.rope.dim
+        slot.params.rope_freqs_T11D = torch.zeros((t, 1, 1, d), device=self.device)
 
     def _build_rope_freqs(self, slot: _Slot) -> None:
         """[T, 1, 1, D] float32 angles: the ``freqs`` of TE's fused RoPE in ``sbhd`` layout
         (one "sequence position" per packed token, so no cu_seqlens are needed)."""
-        slot.params.rope_freqs_T11D.copy_(self._rope_emb_TD(slot)[:, None, None, :])
-
-    def _build_rope_cos_sin(self, slot: _Slot) -> None:
-        emb_TD = self._rope_emb_TD(slot)
-        slot.params.rope_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
-        slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+        emb_TD = self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
+        slot.params.rope_freqs_T11D.copy_(emb_TD[:, None, None, :])
 
     def _check_sdpa_size(self):
         t = self.config.max_tokens
@@ -507,6 +499,10 @@ class PackedSeqCache:
                 f"slot, above the limit sdpa_mask_max_tokens={self.config.sdpa_mask_max_tokens}; "
                 "use the 'flex', 'flash' or 'te' backend (no dense mask) or raise the limit"
             )
+
+    def _allocate_sdpa_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
+        t = self.config.max_tokens
+        slot.params.sdpa_mask_TT = torch.zeros((t, t), dtype=dtype, device=self.device)
 
     def _build_sdpa_mask(self, slot: _Slot) -> None:
         """mask[i, j] = 0 if start(i) <= j <= i else -inf, with start(i) = i - position(i) the
@@ -522,6 +518,12 @@ class PackedSeqCache:
         outside_TT.logical_or_(torch.gt(j_1T, i_T1))  # after the query: causal
         p.sdpa_mask_TT.zero_().masked_fill_(outside_TT, float("-inf"))
 
+    def _allocate_sdpa_padded(self, slot: _Slot, dtype: torch.dtype) -> None:
+        t, rows, m = self.config.max_tokens, self.config.max_seqs, self.config.max_seqlen_bound
+        slot.pad_gather_ext = torch.zeros((rows * m + 1,), dtype=torch.int64, device=self.device)
+        slot.params.pad_gather_SM = slot.pad_gather_ext[: rows * m].view(rows, m)
+        slot.params.pad_scatter_T = torch.zeros((t,), dtype=torch.int64, device=self.device)
+
     def _build_sdpa_padded(self, slot: _Slot) -> None:
         """The packed-to-padded index pair, from the slot's sequence ids and positions on the
         device (no host read): token t of sequence s at position i sits in cell s * M + i;
@@ -536,6 +538,12 @@ class PackedSeqCache:
         p.pad_scatter_T.copy_(cell_T)
         slot.pad_gather_ext.fill_(t).scatter_(0, cell_T, self._arange_T.to(torch.int64))
 
+    def _allocate_flex_block_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
+        nb = -(-self.config.max_tokens // FLEX_BLOCK)
+        for name in _FLEX_FIELDS:
+            shape = (1, 1, nb) if name.endswith("num_blocks") else (1, 1, nb, nb)
+            setattr(slot.params, f"flex_{name}", torch.zeros(shape, dtype=torch.int32, device=self.device))
+
     def _build_flex_block_mask(self, slot: _Slot) -> None:
         """The BlockMask of the same mask, copied into the slot's static index tensors
         (``create_block_mask`` allocates fresh ones; a graph replay needs fixed addresses)."""
@@ -548,7 +556,50 @@ class PackedSeqCache:
             getattr(slot.params, f"flex_{name}").copy_(getattr(fresh, name))
 
 
-KINDS = ("real_mask", "rope_cos_sin", "rope_freqs", "sdpa_mask", "sdpa_padded", "flex_block_mask")
+@dataclasses.dataclass(frozen=True)
+class DerivedKind:
+    """One kind of derived tensors a consumer can :meth:`PackedSeqCache.register`.
+
+    allocate(cache, slot, dtype): create the kind's static fields in a slot's params (once).
+    build(cache, slot): write them for the slot's current batch (once per batch).
+    compute_dtype: built in the consumer's dtype (else float32).
+    needs_rope: needs ``PackedSeqConfig.rope``.
+    dense_mask: a [T, T] mask per slot (refused above ``sdpa_mask_max_tokens``).
+    """
+
+    allocate: Callable[[PackedSeqCache, _Slot, torch.dtype], None]
+    build: Callable[[PackedSeqCache, _Slot], None]
+    compute_dtype: bool = False
+    needs_rope: bool = False
+    dense_mask: bool = False
+
+
+# Every derived kind of the cache: the one list a consumer registers from.
+DERIVED_KINDS: dict[str, DerivedKind] = {
+    "real_mask": DerivedKind(PackedSeqCache._allocate_real_mask, PackedSeqCache._build_real_mask),
+    "rope_cos_sin": DerivedKind(PackedSeqCache._allocate_rope_cos_sin,
+                                PackedSeqCache._build_rope_cos_sin, compute_dtype=True,
+                                needs_rope=True),
+    "rope_freqs": DerivedKind(PackedSeqCache._allocate_rope_freqs, PackedSeqCache._build_rope_freqs,
+                              needs_rope=True),
+    "sdpa_mask": DerivedKind(PackedSeqCache._allocate_sdpa_mask, PackedSeqCache._build_sdpa_mask,
+                             compute_dtype=True, dense_mask=True),
+    "sdpa_padded": DerivedKind(PackedSeqCache._allocate_sdpa_padded,
+                               PackedSeqCache._build_sdpa_padded),
+    "flex_block_mask": DerivedKind(PackedSeqCache._allocate_flex_block_mask,
+                                   PackedSeqCache._build_flex_block_mask),
+}
+KINDS = tuple(DERIVED_KINDS)
+
+
+def derived_kind(kind: str) -> DerivedKind:
+    """The registry entry of ``kind``; an unknown kind is refused with the known ones."""
+    spec = DERIVED_KINDS.get(kind)
+    if spec is None:
+        raise ValueError(
+            f"unknown derived kind {kind!r}: the cache builds only its registered kinds; "
+            f"register one of the known kinds {list(DERIVED_KINDS)}")
+    return spec
 
 
 def packed_causal_mask_mod(seq_ids_T: torch.Tensor):

@@ -1,0 +1,38 @@
+"""The cache's derived kinds are data (packed_seq.cache.DERIVED_KINDS): each registry entry
+allocates and builds its fields; an unknown kind is refused naming the known ones."""
+
+import pytest
+import torch
+
+from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig, RopeConfig
+from megatron_fastpath.packed_seq.cache import DERIVED_KINDS, derived_kind
+
+
+def test_unknown_derived_kind_is_refused_naming_the_known_kinds():
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4, rope=RopeConfig(dim=4)))
+    known = r"\['real_mask', 'rope_cos_sin', 'rope_freqs', 'sdpa_mask', 'sdpa_padded', 'flex_block_mask'\]"
+    with pytest.raises(ValueError, match=rf"unknown derived kind 'sdpa_masks'.*known kinds {known}"):
+        cache.register("sdpa_masks")
+    with pytest.raises(ValueError, match="unknown derived kind 'nope'"):
+        derived_kind("nope")
+    assert cache.stats.per_kind == {} and not cache._kinds
+
+
+@pytest.mark.parametrize("kind", list(DERIVED_KINDS))
+def test_every_registered_kind_allocates_and_builds_through_its_registry_entry(kind):
+    """Each kind of the registry allocates its fields (in the compute dtype when it takes one)
+    and is built once per batch; kinds needing RoPE are refused without it."""
+    spec = DERIVED_KINDS[kind]
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4, rope=RopeConfig(dim=4)))
+    before = set(cache.slots[0].params.tensors())
+    cache.register(kind, torch.bfloat16)
+    added = {n: t for n, t in cache.slots[0].params.tensors().items() if n not in before}
+    assert bool(added) == (kind != "real_mask")
+    if spec.compute_dtype:
+        assert {t.dtype for t in added.values()} == {torch.bfloat16}
+    with cache.batch([5, 3]):
+        pass
+    assert cache.stats.per_kind == {kind: 1}
+    if spec.needs_rope:
+        with pytest.raises(ValueError, match="PackedSeqConfig.rope is None"):
+            PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4)).register(kind)
