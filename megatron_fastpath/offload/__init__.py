@@ -11,8 +11,12 @@ Public API::
     with_activation_offload, get_offload_manager       -- spec.py
     replay_schedule, step_hidden_fraction, StreamTimeline -- timing.py
 
-Importing this package does not import Megatron-Core: config / device / manager are plain torch,
-and layer.py / spec.py (which import Megatron-Core) load on first use of their names.
+Internal to the manager: group.py (a layer's tensors and their layout), buffers.py (reload
+buffers, host pool, headroom check), calibration.py (device timings of the "auto" window).
+
+Importing this package does not import Megatron-Core: config / device / manager (and the modules
+above) are plain torch, and layer.py / spec.py (which import Megatron-Core) load on first use of
+their names.
 """
 
 from megatron_fastpath.offload.config import AUTO, BufferMode, OffloadConfig, OffloadStepStats

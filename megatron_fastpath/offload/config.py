@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Union
 
-__all__ = ["AUTO", "BufferMode", "OffloadConfig", "OffloadStepStats"]
+__all__ = ["AUTO", "BufferMode", "OffloadConfig", "OffloadStepStats", "StepCounters"]
 
 AUTO = "auto"
 
@@ -117,6 +117,21 @@ class OffloadConfig:
                 "OffloadConfig.copy_bandwidth_bytes_per_s must be > 0, "
                 f"got {self.copy_bandwidth_bytes_per_s!r}"
             )
+
+
+@dataclasses.dataclass
+class StepCounters:
+    """What the manager counts during a step, on the host (no device sync); the named fields of
+    :class:`OffloadStepStats` they become. just_in_time_bytes: bytes of the just-in-time
+    reloads (-> ``est_exposed_copy_s``)."""
+
+    bytes_offloaded: int = 0
+    bytes_reloaded: int = 0
+    layers_offloaded: int = 0
+    layers_kept: int = 0
+    prefetched_reloads: int = 0
+    just_in_time_reloads: int = 0
+    just_in_time_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

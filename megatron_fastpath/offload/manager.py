@@ -1,7 +1,12 @@
-"""ActivationOffloadManager: pinned host pool + two fixed-address device reload buffers.
+"""ActivationOffloadManager: the per-step state machine that moves each layer's activations to a
+pinned host pool and back into fixed-address device reload buffers.
 
-Unit of work is a *group*: the tensors one layer keeps for its backward (its input hidden states
-when the layer is recomputed, or every saved tensor above ``min_offload_bytes`` otherwise).
+Unit of work is a *group* (:mod:`megatron_fastpath.offload.group`): the tensors one layer keeps
+for its backward (its input hidden states when the layer is recomputed, or every saved tensor
+above ``min_offload_bytes`` otherwise). The memory it moves them through -- reload buffers, host
+pool, the per-step headroom check -- is :mod:`megatron_fastpath.offload.buffers`; the device
+timings ``"auto"`` plans from are :mod:`megatron_fastpath.offload.calibration`. This module
+decides, per step, what is offloaded, when each copy is issued and on which stream.
 
 Forward, layer i (compute stream C, offload stream O, reload stream R)::
 
@@ -36,9 +41,10 @@ high priority), so a reload waits only for its own group's offload, never behind
 
 Guardrails (never a crash, never different numerics): the buffer mode is decided at the first
 offload of every step from :meth:`OffloadDevice.memory_info` against ``headroom_margin_bytes``
-(DOUBLE -> SINGLE -> OFF); a pinned-allocation failure switches the pool to pageable memory; a
-host allocation failure, a group larger than the buffers or a busy host slot keeps that group on
-the device. Each reason is logged once. No call blocks the host.
+(DOUBLE -> SINGLE -> OFF, :meth:`~megatron_fastpath.offload.buffers.ReloadBuffers.choose_mode`);
+a pinned-allocation failure switches the pool to pageable memory; a host allocation failure, a
+group larger than the buffers or a busy host slot keeps that group on the device. Each reason is
+logged once. No call blocks the host.
 
 Not inside a CUDA graph capture: the copies fork side streams from the compute stream and the
 reload schedule (which buffer, which layer, whether at all) is decided on the host every step,
@@ -47,15 +53,23 @@ which a graph replay would freeze. A capture raises before any stream is forked.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Optional
 
 import torch
 
-from megatron_fastpath.offload.config import AUTO, BufferMode, OffloadConfig, OffloadStepStats
+from megatron_fastpath.offload.buffers import HostPool, ReloadBuffers
+from megatron_fastpath.offload.calibration import CALIBRATION_STEP, Calibration
+from megatron_fastpath.offload.config import (
+    AUTO,
+    BufferMode,
+    OffloadConfig,
+    OffloadStepStats,
+    StepCounters,
+)
 from megatron_fastpath.offload.device import OffloadDevice, default_offload_device
-from megatron_fastpath.offload.plan import LayerTimes, WindowPlan, plan_window
+from megatron_fastpath.offload.group import OffloadGroup, Packed, PackedQuantized
+from megatron_fastpath.offload.plan import WindowPlan, plan_window
 from megatron_fastpath.compat.te_quantized import (
     is_quantized,
     never_offload,
@@ -66,73 +80,6 @@ from megatron_fastpath.compat.te_quantized import (
 __all__ = ["ActivationOffloadManager", "OffloadGroup"]
 
 logger = logging.getLogger(__name__)
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclasses.dataclass
-class _Item:
-    """One tensor of a group: where it lives in the group's flat host slot / device buffer."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    offset: int
-    nbytes: int
-    device_tensor: Optional[torch.Tensor]  # until offloaded (or forever when kept)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Quantized:
-    """A packed TE quantized tensor: rebuild ``obj`` from its components on unpack."""
-
-    obj: Any
-    parts: tuple  # per component: _Packed | torch.Tensor | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Packed:
-    group: "OffloadGroup"
-    index: int
-
-
-#: the step "auto" times: not the first, which pays one-time costs (kernel loading, autotuning,
-#: allocator growth, host pool allocation) that would make compute look slower than it is
-CALIBRATION_STEP = 1
-
-
-@dataclasses.dataclass
-class _Calibration:
-    """Device timestamps of one step, for the ``"auto"`` window: label -> device handle."""
-
-    step: int
-    stamps: dict = dataclasses.field(default_factory=dict)
-    nbytes: dict = dataclasses.field(default_factory=dict)  # layer key -> group bytes
-
-
-class OffloadGroup:
-    """The tensors of one layer's forward, offloaded (or kept) and reloaded together."""
-
-    def __init__(self, key: str, index: int, seq: int, stays_on_device: bool):
-        self.key = key
-        self.index = index  # the layer's position in forward (registration) order
-        self.seq = seq
-        self.stays_on_device = stays_on_device  # the last layer, or past max_offloaded_layers
-        self.items: list[_Item] = []
-        self.nbytes = 0
-        self._dedup: dict[tuple, int] = {}
-        self.closed = False
-        self.offloaded = False
-        self.host: Optional[torch.Tensor] = None
-        self.buffer: int = -1
-        self.reload_event: Any = None
-        self.offload_event: Any = None  # recorded on the offload stream after the group's d2h
-        self.bwd_started = False
-
-    def __repr__(self) -> str:
-        return (f"OffloadGroup({self.key}, items={len(self.items)}, nbytes={self.nbytes}, "
-                f"offloaded={self.offloaded}, buffer={self.buffer})")
 
 
 class ActivationOffloadManager:
@@ -162,18 +109,11 @@ class ActivationOffloadManager:
         self.config = config
         self._device = device
         self._layer_keys: list[str] = []
+        self._logged: set[str] = set()
         # host pool: one flat slot per layer key, allocated once and reused
-        self._host_slots: dict[str, torch.Tensor] = {}
-        self._slot_read: dict[str, Any] = {}  # key -> event after the last reload out of it
-        self._host_pinned = config.pinned
-        self.host_pool_reallocs = 0
+        self._pool = HostPool(config.pinned, self._log_once)
         # device reload buffers (fixed addresses)
-        self._buffers: list[torch.Tensor] = []
-        self._buffer_bytes = 0
-        self._owner: list[Optional[OffloadGroup]] = []
-        self._free_event: list[Any] = []
-        self.buffer_reallocs = 0
-        self._max_group_bytes = 0  # largest offloadable group seen (sizes the buffers)
+        self._buffers = ReloadBuffers(self._log_once)
         # per-pass state
         self._pending: list[OffloadGroup] = []  # offloaded groups not yet reloaded
         self._held: list[OffloadGroup] = []  # offloads held back (eager_offloads), not issued
@@ -184,8 +124,7 @@ class ActivationOffloadManager:
         self._mode: Optional[BufferMode] = None
         self._mode_reason = ""
         self._last_mode: Optional[BufferMode] = None
-        self._logged: set[str] = set()
-        self._counters = self._zero_counters()
+        self._counters = StepCounters()
         self._grad_anchor: Optional[torch.Tensor] = None
         self.history: list[OffloadStepStats] = []
         # offload window and order: fixed (int / None) or "auto" (planned from a calibration
@@ -196,7 +135,7 @@ class ActivationOffloadManager:
         self._eager: Optional[int] = (None if config.eager_offloads == AUTO
                                       else config.eager_offloads)
         self._window_source = "calibrating" if self._to_plan else "config"
-        self._calib: Optional[_Calibration] = None
+        self._calib: Optional[Calibration] = None
         self.window_plan: Optional[WindowPlan] = None
 
     # ---------------------------------------------------------------------------------------
@@ -215,19 +154,29 @@ class ActivationOffloadManager:
 
     @property
     def host_pool_bytes(self) -> int:
-        return sum(t.numel() for t in self._host_slots.values())
+        return self._pool.total_bytes
 
     @property
     def device_buffer_bytes(self) -> int:
-        return sum(t.numel() for t in self._buffers)
+        return self._buffers.total_bytes
 
     @property
     def num_device_buffers(self) -> int:
-        return len(self._buffers)
+        return len(self._buffers.buffers)
 
     @property
     def host_pinned(self) -> bool:
-        return self._host_pinned
+        return self._pool.pinned
+
+    @property
+    def host_pool_reallocs(self) -> int:
+        """Times a layer's host slot grew (a larger group than before)."""
+        return self._pool.reallocs
+
+    @property
+    def buffer_reallocs(self) -> int:
+        """Times the reload buffers were reallocated (a larger group than before)."""
+        return self._buffers.reallocs
 
     def grad_anchor(self, like: torch.Tensor) -> torch.Tensor:
         """A 0-element tensor requiring grad, so a checkpointed layer's outputs require grad
@@ -258,14 +207,15 @@ class ActivationOffloadManager:
     def begin_step(self) -> None:
         """Start a step: drop state of a pass whose backward never ran, re-check headroom at
         the step's first offload, reset the counters."""
-        self._release_all_buffers()
+        if self._buffers.owned():
+            self._buffers.release_all(self.device)
         self._pending.clear()
         self._held.clear()
         self._step += 1
         self._in_step = True
         self._mode = None
         self._mode_reason = ""
-        self._counters = self._zero_counters()
+        self._counters = StepCounters()
         self._advance_window()
 
     def end_step(self) -> OffloadStepStats:
@@ -278,16 +228,16 @@ class ActivationOffloadManager:
             step=max(self._step, 0),
             mode=mode,
             mode_reason=reason,
-            bytes_offloaded=c["bytes_offloaded"],
-            bytes_reloaded=c["bytes_reloaded"],
-            layers_offloaded=c["layers_offloaded"],
-            layers_kept=c["layers_kept"],
-            prefetched_reloads=c["prefetched"],
-            just_in_time_reloads=c["jit"],
-            est_exposed_copy_s=c["jit_bytes"] / self.config.copy_bandwidth_bytes_per_s,
+            bytes_offloaded=c.bytes_offloaded,
+            bytes_reloaded=c.bytes_reloaded,
+            layers_offloaded=c.layers_offloaded,
+            layers_kept=c.layers_kept,
+            prefetched_reloads=c.prefetched_reloads,
+            just_in_time_reloads=c.just_in_time_reloads,
+            est_exposed_copy_s=c.just_in_time_bytes / self.config.copy_bandwidth_bytes_per_s,
             device_buffer_bytes=self.device_buffer_bytes,
             host_pool_bytes=self.host_pool_bytes,
-            host_pinned=self._host_pinned,
+            host_pinned=self.host_pinned,
             offload_window=self._effective_window(),
             window_source=self._window_source,
             eager_offloads=self._effective_eager(),
@@ -295,11 +245,6 @@ class ActivationOffloadManager:
         self.history.append(stats)
         self._in_step = False
         return stats
-
-    @staticmethod
-    def _zero_counters() -> dict:
-        return dict(bytes_offloaded=0, bytes_reloaded=0, layers_offloaded=0, layers_kept=0,
-                    prefetched=0, jit=0, jit_bytes=0)
 
     def _log_once(self, tag: str, msg: str, level: int = logging.WARNING) -> None:
         if tag in self._logged:
@@ -358,34 +303,23 @@ class ActivationOffloadManager:
                 return t
             tensors, obj = split
             parts = tuple(None if x is None else self.pack(group, x) for x in tensors)
-            return _Quantized(obj, parts)
+            return PackedQuantized(obj, parts)
         if not isinstance(t, torch.Tensor) or not self._wants(group, t):
             return t
-        storage = t.untyped_storage().data_ptr()
-        dkey = (storage, t.storage_offset(), tuple(t.shape), t.dtype)
-        index = group._dedup.get(dkey)
-        if index is None:
-            nbytes = t.numel() * t.element_size()
-            offset = _align(group.nbytes, self.config.alignment_bytes) if group.items else 0
-            group.items.append(_Item(t.shape, t.dtype, offset, nbytes, t))
-            group.nbytes = offset + nbytes
-            index = len(group.items) - 1
-            group._dedup[dkey] = index
-        return _Packed(group, index)
+        return Packed(group, group.add(t, self.config.alignment_bytes))
 
     def close_group(self, group: OffloadGroup) -> None:
         """Decide offload vs keep for the whole group and issue (or hold back) its device->host
         copies; at the window's last layer, issue the held-back groups, latest layer first."""
-        group.closed = True
-        group._dedup.clear()
-        if self._calib is not None and self._calib.step == self._step:
-            self._calib.nbytes.setdefault(group.key, group.nbytes)
+        group.close()
+        if self._calib is not None:
+            self._calib.note_group(self._step, group.key, group.nbytes)
         last = self._effective_window() - 1
         if group.items and not self._offload_group_allowed(group):
-            self._counters["layers_kept"] += 1
+            self._counters.layers_kept += 1
         elif group.items:
-            self._counters["bytes_offloaded"] += group.nbytes
-            self._counters["layers_offloaded"] += 1
+            self._counters.bytes_offloaded += group.nbytes
+            self._counters.layers_offloaded += 1
             if self._effective_eager() <= group.index < last:
                 self._held.append(group)
             else:
@@ -403,13 +337,14 @@ class ActivationOffloadManager:
         ready = dev.new_event()
         dev.record_event(ready, compute)
         dev.wait_event(offload, ready)
-        if self._slot_read.get(group.key) is not None:  # the slot's last reload has read it
-            dev.wait_event(offload, self._slot_read[group.key])
+        read = self._pool.slots[group.key].read_event
+        if read is not None:  # the slot's last reload has read it
+            dev.wait_event(offload, read)
         host = group.host
         self._stamp(("d2h", "begin", group.key), offload)
         for item in group.items:
             src = item.device_tensor
-            dev.copy(self._view(host, item), src, offload, tag=group.key, direction="d2h")
+            dev.copy(item.view(host), src, offload, tag=group.key, direction="d2h")
             dev.record_stream(src, offload)
             item.device_tensor = None
         self._stamp(("d2h", "end", group.key), offload)
@@ -419,16 +354,17 @@ class ActivationOffloadManager:
         self._pending.append(group)
 
     def _offload_group_allowed(self, group: OffloadGroup) -> bool:
-        self._max_group_bytes = max(self._max_group_bytes, group.nbytes)
+        self._buffers.note_group(group.nbytes)
         if self._mode is None:
             self._decide_mode()
         if self._mode is BufferMode.OFF:
             return False
-        if group.nbytes > self._buffer_bytes:
+        if group.nbytes > self._buffers.buffer_bytes:
             self._log_once(
                 f"toolarge{group.nbytes}",
                 f"group {group.key} ({group.nbytes} B) is larger than the reload buffers "
-                f"({self._buffer_bytes} B) this step; kept on device, buffers grow next step",
+                f"({self._buffers.buffer_bytes} B) this step; kept on device, buffers grow next "
+                "step",
             )
             return False
         busy = [g for g in self._pending + self._held if g.key == group.key]
@@ -436,47 +372,21 @@ class ActivationOffloadManager:
             self._log_once("busy", f"host slot of {group.key} still holds an activation that was "
                            "not reloaded (several forwards in flight); kept on device")
             return False
-        host = self._host_slot(group.key, group.nbytes)
+        host = self._pool.slot(self.device, group.key, group.nbytes)
         if host is None:
             return False
         group.host = host
         return True
 
     # ---------------------------------------------------------------------------------------
-    # guardrails: headroom, buffers, host pool
+    # buffer mode (the headroom check is ReloadBuffers.choose_mode)
     # ---------------------------------------------------------------------------------------
     def _decide_mode(self) -> None:
-        cfg = self.config
-        if not cfg.enabled:
+        if not self.config.enabled:
             self._set_mode(BufferMode.OFF, "disabled by OffloadConfig.enabled=False")
             return
-        need = self._max_group_bytes
-        info = self.device.memory_info()
-        headroom = info.headroom_bytes
-        held = self.device_buffer_bytes
-        candidates = [BufferMode.DOUBLE, BufferMode.SINGLE] if cfg.allow_double_buffer else [
-            BufferMode.SINGLE]
-        for mode in candidates:
-            # bytes the mode adds (negative: releasing held buffers gives memory back)
-            extra = mode.num_buffers * need - held
-            if headroom - extra >= cfg.headroom_margin_bytes:
-                if self._resize_buffers(mode, need):
-                    reason = (f"headroom {headroom} B - {extra} B new buffers >= margin "
-                              f"{cfg.headroom_margin_bytes} B")
-                    if not cfg.allow_double_buffer:
-                        reason = "double buffering disabled (allow_double_buffer=False)"
-                    elif mode is BufferMode.SINGLE:
-                        reason = (f"second buffer does not fit: headroom {headroom} B - "
-                                  f"{2 * need - held} B < margin {cfg.headroom_margin_bytes} B; "
-                                  f"one buffer fits")
-                    self._set_mode(mode, reason)
-                    return
-        self._resize_buffers(BufferMode.OFF, need)
-        self._set_mode(
-            BufferMode.OFF,
-            f"no reload buffer fits: headroom {headroom} B - {need - held} B < margin "
-            f"{cfg.headroom_margin_bytes} B",
-        )
+        choice = self._buffers.choose_mode(self.device, self.config)
+        self._set_mode(choice.mode, choice.reason)
 
     def _set_mode(self, mode: BufferMode, reason: str) -> None:
         self._mode, self._mode_reason = mode, reason
@@ -486,78 +396,6 @@ class ActivationOffloadManager:
             level = logging.INFO if mode is BufferMode.DOUBLE or explicit else logging.WARNING
             logger.log(level, "activation offload: %s buffer mode (%s)", mode.value, reason)
         self._last_mode = mode
-
-    def _resize_buffers(self, mode: BufferMode, nbytes: int) -> bool:
-        """Hold exactly ``mode.num_buffers`` buffers of ``nbytes``; False on allocation failure
-        (then nothing extra is held)."""
-        self._release_all_buffers()
-        want = mode.num_buffers
-        if self._buffers and self._buffer_bytes != nbytes:
-            self.buffer_reallocs += 1
-            self._log_once(f"grow{nbytes}", f"reload buffers resized {self._buffer_bytes} -> "
-                           f"{nbytes} B (addresses change once)")
-            self._free_buffers(0)
-        self._free_buffers(want)
-        try:
-            while len(self._buffers) < want:
-                self._buffers.append(self.device.alloc_device(
-                    nbytes, tag=f"reload_buffer_{'AB'[len(self._buffers)]}"))
-                self._owner.append(None)
-                self._free_event.append(None)
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            self._log_once(f"oom{want}", f"could not allocate {want} reload buffers ({exc})")
-            self._free_buffers(0)
-            return want == 0
-        self._buffer_bytes = nbytes if want else 0
-        return True
-
-    def _free_buffers(self, keep: int) -> None:
-        while len(self._buffers) > keep:
-            self.device.free_device(self._buffers.pop())
-            self._owner.pop()
-            self._free_event.pop()
-        if not self._buffers:
-            self._buffer_bytes = 0
-
-    def _release_all_buffers(self) -> None:
-        dev = None
-        for b, owner in enumerate(self._owner):
-            if owner is not None:
-                dev = dev or self.device
-                ev = dev.new_event()
-                dev.record_event(ev, dev.compute_stream())
-                self._free_event[b] = ev
-                self._owner[b] = None
-
-    def _host_slot(self, key: str, nbytes: int) -> Optional[torch.Tensor]:
-        slot = self._host_slots.get(key)
-        if slot is not None and slot.numel() >= nbytes:
-            return slot
-        if slot is not None:
-            self.host_pool_reallocs += 1
-            self._log_once(f"hostgrow{key}", f"host slot {key} grows to {nbytes} B")
-        try:
-            slot = self._alloc_host(nbytes)
-        except (RuntimeError, MemoryError) as exc:
-            self._log_once("hostfail", f"host allocation of {nbytes} B failed ({exc}); "
-                           "activations stay on the device")
-            return None
-        self._host_slots[key] = slot
-        return slot
-
-    def _alloc_host(self, nbytes: int) -> torch.Tensor:
-        if self._host_pinned:
-            try:
-                return self.device.alloc_host(nbytes, pinned=True)
-            except (RuntimeError, MemoryError) as exc:
-                self._host_pinned = False
-                self._log_once("pinned", f"pinned host allocation failed ({exc}); the host pool "
-                               "uses pageable memory from now on (copies are slower)")
-        return self.device.alloc_host(nbytes, pinned=False)
-
-    @staticmethod
-    def _view(flat: torch.Tensor, item: _Item) -> torch.Tensor:
-        return flat[item.offset:item.offset + item.nbytes].view(item.dtype).view(item.shape)
 
     # ---------------------------------------------------------------------------------------
     # backward
@@ -571,29 +409,24 @@ class ActivationOffloadManager:
             self._refuse_capture()
         self._issue_held()  # (a forward that ended before the window's last layer)
         compute = dev.compute_stream()
-        for b, owner in enumerate(self._owner):
-            if owner is not None and owner is not group and owner.bwd_started:
-                ev = dev.new_event()
-                dev.record_event(ev, compute)
-                self._free_event[b] = ev
-                self._owner[b] = None
+        self._buffers.release_finished(dev, group)
         if group.offloaded:
             if group.reload_event is None:
-                b = self._free_buffer()
+                b = self._buffers.free_index()
                 if b < 0:  # cannot happen with one owner per buffer; keep numerics anyway
                     raise RuntimeError("activation offload: no free reload buffer")
                 self._issue_reload(group, b)
-                self._counters["jit"] += 1
-                self._counters["jit_bytes"] += group.nbytes
+                self._counters.just_in_time_reloads += 1
+                self._counters.just_in_time_bytes += group.nbytes
             dev.wait_event(compute, group.reload_event)
         group.bwd_started = True
         if self._mode is BufferMode.DOUBLE:
             prev = self._previous_pending(group)
             if prev is not None:
-                b = self._free_buffer()
+                b = self._buffers.free_index()
                 if b >= 0:
                     self._issue_reload(prev, b)
-                    self._counters["prefetched"] += 1
+                    self._counters.prefetched_reloads += 1
         self.mark("compute_begin", group.key, phase="bwd", buffer=group.buffer)
 
     def end_backward(self, group: OffloadGroup) -> None:
@@ -608,12 +441,6 @@ class ActivationOffloadManager:
         if edge is not None:
             self._stamp((phase, edge, key), self.device.compute_stream())
 
-    def _free_buffer(self) -> int:
-        for b, owner in enumerate(self._owner):
-            if owner is None:
-                return b
-        return -1
-
     def _previous_pending(self, group: OffloadGroup) -> Optional[OffloadGroup]:
         best = None
         for g in self._pending:
@@ -624,27 +451,27 @@ class ActivationOffloadManager:
     def _issue_reload(self, group: OffloadGroup, b: int) -> None:
         dev = self.device
         reload = dev.reload_stream()
-        self._owner[b] = group
+        buf = self._buffers.buffers[b]
+        buf.owner = group
         group.buffer = b
-        if self._free_event[b] is not None:
-            dev.wait_event(reload, self._free_event[b])
+        if buf.free_event is not None:
+            dev.wait_event(reload, buf.free_event)
         dev.wait_event(reload, group.offload_event)  # its host slot is fully written
-        buf = self._buffers[b]
         self._stamp(("h2d", "begin", group.key), reload)
         for item in group.items:
-            dev.copy(self._view(buf, item), self._view(group.host, item), reload,
+            dev.copy(item.view(buf.flat_N), item.view(group.host), reload,
                      tag=group.key, direction="h2d", buffer=b)
         self._stamp(("h2d", "end", group.key), reload)
         ev = dev.new_event()
         dev.record_event(ev, reload)
         group.reload_event = ev
-        self._slot_read[group.key] = ev
+        self._pool.slots[group.key].read_event = ev
         self._pending.remove(group)
-        self._counters["bytes_reloaded"] += group.nbytes
+        self._counters.bytes_reloaded += group.nbytes
 
     def unpack(self, packed: Any) -> Any:
         """Inverse of :meth:`pack` (valid between ``begin_backward`` and the next layer's)."""
-        if isinstance(packed, _Packed):
+        if isinstance(packed, Packed):
             group, item = packed.group, packed.group.items[packed.index]
             if item.device_tensor is not None:
                 return item.device_tensor
@@ -652,8 +479,8 @@ class ActivationOffloadManager:
                 raise RuntimeError(
                     f"activation offload: {group.key} unpacked before its backward started"
                 )
-            return self._view(self._buffers[group.buffer], item)
-        if isinstance(packed, _Quantized):
+            return item.view(self._buffers.buffers[group.buffer].flat_N)
+        if isinstance(packed, PackedQuantized):
             parts = [None if p is None else self.unpack(p) for p in packed.parts]
             return restore_quantized(packed.obj, parts)
         return packed
@@ -672,10 +499,8 @@ class ActivationOffloadManager:
         return n if self._eager is None else min(self._eager, n)
 
     def _stamp(self, label: tuple, stream: Any) -> None:
-        c = self._calib
-        if c is None or c.step != self._step or not self._in_step or label in c.stamps:
-            return  # first micro-batch of the calibration step only
-        c.stamps[label] = self.device.timestamp(stream, label)
+        if self._calib is not None and self._in_step:
+            self._calib.stamp(self.device, self._step, label, stream)
 
     def _advance_window(self) -> None:
         """At a step's start: open the calibration step, or plan from a finished one whose
@@ -687,23 +512,13 @@ class ActivationOffloadManager:
             return
         if self._calib is None:
             if self._step >= CALIBRATION_STEP:
-                self._calib = _Calibration(step=self._step)
+                self._calib = Calibration(step=self._step)
         elif self._calib.step < self._step:
             self._try_plan()
 
     def _try_plan(self) -> None:
-        c, dev, cfg = self._calib, self.device, self.config
-        missing = object()
-
-        def span(kind: str, key: str):
-            a, b = c.stamps.get((kind, "begin", key)), c.stamps.get((kind, "end", key))
-            if a is None or b is None:
-                return missing
-            return dev.elapsed_s(a, b)
-
-        keys = self._layer_keys
-        spans = {kind: [span(kind, k) for k in keys] for kind in ("fwd", "bwd", "d2h", "h2d")}
-        if any(v is missing for kind in ("fwd", "bwd") for v in spans[kind]):
+        c, cfg, keys = self._calib, self.config, self._layer_keys
+        if not c.marked_every_layer(keys):
             self._calib, self._to_plan = None, False
             self._window_source = "unplanned: no compute timings"
             self._log_once("autowindow", "offload window 'auto': the calibration step has no "
@@ -711,20 +526,9 @@ class ActivationOffloadManager:
                            "offloading every layer but the last. Set "
                            "OffloadConfig.max_offloaded_layers to an int to choose the window")
             return
-        if any(v is None for vals in spans.values() for v in vals):
+        times = c.layer_times(self.device, keys, cfg)
+        if times is None:
             return  # the device has not finished the calibration step yet: ask next step
-
-        def copy_times(kind: str) -> tuple[float, ...]:
-            measured = [(c.nbytes.get(k, 0), t) for k, t in zip(keys, spans[kind])
-                        if t is not missing]
-            secs = sum(t for _, t in measured)
-            bw = (sum(n for n, _ in measured) / secs if measured and secs > 0
-                  else cfg.copy_bandwidth_bytes_per_s)
-            return tuple(t if t is not missing else c.nbytes.get(k, 0) / bw
-                         for k, t in zip(keys, spans[kind]))
-
-        times = LayerTimes(tuple(spans["fwd"]), tuple(spans["bwd"]), copy_times("d2h"),
-                           copy_times("h2d"), offload_at_layer_start=cfg.recompute)
         plan = plan_window(times, cfg.target_hidden_fraction, eager=cfg.eager_offloads,
                            window=cfg.max_offloaded_layers)
         self.window_plan, self._window_source = plan, "planned"

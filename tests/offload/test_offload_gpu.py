@@ -76,10 +76,10 @@ def test_cuda_streams_bit_identical_fixed_buffers_pinned_pool(double):
         got, stats = _run(off, x, mgr)
         _same(expected, got)
         assert stats.mode is (BufferMode.DOUBLE if double else BufferMode.SINGLE)
-        cur = [b.data_ptr() for b in mgr._buffers]
+        cur = [b.flat_N.data_ptr() for b in mgr._buffers.buffers]
         ptrs = ptrs or cur
         assert cur == ptrs, "reload buffers moved"
-    assert mgr.host_pinned and all(t.is_pinned() for t in mgr._host_slots.values())
+    assert mgr.host_pinned and all(s.flat_N.is_pinned() for s in mgr._pool.slots.values())
     dev = mgr.device
     streams = {dev.offload_stream(), dev.reload_stream(), torch.cuda.current_stream()}
     assert len(streams) == 3  # offloads and reloads never share an in-order queue

@@ -95,7 +95,7 @@ def _buffer_unit(recompute: bool) -> int:
         dev = RecordingDevice()
         _, off, mgr = _offload_stack(OffloadConfig(recompute=recompute, **CFG), dev)
         _step(mgr, off, torch.randn(S, B, H))
-        _UNIT[recompute] = mgr._buffer_bytes
+        _UNIT[recompute] = mgr._buffers.buffer_bytes
     return _UNIT[recompute]
 
 
@@ -279,7 +279,7 @@ def test_memory_bound_and_constant_pool_over_50_steps():
     for step in range(50):
         _, stats = _step(mgr, off, x, seed=step)
         pool.append(stats.host_pool_bytes)
-        cur = [b.data_ptr() for b in mgr._buffers]
+        cur = [b.flat_N.data_ptr() for b in mgr._buffers.buffers]
         if step == 0:
             ptrs, host_allocs = cur, dev.host_allocations
         assert cur == ptrs, "reload buffers moved"
@@ -304,7 +304,7 @@ def test_saved_tensor_groups_memory_bound():
     largest = max(per_group.values())
     # buffers hold the largest group (plus alignment padding of its tensors)
     assert dev.peak_device_bytes <= 2 * (largest + 512 * 32)
-    assert mgr.device_buffer_bytes == 2 * mgr._buffer_bytes
+    assert mgr.device_buffer_bytes == 2 * mgr._buffers.buffer_bytes
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
