@@ -16,6 +16,7 @@ from megatron_fastpath.offload import (
     TraceEvent,
 )
 from megatron_fastpath.compat.te_quantized import is_quantized, never_offload
+from megatron_fastpath.offload.config import StepCounters
 from megatron_fastpath.offload.timing import replay_schedule, step_hidden_fraction
 from tests.offload.offload_models import manager_step_trace
 
@@ -264,6 +265,30 @@ def test_begin_step_drops_a_pass_without_backward():
     assert [o[0][0].item() for o in out] == [0.0, 1.0, 2.0]
     assert stats.layers_offloaded == 2 and mgr.host_pool_bytes == 2 * 256
     assert stats.prefetched_reloads == 2 and stats.just_in_time_reloads == 0
+
+
+@pytest.mark.parametrize("double", [True, False], ids=["double", "single"])
+def test_step_counters_are_the_stats_totals(double):
+    """The manager's named step counters (StepCounters, once a string-keyed dict) become the
+    step's stats field for field: L1 offloaded, L2's larger group kept (the buffers were sized
+    at L1, this step's first offload), L3 the last layer; L1 comes back prefetched (DOUBLE: at
+    L3's backward) or just in time (SINGLE). The figures are the ones the dict reported."""
+    mgr, dev, keys = _manager(num_layers=3, allow_double_buffer=double)
+    data = [[torch.randn(64)], [torch.randn(128)], [torch.randn(64)]]
+    out, stats, _ = _forward_backward(mgr, keys, data)
+    assert all(torch.equal(o[0], d[0]) for o, d in zip(out, data))
+    jit = 0 if double else 1
+    assert mgr._counters == StepCounters(
+        bytes_offloaded=256, bytes_reloaded=256, layers_offloaded=1, layers_kept=1,
+        prefetched_reloads=1 - jit, just_in_time_reloads=jit, just_in_time_bytes=256 * jit)
+    c = mgr._counters
+    assert (stats.bytes_offloaded, stats.bytes_reloaded, stats.layers_offloaded,
+            stats.layers_kept, stats.prefetched_reloads, stats.just_in_time_reloads) == (
+        c.bytes_offloaded, c.bytes_reloaded, c.layers_offloaded, c.layers_kept,
+        c.prefetched_reloads, c.just_in_time_reloads)
+    assert stats.est_exposed_copy_s == c.just_in_time_bytes / 25e9
+    mgr.begin_step()
+    assert mgr._counters == StepCounters()  # a step starts from zero
 
 
 def test_held_back_offloads_are_issued_by_a_backward_that_starts_early():
