@@ -23,6 +23,15 @@ def mcore_parallel():
     yield
 
 
+@pytest.fixture(scope="module")
+def main_job_runs(request, tmp_path_factory):
+    """The module's shared main-job runs (tests/support/main_job.py SharedRuns): each named run
+    happens once, whichever test asks first; a module's ``MAIN_JOB_COMMON`` overrides go first."""
+    from tests.support.main_job import SharedRuns
+
+    return SharedRuns(tmp_path_factory.mktemp("runs"), getattr(request.module, "MAIN_JOB_COMMON", ()))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -23,12 +23,11 @@ import shutil
 import pytest
 import torch
 
-from tests.support.main_job import run_main_job
 
 STEPS, STOP = 6, 3
-COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128", "data.max_len=48",
-          "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",
-          "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
+MAIN_JOB_COMMON = [f"training.steps={STEPS}", "data.num_samples=192", "data.max_tokens=128",
+                   "data.max_len=48", "data.max_seqs=8", "model.num_layers=2", "model.hidden_size=64",
+                   "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32"]
 LAYOUTS = {"dp2": ["model=tiny_dense", "parallel=single"], "ep2": ["model=tiny_moe", "parallel=ep2"],
            "tp2": ["model=tiny_dense", "parallel=single", "parallel.tensor_model_parallel_size=2"]}
 # micro-batches per rank for a global batch of 2 (TP ranks share their microbatches)
@@ -36,22 +35,10 @@ PER_RANK = {"dp2": 1, "ep2": 1, "tp2": 2}
 REL_TOL = 2e-4
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture
+def runs(main_job_runs):
     """name -> the main job's run (summary, output), each run once per module."""
-    root = tmp_path_factory.mktemp("torchrun")
-    done = {}
-
-    def run(name, overrides, nproc):
-        if name not in done:
-            cwd = root / name
-            cwd.mkdir()
-            done[name] = run_main_job(COMMON + [o.format(root=root) for o in overrides], cwd,
-                                      nproc=nproc, name=name)
-        return done[name]
-
-    run.root = root
-    return run
+    return main_job_runs
 
 
 def straight(runs, layout):

@@ -11,7 +11,7 @@ from tests.support.hydra_compose import compose_job
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.fp8 import FP8Config
 from megatron_fastpath.graphs.config import CudaGraphConfig, plan_graphs_and_fp8
-from tests.support.subproc import child_env
+from tests.support.main_job import run_main_job
 
 
 SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
@@ -137,32 +137,23 @@ def test_bad_configs_refused_before_any_step(mcore_parallel, capsys, overrides, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_graph_capture_matches_eager(model, fp8):
+def test_cuda_graph_capture_matches_eager(model, fp8, tmp_path):
     """On a GPU: 20 steps with per-layer CUDA graphs (LoRA, packed) equal eager within
     tolerance; sync debug mode is clean inside the layers."""
-    import subprocess
-    import sys
-
     if fp8 and not have("transformer_engine.pytorch"):
         pytest.skip("FP8 needs Transformer Engine")
 
-    env = child_env()
     losses = {}
     for graphs in ("false", "true"):
-        out = subprocess.run(
-            [sys.executable, "-m", "megatron_fastpath.train", f"model={model}", "training.steps=20",
-             "training.device=cuda", "training.dtype=bfloat16", "fastpath.lora=true",
+        run = run_main_job(
+            [f"model={model}", "training.steps=20", "training.device=cuda",
+             "training.dtype=bfloat16", "fastpath.lora=true",
              "fastpath.attention_backend=te" if fp8 else "fastpath.attention_backend=auto",
              f"fastpath.fp8={str(fp8).lower()}", f"fastpath.cuda_graphs={graphs}",
-             "fastpath.moe_capacity_factor=2.0" if model == "tiny_moe" else "fastpath.lora=true",
-             "training.summary_json=/tmp/mf_graph_{}.json".format(graphs)],
-            capture_output=True, text=True, check=True, env=env,
-        )
-        import json
-
-        with open(f"/tmp/mf_graph_{graphs}.json") as f:
-            losses[graphs] = [r["loss"] for r in json.load(f)["records"]]
-        assert "host syncs: fwd+bwd 0" in out.stdout
+             "fastpath.moe_capacity_factor=2.0" if model == "tiny_moe" else "fastpath.lora=true"],
+            tmp_path, name=f"graphs-{graphs}")
+        losses[graphs] = [r["loss"] for r in run.summary["records"]]
+        assert "host syncs: fwd+bwd 0" in run.stdout
     torch.testing.assert_close(torch.tensor(losses["true"]), torch.tensor(losses["false"]),
                                rtol=2e-2, atol=2e-2)
 

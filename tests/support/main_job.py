@@ -93,4 +93,23 @@ def run_main_job(overrides: Sequence[str], cwd, *, nproc: int = 1, name: str = "
     return JobRun(proc.returncode, proc.stdout, proc.stderr, data)
 
 
-__all__ = ["JobRun", "REPO", "job_env", "main_job_cmd", "run_main_job", "train_in_process"]
+class SharedRuns:
+    """Main-job runs shared by a module's tests (the ``main_job_runs`` fixture): ``runs(name,
+    overrides, nproc)`` runs the job once per name in ``root/<name>`` and returns the same
+    :class:`JobRun` to every later caller. ``{root}`` in an override is replaced by ``root``
+    (checkpoint directories several runs share)."""
+
+    def __init__(self, root: Path, common: Sequence[str] = ()):
+        self.root, self.common, self._done = Path(root), list(common), {}
+
+    def __call__(self, name: str, overrides: Sequence[str], nproc: int = 1) -> JobRun:
+        if name not in self._done:
+            cwd = self.root / name
+            cwd.mkdir()
+            args = [o.format(root=self.root) for o in [*self.common, *overrides]]
+            self._done[name] = run_main_job(args, cwd, nproc=nproc, name=name)
+        return self._done[name]
+
+
+__all__ = ["JobRun", "REPO", "SharedRuns", "job_env", "main_job_cmd", "run_main_job",
+           "train_in_process"]
