@@ -12,7 +12,7 @@ Read like torchtitan's ``train.py``::
     job = build_job(cfg)                       # job.py: model, cache, data, step path, audit
     logger = StepLogger(job)                   # logger.py: lagged read-back, step line, summary
     for step in ...: logger.log(train_step(job, job.data.batch(step)))   # step.py
-    summary = logger.finish()
+    summary = logger.finish(stop, job.reports) # report.py: each feature's summary lines
 
 One program for CPU and GPU, chosen by device (``step.cpu_train_step`` / ``step.gpu_train_step``,
 see :mod:`megatron_fastpath.train.step`). Every step prints one line: loss, tokens/s, host syncs
@@ -103,12 +103,12 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
 
             source = job.cfg.model_source
             logger.artifacts.update(model_provider(source.provider).export(job, log=logger.print))
-        checkpoint = ckpt.finish() if ckpt is not None else {}
+        reports = job.reports + ((ckpt.finish(stop),) if ckpt is not None else ())
     except BaseException:
         if ckpt is not None:
             ckpt.close()
         raise
-    return logger.finish(stopped=stop, **checkpoint)
+    return logger.finish(stopped=stop, reports=reports)
 
 
 def run(cfg, return_job: bool = False, announce: bool = True):

@@ -290,17 +290,13 @@ class JobCheckpointer:
             self.logger.print(f"checkpoint step {r.step} -> {r.path}: {r.bytes:,} B, blocked "
                               f"the step {r.blocking_s * 1e3:.1f} ms (sync)")
 
-    def finish(self) -> dict:
-        """Wait for async saves; the checkpoint facts for the summary."""
+    def finish(self, stopped: Optional[str] = None):
+        """Wait for async saves; the checkpoints' report for the summary
+        (:class:`~megatron_fastpath.checkpoint.report.CheckpointReport`). ``stopped``: why the
+        run stopped before ``training.steps`` (None: it did not)."""
+        from megatron_fastpath.checkpoint.report import CheckpointReport
+
         for r in self.manager.poll(blocking=True):
             self._report(r, published=True)
         self.close()
-        saves = self.manager.saves
-        best = self.manager.best_checkpoint() if self.cfg.keep_best else None
-        return dict(
-            best_checkpoint=best,
-            resumed_from=self.resumed.path if self.resumed else None,
-            checkpoint_bytes=saves[-1].bytes if saves else 0,
-            checkpoint_saves=tuple({"step": s.step, "bytes": s.bytes, "blocking_ms": s.blocking_s * 1e3,
-                                    "wait_ms": s.wait_s * 1e3, "async": s.is_async} for s in saves),
-        )
+        return CheckpointReport.of(self.manager, stopped)

@@ -21,14 +21,15 @@ from megatron_fastpath.providers import data_provider, model_provider
 from megatron_fastpath.train.config import JobConfig
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
-__all__ = ["Job", "StepData", "build_job", "build_cache", "build_model"]
+__all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_reports"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
     """Everything a step needs. ``step``: the CPU or GPU step path (optimizer, scheduler).
     ``offload``: the activation offload manager; ``audit``: the graph-safety audit (CPU with
-    ``fastpath.cuda_graphs``); None when off."""
+    ``fastpath.cuda_graphs``); None when off. ``reports``: the features' parts of the run
+    summary, in the order it prints them (:mod:`megatron_fastpath.train.report`)."""
 
     cfg: JobConfig
     tcfg: Any  # megatron TransformerConfig
@@ -47,6 +48,7 @@ class Job:
     evaluator: Any = None  # data=jsonl: held-out loss (megatron_fastpath.train.evaluate.Evaluator)
     metrics: Any = None  # MetricsWriter (TensorBoard / W&B / plot), None without a metrics group
     data_report: Any = None  # data=jsonl: record counts (malformed, too long, splits)
+    reports: tuple = ()  # SummaryReport of the packed cache, the offload, the audit
 
     @property
     def audit_steps(self) -> int:
@@ -149,6 +151,23 @@ def _build_audit(cfg: JobConfig, model) -> Optional[Any]:
     return GraphSafetyAudit(model, strict=cfg.cuda_graphs.strict_audit)
 
 
+def build_reports(cache, offload, audit) -> tuple:
+    """The summary reports of the job's features: packed cache, offload (when on), graph-safety
+    audit (when on), in the order the summary prints them."""
+    from megatron_fastpath.packed_seq.report import PackedCacheReport
+
+    reports = [PackedCacheReport(cache)]
+    if offload is not None:
+        from megatron_fastpath.offload.report import OffloadReport
+
+        reports.append(OffloadReport(offload))
+    if audit is not None:
+        from megatron_fastpath.graphs.report import GraphAuditReport
+
+        reports.append(GraphAuditReport(audit))
+    return tuple(reports)
+
+
 def build_job(cfg: JobConfig) -> Job:
     """Initialise torch.distributed / Megatron parallel state and build the job's pieces."""
     from megatron.core import parallel_state as ps
@@ -199,11 +218,13 @@ def build_job(cfg: JobConfig) -> Job:
 
         metrics = MetricsWriter(cfg.metrics, torch.distributed.get_rank(), run_config=jsonable(cfg))
     path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
+    step = path(model, tcfg, cfg.training, cache)
+    audit = _build_audit(cfg, model)  # after the step path, as it always was
     return Job(
-        cfg=cfg, tcfg=tcfg, cache=cache, model=model,
-        step=path(model, tcfg, cfg.training, cache), data=parts.train, offload=offload,
-        audit=_build_audit(cfg, model), rank=torch.distributed.get_rank(),
+        cfg=cfg, tcfg=tcfg, cache=cache, model=model, step=step, data=parts.train, offload=offload,
+        audit=audit, rank=torch.distributed.get_rank(),
         world=torch.distributed.get_world_size(), dp_world=dp_world,
         total_params=total, trainable_params=trainable, env_set=env_set,
         evaluator=evaluator, metrics=metrics, data_report=parts.report,
+        reports=build_reports(cache, offload, audit),
     )

@@ -2,7 +2,8 @@
 and the summary (also written as JSON when ``training.summary_json`` is set).
 
 Values that live on the device (the loss) are copied non-blocking into host buffers by
-:class:`LaggedReadback` and read one step late, so logging never stalls a step.
+:class:`LaggedReadback` and read one step late, so logging never stalls a step. The features'
+parts of the summary come from their own reports (:mod:`megatron_fastpath.train.report`).
 """
 
 from __future__ import annotations
@@ -190,8 +191,8 @@ class StepLogger:
     """Owns the lagged read-back, the step lines and the summary of one job.
 
     ``log(result)`` after each step prints the *previous* step (its loss is on the host by
-    then); ``finish()`` prints the last step and the summary and returns the
-    :class:`TrainSummary`. Metrics writers (TensorBoard, W&B, JSONL) belong in ``_emit``: it is
+    then); ``finish(stopped, reports)`` prints the last step and the summary (each report's part
+    after the logger's own lines) and returns the :class:`TrainSummary`. Metrics writers (TensorBoard, W&B, JSONL) belong in ``_emit``: it is
     the one place a finished :class:`StepRecord` appears.
     """
 
@@ -316,15 +317,19 @@ class StepLogger:
         if self.wall[0] is not None:
             self.wall[1] = time.perf_counter()
 
-    def finish(self, **checkpoint) -> TrainSummary:
-        """Print the last step and the summary; ``checkpoint``: the summary's checkpoint fields."""
+    def finish(self, stopped: Optional[str] = None, reports: tuple = ()) -> TrainSummary:
+        """Print the last step and the summary. ``stopped``: why the run stopped before
+        ``training.steps`` (None: it did not); ``reports``: the features'
+        :class:`~megatron_fastpath.train.report.SummaryReport` s, in the order they print (their
+        fields go into the summary)."""
         self.flush()
         if self.metrics is not None:
             self.artifacts.update(self.metrics.close())
             for note in self.metrics.notes:
                 self.print(f"  {note}")
-        summary = dataclasses.replace(self.summarize(), **checkpoint)
-        self._print_summary(summary)
+        fields = {k: v for r in reports for k, v in r.summary_fields().items()}
+        summary = dataclasses.replace(self.summarize(), stopped=stopped, **fields)
+        self._print_summary(summary, reports)
         if self.metrics is not None:
             self.metrics.close_log()
         if self.job.cfg.training.summary_json and self.job.rank == 0:
@@ -337,7 +342,6 @@ class StepLogger:
         if not records:
             raise RuntimeError("no step ran and no checkpoint held any: nothing to summarise")
         k = min(SUMMARY_LOSS_STEPS, len(records))
-        report = job.audit.report() if job.audit is not None else None
         checked = [r for r in records if r.syncs_step is not None]
         return TrainSummary(
             steps=len(records),
@@ -354,8 +358,6 @@ class StepLogger:
             records=tuple(records),
             trainable_params=job.trainable_params,
             total_params=job.total_params,
-            audit=report.summary() if report else None,
-            audit_ok=report.ok if report else None,
             notes=job.cfg.plan.notes,
             evals=tuple(self.evals),
             eval_loss=self.evals[-1][1] if self.evals else None,
@@ -373,18 +375,16 @@ class StepLogger:
             return 0.0
         return sum(r.tokens for r in self.records if r.step >= self.first_step) / (end - start)
 
-    def _print_summary(self, s: TrainSummary) -> None:
+    def _print_summary(self, s: TrainSummary, reports: tuple = ()) -> None:
         k = min(SUMMARY_LOSS_STEPS, s.steps)
-        stats = self.job.cache.stats
         self.print(
             f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
             f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | "
             + (f"host syncs per step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step "
                f"{s.syncs_per_step:g} ({s.sync_checked_steps} of {s.steps} steps counted)"
                if s.sync_checked_steps else "host syncs not counted (training.sync_check=off)")
-            + " | cache "
-            f"builds {s.cache_builds} ({stats.host_to_device_copies} H2D "
-            f"copies, {stats.bytes_copied} bytes)"
+            + f" | cache builds {s.cache_builds}"
+            + "".join(r.summary_suffix() for r in reports)
         )
         if s.evals:
             self.print(f"  held-out loss {s.evals[0][1]:.4f} -> {s.eval_loss:.4f} (step "
@@ -394,22 +394,6 @@ class StepLogger:
             self.print(f"  {kind}: {path}")
         for site in sorted({x for r in s.records for x in r.sync_sites}):
             self.print(f"  sync site: {site}")
-        history = self.job.offload.history if self.job.offload is not None else ()
-        if history:
-            self.print(f"  {history[-1].summary_line()}")
-        if s.audit is not None:
-            self.print("\n".join(f"  {line}" for line in s.audit.splitlines()))
-        if s.checkpoint_saves or s.resumed_from:
-            blocked = ", ".join(f"{c['blocking_ms']:.1f}" + (f"+{c['wait_ms']:.0f} wait" if c["wait_ms"] else "")
-                                for c in s.checkpoint_saves)
-            self.print(
-                f"  checkpoints: {len(s.checkpoint_saves)} saved, last {s.checkpoint_bytes:,} B, "
-                f"ms each save blocked the step [{blocked}]"
-                + (f", resumed from {s.resumed_from}" if s.resumed_from else "")
-                + (f", stopped early: {s.stopped}" if s.stopped else "")
-            )
-        if s.best_checkpoint:
-            from megatron_fastpath.checkpoint import CheckpointManager
-
-            self.print(f"  best checkpoint (lowest held-out loss, "
-                       f"{CheckpointManager.eval_loss_of(s.best_checkpoint):.4f}): {s.best_checkpoint}")
+        for report in reports:
+            for line in report.summary_lines():
+                self.print(f"  {line}")
