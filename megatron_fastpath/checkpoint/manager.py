@@ -5,8 +5,10 @@ Layout of ``checkpoint.dir``::
     latest                      name of the newest complete checkpoint (written last)
     step_00000010/
         model/                  torch_dist: model + optimizer state as sharded tensors
-        train_state.json        step, counters, data position, LR scheduler, optimizer
-                                hyper-parameters, config fingerprint, per-step records
+        train_state.json        format version, step, world size, config fingerprint and
+                                "parts": the trainer's JSON state, one entry per named part
+                                (main job: "optimizer" step and hyper-parameters, "scheduler",
+                                "data" position, "history": per-step records and evaluations)
         rng/rank_00000.json     every RNG of each rank
         fp8/rank_00000.safetensors  TE FP8 delayed-scaling state of each rank (FP8 runs only)
         manifest.json           size and CRC32 of every file (written by rank 0 last)
@@ -20,6 +22,13 @@ Rotation (``keep``) keeps the checkpoint just written, the one this run resumed 
 newest others that did not fail verification in this run; a checkpoint leaves the published
 set by ``rename`` to ``.trash.step_N`` before it is deleted (a kill mid-delete leaves no
 half-deleted ``step_N``; trash is cleared at the next save).
+
+Format versions (``train_state.json``'s ``format_version``): 1 kept the trainer's JSON state in
+one ``extra`` dict (optimizer, scheduler, data position and the run history's ``records`` /
+``evals`` / ``eval_accuracy`` side by side); 2 keeps it in ``parts``, each part under its own
+name. A format-1 checkpoint is read as format 2 (:func:`upgrade_train_state`: the history keys
+become the ``history`` part); any other format is refused (:class:`CheckpointFormatError`).
+Parts are JSON: nothing of a checkpoint is unpickled (``safety.py``).
 """
 
 from __future__ import annotations
@@ -39,13 +48,16 @@ from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError
 
 __all__ = [
     "CheckpointManager", "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError",
-    "CheckpointDirError", "SaveResult", "ResumeState", "config_fingerprint", "check_checkpoint_dir",
+    "CheckpointDirError", "CheckpointFormatError", "SaveResult", "ResumeState", "config_fingerprint",
+    "check_checkpoint_dir", "upgrade_train_state", "FORMAT_VERSION", "HISTORY_PART",
 ]
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp."
 TRASH_PREFIX = ".trash."
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # see the module docstring
+HISTORY_PART = "history"  # the run history's part (checkpoint.keep_best reads its evaluations)
+_V1_HISTORY_KEYS = ("records", "evals", "eval_accuracy")
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +70,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written by a different model / configuration."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The checkpoint is in a format this version cannot read (written by a newer one, or not by
+    megatron_fastpath)."""
 
 
 class CheckpointDirError(CheckpointError):
@@ -109,11 +126,11 @@ class SaveResult:
 
 @dataclasses.dataclass(frozen=True)
 class ResumeState:
-    """What a resumed run continues from (``extra``: the trainer's own JSON state)."""
+    """What a resumed run continues from (``parts``: the trainer's JSON state, by part name)."""
 
     step: int
     path: str
-    extra: dict
+    parts: dict
     notes: tuple = ()
 
 
@@ -121,6 +138,49 @@ def config_fingerprint(config: dict) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def upgrade_train_state(state: dict, path: str = "checkpoint") -> dict:
+    """``train_state.json`` of a format this version reads, as the current format (see the
+    module docstring); CheckpointFormatError for any other."""
+    version = state.get("format_version")
+    if type(version) is int and version == FORMAT_VERSION:
+        return state
+    if type(version) is int and version == 1:
+        parts = dict(state.get("extra") or {})
+        history = {k: parts.pop(k) for k in _V1_HISTORY_KEYS if k in parts}
+        if history:
+            parts[HISTORY_PART] = history
+        upgraded = {k: v for k, v in state.items() if k != "extra"}
+        upgraded.update(format_version=FORMAT_VERSION, parts=parts)
+        return upgraded
+    newer = isinstance(version, int) and version > FORMAT_VERSION
+    raise CheckpointFormatError(
+        f"{os.path.join(path, 'train_state.json')} is checkpoint format {version!r}; this "
+        f"megatron_fastpath reads formats 1 to {FORMAT_VERSION}, "
+        + ("and this one was written by a newer version: resume it with that version (or "
+           "upgrade megatron_fastpath)" if newer else
+           "and this one was not written by megatron_fastpath")
+        + ", or point checkpoint.dir at another directory to start a new run")
+
+
+def _check_json(name: str, value, where: str = "") -> None:
+    """Refuse (TypeError) a part that is not plain JSON: parts are never pickled."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(name, v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise TypeError(f"checkpoint part {name!r}{where} has the key {k!r}: parts are "
+                                "saved as JSON, whose keys are strings")
+            _check_json(name, v, f"{where}[{k!r}]")
+        return
+    raise TypeError(f"checkpoint part {name!r}{where} is a {type(value).__qualname__}: parts are "
+                    "saved as JSON, never pickled; give its state_dict() of plain values")
 
 
 def _dist():
@@ -229,8 +289,9 @@ class CheckpointManager:
     """Checkpoints of one run (see the module docstring).
 
     ``state_fn(loading) -> sharded state dict`` builds ``{"model": ..., "optimizer": ...}``
-    (``loading``: with fresh tensors to load into); ``apply_fn(loaded, extra)`` puts a loaded
-    dict back into the model and optimizer. ``fingerprint_config``: the JSON-able settings that
+    (``loading``: with fresh tensors to load into); ``apply_fn(loaded, parts)`` puts a loaded
+    dict back into the model and optimizer. A save's ``parts`` ({name: JSON state}) come back
+    as :attr:`ResumeState.parts`. ``fingerprint_config``: the JSON-able settings that
     must match for a resume (compared key by key on mismatch).
     """
 
@@ -317,16 +378,18 @@ class CheckpointManager:
         return done[0] if done else None
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict] = None) -> SaveResult:
+    def save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict] = None) -> SaveResult:
         """Write checkpoint ``step`` (all ranks call it). Returns once the step may continue:
         at once for a sync save, after staging for an async one (published later by
-        :meth:`poll`). ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``).
+        :meth:`poll`). ``parts``: {name: JSON state} of the trainer's stateful parts (each
+        under its own name in ``train_state.json``; a value that is not plain JSON is refused).
+        ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``).
         A full disk (or a file-size limit) raises CheckpointDirError saying so and where; the
         earlier checkpoints are untouched (nothing is published)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            return self._save(step, state_fn, extra, fp8_state)
+            return self._save(step, state_fn, parts, fp8_state)
         except (OSError, RuntimeError, CheckpointException) as exc:
             reason = _disk_problem(self.root, exc)
             if reason is None:
@@ -336,11 +399,13 @@ class CheckpointManager:
                 f"{str(exc).splitlines()[0][:200]}); the earlier checkpoints are intact. Free space "
                 "(or raise the file-size limit) and resume, or lower checkpoint.keep") from exc
 
-    def _save(self, step: int, state_fn, extra: dict, fp8_state: Optional[dict]) -> SaveResult:
+    def _save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu, preemption_proof_results_queue
 
+        for name, value in parts.items():  # before anything is written, on every rank
+            _check_json(name, value)
         self.poll(blocking=True)  # one save in flight at a time
         preemption_proof_results_queue()  # its helper survives the group's SIGTERM / SIGUSR1
         t0 = time.perf_counter()
@@ -358,7 +423,7 @@ class CheckpointManager:
 
         save_fp8_state(os.path.join(tmp, "fp8"), _rank(), fp8_state or {})
         if _rank() == 0:
-            _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, extra))
+            _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, parts))
         sharded = _drop_objects(state_fn(False))
         with dist_checkpointing_on_cpu():
             request = dist_checkpointing.save(
@@ -402,7 +467,7 @@ class CheckpointManager:
             published.append(r)
         return published
 
-    def _train_state(self, step: int, extra: dict) -> dict:
+    def _train_state(self, step: int, parts: dict) -> dict:
         return {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -410,7 +475,7 @@ class CheckpointManager:
             "adapters_only": self.cfg.adapters_only,
             "fingerprint": self.fingerprint,
             "config": self.fingerprint_config,
-            "extra": extra,
+            "parts": parts,
         }
 
     def _remove_partial(self) -> None:
@@ -445,10 +510,10 @@ class CheckpointManager:
         last evaluation, when that is at the checkpoint's step), else None."""
         try:
             with open(os.path.join(path, "train_state.json")) as f:
-                state = json.load(f)
-            evals = state["extra"].get("evals") or []
+                state = upgrade_train_state(json.load(f), path)
+            evals = state["parts"][HISTORY_PART].get("evals") or []
             step, loss = evals[-1][0], evals[-1][1]
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, CheckpointFormatError):
             return None
         return float(loss) if step == state.get("step") else None
 
@@ -478,7 +543,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def verify(self, path: str) -> dict:
-        """Check every file against the manifest; returns train_state.json."""
+        """Check every file against the manifest; returns train_state.json (in the current
+        format: :func:`upgrade_train_state`)."""
         manifest_path = os.path.join(path, "manifest.json")
         try:
             with open(manifest_path) as f:
@@ -502,9 +568,9 @@ class CheckpointManager:
                 raise CheckpointCorruptError(f"{fp} is corrupted: CRC32 differs from the manifest")
         with open(os.path.join(path, "train_state.json")) as f:
             state = json.load(f)
-        if state.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')}, expected {FORMAT_VERSION}")
-        return state
+        if not isinstance(state, dict):
+            raise CheckpointCorruptError(f"{path}/train_state.json: not a train-state object")
+        return upgrade_train_state(state, path)
 
     def check_compatible(self, path: str, state: dict, sharded) -> None:
         """Config fingerprint and every requested tensor's key and global shape."""
@@ -552,8 +618,10 @@ class CheckpointManager:
                 loaded = self._load_one(path, state_fn, apply_fn, restore_fp8)
                 self.resumed_path = path
                 return dataclasses.replace(loaded, notes=tuple(notes) + loaded.notes)
-            except (CheckpointMismatchError, UnsafeCheckpointError):
-                raise  # another run's checkpoint or a tampered one: never fall back silently
+            except (CheckpointMismatchError, CheckpointFormatError, UnsafeCheckpointError):
+                # another run's checkpoint, a newer version's or a tampered one: never fall back
+                # silently (rotation would then delete it)
+                raise
             # CheckpointException: torch.distributed.checkpoint's load failure (a BaseException)
             except (CheckpointCorruptError, OSError, ValueError, RuntimeError, KeyError,
                     CheckpointException) as exc:
@@ -580,7 +648,7 @@ class CheckpointManager:
         self.check_compatible(path, state, sharded)
         with dist_checkpointing_on_cpu():
             loaded = dist_checkpointing.load(sharded, model_dir)
-        apply_fn(loaded, state["extra"])
+        apply_fn(loaded, state["parts"])
         notes = []
         rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.json")
         if state["world_size"] == _world() and os.path.exists(rng_file):
@@ -596,7 +664,7 @@ class CheckpointManager:
                 notes.append("FP8 scaling history not restored: this run has no FP8 modules")
             else:
                 notes.append(load_fp8_state(fp8_dir, _rank(), restore_fp8))
-        return ResumeState(step=state["step"], path=path, extra=state["extra"], notes=tuple(notes))
+        return ResumeState(step=state["step"], path=path, parts=state["parts"], notes=tuple(notes))
 
 
 def _config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:

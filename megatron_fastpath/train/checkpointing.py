@@ -1,8 +1,12 @@
 """Checkpoints of the main job: resume, periodic / final / stop saves, preemption signals.
 
 * :meth:`JobCheckpointer.resume` loads the latest complete checkpoint of ``checkpoint.dir``
-  (model, optimizer, LR schedule, RNG, step, counters, data position, the logged records) and
-  returns the first step to run; the caller prints its line first.
+  and returns the first step to run; the caller prints its line first. A checkpoint holds named
+  stateful parts, each under its own key: ``model`` and ``optimizer`` tensors (torch_dist) and
+  the JSON parts ``optimizer`` (step, hyper-parameters), ``scheduler`` (the LR schedule) --
+  :func:`~megatron_fastpath.checkpoint.training.training_state` -- ``data``
+  (:class:`DataPosition`) and ``history`` (the logger's
+  :class:`~megatron_fastpath.train.history.RunHistory`); besides them the step, RNG and counters.
 * :meth:`JobCheckpointer.after_step` saves when due (every ``checkpoint.interval`` steps, at the
   last step, at ``training.stop_at_step``, after a SIGTERM / SIGUSR1) and says whether to stop.
 * :class:`PreemptionSignals`: SIGTERM / SIGUSR1 only set a flag; the job finishes the current
@@ -19,7 +23,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer", "fingerprint_config"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer", "DataPosition",
+           "fingerprint_config"]
 
 # Exit code of a job stopped by SIGTERM/SIGUSR1 after saving: "requeue me" (EX_TEMPFAIL).
 PREEMPTED_EXIT_CODE = 75
@@ -147,6 +152,30 @@ class PreemptionSignals:
         self._previous = {}
 
 
+class DataPosition:
+    """The ``data`` part of a checkpoint: where the data stands after ``step`` (microbatches and
+    samples consumed, the first microbatch of the next step). Loading it checks that this run's
+    data continues there (with the same microbatches per step)."""
+
+    def __init__(self, data, steps: int):
+        self.data, self.steps = data, steps  # the job's StepData, training.steps
+        self.step = 0  # the last step done
+
+    def state_dict(self) -> dict:
+        data, step = self.data, self.step
+        samples = sum(len(mb.lengths) for s in range(1, step + 1) for mb in data.global_microbatches(s))
+        nxt = data.first_microbatch(step + 1) if step < self.steps else None
+        return {"next_step": step + 1, "per_step": data.per_step, "consumed_microbatches":
+                step * data.per_step, "consumed_samples": samples, "next_first_microbatch": nxt}
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state["next_step"] - 1
+        expected = self.data.first_microbatch(step + 1) if step < self.steps else None
+        if state["per_step"] == self.data.per_step and state["next_first_microbatch"] != expected:
+            raise RuntimeError(f"data position {state} does not match this run's ({expected})")
+        self.step = step
+
+
 class JobCheckpointer:
     """Checkpoints of one job (``job.cfg.checkpoint.dir`` set)."""
 
@@ -155,8 +184,12 @@ class JobCheckpointer:
 
         self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
         self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print)
-        self.state_fn, self.apply_fn, self.extra_fn = training_state(
+        # model / optimizer / scheduler (loaded together by the manager) ...
+        self.state_fn, self.apply_fn, self.parts_fn = training_state(
             job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only)
+        # ... and the job's other stateful parts, by the name each is saved under
+        self.data_position = DataPosition(job.data, job.cfg.training.steps)
+        self.parts = {"data": self.data_position, "history": logger.history}
         self.signals = PreemptionSignals()
         self.resumed = None
         self.manager.lock()  # one writer per directory, before anything is read or written
@@ -221,11 +254,9 @@ class JobCheckpointer:
         if resumed is None:
             return 1
         self.resumed = resumed
-        data = resumed.extra["data"]
-        expected = self.job.data.first_microbatch(resumed.step + 1) if resumed.step < total else None
-        if data["per_step"] == self.job.data.per_step and data["next_first_microbatch"] != expected:
-            raise RuntimeError(f"data position {data} does not match this run's ({expected})")
-        self.logger.restore(resumed.extra)
+        for name, part in self.parts.items():  # the data position first: it checks this run's data
+            part.load_state_dict(resumed.parts[name])
+        data = resumed.parts["data"]
         self.logger.print(
             f"  loaded {resumed.path}: {resumed.step} of {total} steps done, "
             f"{data['consumed_samples']} samples consumed, next microbatch {data['next_first_microbatch']}"
@@ -246,13 +277,6 @@ class JobCheckpointer:
         return lambda tensors: restore_fp8_state(self.job.model, tensors, recipe)
 
     # ------------------------------------------------------------------ steps
-    def _data_position(self, step: int) -> dict:
-        data = self.job.data
-        samples = sum(len(mb.lengths) for s in range(1, step + 1) for mb in data.global_microbatches(s))
-        nxt = data.first_microbatch(step + 1) if step < self.job.cfg.training.steps else None
-        return {"next_step": step + 1, "per_step": data.per_step, "consumed_microbatches":
-                step * data.per_step, "consumed_samples": samples, "next_first_microbatch": nxt}
-
     def after_step(self, step: int) -> Optional[str]:
         """Save if due; returns why to stop now (None: go on)."""
         for r in self.manager.poll(blocking=False):
@@ -272,11 +296,12 @@ class JobCheckpointer:
         self.logger.flush()  # the step's record (read one step late) goes into the checkpoint
         for r in self.manager.poll(blocking=True):  # one save in flight: wait for the previous
             self._report(r, published=True)
-        extra = {**self.extra_fn(), "data": self._data_position(step), **self.logger.history()}
+        self.data_position.step = step
+        parts = {**self.parts_fn(), **{name: part.state_dict() for name, part in self.parts.items()}}
         from megatron_fastpath.fp8 import collect_fp8_state
 
         fp8 = collect_fp8_state(self.job.model)
-        self._report(self.manager.save(step, self.state_fn, extra, fp8_state=fp8), published=False)
+        self._report(self.manager.save(step, self.state_fn, parts, fp8_state=fp8), published=False)
 
     def _report(self, r, published: bool) -> None:
         if r.is_async and not published:

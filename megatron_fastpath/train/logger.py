@@ -2,7 +2,9 @@
 and the summary (also written as JSON when ``training.summary_json`` is set).
 
 Values that live on the device (the loss) are copied non-blocking into host buffers by
-:class:`LaggedReadback` and read one step late, so logging never stalls a step. The features'
+:class:`LaggedReadback` and read one step late, so logging never stalls a step. Each finished
+step's :class:`StepRecord` and each evaluation go into the run's
+:class:`~megatron_fastpath.train.history.RunHistory` (which a checkpoint saves); the features'
 parts of the summary come from their own reports (:mod:`megatron_fastpath.train.report`).
 """
 
@@ -16,8 +18,9 @@ from typing import Optional
 import torch
 
 from megatron_fastpath.train.evaluate import perplexity
+from megatron_fastpath.train.history import RunHistory, StepRecord
 
-__all__ = ["LaggedReadback", "StepResult", "StepRecord", "TrainSummary", "StepLogger"]
+__all__ = ["LaggedReadback", "StepResult", "StepRecord", "TrainSummary", "StepLogger", "RunHistory"]
 
 SUMMARY_LOSS_STEPS = 3  # the summary's "loss A -> B": mean over the first / last this many steps
 
@@ -45,56 +48,6 @@ class StepResult:
     applied: Optional[torch.Tensor] = None  # sync-free step: False = update skipped (inf/nan)
     # CUDA: (start, end) timing events around the step; its device time is read with its loss
     device_timing: Optional[tuple] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One logged step (host values only); ``loss`` is per loss token over the global batch."""
-
-    step: int
-    loss: float
-    lr: float
-    tokens: int
-    step_ms: float
-    tokens_per_s: float
-    syncs_fwd_bwd: Optional[int]  # None: not counted (training.sync_check)
-    syncs_step: Optional[int]
-    sync_sites: tuple
-    cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
-    offload_bytes: int = 0
-    offload_mode: str = "off"
-    grad_norm: Optional[float] = None
-    eval_loss: Optional[float] = None
-    eval_token_accuracy: Optional[float] = None
-    skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
-    host_ms: Optional[float] = None  # time the host spent issuing the step (== step_ms on CPU)
-
-    @classmethod
-    def from_result(cls, r: StepResult, loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
-        """``step_ms`` (and tok/s) is the step's device time on CUDA -- the events around it,
-        read after its loss, so they have completed -- and its host time on a CPU. A GPU step's
-        host time only measures how fast work was queued: it overstates throughput whenever
-        nothing inside the step waits for the device."""
-        step_ms = r.step_ms
-        if r.device_timing is not None:
-            start, end = r.device_timing
-            step_ms = float(start.elapsed_time(end))
-        return cls(
-            skipped=None if applied is None else not _scalar(applied),
-            step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
-            step_ms=step_ms, tokens_per_s=r.tokens / (step_ms / 1e3), host_ms=r.step_ms,
-            syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
-            cache_builds=r.cache_builds,
-            offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
-            grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
-            eval_token_accuracy=r.eval_token_accuracy,
-        )
-
-
-def _scalar(v):
-    """A read-back value: a host number, or the one-element list of a [1] tensor (Megatron
-    keeps its norm / flags as [1] tensors)."""
-    return v[0] if isinstance(v, (list, tuple)) else v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,19 +144,18 @@ class StepLogger:
     """Owns the lagged read-back, the step lines and the summary of one job.
 
     ``log(result)`` after each step prints the *previous* step (its loss is on the host by
-    then); ``finish(stopped, reports)`` prints the last step and the summary (each report's part
-    after the logger's own lines) and returns the :class:`TrainSummary`. Metrics writers (TensorBoard, W&B, JSONL) belong in ``_emit``: it is
+    then) and adds its record to ``history``; ``finish(stopped, reports)`` prints the last step
+    and the summary (each report's part after the logger's own lines) and returns the
+    :class:`TrainSummary`. Metrics writers (TensorBoard, W&B, JSONL) belong in ``_emit``: it is
     the one place a finished :class:`StepRecord` appears.
     """
 
     def __init__(self, job):
         self.job = job
         self.readback = LaggedReadback(job.cfg.device)
-        self.records: list[StepRecord] = []
+        self.history = RunHistory()  # a checkpoint saves and restores it
         self.show = job.rank == 0 or job.cfg.training.log_all_ranks
         self.prefix = f"[rank {job.rank}] " if job.cfg.training.log_all_ranks else ""
-        self.evals: list[tuple] = []
-        self.eval_accuracy: list[tuple] = []
         self.artifacts: dict = {}
         self.metrics = getattr(job, "metrics", None)
         self.first_step: Optional[int] = None  # the first step this process ran
@@ -265,27 +217,9 @@ class StepLogger:
                    f"{evaluation.loss:.4f}{_eval_extras(evaluation.loss, evaluation.token_accuracy)}")
 
     def _record_eval(self, step: int, evaluation) -> None:
-        self.evals.append((step, evaluation.loss))
-        self.eval_accuracy.append((step, evaluation.token_accuracy))
+        self.history.add_eval(step, evaluation.loss, evaluation.token_accuracy)
         if self.metrics is not None:
             self.metrics.eval(step, evaluation.loss, evaluation.token_accuracy)
-
-    def history(self) -> dict:
-        """The run's history for a checkpoint: the step records and the held-out losses."""
-        return {"records": [dataclasses.asdict(r) for r in self.records],
-                "evals": [list(e) for e in self.evals],
-                "eval_accuracy": [list(e) for e in self.eval_accuracy]}
-
-    def restore(self, history: dict) -> None:
-        """The history of the steps a resumed run already did (from its checkpoint; one saved
-        before evaluations were kept has none)."""
-        self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])})
-                        for r in history["records"]]
-        self.evals = [tuple(e) for e in history.get("evals", [])]
-        self.eval_accuracy = [tuple(e) for e in history.get("eval_accuracy", [])]
-        if self.metrics is not None:  # the loss curves of the whole run, not of this process
-            self.metrics.steps[:0] = [(r.step, r.loss) for r in self.records]
-            self.metrics.evals[:0] = list(self.evals)
 
     def _emit(self, prev) -> None:
         if prev is None:
@@ -293,7 +227,7 @@ class StepLogger:
         values, result = prev
         grad_norm = values.get("grad_norm", result.grad_norm)
         rec = StepRecord.from_result(result, values["loss_sum"], grad_norm, values.get("applied"))
-        self.records.append(rec)
+        self.history.add_step(rec)
         if self.metrics is not None:
             self.metrics.step(rec)
         off = (f" | offload {rec.offload_mode} {rec.offload_bytes / 2**20:.1f} MiB"
@@ -323,8 +257,8 @@ class StepLogger:
         :class:`~megatron_fastpath.train.report.SummaryReport` s, in the order they print (their
         fields go into the summary)."""
         self.flush()
-        if self.metrics is not None:
-            self.artifacts.update(self.metrics.close())
+        if self.metrics is not None:  # the loss curves of the whole run, not of this process
+            self.artifacts.update(self.metrics.close(self.history.loss_curve(), list(self.history.evals)))
             for note in self.metrics.notes:
                 self.print(f"  {note}")
         fields = {k: v for r in reports for k, v in r.summary_fields().items()}
@@ -338,7 +272,8 @@ class StepLogger:
         return summary
 
     def summarize(self) -> TrainSummary:
-        records, job = self.records, self.job
+        records, job = self.history.records, self.job
+        evals, accuracy = self.history.evals, self.history.eval_accuracy
         if not records:
             raise RuntimeError("no step ran and no checkpoint held any: nothing to summarise")
         k = min(SUMMARY_LOSS_STEPS, len(records))
@@ -359,11 +294,11 @@ class StepLogger:
             trainable_params=job.trainable_params,
             total_params=job.total_params,
             notes=job.cfg.plan.notes,
-            evals=tuple(self.evals),
-            eval_loss=self.evals[-1][1] if self.evals else None,
-            eval_perplexity=perplexity(self.evals[-1][1]) if self.evals else None,
-            eval_token_accuracy=self.eval_accuracy[-1][1] if self.eval_accuracy else None,
-            eval_accuracy=tuple(self.eval_accuracy),
+            evals=tuple(evals),
+            eval_loss=evals[-1][1] if evals else None,
+            eval_perplexity=perplexity(evals[-1][1]) if evals else None,
+            eval_token_accuracy=accuracy[-1][1] if accuracy else None,
+            eval_accuracy=tuple(accuracy),
             data=getattr(job, "data_report", None),
             artifacts=dict(self.artifacts) or None,
         )
@@ -373,7 +308,7 @@ class StepLogger:
         start, end = self.wall
         if self.first_step is None or end is None or end <= start:
             return 0.0
-        return sum(r.tokens for r in self.records if r.step >= self.first_step) / (end - start)
+        return sum(r.tokens for r in self.history.records if r.step >= self.first_step) / (end - start)
 
     def _print_summary(self, s: TrainSummary, reports: tuple = ()) -> None:
         k = min(SUMMARY_LOSS_STEPS, s.steps)

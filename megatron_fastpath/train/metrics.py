@@ -149,9 +149,14 @@ class MetricsWriter:
             self.log_file.close()
             self.log_file = None
 
-    def close(self) -> dict:
+    def close(self, steps: Optional[list] = None, evals: Optional[list] = None) -> dict:
         """Flush and close the backends (``train.log`` stays open for the summary: see
-        :meth:`close_log`); write the loss-curve PNG. Returns {kind: path} of what was written."""
+        :meth:`close_log`); write the loss-curve PNG of ``steps`` ((step, loss)) and ``evals``
+        ((step, held-out loss)) -- the logger passes the whole run's, a resumed run's earlier
+        steps included; None: what this writer received. Returns {kind: path} of what was
+        written."""
+        steps = self.steps if steps is None else steps
+        evals = self.evals if evals is None else evals
         out = {}
         if self.dir is None:
             return out
@@ -163,10 +168,10 @@ class MetricsWriter:
             self._wandb_call("finish")
         if self.log_file is not None:
             out["log"] = self.log_file.name
-        if self.cfg.plot and self.steps:
+        if self.cfg.plot and steps:
             path = os.path.join(self.dir, "loss_curves.png")
             try:
-                plot_losses(self.steps, self.evals, path)
+                plot_losses(steps, evals, path)
                 out["plot"] = path
             except ImportError as exc:
                 self.notes.append(f"loss curves not plotted ({exc}); pip install matplotlib")

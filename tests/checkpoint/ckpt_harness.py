@@ -64,15 +64,15 @@ class Run:
         return mgr, fns
 
     def save(self, directory, **kw):
-        mgr, (state_fn, _, extra_fn) = self.manager(directory, **kw)
-        return mgr.save(self.step, state_fn, {**extra_fn(), "losses": self.losses})
+        mgr, (state_fn, _, parts_fn) = self.manager(directory, **kw)
+        return mgr.save(self.step, state_fn, {**parts_fn(), "losses": self.losses})
 
     def load(self, directory, **kw):
         mgr, (state_fn, apply_fn, _) = self.manager(directory, **kw)
         resumed = mgr.load(state_fn, apply_fn)
         if resumed is not None:
             self.step = resumed.step
-            self.losses = list(resumed.extra["losses"])
+            self.losses = list(resumed.parts["losses"])
         return resumed
 
 

@@ -1,9 +1,10 @@
 """The run summary's feature parts come from the features' own reports (train/report.py): the
 logger prints each report's suffix on the summary line and its lines under it, in the job's
 order (packed cache, offload, audit, ..., checkpoints last), and puts its fields into the
-summary."""
+summary. The run history is its own object, saved and restored as plain JSON."""
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 from tests.support.hydra_compose import compose_job
@@ -11,6 +12,7 @@ from tests.support.hydra_compose import compose_job
 from megatron_fastpath.checkpoint.report import CheckpointReport
 from megatron_fastpath.offload.report import OffloadReport
 from megatron_fastpath.packed_seq.report import PackedCacheReport
+from megatron_fastpath.train.history import RunHistory, StepRecord
 from megatron_fastpath.train.report import SummaryReport
 
 SMALL = ["training.steps=3", "data.num_samples=64", "model.num_layers=2", "model.hidden_size=32",
@@ -27,6 +29,26 @@ class FakeReport:
 
     def summary_lines(self) -> list[str]:
         return ["fake line 1", "  fake line 2"]
+
+
+def _record(step: int, **kw) -> StepRecord:
+    return StepRecord(step=step, loss=5.0 - step, lr=1e-3, tokens=100, step_ms=10.0,
+                      tokens_per_s=1e4, syncs_fwd_bwd=0, syncs_step=None, sync_sites=("a.py:1",),
+                      cache_builds=4, **kw)
+
+
+def test_run_history_round_trips_through_json():
+    history = RunHistory()
+    history.add_step(_record(1, grad_norm=0.5))
+    history.add_eval(1, 4.25, 0.5)
+    history.add_step(_record(2, skipped=True))
+    back = RunHistory()
+    back.load_state_dict(json.loads(json.dumps(history.state_dict())))
+    assert back.records == history.records and back.evals == [(1, 4.25)]
+    assert back.eval_accuracy == [(1, 0.5)] and back.loss_curve() == [(1, 4.0), (2, 3.0)]
+    older = RunHistory()  # a history saved before evaluations were kept
+    older.load_state_dict({"records": history.state_dict()["records"]})
+    assert older.records == history.records and older.evals == [] == older.eval_accuracy
 
 
 def test_feature_reports_speak_for_themselves():

@@ -1,0 +1,101 @@
+"""The run's history: one :class:`StepRecord` per finished step and the held-out evaluations.
+
+:class:`RunHistory` is written by the logger (as each step's values reach the host) and saved by
+the checkpoint as its own part (``state_dict`` / ``load_state_dict``, plain JSON values), so a
+resumed run's summary, records and loss curves cover the whole run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from megatron_fastpath.train.logger import StepResult
+
+__all__ = ["StepRecord", "RunHistory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One logged step (host values only); ``loss`` is per loss token over the global batch."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens: int
+    step_ms: float
+    tokens_per_s: float
+    syncs_fwd_bwd: Optional[int]  # None: not counted (training.sync_check)
+    syncs_step: Optional[int]
+    sync_sites: tuple
+    cache_builds: int  # derived-tensor builds (mask, RoPE): one per kind per microbatch
+    offload_bytes: int = 0
+    offload_mode: str = "off"
+    grad_norm: Optional[float] = None
+    eval_loss: Optional[float] = None
+    eval_token_accuracy: Optional[float] = None
+    skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
+    host_ms: Optional[float] = None  # time the host spent issuing the step (== step_ms on CPU)
+
+    @classmethod
+    def from_result(cls, r: "StepResult", loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
+        """``step_ms`` (and tok/s) is the step's device time on CUDA -- the events around it,
+        read after its loss, so they have completed -- and its host time on a CPU. A GPU step's
+        host time only measures how fast work was queued: it overstates throughput whenever
+        nothing inside the step waits for the device."""
+        step_ms = r.step_ms
+        if r.device_timing is not None:
+            start, end = r.device_timing
+            step_ms = float(start.elapsed_time(end))
+        return cls(
+            skipped=None if applied is None else not _scalar(applied),
+            step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
+            step_ms=step_ms, tokens_per_s=r.tokens / (step_ms / 1e3), host_ms=r.step_ms,
+            syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
+            cache_builds=r.cache_builds,
+            offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
+            grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
+            eval_token_accuracy=r.eval_token_accuracy,
+        )
+
+
+def _scalar(v):
+    """A read-back value: a host number, or the one-element list of a [1] tensor (Megatron
+    keeps its norm / flags as [1] tensors)."""
+    return v[0] if isinstance(v, (list, tuple)) else v
+
+
+class RunHistory:
+    """records: the finished steps, in order; evals / eval_accuracy: ``(step, held-out loss)`` /
+    ``(step, token accuracy)`` of each evaluation (step 0: before training)."""
+
+    def __init__(self):
+        self.records: list[StepRecord] = []
+        self.evals: list[tuple] = []
+        self.eval_accuracy: list[tuple] = []
+
+    def add_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def add_eval(self, step: int, loss: float, token_accuracy: Optional[float]) -> None:
+        self.evals.append((step, loss))
+        self.eval_accuracy.append((step, token_accuracy))
+
+    def loss_curve(self) -> list[tuple]:
+        """``(step, loss)`` of every recorded step."""
+        return [(r.step, r.loss) for r in self.records]
+
+    def state_dict(self) -> dict:
+        """The history as JSON values (what a checkpoint saves)."""
+        return {"records": [dataclasses.asdict(r) for r in self.records],
+                "evals": [list(e) for e in self.evals],
+                "eval_accuracy": [list(e) for e in self.eval_accuracy]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the history with a saved one (a checkpoint saved before evaluations were kept
+        has none)."""
+        self.records = [StepRecord(**{**r, "sync_sites": tuple(r["sync_sites"])})
+                        for r in state["records"]]
+        self.evals = [tuple(e) for e in state.get("evals", [])]
+        self.eval_accuracy = [tuple(e) for e in state.get("eval_accuracy", [])]
