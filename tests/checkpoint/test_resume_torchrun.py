@@ -49,9 +49,9 @@ def straight(runs, layout):
 
 def world1(runs, model):
     """One process, 2 microbatches per step (the global batch of two ranks), stopped at STOP."""
-    return runs(f"world1-{model}", [model, "training.micro_batches=2",
-                                    f"checkpoint.dir={{root}}/world1-{model}/ckpt",
-                                    f"training.stop_at_step={STOP}"], 1)
+    name = f"world1-{model.removeprefix('model=')}"
+    return runs(name, [model, "training.micro_batches=2", f"checkpoint.dir={{root}}/{name}/ckpt",
+                       f"training.stop_at_step={STOP}"], 1)
 
 
 def _first_line(out):
@@ -117,7 +117,7 @@ def test_world1_checkpoint_resumes_resharded_at_world2(runs, layout):
     model = LAYOUTS[layout][0]
     one = world1(runs, model)
     ckpt = runs.root / f"reshard-{layout}"  # a copy: the resumed run adds its own checkpoints
-    shutil.copytree(runs.root / f"world1-{model}" / "ckpt", ckpt)
+    shutil.copytree(runs.root / f"world1-{model.removeprefix('model=')}" / "ckpt", ckpt)
     per_rank = [f"training.micro_batches={PER_RANK[layout]}"]
     resumed = runs(f"reshard-resumed-{layout}", LAYOUTS[layout] + per_rank + [f"checkpoint.dir={ckpt}"], 2)
     # the uninterrupted run at that layout (DP=2 / EP=2: the straight run, same settings)

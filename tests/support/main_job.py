@@ -105,7 +105,7 @@ class SharedRuns:
     def __call__(self, name: str, overrides: Sequence[str], nproc: int = 1) -> JobRun:
         if name not in self._done:
             cwd = self.root / name
-            cwd.mkdir()
+            cwd.mkdir(exist_ok=True)  # a failed run is run again by the next test asking
             args = [o.format(root=self.root) for o in [*self.common, *overrides]]
             self._done[name] = run_main_job(args, cwd, nproc=nproc, name=name)
         return self._done[name]
