@@ -6,6 +6,7 @@ from megatron_fastpath.checkpoint.manager import (
     CheckpointCorruptError,
     CheckpointDirError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointManager,
     CheckpointMismatchError,
     ResumeState,
@@ -18,7 +19,7 @@ from megatron_fastpath.checkpoint.training import is_adapter_key, training_state
 
 __all__ = [
     "CheckpointConfig", "CheckpointManager", "CheckpointError", "CheckpointCorruptError",
-    "CheckpointMismatchError", "CheckpointDirError", "ResumeState", "SaveResult", "config_fingerprint",
+    "CheckpointMismatchError", "CheckpointDirError", "CheckpointFormatError", "ResumeState", "SaveResult", "config_fingerprint",
     "optimizer_sharded_state", "load_optimizer_state", "optimizer_hyperparams",
     "UnsafeCheckpointError", "check_safe_to_load", "training_state", "is_adapter_key",
 ]

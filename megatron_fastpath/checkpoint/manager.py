@@ -383,7 +383,7 @@ class CheckpointManager:
         at once for a sync save, after staging for an async one (published later by
         :meth:`poll`). ``parts``: {name: JSON state} of the trainer's stateful parts (each
         under its own name in ``train_state.json``; a value that is not plain JSON is refused).
-        ``fp8_state``: this rank's TE FP8 tensors (``checkpoint.fp8``).
+        ``fp8_state``: this rank's TE FP8 tensors (``fp8.state``).
         A full disk (or a file-size limit) raises CheckpointDirError saying so and where; the
         earlier checkpoints are untouched (nothing is published)."""
         from torch.distributed.checkpoint.api import CheckpointException
