@@ -46,6 +46,11 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_fastpath.packed_seq.context_parallel import (
+    build_cp_host_metadata,
+    cp_record_size,
+    split_cp_record,
+)
 from megatron_fastpath.packed_seq.metadata import (
     HostPackedMetadata,
     LengthsLike,
@@ -117,6 +122,8 @@ class PackedSeqConfig:
     rope: Optional[RopeConfig] = None
     sdpa_mask_max_tokens: int = DEFAULT_SDPA_MASK_MAX_TOKENS
     sdpa_layout: str = "auto"
+    context_parallel_size: int = 1
+    context_parallel_rank: int = 0
 
     def __post_init__(self):
         for name in ("max_tokens", "max_seqs", "num_slots"):
@@ -134,14 +141,39 @@ class PackedSeqConfig:
             )
         if self.sdpa_layout not in SDPA_LAYOUTS:
             raise ValueError(f"sdpa_layout must be one of {SDPA_LAYOUTS}; got {self.sdpa_layout!r}")
+        cp = self.context_parallel_size
+        if not isinstance(cp, int) or cp < 1 or not 0 <= self.context_parallel_rank < cp:
+            raise ValueError(
+                f"context_parallel_size={cp!r} / context_parallel_rank={self.context_parallel_rank!r}:"
+                " the size must be an int >= 1 and the rank in [0, size)")
+        if cp > 1:
+            q = 2 * cp
+            if self.max_tokens % q or self.max_seqlen_bound % q:
+                raise ValueError(
+                    f"context parallelism {cp} splits every packed piece into 2 x CP = {q} chunks:"
+                    f" max_tokens={self.max_tokens} and max_seqlen={self.max_seqlen_bound} must be"
+                    f" multiples of {q}; round them up to a multiple of {q}")
+            if self.sdpa_layout == "padded":
+                raise ValueError(
+                    "sdpa_layout='padded' with context_parallel_size > 1: the padded view is not "
+                    "built for the CP layout (its queries attend all-gathered keys through the "
+                    "mask); use sdpa_layout='mask' or 'auto'")
 
     @property
     def max_seqlen_bound(self) -> int:
         return self.max_seqlen if self.max_seqlen is not None else self.max_tokens
 
     @property
+    def local_tokens(self) -> int:
+        """T_l: tokens of a packed microbatch on this CP rank (T without CP)."""
+        return self.max_tokens // self.context_parallel_size
+
+    @property
     def sdpa_padded(self) -> bool:
-        """The ``sdpa`` backend uses the packed-to-padded view (see ``sdpa_layout``)."""
+        """The ``sdpa`` backend uses the packed-to-padded view (see ``sdpa_layout``; never with
+        context parallelism, whose queries attend the all-gathered keys through the mask)."""
+        if self.context_parallel_size > 1:
+            return False
         if self.sdpa_layout != "auto":
             return self.sdpa_layout == "padded"
         return PADDED_VIEW_MIN_SAVING * self.max_seqs * self.max_seqlen_bound ** 2 < self.max_tokens ** 2
@@ -177,6 +209,16 @@ class CachedPackedSeqParams(PackedSeqParams):
         batch's sequences hold T (a zero row appended by the reader).
     pad_scatter_T: [T] int64, back again: the flat cell s * M + position of each token; S * M
         (the appended zero row) for padding tokens.
+
+    With context parallelism (``PackedSeqConfig.context_parallel_size`` = CP > 1; see
+    :mod:`megatron_fastpath.packed_seq.context_parallel`) the token fields above hold this rank's
+    T_l = T / CP tokens (positions are global positions inside their sequence), ``cu_seqlens_q/kv``
+    are the global boundaries of the sequences padded to 2 x CP, and:
+    cp_token_index_T: [T_l] int64, each local token's index in the caller's packed [T] buffers;
+        T (an appended pad row) for a sequence's padding and the tail.
+    cp_kv_position_ids_K / cp_kv_seq_ids_K: [T] int32 of the keys all-gathered over the CP group.
+    cp_cu_seqlens_local_C: [C] int32, the local boundaries (global / CP).
+    The ``sdpa_mask_TT`` is then [T_l, T]: local queries against the gathered keys.
     """
 
     position_ids_T: Optional[torch.Tensor] = None
@@ -196,6 +238,10 @@ class CachedPackedSeqParams(PackedSeqParams):
     flex_full_q_indices: Optional[torch.Tensor] = None
     pad_gather_SM: Optional[torch.Tensor] = None
     pad_scatter_T: Optional[torch.Tensor] = None
+    cp_token_index_T: Optional[torch.Tensor] = None
+    cp_kv_position_ids_K: Optional[torch.Tensor] = None
+    cp_kv_seq_ids_K: Optional[torch.Tensor] = None
+    cp_cu_seqlens_local_C: Optional[torch.Tensor] = None
 
     def tensors(self) -> dict:
         """Name -> tensor of every tensor field (what a graph copies at replay)."""
@@ -259,13 +305,24 @@ class _Slot:
         self.index = index
         self.busy = False
         self.version = -1
-        bound = cfg.max_seqlen_bound
-        n = record_size(cfg.max_tokens, cfg.max_seqs, bound)
+        bound, cp = cfg.max_seqlen_bound, cfg.context_parallel_size
+        n = (record_size(cfg.max_tokens, cfg.max_seqs, bound) if cp == 1
+             else cp_record_size(cfg.max_tokens, cfg.max_seqs, bound, cp))
         self.record_R = torch.zeros(n, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self.staging_R = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.copy_done = torch.cuda.Event() if device.type == "cuda" else None
-        cu_C, pos_T, sid_T = split_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound)
+        cp_fields = {}
+        if cp == 1:
+            cu_C, pos_T, sid_T = split_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound)
+        else:
+            cu_C, pos_T, sid_T, tok_T, kv_pos_K, kv_sid_K, cu_local_C = split_cp_record(
+                self.record_R, cfg.max_tokens, cfg.max_seqs, bound, cp)
+            cp_fields = dict(
+                cp_token_index_T=torch.zeros(cfg.local_tokens, dtype=torch.int64, device=device),
+                cp_kv_position_ids_K=kv_pos_K, cp_kv_seq_ids_K=kv_sid_K,
+                cp_cu_seqlens_local_C=cu_local_C)
+            self.token_index_i32_T = tok_T
         self.position_ids_1T = pos_T.view(1, -1)
         # cu_seqlens_*_padded stay None: the tail is closed at T, so they would equal
         # cu_seqlens, and TE compares the two with a host-syncing torch.equal when given.
@@ -278,9 +335,10 @@ class _Slot:
             cp_group=None,
             position_ids_T=pos_T,
             seq_ids_T=sid_T,
-            real_token_mask_T=torch.zeros(cfg.max_tokens, dtype=torch.bool, device=device),
+            real_token_mask_T=torch.zeros(cfg.local_tokens, dtype=torch.bool, device=device),
+            **cp_fields,
         )
-        self.padding_mask_1T = torch.zeros((1, cfg.max_tokens), dtype=torch.bool, device=device)
+        self.padding_mask_1T = torch.zeros((1, cfg.local_tokens), dtype=torch.bool, device=device)
         self.pad_gather_ext: Optional[torch.Tensor] = None  # [S * M + 1]: the padded view's gather
         self.host: Optional[HostPackedMetadata] = None
 
@@ -334,12 +392,18 @@ class PackedSeqCache:
             self.config.max_seqs,
             self.config.max_seqlen_bound,
         )
+        record_R = host.record_R
+        cp = self.config.context_parallel_size
+        if cp > 1:
+            record_R = build_cp_host_metadata(
+                host.lengths_N, self.config.max_tokens, self.config.max_seqs,
+                self.config.max_seqlen_bound, cp, self.config.context_parallel_rank).record_R
         slot = self._acquire_slot()
         if slot.copy_done is not None and not slot.copy_done.query():
             # The previous batch's copy out of this staging buffer is still queued (rare: a
             # whole forward+backward ran since). Waiting on that event is not a D2H transfer.
             slot.copy_done.synchronize()
-        slot.staging_R.copy_(torch.from_numpy(host.record_R))  # host -> pinned host
+        slot.staging_R.copy_(torch.from_numpy(record_R))  # host -> pinned host
         slot.record_R.copy_(slot.staging_R, non_blocking=True)
         if slot.copy_done is not None:
             slot.copy_done.record()
@@ -453,8 +517,13 @@ class PackedSeqCache:
                 self._build(slot, kind)
 
     def _build_all(self, slot: _Slot) -> None:
-        torch.ge(slot.params.seq_ids_T, 0, out=slot.params.real_token_mask_T)
-        torch.lt(slot.params.seq_ids_T.view(1, -1), 0, out=slot.padding_mask_1T)
+        p = slot.params
+        if p.cp_token_index_T is not None:  # CP: real = not the pad row (sequence padding too)
+            p.cp_token_index_T.copy_(slot.token_index_i32_T)
+            torch.ne(p.cp_token_index_T, self.config.max_tokens, out=p.real_token_mask_T)
+        else:
+            torch.ge(p.seq_ids_T, 0, out=p.real_token_mask_T)
+        torch.logical_not(p.real_token_mask_T.view(1, -1), out=slot.padding_mask_1T)
         for kind in self._kinds:
             self._build(slot, kind)
 
@@ -472,7 +541,7 @@ class PackedSeqCache:
         pass
 
     def _allocate_rope_cos_sin(self, slot: _Slot, dtype: torch.dtype) -> None:
-        t, d = self.config.max_tokens, self.config.rope.dim
+        t, d = self.config.local_tokens, self.config.rope.dim
         slot.params.rope_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
         slot.params.rope_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
 
@@ -482,7 +551,7 @@ class PackedSeqCache:
         slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
 
     def _allocate_rope_freqs(self, slot: _Slot, dtype: torch.dtype) -> None:
-        t, d = self.config.max_tokens, self.config.rope.dim
+        t, d = self.config.local_tokens, self.config.rope.dim
         slot.params.rope_freqs_T11D = torch.zeros((t, 1, 1, d), device=self.device)
 
     def _build_rope_freqs(self, slot: _Slot) -> None:
@@ -502,7 +571,8 @@ class PackedSeqCache:
 
     def _allocate_sdpa_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
         t = self.config.max_tokens
-        slot.params.sdpa_mask_TT = torch.zeros((t, t), dtype=dtype, device=self.device)
+        slot.params.sdpa_mask_TT = torch.zeros((self.config.local_tokens, t), dtype=dtype,
+                                               device=self.device)
 
     def _build_sdpa_mask(self, slot: _Slot) -> None:
         """mask[i, j] = 0 if start(i) <= j <= i else -inf, with start(i) = i - position(i) the
@@ -513,10 +583,24 @@ class PackedSeqCache:
         p = slot.params
         if self._arange_T is None:
             self._arange_T = torch.arange(self.config.max_tokens, dtype=torch.int32, device=self.device)
+        if p.cp_kv_seq_ids_K is not None:
+            return self._build_sdpa_mask_cp(slot)
         j_1T, i_T1 = self._arange_T.unsqueeze(0), self._arange_T.unsqueeze(1)
         outside_TT = torch.lt(j_1T, i_T1 - p.position_ids_T.unsqueeze(1))  # before its sequence
         outside_TT.logical_or_(torch.gt(j_1T, i_T1))  # after the query: causal
         p.sdpa_mask_TT.zero_().masked_fill_(outside_TT, float("-inf"))
+
+    def _build_sdpa_mask_cp(self, slot: _Slot) -> None:
+        """CP: local query i (gathered index rank * T_l + i) may attend gathered key j when both
+        are in the same sequence and j's global position is <= i's; a tail token attends itself."""
+        p, tl = slot.params, self.config.local_tokens
+        sid_T1, pos_T1 = p.seq_ids_T.unsqueeze(1), p.position_ids_T.unsqueeze(1)
+        allowed_TK = torch.eq(sid_T1, p.cp_kv_seq_ids_K.unsqueeze(0))
+        allowed_TK.logical_and_(torch.ge(sid_T1, 0))
+        allowed_TK.logical_and_(torch.le(p.cp_kv_position_ids_K.unsqueeze(0), pos_T1))
+        own_T1 = self._arange_T[:tl].unsqueeze(1) + self.config.context_parallel_rank * tl
+        allowed_TK.logical_or_(torch.eq(self._arange_T.unsqueeze(0), own_T1))
+        p.sdpa_mask_TT.zero_().masked_fill_(allowed_TK.logical_not_(), float("-inf"))
 
     def _allocate_sdpa_padded(self, slot: _Slot, dtype: torch.dtype) -> None:
         t, rows, m = self.config.max_tokens, self.config.max_seqs, self.config.max_seqlen_bound
