@@ -79,10 +79,12 @@ class SyntheticSFTDataset:
         return len(self.samples)
 
 
-def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig) -> list[PackedMicrobatch]:
+def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig,
+                      pad_multiple: int = 1) -> list[PackedMicrobatch]:
     """First-fit-decreasing packing of the whole dataset into bins (every data-parallel rank
-    packs the same bins; the main job deals them out)."""
-    bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs)
+    packs the same bins; the main job deals them out). ``pad_multiple``: each sample counts as
+    its length rounded up to it (2 x CP with context parallelism; the tokens stay unpadded)."""
+    bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs, pad_multiple)
     out = []
     for b in bins:
         tokens = torch.zeros(1, cfg.max_tokens, dtype=torch.long)

@@ -117,6 +117,9 @@ class RunFacts:
     dtype: the compute dtype; capability: the GPU's (major, minor), None when there is no GPU
         to ask (a hook planning on a submit host).
     fp8_attention: FP8 dot-product attention asked for (with FP8 on).
+    attention_backend: the resolved attention backend (None: not known yet).
+    tensor_parallel_size / pipeline_parallel_size / offload: the layout and activation offload
+        (known to the main job; the CP rule reads them).
     """
 
     names: Names
@@ -132,15 +135,42 @@ class RunFacts:
     dtype: Any = None
     capability: Optional[tuple] = None
     fp8_attention: bool = False
+    attention_backend: Optional[str] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    offload: bool = False
 
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
-    if f.packed_cache and f.context_parallel_size > 1:
-        return (f"context parallelism is not supported with the packed cache "
-                f"({f.names.context_parallel}={f.context_parallel_size}): its attention serves "
-                "whole packed sequences per rank (no CP partitioning); set "
+    # What runs (docs/context-parallel.md): the main job, dense model, sdpa backend, TP = PP = 1,
+    # CP over all-gathered K/V. Everything else is refused until it is written and tested.
+    if not (f.packed_cache and f.context_parallel_size > 1):
+        return None
+    cp = f"{f.names.context_parallel}={f.context_parallel_size}"
+    served = "context parallelism with the packed cache is not served yet"
+    if f.names is not NAMES["main"]:
+        return (f"{served} ({cp}) through this entry point: only the main job (python -m "
+                "megatron_fastpath.train) hands each CP rank its share of the packed batch; set "
                 f"{f.names.context_parallel}=1, or use Megatron's own TE spec for CP without "
                 "the cache")
+    not_yet = [
+        (f.attention_backend not in (None, "sdpa"),
+         f"the '{f.attention_backend}' attention backend (only 'sdpa' runs CP so far: queries "
+         "against K/V all-gathered over the CP group; TE's / flash's / flex's CP calls are not "
+         "wired); use fastpath.attention_backend=sdpa"),
+        (f.is_moe, "an MoE model (Megatron folds CP into the expert data-parallel group; the "
+         "fastpath dispatcher is not checked with CP-sharded tokens); use a dense model"),
+        (f.graphs_requested, "CUDA graphs / the graph-safety audit (the CP all-gather inside a "
+         "captured layer is not checked); turn fastpath.cuda_graphs off"),
+        (f.pipeline_parallel_size > 1, "pipeline parallelism (CP with PP is not tested); use "
+         "parallel.pipeline_model_parallel_size=1"),
+        (f.tensor_parallel_size > 1, "tensor parallelism (TP x CP is not tested yet); use "
+         "parallel.tensor_model_parallel_size=1"),
+        (f.offload, "activation offload (not tested with CP); turn fastpath.offload off"),
+    ]
+    for hit, why in not_yet:
+        if hit:
+            return f"{served} ({cp}) with {why}, or set {f.names.context_parallel}=1"
     return None
 
 

@@ -15,7 +15,7 @@ from megatron_fastpath.integrations import core
 
 # one run per rule that breaks only that rule
 BREAKS = {
-    "_context_parallel": dict(context_parallel_size=2),
+    "_context_parallel": dict(context_parallel_size=2, attention_backend="te"),
     "_fp8_thd_attention": dict(fp8_attention=True),
     "_dropless_ep_in_graphs": dict(graphs_requested=True, is_moe=True, moe_dropless_ep=True),
     "_lora_graph_warmup": dict(graphs_requested=True, graphs_captured=True, lora=True,
@@ -27,7 +27,7 @@ BREAKS = {
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
-    "_context_parallel": "no CP partitioning",
+    "_context_parallel": "context parallelism with the packed cache is not served yet",
     "_fp8_thd_attention": "no FP8 attention backend for packed (THD) sequences",
     "_dropless_ep_in_graphs": "which aborts graph capture",
     "_lora_graph_warmup": "inputs argument to grad() cannot be empty",
@@ -97,7 +97,8 @@ LORA = core.PeftFacts("LoRA", True, ("linear_qkv",))
 
 
 @pytest.mark.parametrize("rule, main_overrides, hook", [
-    ("_context_parallel", ["parallel.context_parallel_size=2"],
+    # the main job serves CP (dense, sdpa): it refuses what is not served yet (test below)
+    ("_context_parallel", None,
      (dict(context_parallel_size=2), core.HookRequest())),
     ("_fp8_thd_attention", ["fastpath.fp8=true", "fp8.dot_product_attention=true"],
      (dict(model=dict(fp8_dot_product_attention=True)), core.HookRequest(fp8="hybrid"))),
@@ -114,6 +115,19 @@ def test_main_job_and_hooks_refuse_with_the_rules_message(rule, main_overrides, 
     if main_overrides is not None:
         expect = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], **BREAKS[rule]))
         assert _main_job_error(main_overrides) == expect[0]
+
+
+def test_main_job_refuses_cp_only_where_it_is_not_served():
+    expect = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                           is_moe=True))
+    assert len(expect) == 1 and "an MoE model" in expect[0]
+    assert _main_job_error(["parallel.context_parallel_size=2", "model=tiny_moe"]) == expect[0]
+    for facts in (dict(attention_backend="flex"), dict(tensor_parallel_size=2),
+                  dict(pipeline_parallel_size=2), dict(offload=True), dict(graphs_requested=True)):
+        assert len(rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                                 **facts))) == 1, facts
+    assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                         attention_backend="sdpa", lora=True)) == []
 
 
 def test_hooks_turning_graphs_on_for_lora_write_zero_warmup():

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_fastpath._optional import require
+from megatron_fastpath.attention.context_parallel import all_gather_cp, context_parallel_group
 from megatron_fastpath.attention.rope import apply_rope_cached
 from megatron_fastpath.packed_seq.cache import CachedPackedSeqParams, block_mask_from
 
@@ -156,6 +157,13 @@ class PackedCoreAttention(MegatronModule):
             backend, cache.device, cache.config.max_tokens, sdpa_limit, dtype=config.params_dtype,
         )
         self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
+        self.cp_group = None
+        if cache.config.context_parallel_size > 1:
+            if self.backend != "sdpa":
+                raise ValueError(rules.refusals(rules.RunFacts(
+                    names=rules.NAMES["main"], context_parallel_size=cache.config.context_parallel_size,
+                    attention_backend=self.backend))[0])
+            self.cp_group = context_parallel_group(pg_collection)
         self.layer_number = layer_number
         self.apply_rope = apply_rope and cache.config.rope is not None
         self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
@@ -219,10 +227,12 @@ class PackedCoreAttention(MegatronModule):
                 )
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         t = query.shape[0]
-        if t != self.cache.config.max_tokens:
+        if t != self.cache.config.local_tokens:
             raise ValueError(
-                f"packed input has {t} tokens but the cache's static capacity is max_tokens="
-                f"{self.cache.config.max_tokens}: pad the packed batch to max_tokens"
+                f"packed input has {t} tokens but the cache's static capacity is "
+                f"{self.cache.config.local_tokens} (max_tokens={self.cache.config.max_tokens} / "
+                f"context_parallel_size={self.cache.config.context_parallel_size}): pad the packed "
+                "batch to max_tokens (and take this CP rank's tokens, runtime.cp_local)"
             )
         params = self._checked_params(packed_seq_params)
         if self.apply_rope and self.backend != "te":
@@ -234,6 +244,10 @@ class PackedCoreAttention(MegatronModule):
                 )
             query = apply_rope_cached(query, cos_T1D, sin_T1D, self.rope_interleaved)
             key = apply_rope_cached(key, cos_T1D, sin_T1D, self.rope_interleaved)
+        if self.cp_group is not None:
+            # Megatron's cp_comm_type="all_gather": every rank's keys / values (RoPE applied at
+            # their global positions), in rank order -- the order of the params' cp_kv_* fields.
+            key, value = all_gather_cp(key, self.cp_group), all_gather_cp(value, self.cp_group)
 
         out_THd = getattr(self, f"_forward_{self.backend}")(query, key, value, params)
         out = out_THd.reshape(t, -1)

@@ -139,12 +139,13 @@ class JsonlData(DataProvider):
         if max(int(x.max()) for x, _ in train.samples) >= cfg.model.vocab_size:
             raise ValueError(f"{cfg.data.path}: token ids exceed the model's vocab_size "
                              f"{cfg.model.vocab_size}: the tokenizer does not belong to the checkpoint")
-        bins = pack_microbatches(train, cfg.data)  # global order, identical on every rank
+        pad = 2 * cfg.parallel.context_parallel_size  # CP pads every sample to 2 x CP
+        bins = pack_microbatches(train, cfg.data, pad)  # global order, identical on every rank
         per_step = cfg.training.micro_batches * dp_world
         if len(bins) < per_step:
             raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {per_step} per "
                              "step; lower training.micro_batches or data.max_tokens")
-        held_bins = pack_microbatches(held, cfg.data) if held is not None else []
+        held_bins = pack_microbatches(held, cfg.data, pad) if held is not None else []
         report = dict(report, train_microbatches=len(bins), eval_microbatches=len(held_bins),
                       train_loss_tokens=train.num_loss_tokens,
                       eval_loss_tokens=held.num_loss_tokens if held else 0)

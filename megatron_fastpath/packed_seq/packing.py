@@ -8,10 +8,12 @@ __all__ = ["first_fit_decreasing"]
 
 
 def first_fit_decreasing(
-    lengths: Sequence[int], max_tokens: int, max_seqs: int
+    lengths: Sequence[int], max_tokens: int, max_seqs: int, pad_multiple: int = 1
 ) -> list[list[int]]:
     """Pack samples (by index) into bins of at most ``max_tokens`` tokens and ``max_seqs``
-    samples: samples in decreasing length, each into the first bin with room.
+    samples: samples in decreasing length, each into the first bin with room. A sample takes
+    its length rounded up to ``pad_multiple`` (2 x CP with context parallelism: the packed
+    cache pads every sequence to it, :mod:`megatron_fastpath.packed_seq.context_parallel`).
 
     Deterministic (ties keep the input order). Returns bins as lists of sample indices, each in
     placement order. Raises ValueError for a sample longer than ``max_tokens`` or non-positive.
@@ -23,6 +25,7 @@ def first_fit_decreasing(
         n = int(lengths[i])
         if n <= 0:
             raise ValueError(f"sample {i} has non-positive length {n}")
+        n = -(-n // pad_multiple) * pad_multiple
         if n > max_tokens:
             raise ValueError(f"sample {i} has {n} tokens, more than a bin holds ({max_tokens})")
         for b, free in enumerate(room):

@@ -16,7 +16,19 @@ from typing import Optional
 
 import torch
 
-__all__ = ["forward", "masked_loss_sum"]
+__all__ = ["cp_local", "forward", "masked_loss_sum"]
+
+
+def cp_local(pb, x_1T: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This context-parallel rank's tokens of a packed [1, T] tensor (token ids, labels, loss
+    mask): [1, T / CP] gathered through the cache's ``cp_token_index_T`` on the device (no host
+    read), with 0 for a sequence's 2 x CP padding and the tail (no label, no loss). ``x_1T``
+    itself without CP (and None stays None: the pipeline stages that do not read it)."""
+    index_T = pb.packed_seq_params.cp_token_index_T
+    if index_T is None or x_1T is None:
+        return x_1T
+    x_ext = torch.cat([x_1T, x_1T.new_zeros((1, 1))], dim=1)  # the pad row at index T
+    return x_ext.index_select(1, index_T)
 
 
 def forward(model, pb, tokens_1T: Optional[torch.Tensor], labels_1T: Optional[torch.Tensor] = None):

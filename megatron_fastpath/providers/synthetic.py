@@ -40,7 +40,9 @@ class SyntheticData(DataProvider):
         """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
         from megatron_fastpath.data import StepData, SyntheticSFTDataset, pack_microbatches
 
-        bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data)
+        # with CP every sample counts padded to 2 x CP (packed_seq/context_parallel.py)
+        bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data,
+                                 pad_multiple=2 * cfg.parallel.context_parallel_size)
         per_step = cfg.training.micro_batches * dp_world
         if len(bins) < per_step:
             raise ValueError(

@@ -66,7 +66,7 @@ class Evaluator:
     def __call__(self) -> EvalResult:
         from megatron.core import parallel_state as ps
 
-        from megatron_fastpath.packed_seq.runtime import forward, masked_loss_sum
+        from megatron_fastpath.packed_seq.runtime import cp_local, forward, masked_loss_sum
 
         was_training = self.model.training
         self.model.eval()
@@ -75,7 +75,8 @@ class Evaluator:
         try:
             for mb in self.bins:
                 with self.cache.batch(mb.lengths) as pb:
-                    tokens_1T, labels_1T, mask_1T = self.staging.to_device(mb)
+                    tokens_1T, labels_1T, mask_1T = (
+                        cp_local(pb, x) for x in self.staging.to_device(mb))
                     if logits:
                         logits_1TV = forward(self.model, pb, tokens_1T)
                         per_tok_1T = self.model.compute_language_model_loss(
@@ -85,11 +86,14 @@ class Evaluator:
                     else:
                         per_tok_1T = forward(self.model, pb, tokens_1T, labels_1T)
                     sums[0] += masked_loss_sum(per_tok_1T, mask_1T).double()
-                sums[2] += mb.num_loss_tokens
+                # each CP rank holds part of the microbatch; the sum over DP x CP counts it once
+                sums[2] += mb.num_loss_tokens / self.cache.config.context_parallel_size
         finally:
             self.model.train(was_training)
-        if ps.model_parallel_is_initialized() and ps.get_data_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group())
+        if (ps.model_parallel_is_initialized()
+                and ps.get_data_parallel_world_size(with_context_parallel=True) > 1):
+            torch.distributed.all_reduce(
+                sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         total, correct, tokens = sums.tolist()
         tokens = max(tokens, 1.0)
         return EvalResult(total / tokens, correct / tokens if logits else None)

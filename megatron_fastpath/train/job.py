@@ -116,10 +116,16 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
                                    ps.get_pipeline_model_parallel_world_size(),
                                    ps.get_pipeline_model_parallel_rank())
     bound = None if longest_sequence is None else seqlen_bound(longest_sequence, cfg.data.max_tokens)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1 and bound is not None:  # the padded sequences fit the bound, a multiple of 2 x CP
+        bound = min(cfg.data.max_tokens, -(-(longest_sequence + 2 * cp - 1) // (2 * cp)) * 2 * cp)
+        bound = seqlen_bound(bound, cfg.data.max_tokens)
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         max_seqlen=bound, num_slots=in_flight, rope=cfg.model_source.rope,
-                        sdpa_layout=cfg.fastpath.sdpa_layout),
+                        sdpa_layout=cfg.fastpath.sdpa_layout,
+                        context_parallel_size=ps.get_context_parallel_world_size(),
+                        context_parallel_rank=ps.get_context_parallel_rank()),
         device=cfg.device,
     )
 
@@ -168,12 +174,28 @@ def build_reports(cache, offload, audit) -> tuple:
     return tuple(reports)
 
 
+def _refuse_unserved_context_parallel(cfg: JobConfig) -> None:
+    """The CP rule with what the job knows beyond the parse (backend, TP, PP, offload)."""
+    from megatron_fastpath import rules
+
+    par = cfg.parallel
+    reasons = rules.refusals(rules.RunFacts(
+        names=rules.NAMES["main"], context_parallel_size=par.context_parallel_size,
+        attention_backend=cfg.attention_backend, is_moe=cfg.is_moe,
+        tensor_parallel_size=par.tensor_model_parallel_size,
+        pipeline_parallel_size=par.pipeline_model_parallel_size,
+        offload=cfg.offload is not None))
+    if reasons:
+        raise ValueError(reasons[0])
+
+
 def build_job(cfg: JobConfig) -> Job:
     """Initialise torch.distributed / Megatron parallel state and build the job's pieces."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.graphs.config import apply_env
 
+    _refuse_unserved_context_parallel(cfg)  # before any distributed or device work
     apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise (parse did it already)
     env_set = {k: v for k, v in cfg.plan.env.items() if os.environ.get(k) == v}  # in effect
     _init_distributed(cfg)

@@ -25,7 +25,7 @@ import torch
 
 from megatron_fastpath.compat import tensor_parallel as tensor_parallel_compat
 from megatron_fastpath.data import StepBatch
-from megatron_fastpath.packed_seq.runtime import forward, masked_loss_sum
+from megatron_fastpath.packed_seq.runtime import cp_local, forward, masked_loss_sum
 from megatron_fastpath.sync import SyncSentinel
 from megatron_fastpath.train.config import TrainingConfig
 from megatron_fastpath.train.logger import StepResult
@@ -126,9 +126,10 @@ def is_expert_param(p: torch.Tensor) -> bool:
 
 
 def all_reduce_grads(model: torch.nn.Module) -> None:
-    """Sum gradients over data-parallel replicas (CPU path): dense parameters over the DP group,
-    expert parameters (Megatron marks them ``allreduce=False``) over the expert-DP group. The
-    loss is normalised by the *global* token count, so the sum equals one big batch."""
+    """Sum gradients over data-parallel replicas (CPU path): dense parameters over the DP x CP
+    group (Megatron's ``with_context_parallel=True``: each CP rank's gradient is its tokens'
+    share), expert parameters (Megatron marks them ``allreduce=False``) over the expert-DP
+    group. The loss is normalised by the *global* token count, so the sum equals one big batch."""
     from megatron.core import parallel_state as ps
 
     buckets = {}
@@ -136,7 +137,8 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
         if p.grad is None:
             continue
         expert = is_expert_param(p)
-        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+        group = (ps.get_expert_data_parallel_group() if expert
+                 else ps.get_data_parallel_group(with_context_parallel=True))
         if torch.distributed.get_world_size(group) > 1:
             buckets.setdefault(expert, (group, []))[1].append(p.grad)
     for group, grads in buckets.values():
@@ -216,14 +218,18 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
             for mb in mbs:
                 with cache.batch(mb.lengths) as pb:
-                    loss = masked_loss_sum(forward(model, pb, mb.tokens_1T, mb.labels_1T), mb.loss_mask_1T)
+                    tokens_1T, labels_1T, mask_1T = (
+                        cp_local(pb, x) for x in (mb.tokens_1T, mb.labels_1T, mb.loss_mask_1T))
+                    loss = masked_loss_sum(forward(model, pb, tokens_1T, labels_1T), mask_1T)
                     (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
         all_reduce_grads(model)
         tensor_parallel_compat.allreduce_tp_partial_grads(model, tcfg)  # qk layernorm at TP > 1, as Megatron
-        dp_group = ps.get_data_parallel_group()
+        # global loss for the log: summed over DP and over CP (each CP rank holds part of every
+        # microbatch), as Megatron reduces the loss over the DP x CP group
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         if torch.distributed.get_world_size(dp_group) > 1:
-            torch.distributed.all_reduce(loss_sum, group=dp_group)  # global loss for the log
+            torch.distributed.all_reduce(loss_sum, group=dp_group)
         last["grad_norm"] = global_grad_norm(params)
         if train_cfg.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(
@@ -293,7 +299,8 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
     schedule = get_forward_backward_func()
     device = cache.device
-    dp_world = ps.get_data_parallel_world_size()
+    # Megatron's DDP averages gradients over DP x CP (its dp_cp group)
+    dp_world = ps.get_data_parallel_world_size(with_context_parallel=True)
     last = {}
     in_flight = InFlightBatches(cache)
     # one staging buffer per microbatch a stage can hold, plus one being filled
@@ -307,13 +314,14 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             mb = next(data_iterator)
             pb = in_flight.acquire(mb.lengths)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
-            tokens_1T, labels_1T, mask_1T = staging.to_device(mb)  # pinned: no stream sync
+            tokens_1T, labels_1T, mask_1T = (  # pinned: no stream sync; then this CP rank's share
+                cp_local(pb, x) for x in staging.to_device(mb))
             output = in_flight.mark(forward(module, pb, tokens_1T, labels_1T), pb)
 
             def loss_func(per_token_1T):  # last pipeline stage only
                 loss = masked_loss_sum(per_token_1T, mask_1T)
                 loss_sum.add_(loss.detach())
-                # The schedule divides by the microbatch count and DDP averages over DP: undo
+                # The schedule divides by the microbatch count and DDP averages over DP x CP: undo
                 # both so gradients are those of the global token-normalised loss.
                 return loss * (n * dp_world / global_loss_tokens), {}
 
@@ -333,7 +341,8 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
             torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
         if dp_world > 1:
-            torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
+            torch.distributed.all_reduce(
+                loss_sum, group=ps.get_data_parallel_group(with_context_parallel=True))
         return loss_sum, fwd_bwd
 
     return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
