@@ -44,6 +44,9 @@ setup(
             "tensorboard>=2.15",
             "matplotlib>=3.8",
             "wandb>=0.19,<0.32",
+            # data.path of Parquet / Arrow / JSON arrays / save_to_disk (JSONL needs nothing);
+            # NeMo 2.7 takes any datasets, nvidia-modelopt (its dependency) >= 3.0; 5.x installs with it
+            "datasets>=3.0,<6",
         ],
         # Reference implementations for the parity tests and the example checkpoint builder;
         # pins co-install with the nemo extra (NeMo 2.7 brings transformers 4.57, peft 0.21).
@@ -59,6 +62,7 @@ setup(
             "wandb>=0.19,<0.32",
             "transformers>=4.57,<4.58",
             "peft>=0.21,<0.22",
+            "datasets>=3.0,<6",
         ],
     },
     entry_points={"console_scripts": ["megatron-fastpath-train=megatron_fastpath.train:main"]},

@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
            "DataError"]
 
-CACHE_VERSION = 3  # bump when tokenization or masking changes
+CACHE_VERSION = 4  # bump when tokenization, masking or the cache layout changes
 
 
 class DataError(ValueError):
@@ -71,13 +71,18 @@ class JsonlDataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedData:
-    """All well-formed records of a file: ids / masks per record (token-aligned assistant mask),
-    their 1-based line numbers, and the malformed lines as (line, reason)."""
+    """All well-formed records of the data: ids / masks per record (token-aligned assistant
+    mask), their numbers (the 1-based line of a single JSONL file, else the 1-based record number
+    across shards) and where each is ("line 7", "<shard> line 7", "<file> row 6"), and the
+    bad records as (where, reason code, reason): codes invalid_utf8, malformed_json,
+    not_an_object, unknown_format, mixed_format, bad_fields, unknown_role, no_assistant,
+    template_error, no_loss_token (too_long is counted from the lengths)."""
 
     ids: list
     masks: list
     lines: list
     malformed: list
+    wheres: list = dataclasses.field(default_factory=list)
 
 
 # data.format: "auto" detects per record (below); the others force one format for every record.
@@ -110,9 +115,9 @@ def _checked_messages(msgs, where: str):
         return None, f"'{where}' must be a non-empty list"
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            return None, f"{where}[{j}] needs string 'role' and 'content'"
+            return None, ("bad_fields", f"{where}[{j}] needs string 'role' and 'content'")
         if m["role"] not in ROLES:
-            return None, (f"{where}[{j}] has the unknown role {m['role']!r} (roles: "
+            return None, ("unknown_role", f"{where}[{j}] has the unknown role {m['role']!r} (roles: "
                           f"{', '.join(ROLES)}); a misspelled role would train as context")
     return msgs, None
 
@@ -126,22 +131,23 @@ def _normalise(rec, fmt: str):
     elif fmt == "sharegpt":
         conv = rec.get("conversations")
         if not isinstance(conv, list) or not conv:
-            return None, None, "'conversations' must be a non-empty list"
+            return None, None, ("bad_fields", "'conversations' must be a non-empty list")
         msgs = []
         for j, turn in enumerate(conv):
             if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
-                return None, None, f"conversations[{j}] needs string 'from' and 'value'"
+                return None, None, ("bad_fields", f"conversations[{j}] needs string 'from' and 'value'")
             role = SHAREGPT_ROLES.get(turn["from"].lower())
             if role is None:
-                return None, None, (f"conversations[{j}] has the unknown speaker {turn['from']!r} "
-                                    f"(known: {', '.join(sorted(SHAREGPT_ROLES))})")
+                return None, None, ("unknown_role", f"conversations[{j}] has the unknown speaker "
+                                    f"{turn['from']!r} (known: {', '.join(sorted(SHAREGPT_ROLES))})")
             msgs.append({"role": role, "content": turn["value"]})
         why = None
     elif fmt == "alpaca":
         inst, out = rec.get("instruction"), rec.get("output")
         extra = "" if rec.get("input") is None else rec["input"]  # absent or null: no input
         if not all(isinstance(x, str) for x in (inst, extra, out)):
-            return None, None, "alpaca records need string 'instruction' and 'output' (and 'input' if given)"
+            return None, None, ("bad_fields", "alpaca records need string 'instruction' and 'output' "
+                                "(and 'input' if given)")
         user = inst if not extra else f"{inst}\n\n{extra}"
         msgs, why = [{"role": "user", "content": user}, {"role": "assistant", "content": out}], None
     elif fmt == "prompt_completion":
@@ -149,27 +155,28 @@ def _normalise(rec, fmt: str):
         if isinstance(prompt, str) and isinstance(completion, str):
             return "pc", (prompt, completion), None
         if not (isinstance(prompt, list) and isinstance(completion, list)):
-            return None, None, "'prompt' and 'completion' must both be strings or both message lists"
+            return None, None, ("bad_fields", "'prompt' and 'completion' must both be strings or both "
+                                "message lists")
         p, why = _checked_messages(prompt, "prompt")
         if why is None:
             c, why = _checked_messages(completion, "completion")
         if why is None and any(m["role"] == "assistant" for m in p):
-            why = ("prompt-completion message lists with assistant turns in the prompt: only the "
-                   "completion may be trained; put the conversation in 'messages' instead")
+            why = ("bad_fields", "prompt-completion message lists with assistant turns in the prompt: "
+                   "only the completion may be trained; put the conversation in 'messages' instead")
         if why is None and any(m["role"] != "assistant" for m in c):
-            why = "the completion message list must hold assistant turns only"
+            why = ("bad_fields", "the completion message list must hold assistant turns only")
         msgs = None if why else p + c
     elif fmt == "text":
         text = rec.get("text")
         if not isinstance(text, str) or not text:
-            return None, None, "'text' must be a non-empty string"
+            return None, None, ("bad_fields", "'text' must be a non-empty string")
         return "text", text, None
     else:  # pragma: no cover - FORMATS is checked at parse
         raise ValueError(fmt)
     if why is not None:
         return None, None, why
     if not any(m["role"] == "assistant" for m in msgs):
-        return None, None, "no assistant message (nothing to learn)"
+        return None, None, ("no_assistant", "no assistant message (nothing to learn)")
     return "chat", msgs, None
 
 
@@ -179,14 +186,14 @@ def _validate(rec, forced: str = "auto", family: Optional[str] = None):
     ("text" or "conversational", set by the file's first good record) keeps plain-text and
     conversational records from mixing silently."""
     if not isinstance(rec, dict):
-        return None, None, "not a JSON object"
+        return None, None, ("not_an_object", "not a JSON object")
     fmt = forced if forced != "auto" else _detect(rec)
     if fmt is None:
-        return None, None, ("no 'messages' key (nor 'conversations', string or message-list "
-                            "'prompt' and 'completion', 'instruction' and 'output', or 'text')")
+        return None, None, ("unknown_format", "no 'messages' key (nor 'conversations', string or "
+                            "message-list 'prompt' and 'completion', 'instruction' and 'output', or 'text')")
     if forced == "auto" and family is not None and (fmt == "text") != (family == "text"):
-        return None, None, (f"a {fmt} record in a {family} file (the format of its first record); "
-                            "set data.format to train one format")
+        return None, None, ("mixed_format", f"a {fmt} record in a {family} file (the format of its "
+                            "first record); set data.format to train one format")
     return _normalise(rec, fmt)
 
 
@@ -199,98 +206,242 @@ def _progress(total: int, desc: str):
                 leave=False)
 
 
-def _file_digest(*paths: str) -> str:
+# File types read through the ``datasets`` library (memory-mapped Arrow), by extension; JSONL
+# (and any other file name) is read line by line here, so one bad line is one bad record.
+JSONL_EXTS = (".jsonl", ".ndjson")
+DATASETS_EXTS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+SAVE_TO_DISK_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """What ``data.path`` names: ``kind`` jsonl | json | parquet | arrow | save_to_disk, and the
+    files read in order (a directory of shards: all its files of one type, sorted by name; a
+    ``save_to_disk`` directory: the directory itself). ``digest_files``: every file whose bytes
+    the token cache key covers."""
+
+    path: str
+    kind: str
+    files: tuple
+    digest_files: tuple
+
+
+def _kind_of_file(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext in DATASETS_EXTS:
+        if ext == ".json":  # a JSON array, or JSON lines under a .json name
+            with open(path, "rb") as f:
+                head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+            return "json" if head.startswith(b"[") else "jsonl"
+        return DATASETS_EXTS[ext]
+    return "jsonl"
+
+
+def resolve_source(path: str) -> DataSource:
+    """The data source ``path`` names (a file, a directory of shards, or a ``save_to_disk``
+    directory), detected from the path alone; DataError naming what is wrong otherwise."""
+    path = os.path.normpath(path)
+    if os.path.isfile(path):
+        return DataSource(path, _kind_of_file(path), (path,), (path,))
+    if not os.path.isdir(path):
+        raise DataError(f"data.path {path!r}: no such file or directory")
+    names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+    if any(n in names for n in SAVE_TO_DISK_FILES):  # written by datasets' save_to_disk
+        every = sorted(os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns)
+        return DataSource(path, "save_to_disk", (path,), tuple(every))
+    shards = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))
+              and not n.endswith(".tokens.npz")
+              and os.path.splitext(n)[1].lower() in JSONL_EXTS + tuple(DATASETS_EXTS)]
+    if not shards:
+        raise DataError(f"data.path {path!r}: a directory with no data files (.jsonl, .ndjson, "
+                        ".json, .parquet, .arrow) and no datasets save_to_disk files "
+                        f"({', '.join(SAVE_TO_DISK_FILES)})")
+    kinds = {_kind_of_file(f) for f in shards}
+    if len(kinds) > 1:
+        raise DataError(f"data.path {path!r}: a directory of shards must hold one file type; "
+                        f"found {', '.join(sorted(kinds))} ({', '.join(os.path.basename(f) for f in shards)})")
+    return DataSource(path, kinds.pop(), tuple(shards), tuple(shards))
+
+
+def _require_datasets(source: DataSource):
+    """The ``datasets`` module, imported only for Parquet / Arrow / JSON-array / save_to_disk."""
+    try:
+        import datasets
+    except Exception as exc:  # ImportError, or a broken install
+        what = {"json": "a JSON array file", "parquet": "Parquet", "arrow": "Arrow",
+                "save_to_disk": "a dataset saved with datasets' save_to_disk"}[source.kind]
+        raise DataError(
+            f"data.path {source.path!r} is {what}, which is read through the 'datasets' library "
+            f"(memory-mapped Arrow; this package has no parser of its own for it), and 'datasets' "
+            f"could not be imported ({type(exc).__name__}: {exc}). Install it with `pip install "
+            "datasets` (or `pip install megatron_fastpath[hf]`), or convert the data to JSONL, "
+            "which needs nothing extra") from exc
+    return datasets
+
+
+def _strip_none(x):
+    """A row as datasets gives it, without the null fields Arrow's shared schema adds (a
+    prompt-completion row of a file that also holds chat rows has messages=None): the record
+    as it was written, so format detection sees the keys it had."""
+    if isinstance(x, dict):
+        return {k: _strip_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_strip_none(v) for v in x]
+    return x
+
+
+def _datasets_tables(source: DataSource):
+    """[(name shown in reports, datasets.Dataset)] of a non-JSONL source, one per shard."""
+    datasets = _require_datasets(source)
+    if source.kind == "save_to_disk":
+        ds = datasets.load_from_disk(source.path)
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" in ds:
+                ds = ds["train"]
+            elif len(ds) == 1:
+                ds = next(iter(ds.values()))
+            else:
+                raise DataError(f"data.path {source.path!r}: a saved DatasetDict with the splits "
+                                f"{sorted(ds)} and no 'train'; save the split to train on")
+        return [(source.path, ds)]
+    out = []
+    for f in source.files:
+        if source.kind == "arrow":
+            ds = datasets.Dataset.from_file(f)  # memory-mapped, no copy
+        else:
+            ds = datasets.load_dataset(source.kind, data_files=[f], split="train")
+        out.append((f, ds))
+    return out
+
+
+def _source_records(source: DataSource):
+    """(record number, where, raw) for every record of the source, in order; raw is the line's
+    bytes (JSONL: decoded and parsed per line) or the row's dict (read through datasets)."""
+    n = 0
+    single = len(source.files) == 1
+    if source.kind == "jsonl":
+        for f in source.files:
+            with open(f, "rb") as fh:
+                lines = fh.read().split(b"\n")
+            for lineno, raw in enumerate(lines, start=1):
+                n += 1
+                yield (lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"), raw
+        return
+    for name, ds in _datasets_tables(source):
+        for row, rec in enumerate(ds):
+            n += 1
+            yield n, f"{name} row {row}", _strip_none(rec)
+
+
+def _digest(source: DataSource, *settings: str) -> str:
     h = hashlib.sha256(f"v{CACHE_VERSION}".encode())
-    for p in paths:
-        h.update(p.encode() if not os.path.isfile(p) else b"")
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
+    for p in source.digest_files:  # every shard's name (its order) and bytes
+        h.update(os.path.relpath(p, source.path).encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    for s in settings:
+        h.update(s.encode() if not os.path.isfile(s) else b"")
+        if os.path.isfile(s):
+            with open(s, "rb") as f:
+                h.update(f.read())
     return h.hexdigest()[:16]
 
 
 def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto") -> TokenizedData:
-    """Tokenize every line of ``path`` (no caching here); ``fmt``: data.format."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    """Tokenize every record of ``path`` (a JSONL / JSON / Parquet / Arrow file, a directory of
+    shards or a save_to_disk directory; no caching here); ``fmt``: data.format."""
+    source = resolve_source(path)
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
-    with BoundedRenderer(tokenizer, path) as renderer:  # chat templates bounded in time and memory
-        return _tokenize_lines(lines, tokenizer, renderer, fmt)
+    with BoundedRenderer(tokenizer, source.path) as renderer:  # templates bounded in time and memory
+        return _tokenize_records(_source_records(source), tokenizer, renderer, fmt)
 
 
 def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
-    """``lines``: the file's raw lines (bytes; str accepted), each decoded on its own so a
-    line of invalid UTF-8 is one malformed record, not the file's end."""
+    """``lines``: one JSONL file's raw lines (bytes; str accepted)."""
+    return _tokenize_records(((k, f"line {k}", raw) for k, raw in enumerate(lines, start=1)),
+                             tokenizer, renderer, fmt)
+
+
+def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+    """``records``: (number, where, raw) with raw a JSONL line (bytes or str: decoded and parsed
+    on its own, so a line of invalid UTF-8 is one bad record, not the file's end) or a parsed
+    record (a dict from datasets). Bad records are collected as (where, reason code, text)."""
     from megatron_fastpath.hf.tokenizer import TokenizerError
 
-    ids, masks, nums, malformed = [], [], [], []
+    ids, masks, nums, wheres, malformed = [], [], [], [], []
     chat_seen = False
     family = None  # "text" or "conversational": the file's, from its first good record
-    bar = _progress(len(lines), "tokenizing")
-    for lineno, raw in enumerate(lines, start=1):
+    bar = _progress(None, "tokenizing")
+    for num, where, raw in records:
         if bar is not None:
             bar.update(1)
-        try:
-            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        except UnicodeDecodeError as exc:
-            malformed.append((lineno, f"invalid UTF-8 at byte {exc.start} of the line"))
-            continue
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            malformed.append((lineno, f"invalid JSON ({exc.msg})"))
-            continue
+        if isinstance(raw, (bytes, str)):
+            try:
+                line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            except UnicodeDecodeError as exc:
+                malformed.append((where, "invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                malformed.append((where, "malformed_json", f"invalid JSON ({exc.msg})"))
+                continue
+        else:
+            rec = raw
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
-            malformed.append((lineno, why))
+            malformed.append((where, *why))
             continue
         if kind == "chat":
             if not chat_seen:
                 tokenizer.require_template()
                 chat_seen = True
             try:
-                text, spans = renderer.render_chat(payload, lineno)
+                text, spans = renderer.render_chat(payload, num)
             except TokenizerError:
                 raise
             except ValueError as exc:  # a template's raise_exception, bad roles, ...
-                malformed.append((lineno, f"chat template failed: {exc}"))
+                malformed.append((where, "template_error", f"chat template failed: {exc}"))
                 continue
             i, m = tokenizer.tokens_and_mask(text, spans)
         elif kind == "pc":
             i, m = tokenizer.encode_prompt_completion(*payload)
         else:  # text: continued pretraining, every token in the loss
             i, m = tokenizer.encode_prompt_completion("", payload)
-        if not any(m):
-            malformed.append((lineno, "no loss token (the template put nothing of the assistant "
-                                      "reply inside its generation span)"))
+        if not any(m[1:]):  # position j predicts token j+1: a loss on token 0 alone trains nothing
+            malformed.append((where, "no_loss_token", "no loss token (the template put nothing of "
+                              "the assistant reply inside its generation span)"))
             continue
         family = family or ("text" if kind == "text" else "conversational")
         ids.append(np.asarray(i, dtype=np.int32))
         masks.append(np.asarray(m, dtype=np.uint8))
-        nums.append(lineno)
+        nums.append(num)
+        wheres.append(where)
     if bar is not None:
         bar.close()
-    return TokenizedData(ids, masks, nums, malformed)
+    return TokenizedData(ids, masks, nums, malformed, wheres)
 
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
-    digest = _file_digest(cfg.path, f"format={cfg.format}", os.path.join(tok_dir, "tokenizer.json"),
-                          os.path.join(tok_dir, "tokenizer_config.json"),
-                          os.path.join(tok_dir, "chat_template.jinja"))
-    return f"{cfg.path}.{digest}.tokens.npz"
+    source = resolve_source(cfg.path)
+    digest = _digest(source, f"format={cfg.format}", os.path.join(tok_dir, "tokenizer.json"),
+                     os.path.join(tok_dir, "tokenizer_config.json"),
+                     os.path.join(tok_dir, "chat_template.jinja"))
+    return f"{source.path}.{digest}.tokens.npz"  # beside the file or directory
 
 
 def _save_cache(path: str, data: TokenizedData) -> None:
     lengths = np.asarray([len(x) for x in data.ids], dtype=np.int64)
-    bad = np.asarray([f"{ln}\t{why}" for ln, why in data.malformed], dtype=str)
+    bad = np.asarray([f"{where}\t{code}\t{why}" for where, code, why in data.malformed], dtype=str)
     tmp = path + ".tmp.npz"
     np.savez(tmp, ids=np.concatenate(data.ids) if data.ids else np.zeros(0, np.int32),
              masks=np.concatenate(data.masks) if data.masks else np.zeros(0, np.uint8),
-             lengths=lengths, lines=np.asarray(data.lines, dtype=np.int64), malformed=bad)
+             lengths=lengths, lines=np.asarray(data.lines, dtype=np.int64), malformed=bad,
+             wheres=np.asarray(data.wheres, dtype=str))
     os.replace(tmp, path)
 
 
@@ -298,27 +449,30 @@ def _load_cache(path: str) -> TokenizedData:
     """The cached tokens, read without unpickling (``allow_pickle=False``: an object array in a
     planted or damaged cache raises instead of running code) and checked for consistency;
     ValueError when the file is not a cache this module wrote."""
+    keys = ("ids", "masks", "lengths", "lines", "malformed", "wheres")
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in ("ids", "masks", "lengths", "lines", "malformed")}
+            arrays = {k: z[k] for k in keys}
     except (OSError, KeyError, ValueError, EOFError) as exc:  # zipfile.BadZipFile is an OSError
         raise ValueError(f"{path} is not a readable token cache ({exc})") from exc
     ids, masks, lengths, lines = (arrays[k] for k in ("ids", "masks", "lengths", "lines"))
+    bad = arrays["malformed"].tolist()
     if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines))
-            and arrays["malformed"].dtype.kind == "U" and len(ids) == len(masks)
-            and len(lengths) == len(lines) and (lengths >= 0).all() and int(lengths.sum()) == len(ids)):
+            and arrays["malformed"].dtype.kind in "U" and arrays["wheres"].dtype.kind == "U"
+            and len(ids) == len(masks) and len(arrays["wheres"]) == len(lines)
+            and len(lengths) == len(lines) and (lengths >= 0).all() and int(lengths.sum()) == len(ids)
+            and all(s.count("\t") >= 2 for s in bad)):
         raise ValueError(f"{path} is not a token cache this version wrote (inconsistent arrays)")
     cuts = np.cumsum(lengths)[:-1]
-    malformed = [(int(s.split("\t", 1)[0]), s.split("\t", 1)[1]) for s in arrays["malformed"].tolist()]
+    malformed = [tuple(s.split("\t", 2)) for s in bad]
     return TokenizedData(list(np.split(ids, cuts)) if len(lengths) else [],
                          list(np.split(masks, cuts)) if len(lengths) else [],
-                         lines.tolist(), malformed)
+                         lines.tolist(), malformed, arrays["wheres"].tolist())
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:
     """Tokenized records from the cache beside the data, or tokenize (and cache) now."""
-    if not os.path.isfile(cfg.path):
-        raise DataError(f"data.path {cfg.path!r}: no such file")
+    resolve_source(cfg.path)  # no such file, empty directory, mixed shards: before any work
     cache = _cache_path(cfg, tok_dir) if cfg.cache else None
     if cache and os.path.isfile(cache):
         try:
@@ -337,23 +491,34 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
     return data
 
 
+def bad_record_counts(data: TokenizedData, too_long: list) -> dict:
+    """{reason code: count} of every refused or dropped record (sorted by reason)."""
+    counts: dict = {}
+    for _, code, _ in data.malformed:
+        counts[code] = counts.get(code, 0) + 1
+    if too_long:
+        counts["too_long"] = len(too_long)
+    return dict(sorted(counts.items()))
+
+
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:
-    """Count and list bad records; raise under bad_records=error."""
+    """Count (by reason) and list bad records; raise under bad_records=error."""
     def fmt(items, k=10):
-        shown = ", ".join(f"line {ln} ({why})" for ln, why in items[:k])
+        shown = ", ".join(f"{where} ({why})" for where, *_, why in items[:k])
         return shown + (f", ... ({len(items) - k} more)" if len(items) > k else "")
 
     problems = []
     if data.malformed:
-        problems.append(f"{len(data.malformed)} malformed line(s): {fmt(data.malformed)}")
+        problems.append(f"{len(data.malformed)} malformed record(s): {fmt(data.malformed)}")
     if too_long:
         problems.append(f"{len(too_long)} record(s) longer than data.max_tokens={cfg.max_tokens}: "
                         f"{fmt(too_long)}")
     if not problems:
         return
-    msg = f"{cfg.path}: " + "; ".join(problems)
+    counts = ", ".join(f"{k}={v}" for k, v in bad_record_counts(data, too_long).items())
+    msg = f"{cfg.path}: " + "; ".join(problems) + f" [by reason: {counts}]"
     if cfg.bad_records == "error":
-        raise DataError(msg + ". Fix the lines, raise data.max_tokens, or set data.bad_records=skip")
+        raise DataError(msg + ". Fix the records, raise data.max_tokens, or set data.bad_records=skip")
     log(f"data: skipped {msg}")
 
 
@@ -387,9 +552,10 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     tok_dir = cfg.tokenizer_path or tokenizer_path
     tokenizer = ChatTokenizer(tok_dir)
     data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
-    too_long = [(ln, f"{len(i)} tokens") for i, ln in zip(data.ids, data.lines) if len(i) > cfg.max_tokens]
+    too_long = [(where, "too_long", f"{len(i)} tokens")
+                for i, where in zip(data.ids, data.wheres) if len(i) > cfg.max_tokens]
     _report(cfg, data, too_long, log)
-    keep = [k for k, i in enumerate(data.ids) if len(i) <= cfg.max_tokens and data.masks[k][1:].any()]
+    keep = [k for k, i in enumerate(data.ids) if len(i) <= cfg.max_tokens]
     if not keep:
         raise DataError(f"{cfg.path}: no usable records (with loss tokens, <= max_tokens)")
     order = np.random.default_rng(cfg.seed).permutation(len(keep))
@@ -405,5 +571,6 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
                             [data.lines[k] for k in idx])
 
     report = dict(records=len(data.ids) + len(data.malformed), malformed=len(data.malformed),
-                  too_long=len(too_long), train_records=len(train_idx), eval_records=len(eval_idx))
+                  too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
+                  train_records=len(train_idx), eval_records=len(eval_idx))
     return subset(train_idx), (subset(eval_idx) if eval_idx else None), report

@@ -44,7 +44,7 @@ def test_jsonl_line_without_messages(mcore_parallel, tiny, tmp_path, capsys):
     lines[6] = json.dumps({"conversation": []})
     bad.write_text("\n".join(lines) + "\n")
     run_expecting(["model=hf", f"model.path={tiny}", "data=jsonl", f"data.path={bad}",
-                   "data.cache=false"], DataError, r"bad.jsonl: 1 malformed line\(s\): line 7 \(no 'messages' key", capsys)
+                   "data.cache=false"], DataError, r"bad.jsonl: 1 malformed record\(s\): line 7 \(no 'messages' key", capsys)
 
 
 def test_tokenizer_without_chat_template(mcore_parallel, tiny, tmp_path, capsys):

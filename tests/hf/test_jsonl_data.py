@@ -107,7 +107,7 @@ def test_bad_lines_reported_with_line_numbers(tok_dirs, tmp_path):
     with pytest.raises(DataError) as e:
         load_jsonl_splits(cfg, tagged, log=lambda m: None)
     msg = str(e.value)
-    assert path in msg and "3 malformed line(s)" in msg and "1 record(s) longer than" in msg
+    assert path in msg and "3 malformed record(s)" in msg and "1 record(s) longer than" in msg
     assert "line 2 (invalid JSON" in msg and "line 3 (a text record in a conversational file" in msg
     assert "line 7 (messages[0] needs string 'role' and 'content')" in msg and "line 5 (" in msg
     logs = []
@@ -291,7 +291,7 @@ def test_bad_records_of_every_kind_reported_with_lines(tok_dirs, tmp_path):
     with pytest.raises(DataError) as e:
         load_jsonl_splits(cfg, tagged, log=lambda m: None)
     msg = str(e.value)
-    assert "4 malformed line(s)" in msg and "line 2 (invalid UTF-8 at byte" in msg
+    assert "4 malformed record(s)" in msg and "line 2 (invalid UTF-8 at byte" in msg
     assert "line 3 (messages[1] has the unknown role 'assistent'" in msg
     assert "line 4 (conversations[0] has the unknown speaker 'narrator'" in msg
     assert "line 5 (alpaca records need string 'instruction' and 'output'" in msg

@@ -79,9 +79,9 @@ def test_templates_own_errors_stay_per_record(tmp_path):
     tokenizer = ChatTokenizer(str(tok))
     got = tokenize_jsonl(str(data), tokenizer)
     ids, mask = tokenizer.encode_chat(CHAT["messages"])
-    assert got.lines == [1, 3] and [ln for ln, _ in got.malformed] == [2]
+    assert got.lines == [1, 3] and [w for w, *_ in got.malformed] == ["line 2"]
     assert got.ids[0].tolist() == ids and got.masks[0].tolist() == mask
-    assert "no boom here" in got.malformed[0][1]
+    assert "no boom here" in got.malformed[0][2] and got.malformed[0][1] == "template_error"
 
 
 def test_oversized_tokenizer_json_is_refused_before_parsing(tmp_path):
