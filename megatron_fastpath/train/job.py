@@ -117,9 +117,8 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
                                    ps.get_pipeline_model_parallel_rank())
     bound = None if longest_sequence is None else seqlen_bound(longest_sequence, cfg.data.max_tokens)
     cp = ps.get_context_parallel_world_size()
-    if cp > 1 and bound is not None:  # the padded sequences fit the bound, a multiple of 2 x CP
-        bound = min(cfg.data.max_tokens, -(-(longest_sequence + 2 * cp - 1) // (2 * cp)) * 2 * cp)
-        bound = seqlen_bound(bound, cfg.data.max_tokens)
+    if cp > 1 and bound is not None:  # the longest sequence padded to 2 x CP fits the bound
+        bound = seqlen_bound(-(-longest_sequence // (2 * cp)) * 2 * cp, cfg.data.max_tokens)
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         max_seqlen=bound, num_slots=in_flight, rope=cfg.model_source.rope,
