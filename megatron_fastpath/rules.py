@@ -118,7 +118,7 @@ class RunFacts:
         to ask (a hook planning on a submit host).
     fp8_attention: FP8 dot-product attention asked for (with FP8 on).
     attention_backend: the resolved attention backend (None: not known yet).
-    tensor_parallel_size / pipeline_parallel_size / offload: the layout and activation offload
+    pipeline_parallel_size / sequence_parallel / offload: the layout and activation offload
         (known to the main job; the CP rule reads them).
     """
 
@@ -136,14 +136,14 @@ class RunFacts:
     capability: Optional[tuple] = None
     fp8_attention: bool = False
     attention_backend: Optional[str] = None
-    tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    sequence_parallel: bool = False
     offload: bool = False
 
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
-    # What runs (docs/context-parallel.md): the main job, dense model, sdpa backend, TP = PP = 1,
-    # CP over all-gathered K/V. Everything else is refused until it is written and tested.
+    # What runs (docs/configuration.md): the main job, dense model, sdpa backend, TP without SP,
+    # PP = 1, CP over all-gathered K/V. Everything else is refused until it is written and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
         return None
     cp = f"{f.names.context_parallel}={f.context_parallel_size}"
@@ -164,8 +164,8 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
          "captured layer is not checked); turn fastpath.cuda_graphs off"),
         (f.pipeline_parallel_size > 1, "pipeline parallelism (CP with PP is not tested); use "
          "parallel.pipeline_model_parallel_size=1"),
-        (f.tensor_parallel_size > 1, "tensor parallelism (TP x CP is not tested yet); use "
-         "parallel.tensor_model_parallel_size=1"),
+        (f.sequence_parallel, "sequence parallelism (TP x CP runs on CPU without it; SP needs "
+         "CUDA and is not tested with CP); use parallel.sequence_parallel=false"),
         (f.offload, "activation offload (not tested with CP); turn fastpath.offload off"),
     ]
     for hit, why in not_yet:

@@ -122,7 +122,7 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
                                            is_moe=True))
     assert len(expect) == 1 and "an MoE model" in expect[0]
     assert _main_job_error(["parallel.context_parallel_size=2", "model=tiny_moe"]) == expect[0]
-    for facts in (dict(attention_backend="flex"), dict(tensor_parallel_size=2),
+    for facts in (dict(attention_backend="flex"), dict(sequence_parallel=True),
                   dict(pipeline_parallel_size=2), dict(offload=True), dict(graphs_requested=True)):
         assert len(rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                                  **facts))) == 1, facts

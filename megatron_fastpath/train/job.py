@@ -174,15 +174,15 @@ def build_reports(cache, offload, audit) -> tuple:
 
 
 def _refuse_unserved_context_parallel(cfg: JobConfig) -> None:
-    """The CP rule with what the job knows beyond the parse (backend, TP, PP, offload)."""
+    """The CP rule with what the job knows beyond the parse (backend, PP, SP, offload)."""
     from megatron_fastpath import rules
 
     par = cfg.parallel
     reasons = rules.refusals(rules.RunFacts(
         names=rules.NAMES["main"], context_parallel_size=par.context_parallel_size,
         attention_backend=cfg.attention_backend, is_moe=cfg.is_moe,
-        tensor_parallel_size=par.tensor_model_parallel_size,
         pipeline_parallel_size=par.pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
         offload=cfg.offload is not None))
     if reasons:
         raise ValueError(reasons[0])

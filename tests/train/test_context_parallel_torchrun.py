@@ -7,7 +7,8 @@ even with every sample counted padded to 2 x CP), so the two runs train on the s
 they differ only in the order of floating-point sums. Per-step losses agree within rtol 1e-6 and
 the final parameters (read back from each run's checkpoint) within 1e-6; the CP run's steps are
 free of host syncs in forward+backward and the cache builds once per batch. The same holds with
-LoRA (adapter dropout off: a CP rank draws the dropout of its own tokens only).
+LoRA (adapter dropout off: a CP rank draws the dropout of its own tokens only) and with TP=2 x
+CP=2 (4 processes) against TP=2.
 """
 
 import pytest
@@ -46,12 +47,16 @@ def _params(root, name):
 
 # LoRA without dropout: each CP rank draws the dropout mask of its own tokens, so with dropout
 # the masks (not the math) differ from the CP=1 run's
-@pytest.mark.parametrize("features", [[], ["fastpath.lora=true", "lora.dropout=0.0"]],
-                         ids=["dense", "lora"])
-def test_cp2_equals_cp1(main_job_runs, features):
-    tag = "lora" if features else "dense"
-    one = _run(main_job_runs, f"cp1-{tag}", features, 1)
-    two = _run(main_job_runs, f"cp2-{tag}", [*features, "parallel.context_parallel_size=2"], 2)
+# TP=2 x CP=2: 4 processes against the TP=2 run (2 processes)
+@pytest.mark.parametrize("tag,features,nproc", [
+    ("dense", [], 1),
+    ("lora", ["fastpath.lora=true", "lora.dropout=0.0"], 1),
+    ("tp2", ["parallel.tensor_model_parallel_size=2"], 2),
+], ids=["dense", "lora", "tp2"])
+def test_cp2_equals_cp1(main_job_runs, tag, features, nproc):
+    one = _run(main_job_runs, f"cp1-{tag}", features, nproc)
+    two = _run(main_job_runs, f"cp2-{tag}", [*features, "parallel.context_parallel_size=2"],
+               2 * nproc)
     a, b = one.summary["records"], two.summary["records"]
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
@@ -63,7 +68,7 @@ def test_cp2_equals_cp1(main_job_runs, features):
     assert pa.keys() == pb.keys() and pa
     for k in pa:
         torch.testing.assert_close(pb[k], pa[k], rtol=0, atol=1e-6, msg=k)
-    assert "world 2" in two.output
+    assert f"world {2 * nproc}" in two.output
 
 
 def test_cp_refuses_what_is_not_served_before_any_work(main_job_runs):
