@@ -1,11 +1,15 @@
-"""``data=jsonl``: chat / prompt-completion JSONL -> tokenized records -> packed microbatches.
+"""``data=jsonl``: chat / prompt-completion records -> tokenized records -> packed microbatches.
 
-Each line is one record, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (rendered
+``data.path`` is a JSONL file, a JSON array, Parquet, Arrow, a ``datasets`` ``save_to_disk``
+directory or a directory of shards of one type (:func:`resolve_source`; all but JSONL read
+memory-mapped through the ``datasets`` library, imported only then). Each JSONL line / row is
+one record, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (rendered
 with the checkpoint's chat template, loss on assistant tokens) or ``{"prompt": ...,
-"completion": ...}`` (loss on completion tokens + EOS). Malformed lines and records longer than
-``max_tokens`` are counted and reported with their line numbers; ``bad_records=error`` stops
-before training, ``skip`` drops them (reported, never silently). Tokenized records are cached
-beside the data file (keyed on the data, tokenizer and template bytes). A deterministic
+"completion": ...}`` (loss on completion tokens + EOS), or another format (``format``). Bad
+records and records longer than ``max_tokens`` are reported with their line or row and counted
+by reason; ``bad_records=error`` stops before training, ``skip`` drops them (reported, never
+silently). Tokenized records are cached beside the data (keyed on every shard's bytes, the
+tokenizer and template bytes). A deterministic
 ``eval_fraction`` of the records is held out; both splits are packed first-fit decreasing into
 ``max_tokens`` with :func:`megatron_fastpath.data.pack_microbatches`.
 """
@@ -22,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
-           "DataError"]
+           "DataError", "DataSource", "resolve_source", "bad_record_counts"]
 
 CACHE_VERSION = 4  # bump when tokenization, masking or the cache layout changes
 
@@ -35,11 +39,11 @@ class DataError(ValueError):
 class JsonlDataConfig:
     """The ``data`` group for ``data=jsonl``.
 
-    path: the JSONL file. tokenizer_path: directory with tokenizer.json (default model.path).
+    path: the data file or directory (:func:`resolve_source`). tokenizer_path: directory with tokenizer.json (default model.path).
     max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
     eval_fraction: held-out share of records (at least one record when > 0).
     eval_every: held-out loss every this many steps (0: only before and after training).
-    bad_records: error | skip (malformed lines and records longer than max_tokens).
+    bad_records: error | skip (bad records and records longer than max_tokens; counted by reason).
     cache: cache tokenized records beside the data file.
     format: auto (detected per record from its keys, as TRL does) | messages |
         prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
@@ -58,7 +62,8 @@ class JsonlDataConfig:
 
     def __post_init__(self):
         if not self.path:
-            raise DataError("data.path must name a JSONL file (data=jsonl data.path=<file.jsonl>)")
+            raise DataError("data.path must name the data (data=jsonl data.path=<file.jsonl, .json, "
+                            ".parquet, .arrow, or a directory>)")
         if self.format not in FORMATS:
             raise DataError(f"data.format must be one of {', '.join(FORMATS)}; got {self.format!r}")
         if self.bad_records not in ("error", "skip"):
