@@ -81,12 +81,17 @@ def estimate_memory(cfg) -> MemoryEstimate:
     width = 2 if cfg.training.dtype == "bfloat16" else 4
     trainable = _lora_parameters(model, cfg.lora) // mp if cfg.lora is not None else local
     optimizer_per = 8 + (4 if width == 2 else 0)  # AdamW moments (+ fp32 master copy)
-    tokens = cfg.data.max_tokens
+    cp = par.context_parallel_size
+    tokens = cfg.data.max_tokens // cp  # a CP rank holds T / CP tokens of every packed batch
     mlp = (model.ffn_hidden_size if model.num_experts is None
            else model.moe_router_topk * (model.moe_ffn_hidden_size or model.ffn_hidden_size))
     layers_here = model.num_layers // par.pipeline_model_parallel_size
     acts = tokens * layers_here * width * (10 * model.hidden_size + 4 * mlp) // par.tensor_model_parallel_size
     acts += tokens * model.vocab_size * 4 * 2 // par.tensor_model_parallel_size  # fp32 logits + grad
+    if cp > 1:  # the K/V all-gathered over CP (all T tokens, saved per layer) and the [T/CP, T] mask
+        acts += (cfg.data.max_tokens * layers_here * width * 2 * model.hidden_size
+                 // par.tensor_model_parallel_size)
+        acts += tokens * cfg.data.max_tokens * width
     return MemoryEstimate(params_total=dense + experts, params=local * width,
                           grads=trainable * 4, optimizer=trainable * optimizer_per, activations=acts)
 

@@ -53,6 +53,15 @@ def test_lora_bf16_and_model_parallel_shrink_the_estimate():
     assert lora.params == full.params // 2 and lora.grads < full.grads / 100
 
 
+def test_context_parallel_shrinks_the_activations():
+    common = ["model=llama3_8b", "training.device=cpu", "training.skip_memory_check=true",
+              "data.max_tokens=8192", "data.max_len=1024"]
+    one = estimate_memory(parse_job_config(cfg(common)))
+    two = estimate_memory(parse_job_config(cfg(common + ["parallel.context_parallel_size=2"])))
+    assert two.params == one.params  # CP replicates the model
+    assert one.activations / 2 < two.activations < one.activations  # T / CP + the gathered K/V
+
+
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
 def test_parameter_count_equals_the_built_megatron_model(mcore_parallel, model):
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
