@@ -20,9 +20,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from tests.hf.hf_reference import DATA  # noqa: E402
 from tests.support.main_job import job_env, run_main_job  # noqa: E402
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
-sys.path.insert(0, EXAMPLES)
-import make_tiny_hf_llama as tiny  # noqa: E402
+import make_tiny_hf_llama as tiny  # noqa: E402  (examples/, on pytest.ini's pythonpath)
 
 from megatron_fastpath.hf.data import (  # noqa: E402
     DataError,
