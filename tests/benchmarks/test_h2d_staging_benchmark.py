@@ -8,6 +8,11 @@ from pathlib import Path
 
 from tests.support.subproc import child_env
 
+import pytest
+
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 
 

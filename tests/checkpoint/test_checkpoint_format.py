@@ -51,6 +51,7 @@ def records(path):
         return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
 
 
+@pytest.mark.integration
 def test_main_job_saves_each_part_under_its_own_key(mcore_parallel, tmp_path):
     d = tmp_path / "ckpt"
     first = run(compose_job(FAST + [f"checkpoint.dir={d}", f"training.stop_at_step={STOP}"]))
@@ -65,6 +66,7 @@ def test_main_job_saves_each_part_under_its_own_key(mcore_parallel, tmp_path):
     assert [r["loss"] for r in parts["history"]["records"]] == [r.loss for r in first.records]
 
 
+@pytest.mark.integration
 def test_format_1_checkpoint_resumes_exactly(mcore_parallel, tmp_path, capsys):
     d = tmp_path / "ckpt"
     _, job_s = run(compose_job(FAST + [f"training.summary_json={tmp_path}/straight.json"]), return_job=True)

@@ -315,6 +315,7 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(mcore_parallel
         Run(seed=4).load(tmp_path)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("keep_best", [False, True])
 def test_keep_best_keeps_the_lowest_held_out_loss(mcore_parallel, tmp_path, keep_best):
     """checkpoint.keep_best: besides the newest ``keep``, the checkpoint saved right after the

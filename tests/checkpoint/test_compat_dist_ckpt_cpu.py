@@ -131,6 +131,7 @@ def _bit(name):
     return 1 << (getattr(signal, name) - 1)
 
 
+@pytest.mark.integration
 def test_megatrons_own_helper_dies_of_a_preemption_signal():
     """The defect the shim fixes, on the installed megatron-core: its queue server takes the
     default action for SIGTERM, so the job's save fails."""
@@ -139,6 +140,7 @@ def test_megatrons_own_helper_dies_of_a_preemption_signal():
     assert got["after_signals"] != "written"
 
 
+@pytest.mark.integration
 def test_installed_helper_ignores_preemption_signals_and_keeps_serving():
     got = _probe("ours")
     for name in ("SIGINT", "SIGTERM", "SIGUSR1"):

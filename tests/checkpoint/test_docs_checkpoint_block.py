@@ -9,6 +9,11 @@ from pathlib import Path
 
 from tests.support.main_job import run_main_job
 
+import pytest
+
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
          "data.max_tokens=128", "data.num_samples=128", "metrics.wandb=off", "metrics.plot=false",

@@ -23,6 +23,9 @@ import pytest
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
 from tests.support.main_job import job_env, main_job_cmd
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 STEPS = 40
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256",

@@ -13,6 +13,9 @@ from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 STEPS, STOP = 6, 3
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256",

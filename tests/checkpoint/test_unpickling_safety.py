@@ -229,6 +229,7 @@ def test_payload_bytes_are_parsed_by_the_same_opcodes_as_torch():
         assert safety._MetadataUnpickler.dispatch[op[0]] is not pickle._Unpickler.dispatch[op[0]]
 
 
+@pytest.mark.integration
 def test_main_job_resume_refuses_the_reported_exploit(mcore_parallel, tmp_path):
     """The report: stop the main job at step 2, replace .metadata with the dotted-name payload,
     rewrite the manifest (whoever writes the checkpoint writes it), rerun: nothing runs, the

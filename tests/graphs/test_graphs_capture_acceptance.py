@@ -19,6 +19,9 @@ import torch
 
 from tests.support.megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 T, MAX_SEQS, V = 32, 8, 61
 # three packings with different boundaries, padding tails and sequence counts
 PACKINGS = ([5, 9, 12], [32], [3, 3, 3, 3, 10, 7])

@@ -12,6 +12,9 @@ from packaging.version import Version
 
 from tests.support.megatron_graphs import graph_runners, graph_session, max_rel_diff, run_steps
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 S, B, V = 16, 2, 50
 
 

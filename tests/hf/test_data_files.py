@@ -214,6 +214,7 @@ def jsonl_run(ckpt, tmp_path_factory):
     return train(ckpt, data, tmp)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["parquet", "json_array", "save_to_disk", "jsonl_shards"])
 def test_main_job_trains_from_each_file_type(ckpt, jsonl_run, tmp_path, kind):
     """Loss falls, and the run is the JSONL file's run: same data report and per-step losses
@@ -225,6 +226,7 @@ def test_main_job_trains_from_each_file_type(ckpt, jsonl_run, tmp_path, kind):
     assert [r["loss"] for r in s["records"]] == [r["loss"] for r in ref["records"]]
 
 
+@pytest.mark.integration
 def test_planted_bad_records_counted_by_reason_in_the_summary(ckpt, tmp_path):
     """A hand-counted set of bad records planted in the shipped file: the summary JSON carries
     exactly these counts by reason under data.bad_records=skip (and the log line too)."""

@@ -14,6 +14,9 @@ import pytest
 from tests.hf.hf_reference import DATA, REPO, held_out_loss
 from tests.support.main_job import job_env, run_main_job
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 

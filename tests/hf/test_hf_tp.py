@@ -8,6 +8,9 @@ import shutil
 
 import pytest
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 

@@ -11,6 +11,9 @@ import time
 
 import pytest
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 import make_tiny_hf_llama as tiny  # noqa: E402
 

@@ -7,6 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 

@@ -12,6 +12,9 @@ import torch
 
 from megatron_fastpath.sync import SyncSentinel
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "packed_seq.py"
 
 

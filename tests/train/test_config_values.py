@@ -45,6 +45,7 @@ def test_good_values_still_parse():
     assert job.training.lr == 1e-3 and job.training.clip_grad == 0 and job.model.rope_scaling_factor == 8
 
 
+@pytest.mark.integration
 def test_main_job_prints_the_message_without_a_traceback(tmp_path):
     """A config error: the message alone on stderr and exit 2; HYDRA_FULL_ERROR=1 keeps the
     traceback."""

@@ -13,6 +13,9 @@ from tests.support.main_job import train_in_process
 
 from megatron_fastpath.train import parse_job_config
 
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 FAST = ["training.steps=4", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
         "model.ffn_hidden_size=96", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
         "training.lr=5e-3", "cluster.backend=gloo",

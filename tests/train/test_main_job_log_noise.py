@@ -8,6 +8,11 @@ import sys
 from tests.support.main_job import job_env, run_main_job
 from tests.support.subproc import free_port
 
+import pytest
+
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
 NOISE = ("Warning", "WARNING", "warnings.warn", "import pynvml", "Unknown MLP type",
          "Falling back", "multistorageclient", "Megatron-FSDP", "fontManager", "[INFO]")
 

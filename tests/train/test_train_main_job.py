@@ -16,6 +16,7 @@ def cfg(overrides=()):
     return compose_job(list(overrides))
 
 
+@pytest.mark.integration
 def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
     from megatron_fastpath.train import run
 
@@ -33,6 +34,7 @@ def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
     assert summary.first_loss == sum(r.loss for r in summary.records[:3]) / 3
 
 
+@pytest.mark.integration
 def test_tiny_moe_training_loss_falls_with_zero_host_syncs(mcore_parallel):
     """Issue 3's acceptance run: 8 experts top-2, sort/count dispatcher, 0 syncs per step."""
     from megatron_fastpath.train import run
