@@ -82,3 +82,26 @@ def test_cp_refuses_what_is_not_served_before_any_work(main_job_runs):
     want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                          offload=True))[0]
     assert run.returncode != 0 and want in run.output
+
+
+def test_resume_at_cp2_is_exact_and_cp2_reshards_to_cp1(main_job_runs):
+    """Stopped at step 2 under CP=2: resumed at CP=2 the records equal the straight CP=2 run's
+    bit for bit; resumed at CP=1 (the model is replicated over CP, so the checkpoint is the same
+    state) step 3 equals the straight CP=1 run's within rtol 1e-6."""
+    import shutil
+
+    root = main_job_runs.root
+    cp2 = ["parallel.context_parallel_size=2"]
+    main_job_runs("cp2-stop", [*cp2, "training.stop_at_step=2", "checkpoint.dir={root}/stop-ckpt"], 2)
+    shutil.copytree(root / "stop-ckpt", root / "stop-ckpt-cp1")
+    again = main_job_runs("cp2-again", [*cp2, "checkpoint.dir={root}/stop-ckpt"], 2)
+    straight2 = _run(main_job_runs, "cp2-dense", ["parallel.context_parallel_size=2"], 2)
+    assert [r["step"] for r in again.summary["records"]] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "tokens"):  # restored steps 1-2 and the resumed step 3
+        assert ([r[key] for r in again.summary["records"]]
+                == [r[key] for r in straight2.summary["records"]]), key
+    as_cp1 = main_job_runs("cp1-from-cp2", ["checkpoint.dir={root}/stop-ckpt-cp1"], 1)
+    straight1 = _run(main_job_runs, "cp1-dense", [], 1)
+    assert as_cp1.summary["records"][-1]["step"] == STEPS
+    assert as_cp1.summary["records"][-1]["loss"] == pytest.approx(
+        straight1.summary["records"][-1]["loss"], rel=1e-6)
