@@ -58,7 +58,7 @@ def get_fastpath_layer_spec(
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm'; got {normalization!r}")
     resolved = resolve_backend(
-        backend, cache.device, cache.config.max_tokens, cache.config.sdpa_mask_max_tokens,
+        backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
         dtype=params_dtype,
     )
     linear_impl = linear_impl or ("te" if resolved == "te" else "local")

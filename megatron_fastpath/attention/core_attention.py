@@ -9,7 +9,8 @@ backends over the params' static boundary metadata and masks:
 =========  ==============================================================  =============
 backend    kernel                                                          device
 =========  ==============================================================  =============
-``sdpa``   ``F.scaled_dot_product_attention`` + one additive mask           CPU default
+``sdpa``   ``F.scaled_dot_product_attention``: one additive mask, or the   CPU default
+           packed-to-padded view, no mask (``sdpa_layout``)
 ``flex``   ``flex_attention`` + cached ``BlockMask``                       CPU / CUDA
 ``flash``  ``flash_attn_varlen_func`` over the static ``cu_seqlens``       CUDA
 ``te``     Megatron ``TEDotProductAttention`` (THD) + TE fused RoPE        CUDA
@@ -47,13 +48,18 @@ _ALTERNATIVES = {
 }
 
 
-def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: int,
+def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
                     dtype: Optional[torch.dtype] = None) -> str:
     """Validate ``backend`` (raising before any device work when its package is missing, or
     when ``dtype`` is one its kernels lack) and resolve ``"auto"``: te > flash on CUDA when
-    installed and the dtype is one their kernels take (bf16 / fp16), else sdpa (flex above the
-    SDPA mask limit): ``auto`` picks something that runs (the fp32 default on a GPU machine
-    with TE installed used to stop at parse)."""
+    installed and the dtype is one their kernels take (bf16 / fp16), else sdpa -- flex only on
+    CUDA when ``max_tokens`` is above ``sdpa_limit``: ``auto`` picks something that runs (the
+    fp32 default on a GPU machine with TE installed used to stop at parse).
+
+    ``sdpa_limit``: the most tokens the sdpa backend serves in its layout,
+    :func:`megatron_fastpath.packed_seq.cache.sdpa_max_tokens` (the one home of that rule):
+    the [T, T] mask's limit when sdpa attends through the mask, None when its layout is or can
+    be the padded view, which has no mask (then the mask's limit never pushes auto off sdpa)."""
     if backend == "auto":
         from megatron_fastpath._optional import have
 
@@ -62,10 +68,12 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
             resolved = "te"
         elif device.type == "cuda" and half and have("flash_attn"):
             resolved = "flash"
-        elif device.type == "cuda" and max_tokens > sdpa_limit:
-            resolved = "flex"
+        elif device.type == "cuda" and sdpa_limit is not None and max_tokens > sdpa_limit:
+            resolved = "flex"  # sdpa's layout is the [T, T] mask, refused above its limit
         else:
-            resolved = "sdpa"  # on CPU above the mask limit this raises with the alternatives
+            # on CPU above the mask limit (sdpa_layout=mask) the cache refuses the mask, naming
+            # the alternatives (the padded view, flex / flash / te, a higher limit)
+            resolved = "sdpa"
     elif backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
     else:
@@ -151,10 +159,9 @@ class PackedCoreAttention(MegatronModule):
         if refused:
             raise ValueError(refused[0])
         self.cache = cache
-        # the padded view builds no [T, T] mask, so the mask's size limit does not apply to it
-        sdpa_limit = cache.config.max_tokens if cache.config.sdpa_padded else cache.config.sdpa_mask_max_tokens
-        self.backend = resolve_backend(
-            backend, cache.device, cache.config.max_tokens, sdpa_limit, dtype=config.params_dtype,
+        self.backend = resolve_backend(  # the mask's size limit binds the mask layout only
+            backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
+            dtype=config.params_dtype,
         )
         self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
         self.cp_group = None
@@ -319,24 +326,25 @@ class PackedCoreAttention(MegatronModule):
 
     def _forward_sdpa_padded(self, q, k, v, params):
         """Causal SDPA on the packed-to-padded view: S rows of M tokens, one sequence per row,
-        left-aligned (q, k, v gathered through ``pad_gather_SM``; empty cells read an appended
-        zero row). Right padding needs no mask under causality: a real query at position i
-        sees keys 0..i of its own row, all real. Outputs of empty cells are dropped by the
-        scatter back (``pad_scatter_T``); padding tokens get zeros."""
+        left-aligned (q, k, v gathered through ``pad_gather_SM``, whose indices all lie in
+        [0, T): no zero row is appended, i.e. no [T + 1, h, d] copy per tensor and layer).
+        Right padding needs no mask under causality: a real query at position i sees keys
+        0..i of its own row, all real, so what an empty cell holds (token 0) reaches no real
+        output, and its gradient is exactly zero. Outputs of empty cells are dropped by the
+        scatter back (``pad_scatter_T``); padding tokens get zeros (one in-place fill)."""
         gather_SM = params.pad_gather_SM
         s_rows, m = gather_SM.shape
 
         def padded(x_THd):  # [T, h, d] -> [S, h, M, d]
-            x_ext = torch.cat([x_THd, x_THd.new_zeros((1,) + x_THd.shape[1:])])
-            return x_ext[gather_SM].transpose(1, 2)
+            return x_THd[gather_SM].transpose(1, 2)
 
         with self._dropout_rng():
             out_ShMd = F.scaled_dot_product_attention(
                 padded(q), padded(k), padded(v), is_causal=True, dropout_p=self._dropout(),
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         out_flat = out_ShMd.transpose(1, 2).reshape(s_rows * m, q.shape[1], -1)
-        out_flat = torch.cat([out_flat, out_flat.new_zeros((1,) + out_flat.shape[1:])])
-        return out_flat[params.pad_scatter_T]
+        out_THd = out_flat[params.pad_scatter_T]  # a fresh tensor: filled in place
+        return out_THd.masked_fill_(params.real_token_mask_T.logical_not().view(-1, 1, 1), 0)
 
     def _forward_flex(self, q, k, v, params):
         if self._dropout() > 0:

@@ -69,10 +69,12 @@ __all__ = [
     "PackedBatch",
     "PackedSeqCache",
     "PackedSeqConfig",
+    "sdpa_max_tokens",
     "seqlen_bound",
 ]
 
-# The SDPA mask costs T^2 x (2 or 4) bytes per slot; above this many tokens SDPA is refused.
+# The SDPA mask costs T^2 x (2 or 4) bytes per slot; above this many tokens it is refused (the
+# sdpa backend then attends through the padded view, which has no mask: sdpa_max_tokens).
 DEFAULT_SDPA_MASK_MAX_TOKENS = 16384
 SDPA_LAYOUTS = ("auto", "mask", "padded")
 # sdpa_layout=auto takes the padded view when it computes this many times fewer scores than the
@@ -81,6 +83,21 @@ SDPA_LAYOUTS = ("auto", "mask", "padded")
 # 6 sequences) -> the mask 1.9x faster; 21x fewer (T 4096, 48) -> the padded view 7.9x faster.
 PADDED_VIEW_MIN_SAVING = 4
 SEQLEN_BUCKET = 64  # a data-derived max_seqlen is the longest sequence rounded up to this
+
+
+def sdpa_max_tokens(sdpa_layout: str = "auto", mask_max_tokens: int = DEFAULT_SDPA_MASK_MAX_TOKENS,
+                    context_parallel_size: int = 1) -> Optional[int]:
+    """The most packed tokens the ``sdpa`` backend serves in ``sdpa_layout``; None = no limit.
+
+    The one home of the rule (``resolve_backend``'s ``auto`` reads it through the parse, the
+    layer spec and the attention): only the [T, T] mask has a size limit. It binds when the
+    backend must attend through the mask -- ``sdpa_layout="mask"``, or any layout with context
+    parallelism (the padded view is not built for CP). ``"padded"`` has no mask, and ``"auto"``
+    takes the padded view whenever the mask would be over its limit
+    (:attr:`PackedSeqConfig.sdpa_padded`), so neither has a limit."""
+    if sdpa_layout == "mask" or context_parallel_size > 1:
+        return mask_max_tokens
+    return None
 
 
 def seqlen_bound(longest: int, max_tokens: int) -> int:
@@ -112,7 +129,8 @@ class PackedSeqConfig:
         ``max_seqs`` rows of ``max_seqlen`` tokens, plain causal attention per row: S x M^2
         scores, no mask) or "auto" (:attr:`sdpa_padded`: the padded view when it computes at
         least :data:`PADDED_VIEW_MIN_SAVING` times fewer scores, 4 S M^2 < T^2 -- many short
-        sequences; the mask when a few long ones fill T).
+        sequences -- or when T is above ``sdpa_mask_max_tokens``, where no mask is built; the
+        mask when a few long ones fill T).
     """
 
     max_tokens: int
@@ -176,7 +194,14 @@ class PackedSeqConfig:
             return False
         if self.sdpa_layout != "auto":
             return self.sdpa_layout == "padded"
+        if self.max_tokens > self.sdpa_mask_max_tokens:  # the mask would be refused: sdpa_max_tokens
+            return True
         return PADDED_VIEW_MIN_SAVING * self.max_seqs * self.max_seqlen_bound ** 2 < self.max_tokens ** 2
+
+    @property
+    def sdpa_max_tokens(self) -> Optional[int]:
+        """:func:`sdpa_max_tokens` of this config (None: the sdpa backend has no token limit)."""
+        return sdpa_max_tokens(self.sdpa_layout, self.sdpa_mask_max_tokens, self.context_parallel_size)
 
 
 # The flex BlockMask fields, in BlockMask's constructor order; Q / K blocks of FLEX_BLOCK tokens.
@@ -206,9 +231,11 @@ class CachedPackedSeqParams(PackedSeqParams):
     flex_*: the ``BlockMask`` index tensors ([1, 1, Q] / [1, 1, Q, K] int32) of the same mask.
     pad_gather_SM: [S, M] int64, the packed-to-padded view: row s holds sequence s's tokens
         (their index in [0, T)) left-aligned; cells past a sequence's end and rows past the
-        batch's sequences hold T (a zero row appended by the reader).
-    pad_scatter_T: [T] int64, back again: the flat cell s * M + position of each token; S * M
-        (the appended zero row) for padding tokens.
+        batch's sequences hold 0 (every index is in [0, T): the reader gathers without
+        appending a row; an empty cell sits after every real one of its row, so under
+        causality no real query attends it, and its output is dropped).
+    pad_scatter_T: [T] int64, back again: the flat cell s * M + position of each token, in
+        [0, S * M); 0 for padding tokens (the reader zeroes them with ``real_token_mask_T``).
 
     With context parallelism (``PackedSeqConfig.context_parallel_size`` = CP > 1; see
     :mod:`megatron_fastpath.packed_seq.context_parallel`) the token fields above hold this rank's
@@ -561,12 +588,14 @@ class PackedSeqCache:
         slot.params.rope_freqs_T11D.copy_(emb_TD[:, None, None, :])
 
     def _check_sdpa_size(self):
-        t = self.config.max_tokens
-        if t > self.config.sdpa_mask_max_tokens:
+        t, c = self.config.max_tokens, self.config
+        if t > c.sdpa_mask_max_tokens:
+            padded = ("context parallelism attends through it" if c.context_parallel_size > 1
+                      else "sdpa_layout='padded' or 'auto' (the packed-to-padded view, no mask)")
             raise ValueError(
-                f"the SDPA backend needs a {t}x{t} mask ({t * t / 2**20:.0f} Mi elements) per "
-                f"slot, above the limit sdpa_mask_max_tokens={self.config.sdpa_mask_max_tokens}; "
-                "use the 'flex', 'flash' or 'te' backend (no dense mask) or raise the limit"
+                f"the SDPA backend's mask layout needs a {t}x{t} mask ({t * t / 2**20:.0f} Mi "
+                f"elements) per slot, above the limit sdpa_mask_max_tokens={c.sdpa_mask_max_tokens};"
+                f" use the 'flex', 'flash' or 'te' backend (no dense mask), {padded}, or raise the limit"
             )
 
     def _allocate_sdpa_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
@@ -611,16 +640,18 @@ class PackedSeqCache:
     def _build_sdpa_padded(self, slot: _Slot) -> None:
         """The packed-to-padded index pair, from the slot's sequence ids and positions on the
         device (no host read): token t of sequence s at position i sits in cell s * M + i;
-        every other cell gathers the zero row T, every padding token scatters from the zero
-        row S * M (the gather buffer's extra last cell absorbs their writes)."""
+        every other cell gathers token 0, every padding token scatters from cell 0 -- indices
+        that never point past the tensors they index, so the reader appends no zero row (the
+        gather buffer's extra last cell only absorbs the padding tokens' writes here)."""
         p, t = slot.params, self.config.max_tokens
         s_rows, m = p.pad_gather_SM.shape
         if self._arange_T is None:
             self._arange_T = torch.arange(t, dtype=torch.int32, device=self.device)
         seq_T = p.seq_ids_T.to(torch.int64)
-        cell_T = torch.where(seq_T >= 0, seq_T * m + p.position_ids_T.to(torch.int64), s_rows * m)
-        p.pad_scatter_T.copy_(cell_T)
-        slot.pad_gather_ext.fill_(t).scatter_(0, cell_T, self._arange_T.to(torch.int64))
+        real_T = seq_T >= 0
+        cell_T = torch.where(real_T, seq_T * m + p.position_ids_T.to(torch.int64), s_rows * m)
+        slot.pad_gather_ext.zero_().scatter_(0, cell_T, self._arange_T.to(torch.int64))
+        p.pad_scatter_T.copy_(cell_T).masked_fill_(real_T.logical_not_(), 0)
 
     def _allocate_flex_block_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
         nb = -(-self.config.max_tokens // FLEX_BLOCK)

@@ -345,11 +345,13 @@ def parse_job_config(cfg: Any) -> JobConfig:
     facts = _run_facts(par, fast, features, is_moe, device, train.dtype)
     _refuse(rules.refusals(facts))  # the rules shared with the hooks (megatron_fastpath.rules)
     _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
-    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS
+    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
 
     if fast.sdpa_layout not in SDPA_LAYOUTS:
         raise ValueError(f"fastpath.sdpa_layout must be one of {', '.join(SDPA_LAYOUTS)}; got {fast.sdpa_layout!r}")
-    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, DEFAULT_SDPA_MASK_MAX_TOKENS,
+    # the mask's size limit binds only the [T, T] mask layout (sdpa_max_tokens: the padded view has none)
+    sdpa_limit = sdpa_max_tokens(fast.sdpa_layout, DEFAULT_SDPA_MASK_MAX_TOKENS, par.context_parallel_size)
+    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, sdpa_limit,
                               dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")

@@ -116,9 +116,9 @@ def test_te_backend_passes_attn_mask_type_and_no_padded_cu_seqlens(mcore_paralle
     assert_same_as_sdpa(out, grads, lengths)
 
 
-def _cuda_cache():
+def _cuda_cache(config=None):
     return types.SimpleNamespace(device=torch.device("cuda"),
-                                 config=types.SimpleNamespace(max_tokens=T, sdpa_mask_max_tokens=16384))
+                                 config=config or PackedSeqConfig(max_tokens=T, max_seqs=4))
 
 
 def test_auto_picks_a_backend_that_runs_the_dtype(monkeypatch):
@@ -134,6 +134,20 @@ def test_auto_picks_a_backend_that_runs_the_dtype(monkeypatch):
     monkeypatch.setattr(_optional, "have", lambda name: name == "flash_attn")
     assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.bfloat16) == "flash"
     assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.float32) == "sdpa"
+
+
+@pytest.mark.parametrize("layout, backend", [("auto", "sdpa"), ("padded", "sdpa"), ("mask", "flex")])
+def test_layer_spec_auto_above_the_mask_limit_keeps_sdpa_for_the_padded_view(monkeypatch, layout, backend):
+    """Issue 25 review: the layer spec gave resolve_backend the mask's size limit whatever the
+    layout, so auto on CUDA (no TE / flash-attn) took flex above it though the padded view has
+    no mask; only the mask layout is bound by it (``PackedSeqConfig.sdpa_max_tokens``)."""
+    monkeypatch.setattr(_optional, "have", lambda name: False)
+    cfg = PackedSeqConfig(max_tokens=40000, max_seqs=8, sdpa_layout=layout)
+    spec = get_fastpath_layer_spec(_cuda_cache(cfg), backend="auto", linear_impl="local",
+                                   params_dtype=torch.float32)
+    assert spec.submodules.self_attention.submodules.core_attention.params["backend"] == backend
+    assert core_attention.resolve_backend("auto", torch.device("cuda"), 40000, cfg.sdpa_max_tokens,
+                                          dtype=torch.float32) == backend
 
 
 @pytest.mark.parametrize("backend", ["te", "flash"])

@@ -6,6 +6,7 @@ index buffers built on the device from the slot's ids; the rule that picks the l
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fastpath.attention.core_attention import PackedCoreAttention
 from megatron_fastpath.model import ModelConfig, build_transformer_config
@@ -78,8 +79,9 @@ def test_index_buffers_built_on_the_device_without_host_reads():
     assert s.num_syncs == 0, s.summary()
     assert gather.shape == (S, M) and scatter.shape == (T,)
     assert gather[0, :3].tolist() == [0, 1, 2] and gather[1, :2].tolist() == [3, 4]
-    assert (gather[0, 3:] == T).all() and (gather[2:] == T).all()  # empty cells: the zero row
-    assert scatter[:5].tolist() == [0, 1, 2, M, M + 1] and (scatter[5:] == S * M).all()
+    # empty cells read token 0 and padding tokens cell 0: no index past the tensor it indexes
+    assert (gather[0, 3:] == 0).all() and (gather[1, 2:] == 0).all() and (gather[2:] == 0).all()
+    assert scatter[:5].tolist() == [0, 1, 2, M, M + 1] and (scatter[5:] == 0).all()
     assert cache.stats.per_kind == {"sdpa_padded": 1}  # no [T, T] mask built
     assert pb.packed_seq_params.sdpa_mask_TT is None
 
@@ -93,6 +95,27 @@ def test_index_buffers_built_on_the_device_without_host_reads():
 def test_layout_rule(layout, max_seqs, max_seqlen, padded):
     cfg = PackedSeqConfig(max_tokens=T, max_seqs=max_seqs, max_seqlen=max_seqlen, sdpa_layout=layout)
     assert cfg.sdpa_padded is padded
+
+
+def test_auto_layout_takes_the_padded_view_above_the_mask_limit():
+    """Issue 25 review: over ``sdpa_mask_max_tokens`` the mask is refused, so ``auto`` takes the
+    padded view even without its 4x saving (M = T here) and the sdpa backend has no token limit
+    (``sdpa_max_tokens``: the rule resolve_backend's auto reads); the mask layout keeps it."""
+    from megatron_fastpath.packed_seq.cache import sdpa_max_tokens
+
+    over = PackedSeqConfig(max_tokens=T, max_seqs=S, sdpa_mask_max_tokens=T // 2)
+    assert over.sdpa_padded and over.sdpa_max_tokens is None
+    under = PackedSeqConfig(max_tokens=T, max_seqs=S, sdpa_mask_max_tokens=T)
+    assert not under.sdpa_padded and under.sdpa_max_tokens is None  # auto: can still go padded
+    mask = PackedSeqConfig(max_tokens=T, max_seqs=S, sdpa_mask_max_tokens=T // 2, sdpa_layout="mask")
+    assert not mask.sdpa_padded and mask.sdpa_max_tokens == T // 2
+    cp = PackedSeqConfig(max_tokens=T, max_seqs=S, context_parallel_size=2, sdpa_mask_max_tokens=T // 2)
+    assert not cp.sdpa_padded and cp.sdpa_max_tokens == T // 2  # CP attends through the mask
+    assert [sdpa_max_tokens(layout, 100) for layout in ("auto", "padded", "mask")] == [None, None, 100]
+    cache = PackedSeqCache(mask)
+    with pytest.raises(ValueError, match=r"mask layout needs a 64x64 mask.*limit sdpa_mask_max_tokens=32"
+                                         r".*'flex', 'flash' or 'te' backend.*sdpa_layout='padded' or 'auto'"):
+        cache.register("sdpa_mask")
 
 
 def test_padded_view_lifts_the_mask_size_limit():
@@ -117,3 +140,72 @@ def test_padded_view_saves_no_t_by_t_tensor_for_backward():
                 attn(q, k, v, None, packed_seq_params=pb.packed_seq_params)
         saved[layout] = [s for s in shapes if tuple(s[-2:]) == (T, T)]
     assert saved["padded"] == [] and saved["mask"]
+
+
+class _AtenOps(TorchDispatchMode):
+    """Every aten op run while active, with the shapes of the tensors it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((func.overloadpacket, [tuple(o.shape) for o in leaves if isinstance(o, torch.Tensor)]))
+        return out
+
+
+def test_padded_view_appends_no_zero_row():
+    """Issue 25 review: the padded view appended a zero row to q, k, v and the output with
+    ``torch.cat`` in every layer -- four [T + 1, h, d] / [S M + 1, h, d] copies. Its indices now
+    never point past the tensors they index: in one forward + backward no aten op concatenates
+    (the exact count: 0, was 4) and none makes a tensor of T + 1 or S M + 1 rows."""
+    attn, cache = attention("padded")
+    q, k, v = qkv()
+    mode = _AtenOps()
+    with cache.batch([10, 22, 5, 3]) as pb:
+        with mode:
+            out = attn(q, k, v, None, packed_seq_params=pb.packed_seq_params)
+            out.sum().backward()
+    aten = torch.ops.aten
+    assert [shapes for op, shapes in mode.ops if op is aten.cat] == []
+    extended = [(op, shapes) for op, shapes in mode.ops for shape in shapes if shape[:1] in ((T + 1,), (S * M + 1,))]
+    assert extended == []
+    # the gathers: q, k, v into [S, M, h, d] and the output back to [T, h, d] -- no more
+    assert sorted(shapes[0] for op, shapes in mode.ops if op is aten.index) == sorted(
+        [(S, M, HEADS, D), (S, M, GROUPS, D), (S, M, GROUPS, D), (T, HEADS, D)])
+
+
+def _padded_with_a_zero_row(attn, q, k, v, params):
+    """The padded view as it was (a zero row appended to q, k, v and the output), from the same
+    params: empty cells read row T, padding tokens cell S * M."""
+    gather_SM = params.pad_gather_SM.clone()
+    gather_SM[gather_SM == 0] = T
+    gather_SM[0, 0] = 0  # token 0 is sequence 0's first
+    scatter_T = torch.where(params.real_token_mask_T, params.pad_scatter_T, S * M)
+
+    def padded(x_THd):
+        return torch.cat([x_THd, x_THd.new_zeros((1,) + x_THd.shape[1:])])[gather_SM].transpose(1, 2)
+
+    out_ShMd = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True,
+                                              scale=attn.softmax_scale, enable_gqa=True)
+    out_flat = out_ShMd.transpose(1, 2).reshape(S * M, HEADS, D)
+    return torch.cat([out_flat, out_flat.new_zeros((1, HEADS, D))])[scatter_T].reshape(T, -1)
+
+
+@pytest.mark.parametrize("lengths", [[10, 22, 5, 3], [32, 32], [1] * S, [7]],
+                         ids=["mixed", "two_full_rows", "max_seqs_singletons", "one"])
+def test_padded_view_without_the_zero_row_is_bit_identical(lengths):
+    """Same outputs and gradients as the zero-row version, bit for bit: what an empty cell
+    holds reaches no real query (causality, right padding) and its gradient is exactly 0."""
+    attn, cache = attention("padded")
+    results = []
+    for forward in (attn, lambda *a, packed_seq_params: _padded_with_a_zero_row(attn, *a[:3], packed_seq_params)):
+        q, k, v = qkv()
+        with cache.batch(lengths) as pb:
+            out = forward(q, k, v, None, packed_seq_params=pb.packed_seq_params)
+            (out * torch.linspace(-1, 1, T).view(T, 1)).sum().backward()
+        results.append([out.detach()] + [x.grad for x in (q, k, v)])
+    for new, old in zip(*results):
+        assert torch.equal(new, old)

@@ -4,11 +4,14 @@ losses and gradient norms as the [T, T] mask layout, and the startup line says w
 
 import pytest
 
+from tests.support.cuda_as_cpu import cuda_as_cpu
 from tests.support.hydra_compose import compose_job
 from tests.support.main_job import train_in_process
 
+from megatron_fastpath import _optional
 from megatron_fastpath.train import parse_job_config
-from megatron_fastpath.packed_seq.cache import seqlen_bound
+from megatron_fastpath.packed_seq import PackedSeqConfig
+from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, seqlen_bound
 
 # T = 512, up to 8 sequences of 8..48 tokens: bound 64, 4 * 8 * 64^2 < 512^2 -> padded view
 SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.max_seqs=8",
@@ -43,3 +46,23 @@ def test_seqlen_bound_buckets(longest, expected):
 def test_bad_layout_refused_at_parse():
     with pytest.raises(ValueError, match="fastpath.sdpa_layout must be one of auto, mask, padded"):
         parse_job_config(compose_job(["fastpath.sdpa_layout=dense"]))
+
+
+@pytest.mark.parametrize("layout, backend", [("auto", "sdpa"), ("padded", "sdpa"), ("mask", "flex")])
+def test_auto_backend_above_the_mask_limit_stays_on_sdpa_unless_the_layout_is_the_mask(
+        monkeypatch, layout, backend):
+    """Issue 25 review: on CUDA without TE / flash-attn, attention_backend=auto above the [T, T]
+    mask's limit (16384 tokens) picked flex whatever fastpath.sdpa_layout said, though the
+    padded view has no mask. The limit now binds the mask layout only (packed_seq.cache.
+    sdpa_max_tokens); auto's layout takes the padded view there, so sdpa serves it."""
+    monkeypatch.setattr(_optional, "have", lambda name: False)  # no TE, no flash-attn
+    t = 2 * DEFAULT_SDPA_MASK_MAX_TOKENS
+    with cuda_as_cpu():
+        job = parse_job_config(compose_job([
+            "training.device=cuda", f"data.max_tokens={t}", f"fastpath.sdpa_layout={layout}",
+            # the memory check reads the GPU's properties, which the CUDA-as-CPU mode has none of
+            "training.skip_memory_check=true"]))
+    assert job.device.type == "cuda" and job.attention_backend == backend
+    # the cache the job builds (train/job.py build_cache, M = T at worst) attends as chosen
+    cache = PackedSeqConfig(max_tokens=t, max_seqs=job.data.max_seqs, sdpa_layout=layout)
+    assert cache.sdpa_padded is (backend == "sdpa")
