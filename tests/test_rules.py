@@ -122,6 +122,14 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
                                            is_moe=True))
     assert len(expect) == 1 and "an MoE model" in expect[0]
     assert _main_job_error(["parallel.context_parallel_size=2", "model=tiny_moe"]) == expect[0]
+    # what only the resolved job knows (backend, layout, offload) is refused at parse too, with
+    # the rule's message (build_job refused these before, after the parse)
+    for overrides, facts in ((["fastpath.attention_backend=flex"], dict(attention_backend="flex")),
+                             (["fastpath.offload=true"], dict(attention_backend="sdpa", offload=True)),
+                             (["parallel.pipeline_model_parallel_size=2", "model.num_layers=2"],
+                              dict(attention_backend="sdpa", pipeline_parallel_size=2))):
+        want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2, **facts))
+        assert _main_job_error(["parallel.context_parallel_size=2", *overrides]) == want[0], overrides
     for facts in (dict(attention_backend="flex"), dict(sequence_parallel=True),
                   dict(pipeline_parallel_size=2), dict(offload=True), dict(graphs_requested=True)):
         assert len(rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,

@@ -46,6 +46,7 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
 
 
 SYNC_CHECK_MODES = ("first", "every", "off")
+DTYPES = ("float32", "bfloat16")  # training.dtype (tests/train/test_feature_matrix.py reads it)
 SYNC_CHECK_FIRST_STEPS = 3  # training.sync_check=first: steps counted, then none
 
 
@@ -220,8 +221,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, device) -> None:
-    if train.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"training.dtype must be float32 or bfloat16; got {train.dtype!r}")
+    if train.dtype not in DTYPES:
+        raise ValueError(f"training.dtype must be {' or '.join(DTYPES)}; got {train.dtype!r}")
     if train.optimizer_step not in ("auto", "sync_free", "megatron"):
         raise ValueError(
             f"training.optimizer_step must be auto, sync_free or megatron; got {train.optimizer_step!r}")
@@ -304,6 +305,9 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
         moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1 and fast.moe_capacity_factor is None,
         dtype=getattr(torch, dtype),
         fp8_attention=fp8 is not None and fp8.dot_product_attention,
+        pipeline_parallel_size=par.pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        offload=features["offload"] is not None,
     )
 
 
@@ -353,6 +357,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
     sdpa_limit = sdpa_max_tokens(fast.sdpa_layout, DEFAULT_SDPA_MASK_MAX_TOKENS, par.context_parallel_size)
     backend = resolve_backend(fast.attention_backend, device, data.max_tokens, sdpa_limit,
                               dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
+    facts = dataclasses.replace(facts, attention_backend=backend)
+    _refuse(rules.refusals(facts))  # the rules that read the resolved backend (context parallelism)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
     if par.sequence_parallel and linear_impl != "te":
@@ -361,6 +367,13 @@ def parse_job_config(cfg: Any) -> JobConfig:
             "(fastpath.linear_impl=te): Megatron's local spec uses torch norms, which refuse "
             "sequence parallelism")
     lora = features["lora"]
+    if lora is not None and device.type == "cuda" and train.dtype != "float32" and lora.dtype == "float32":
+        raise ValueError(
+            f"lora.dtype=float32 with training.dtype={train.dtype} on the GPU path: Megatron's "
+            "mixed-precision optimizer checkpoints only 16-bit parameters (its sharded_state_dict "
+            "maps its float16 groups), so the first checkpoint save would fail; leave lora.dtype "
+            "unset (adapters in the training dtype, with fp32 main copies in the optimizer) or "
+            "set training.dtype=float32")
     plan = plan_graphs_and_fp8(
         features["cuda_graphs"], features["fp8"], device,
         dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0

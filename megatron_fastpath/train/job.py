@@ -173,28 +173,12 @@ def build_reports(cache, offload, audit) -> tuple:
     return tuple(reports)
 
 
-def _refuse_unserved_context_parallel(cfg: JobConfig) -> None:
-    """The CP rule with what the job knows beyond the parse (backend, PP, SP, offload)."""
-    from megatron_fastpath import rules
-
-    par = cfg.parallel
-    reasons = rules.refusals(rules.RunFacts(
-        names=rules.NAMES["main"], context_parallel_size=par.context_parallel_size,
-        attention_backend=cfg.attention_backend, is_moe=cfg.is_moe,
-        pipeline_parallel_size=par.pipeline_model_parallel_size,
-        sequence_parallel=par.sequence_parallel,
-        offload=cfg.offload is not None))
-    if reasons:
-        raise ValueError(reasons[0])
-
-
 def build_job(cfg: JobConfig) -> Job:
     """Initialise torch.distributed / Megatron parallel state and build the job's pieces."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.graphs.config import apply_env
 
-    _refuse_unserved_context_parallel(cfg)  # before any distributed or device work
     apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise (parse did it already)
     env_set = {k: v for k, v in cfg.plan.env.items() if os.environ.get(k) == v}  # in effect
     _init_distributed(cfg)

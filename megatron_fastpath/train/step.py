@@ -242,6 +242,25 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
                      grad_norm=lambda: last.get("grad_norm"))
 
 
+ADAPTER_PARAMS = ("lora_A", "lora_B")  # LoRALinear's own parameters: kept in lora.dtype
+
+
+def cast_like_float16_module(model, dtype: torch.dtype) -> int:
+    """Every fp32 parameter but the LoRA adapters' to ``dtype``, in place (the same Parameter
+    objects), as Megatron's ``Float16Module`` casts the whole model (``module.bfloat16()``,
+    transformer/module.py) before its optimizer sees it. The local spec's norms are built in
+    fp32 whatever ``params_dtype`` says; left so, ``Float16OptimizerWithFloat16Params`` trains
+    them as "fp32_from_fp32" parameters but its ``sharded_state_dict`` maps only its 16-bit
+    groups (optimizer.py) and the first checkpoint save fails ("Param id N does not match any
+    model sharded param"). Returns how many parameters were cast."""
+    n = 0
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32 and name.rsplit(".", 1)[-1] not in ADAPTER_PARAMS:
+            p.data = p.data.to(dtype)
+            n += 1
+    return n
+
+
 def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
     """Megatron DDP around ``model``, ``get_megatron_optimizer`` (wrapped in the sync-free step
     per ``training.optimizer_step``), and the model-config hooks Megatron's training loop wires
@@ -253,6 +272,8 @@ def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    if tcfg.bf16:
+        cast_like_float16_module(model, torch.bfloat16)
     ddp = DistributedDataParallel(
         config=tcfg,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),

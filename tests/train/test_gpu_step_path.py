@@ -134,3 +134,38 @@ def test_bf16_sync_free_step_equals_megatron_step(mcore_parallel):
     for n, p in ref_params.items():
         assert torch.equal(our_params[n], p), n
     assert ours.syncs_per_step == 0 and ref.syncs_per_step > 2
+
+
+def test_bf16_gpu_path_saves_and_resumes_like_megatron(mcore_parallel, tmp_path):
+    """bf16 full training on the GPU path: every parameter is bf16 before Megatron's optimizer
+    sees it, as Megatron's ``Float16Module`` casts the model (the local spec builds its norms in
+    fp32), so ``Float16OptimizerWithFloat16Params.sharded_state_dict`` maps all of them and a
+    checkpoint saves. Before, the first save raised "Param id N does not match any model
+    sharded param". Straight 3 steps == 2 steps + save + resume + 1."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_fastpath.train import run
+
+    args = FAST + ["training.device=cuda", "training.dtype=bfloat16", "training.steps=3"]
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    runs = []
+    for extra in ([], ckpt + ["training.stop_at_step=2"], ckpt):  # run(): the job's checkpointing
+        get_cuda_rng_tracker().reset()
+        with cuda_as_cpu():
+            summary, job = run(compose_job(args + extra), return_job=True, announce=False)
+        runs.append((summary, {n: p.detach().clone() for n, p in job.model.named_parameters()}, job))
+    (straight, params, job), (first, _, _), (resumed, resumed_params, _) = runs
+    assert {p.dtype for p in job.model.parameters()} == {torch.bfloat16}
+    assert [s["step"] for s in first.checkpoint_saves] == [2]
+    assert [(r.step, r.loss) for r in resumed.records] == [(r.step, r.loss) for r in straight.records]
+    for n, p in params.items():
+        assert torch.equal(resumed_params[n], p), n
+
+
+def test_fp32_adapters_in_bf16_refused_on_the_gpu_path():
+    """fp32 LoRA adapters next to bf16 weights would be "fp32_from_fp32" parameters, which
+    Megatron's 16-bit optimizer cannot checkpoint: refused at parse, with the fix."""
+    with cuda_as_cpu():
+        with pytest.raises(ValueError, match="lora.dtype=float32 with training.dtype=bfloat16 on the GPU path"):
+            parse_job_config(compose_job(FAST + ["training.device=cuda", "training.dtype=bfloat16",
+                                                 "fastpath.lora=true", "lora.dtype=float32"]))

@@ -1,0 +1,181 @@
+"""Test-only: the GPU stand-ins of a CPU run of the main job on ``training.device=cuda`` with
+CUDA graphs captured -- :func:`gpu_standins` installs them all -- and the two it adds to
+``cuda_as_cpu.py`` / ``fake_cuda_graph.py`` / ``gpu_standins.py``:
+
+* :func:`flash_attn_varlen_func`, a flash-attn varlen stand-in a (fake) CUDA graph can capture
+  and replay. ``gpu_standins.flash_attn_varlen_func`` loops over ``cu_seqlens.tolist()`` in
+  Python: a host read, which the CUDA-graph stand-in refuses during capture, and a loop a
+  replay would freeze at the captured packing. The real kernel reads ``cu_seqlens`` on the
+  device, so a captured layer replays any packing; here too: each row's sequence comes from
+  ``searchsorted`` over ``cu_seqlens`` on the device and attention is one masked SDPA call.
+  Same contract otherwise (flash-attn 2.8's signature, causal within each sequence, GQA by
+  head repetition, output rows outside every sequence uninitialised -- NaN here). Not
+  modelled: the ``max_seqlen`` bound (a host check), dropout.
+* :class:`FakeCudaTorchGenerator`, the fake CUDA generator as a ``torch.Generator``.
+* :class:`FakeCUDAGraphReplayingCollectives`, the fake CUDA graph replaying captured collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import os
+import sys
+import types
+from typing import Iterator
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+from tests.support.fake_cuda_graph import FakeCUDAGraph, _Op
+
+
+def _row_mask(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, T] bool: query row i may attend key j, [T] bool: row i is inside a sequence)."""
+    pos = torch.arange(T, device=cu_seqlens.device)
+    bounds = cu_seqlens.to(pos.dtype)
+    seq = torch.searchsorted(bounds[1:].contiguous(), pos, right=True)  # empty sequences skipped
+    inside = pos < bounds[-1]
+    mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]) & inside[:, None]
+    return mask, inside
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    assert causal and dropout_p == 0.0
+    T, heads = q.shape[0], q.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    mask, inside = _row_mask(cu_seqlens_q, T)
+    rep = heads // k.shape[1]
+    qs, ks, vs = (x.transpose(0, 1) for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    # a row outside every sequence has no key: keep it out of the softmax, then NaN it
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask | ~inside[:, None], scale=scale)
+    out = out.transpose(0, 1)
+    return torch.where(inside[:, None, None], out, torch.full_like(out, float("nan")))
+
+
+def graph_safe_flash_attn_module() -> types.ModuleType:
+    """A ``flash_attn`` module for ``sys.modules`` (install with monkeypatch.setitem and clear
+    ``megatron_fastpath._optional._try_import``'s cache)."""
+    mod = types.ModuleType("flash_attn")
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.__version__ = "2.8.3"
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # importlib.util.find_spec reads it
+    return mod
+
+
+class FakeCudaTorchGenerator(torch.Generator):
+    """A CUDA generator's graph-safe API (``clone_state``, ``graphsafe_get_state`` /
+    ``graphsafe_set_state``) on a CPU ``torch.Generator`` -- an instance of ``torch.Generator``,
+    as a real CUDA generator and every state Megatron's graph-safe RNG tracker clones from it
+    are (the package's checkpoint RNG capture, ``checkpoint/rng.py``, relies on it;
+    ``fake_cuda_graph.FakeCudaGenerator`` is a plain object)."""
+
+    def clone_state(self):
+        g = FakeCudaTorchGenerator()
+        g.set_state(self.get_state())
+        return g
+
+    def graphsafe_get_state(self):
+        return self
+
+    def graphsafe_set_state(self, other):
+        if other is not self:
+            self.set_state(other.get_state())
+
+
+def _waited(collective):
+    """``collective`` (a c10d op, which returns its Work) run to completion."""
+
+    def run(*args, **kwargs):
+        out = collective(*args, **kwargs)
+        for work in tree_flatten(out)[0]:
+            if hasattr(work, "wait") and not isinstance(work, torch.Tensor):
+                work.wait()
+        return out
+
+    return run
+
+
+class FakeCUDAGraphReplayingCollectives(FakeCUDAGraph):
+    """``fake_cuda_graph.FakeCUDAGraph`` whose replay also re-issues the ``c10d`` collectives
+    captured in it (and waits for them), as a real graph replays a captured NCCL kernel. The
+    base class records them but skips them on replay: their schemas
+    (``c10d.alltoall_base_(Tensor output, ...) -> Work``) do not mark the output as written, so
+    a replay read the buffers of the capture step (an EP=2 MoE layer replayed with the tokens
+    received at capture: losses off the eager run's from step 2 on)."""
+
+    def _record(self, func, args, kwargs, out):
+        if func.namespace == "c10d":
+            self.ops.append(_Op(_waited(func), args, kwargs, (), True))
+        else:
+            super()._record(func, args, kwargs, out)
+
+
+def _require_with_te_standins(real_require):
+    """``core_attention.require`` with Transformer Engine answered by the stand-ins (its
+    attention and fused RoPE only: TE's linears, FP8 and RNG tracker stay missing)."""
+
+    def require(name, feature, alternatives=""):
+        if name.startswith("transformer_engine"):
+            return types.SimpleNamespace(__name__=name)
+        return real_require(name, feature, alternatives)
+
+    return require
+
+
+@contextlib.contextmanager
+def gpu_standins() -> Iterator[None]:
+    """The GPU stand-in environment of a CPU run of the main job with ``training.device=cuda``:
+
+    * ``tests.support.megatron_graphs.graph_session`` -- the CUDA-as-CPU mode, the fake CUDA
+      graph (capture records, replay re-runs; a host read during capture raises) and a clean
+      Megatron graph state, restored on exit;
+    * collectives captured in a graph replayed with it (:class:`FakeCUDAGraphReplayingCollectives`);
+    * the fake CUDA generator as a ``torch.Generator`` (:class:`FakeCudaTorchGenerator`);
+    * ``torch.cuda.nvtx`` ranges as no-ops (the offload manager marks its copies with them;
+      a CPU build of torch raises "NVTX functions not installed");
+    * flash-attn: this module's graph-safe varlen stand-in in ``sys.modules``;
+    * Transformer Engine's attention: ``gpu_standins.TEDotProductAttentionStandIn`` and its
+      fused RoPE, through ``core_attention``'s seams (TE's linears, FP8 and RNG tracker are
+      not stood in: what needs them stays refused as missing);
+    * the environment variables a graph plan sets (``apply_env``) are restored on exit.
+    """
+    from megatron_fastpath import _optional
+    from megatron_fastpath.attention import core_attention
+    from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
+    from tests.support.megatron_graphs import graph_session
+
+    TEDotProductAttentionStandIn.calls = []
+    patches = [
+        mock.patch.dict(os.environ),
+        mock.patch.object(core_attention, "_te_dot_product_attention_cls",
+                          lambda: TEDotProductAttentionStandIn),
+        mock.patch.object(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb),
+        mock.patch.object(core_attention, "require", _require_with_te_standins(core_attention.require)),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        # one key of sys.modules (patch.dict would drop every module imported in the block)
+        before = sys.modules.get("flash_attn")
+        sys.modules["flash_attn"] = graph_safe_flash_attn_module()
+        stack.callback(lambda: sys.modules.__setitem__("flash_attn", before) if before is not None
+                       else sys.modules.pop("flash_attn", None))
+        _optional._try_import.cache_clear()
+        stack.callback(_optional._try_import.cache_clear)
+        stack.enter_context(graph_session())
+        for p in (mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraphReplayingCollectives),
+                  mock.patch("torch.cuda.default_generators", (FakeCudaTorchGenerator(),)),
+                  mock.patch("torch.cuda.nvtx.range_push", lambda *a, **k: 0),
+                  mock.patch("torch.cuda.nvtx.range_pop", lambda *a, **k: 0)):
+            stack.enter_context(p)
+        yield
+
+
+__all__ = ["FakeCUDAGraphReplayingCollectives", "FakeCudaTorchGenerator", "flash_attn_varlen_func",
+           "gpu_standins", "graph_safe_flash_attn_module"]
