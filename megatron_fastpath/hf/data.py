@@ -26,7 +26,8 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
-           "DataError", "DataSource", "resolve_source", "bad_record_counts"]
+           "DataError", "DataSource", "resolve_source", "bad_record_counts", "eval_prompts",
+           "stop_token_ids", "build_eval_prompts"]
 
 CACHE_VERSION = 4  # bump when tokenization, masking or the cache layout changes
 
@@ -43,6 +44,9 @@ class JsonlDataConfig:
     max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
     eval_fraction: held-out share of records (at least one record when > 0).
     eval_every: held-out loss every this many steps (0: only before and after training).
+    eval_samples: at each evaluation, the model's greedy completion of the first this many
+        held-out prompts, printed and written to the metrics directory (0: none).
+    eval_max_new_tokens: the most tokens each completion runs to (it stops earlier at EOS).
     bad_records: error | skip (bad records and records longer than max_tokens; counted by reason).
     cache: cache tokenized records beside the data file.
     format: auto (detected per record from its keys, as TRL does) | messages |
@@ -55,6 +59,8 @@ class JsonlDataConfig:
     max_seqs: int = 32
     eval_fraction: float = 0.1
     eval_every: int = 10
+    eval_samples: int = 0
+    eval_max_new_tokens: int = 32
     bad_records: str = "error"
     cache: bool = True
     seed: int = 1234
@@ -72,6 +78,15 @@ class JsonlDataConfig:
             raise DataError(f"data.eval_every must be >= 0; got {self.eval_every}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise DataError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
+        if self.eval_samples < 0:
+            raise DataError(f"data.eval_samples must be >= 0 (0: no samples); got {self.eval_samples}")
+        if self.eval_max_new_tokens < 1:
+            raise DataError(f"data.eval_max_new_tokens must be >= 1; got {self.eval_max_new_tokens}")
+        if self.eval_samples and self.eval_fraction == 0:
+            raise DataError(
+                f"data.eval_samples={self.eval_samples} completes held-out prompts, but "
+                "data.eval_fraction=0 holds out no records: set data.eval_fraction > 0 (e.g. 0.1) "
+                "or data.eval_samples=0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,3 +594,62 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
                   too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
                   train_records=len(train_idx), eval_records=len(eval_idx))
     return subset(train_idx), (subset(eval_idx) if eval_idx else None), report
+
+
+def _checkpoint_eos_ids(model_dir: Optional[str]) -> set:
+    """``eos_token_id`` (an id or a list) of the checkpoint's generation_config.json, else of
+    its config.json: where transformers' ``generate`` reads its stop tokens."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name) if model_dir else None
+        if not path or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+    return set()
+
+
+def stop_token_ids(tokenizer, model_dir: Optional[str] = None) -> frozenset:
+    """The tokens a sampled completion stops at: the tokenizer's EOS (the end-of-turn token of
+    a chat tokenizer, e.g. <|eot_id|>) and the checkpoint's ``eos_token_id``(s)."""
+    ids = _checkpoint_eos_ids(model_dir)
+    if tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    return frozenset(ids)
+
+
+def eval_prompts(held: JsonlDataset, n: int) -> tuple:
+    """(prompt ids, reference ids) of the first ``n`` held-out records (record order): the
+    prompt is every token before the first loss token (a chat record: what the template renders
+    before the assistant reply, generation prompt included; prompt / completion: the prompt),
+    the reference the reply's tokens up to the end of that first trained span."""
+    out = []
+    for tok, loss in held.samples[:n]:
+        trained = np.flatnonzero(loss[:-1] > 0)  # loss[j]: position j predicts token j + 1
+        if not len(trained):  # pragma: no cover - refused when tokenized (no_loss_token)
+            continue
+        start = int(trained[0]) + 1
+        end = start
+        while end < len(tok) and loss[end - 1] > 0:
+            end += 1
+        out.append((tuple(int(t) for t in tok[:start]), tuple(int(t) for t in tok[start:end])))
+    return tuple(out)
+
+
+def build_eval_prompts(cfg: JsonlDataConfig, held: Optional[JsonlDataset], tokenizer_path: str,
+                       model_dir: Optional[str] = None):
+    """The ``providers.EvalPrompts`` of ``data.eval_samples`` (None when it is 0 or nothing is
+    held out): the first held-out prompts, the stop tokens, and the tokenizer's decoding."""
+    if not cfg.eval_samples or held is None:
+        return None
+    from megatron_fastpath.hf.tokenizer import ChatTokenizer
+    from megatron_fastpath.providers import EvalPrompts
+
+    tok = ChatTokenizer(cfg.tokenizer_path or tokenizer_path)
+    return EvalPrompts(
+        prompts=eval_prompts(held, cfg.eval_samples),
+        stop_ids=stop_token_ids(tok, model_dir),
+        max_new_tokens=cfg.eval_max_new_tokens,
+        decode=lambda ids: tok.tokenizer.decode(ids, skip_special_tokens=False),
+        decode_reply=lambda ids: tok.tokenizer.decode(ids, skip_special_tokens=True))

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 __all__ = [
-    "DataParts", "DataProvider", "ExportConfig", "ModelProvider", "ModelSource", "PackedDataSettings",
+    "DataParts", "DataProvider", "EvalPrompts", "ExportConfig", "ModelProvider", "ModelSource", "PackedDataSettings",
     "data_provider",
     "model_provider", "pop_provider_key", "register_data_provider", "register_model_provider",
 ]
@@ -69,6 +69,7 @@ class DataParts:
     eval_bins: tuple = ()
     report: Optional[dict] = None
     evaluate: bool = False
+    eval_prompts: Optional["EvalPrompts"] = None  # held-out prompts to complete at each evaluation
 
     @property
     def longest_sequence(self) -> int:
@@ -76,6 +77,22 @@ class DataParts:
         packed cache is sized by (its ``max_seqlen``)."""
         bins = tuple(self.train.bins) + tuple(self.eval_bins)
         return max(int(mb.lengths.max()) for mb in bins)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPrompts:
+    """Held-out prompts the evaluator completes greedily at each evaluation (``data.eval_samples``).
+
+    prompts: (prompt token ids, reference reply token ids) per sample, the same on every rank.
+    stop_ids: tokens a completion stops at (EOS / end of turn; included in the completion).
+    max_new_tokens: the most tokens a completion runs to. decode: token ids -> text (special
+    tokens kept); decode_reply: token ids -> text without special tokens."""
+
+    prompts: tuple
+    stop_ids: frozenset
+    max_new_tokens: int
+    decode: Callable[[list], str]
+    decode_reply: Callable[[list], str]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Evaluator", "EvalResult", "perplexity"]
+__all__ = ["Evaluator", "EvalResult", "EvalSample", "perplexity", "greedy_complete"]
 
 
 def perplexity(loss: float) -> float:
@@ -20,12 +20,33 @@ def perplexity(loss: float) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSample:
+    """One held-out prompt and the model's greedy completion (``data.eval_samples``).
+
+    index: the sample's number (the order of the held-out records). prompt / completion /
+    reference: decoded text (the prompt with its special tokens, the completion and the
+    record's own reply without). stop: why the completion ended -- eos (a stop token, kept in
+    ``completion_ids``), max_new_tokens, or max_tokens (the packed cache holds no longer
+    sequence)."""
+
+    index: int
+    prompt: str
+    completion: str
+    reference: str
+    prompt_ids: tuple
+    completion_ids: tuple
+    stop: str
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalResult:
     """Token-weighted held-out loss, its perplexity, and the share of loss tokens whose
-    greedy (argmax) prediction is the label (None when the model gives no logits)."""
+    greedy (argmax) prediction is the label (None when the model gives no logits); ``samples``:
+    the greedy completions of held-out prompts (on data-parallel rank 0; empty elsewhere)."""
 
     loss: float
     token_accuracy: Optional[float] = None
+    samples: tuple = ()
 
     @property
     def perplexity(self) -> float:
@@ -49,6 +70,59 @@ def vocab_parallel_argmax(logits_1TV: torch.Tensor) -> torch.Tensor:
     return torch.stack(idxs).gather(0, winner_1T)[0]
 
 
+def _context_parallel_gather(pred_1T: torch.Tensor, pb, max_tokens: int) -> torch.Tensor:
+    """[T] predictions of the whole packed batch from each context-parallel rank's [1, T / CP]
+    share (its tokens' places in the batch: ``cp_token_index_T``; T for padding); the local
+    predictions without CP."""
+    from megatron.core import parallel_state as ps
+
+    index_T = pb.packed_seq_params.cp_token_index_T
+    if index_T is None:
+        return pred_1T[0]
+    full = torch.zeros(max_tokens + 1, dtype=pred_1T.dtype, device=pred_1T.device)
+    full.index_copy_(0, index_T, pred_1T[0])  # distinct places; the padding rows land at T
+    full[max_tokens] = 0
+    torch.distributed.all_reduce(full, group=ps.get_context_parallel_group())
+    return full[:max_tokens]
+
+
+@torch.no_grad()
+def greedy_complete(model, cache, prompt_ids, stop_ids, max_new_tokens: int, device) -> tuple:
+    """(completion ids, why it stopped) of greedy decoding from ``prompt_ids``: one full forward
+    of the packed runtime per new token (one sequence in the packed batch, no KV cache), the
+    next token the argmax of the last position's logits (over the whole vocabulary under TP);
+    it stops after a token of ``stop_ids`` ("eos"), after ``max_new_tokens`` tokens, or when
+    the sequence fills the cache's longest sequence ("max_tokens"). Every rank of the tensor-
+    and context-parallel group runs it with the same prompt (their forwards communicate)."""
+    from megatron_fastpath.data import PackedMicrobatch
+    from megatron_fastpath.packed_seq.runtime import cp_local, forward
+
+    import numpy as np
+
+    T = cache.config.max_tokens
+    limit = min(T, cache.config.max_seqlen_bound)
+    seq, out = list(prompt_ids), []
+    while True:
+        if len(out) >= max_new_tokens:
+            return tuple(out), "max_new_tokens"
+        if len(seq) >= limit:
+            return tuple(out), "max_tokens"
+        n = len(seq)
+        tokens = torch.zeros(1, T, dtype=torch.long)
+        tokens[0, :n] = torch.tensor(seq, dtype=torch.long)
+        mb = PackedMicrobatch(tokens, torch.zeros_like(tokens), torch.zeros(1, T),
+                              np.asarray([n], dtype=np.int64), 0)
+        with cache.batch(mb.lengths) as pb:
+            tokens_1T = cp_local(pb, tokens.to(device))
+            logits_1TV = forward(model, pb, tokens_1T)
+            pred_T = _context_parallel_gather(vocab_parallel_argmax(logits_1TV), pb, T)
+            nxt = int(pred_T[n - 1])  # the host read of one id per token (between steps)
+        seq.append(nxt)
+        out.append(nxt)
+        if nxt in stop_ids:
+            return tuple(out), "eos"
+
+
 class Evaluator:
     """Held-out loss, perplexity and token accuracy: sums over all ranks' bins of masked
     per-token losses and of correct greedy predictions, over the loss tokens (token-weighted,
@@ -56,10 +130,11 @@ class Evaluator:
     ``compute_language_model_loss`` of the logits, as in training. Reads the result to the host:
     run between steps, never inside one."""
 
-    def __init__(self, model, cache, bins: tuple, device):
+    def __init__(self, model, cache, bins: tuple, device, prompts=None):
         from megatron_fastpath.packed_seq.staging import PinnedStaging
 
         self.model, self.cache, self.bins, self.device = model, cache, bins, device
+        self.prompts = prompts  # providers.EvalPrompts (data.eval_samples); None: no samples
         self.staging = PinnedStaging(cache.config.max_tokens, device)
 
     @torch.no_grad()
@@ -96,4 +171,30 @@ class Evaluator:
                 sums, group=ps.get_data_parallel_group(with_context_parallel=True))
         total, correct, tokens = sums.tolist()
         tokens = max(tokens, 1.0)
-        return EvalResult(total / tokens, correct / tokens if logits else None)
+        return EvalResult(total / tokens, correct / tokens if logits else None, self.samples())
+
+    @torch.no_grad()
+    def samples(self) -> tuple:
+        """:class:`EvalSample` s of the held-out prompts, completed greedily on data-parallel
+        rank 0 (with its tensor- and context-parallel peers, whose forwards it needs); the other
+        data-parallel ranks return () and go on to the next step. Model in eval mode, restored."""
+        from megatron.core import parallel_state as ps
+
+        if self.prompts is None or not self.prompts.prompts:
+            return ()
+        if ps.model_parallel_is_initialized() and ps.get_data_parallel_rank() != 0:
+            return ()
+        p = self.prompts
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        try:
+            for i, (prompt, reference) in enumerate(p.prompts):
+                ids, stop = greedy_complete(self.model, self.cache, prompt, p.stop_ids,
+                                            p.max_new_tokens, self.device)
+                reply = ids[:-1] if stop == "eos" else ids
+                out.append(EvalSample(i, p.decode(list(prompt)), p.decode_reply(list(reply)),
+                                      p.decode_reply(list(reference)), tuple(prompt), ids, stop))
+        finally:
+            self.model.train(was_training)
+        return tuple(out)

@@ -102,6 +102,26 @@ def _eval_extras(loss: float, accuracy: Optional[float], lead: str = "") -> str:
     return f" ({lead}perplexity {perplexity(loss):.4g}{acc})"
 
 
+SAMPLE_PROMPT_CHARS = 80  # a sample line shows the prompt's last this many characters
+SAMPLE_COMPLETION_CHARS = 160  # and the completion's first this many
+
+
+def _clip(text: str, n: int, tail: bool = False) -> str:
+    """``text`` as a quoted literal (newlines escaped), cut to ``n`` characters with "..."
+    (its end kept when ``tail``)."""
+    if len(text) > n:
+        text = ("..." + text[-n:]) if tail else (text[:n] + "...")
+    return repr(text)
+
+
+def sample_line(sample) -> str:
+    """``sample i: prompt -> completion`` of an :class:`~megatron_fastpath.train.evaluate.EvalSample`
+    (the prompt's end: the question and the template's generation prompt)."""
+    why = "" if sample.stop == "eos" else f" [stopped: {sample.stop}]"
+    return (f"sample {sample.index}: {_clip(sample.prompt, SAMPLE_PROMPT_CHARS, tail=True)} -> "
+            f"{_clip(sample.completion, SAMPLE_COMPLETION_CHARS)}{why}")
+
+
 def _mean(values: list) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
@@ -160,6 +180,7 @@ class StepLogger:
         self.metrics = getattr(job, "metrics", None)
         self.first_step: Optional[int] = None  # the first step this process ran
         self.wall: list = [None, None]  # perf_counter at its start and after its last step
+        self._samples: dict = {}  # step -> EvalSamples printed after that step's line
 
     def print(self, text: str) -> None:
         if self.show:
@@ -208,6 +229,8 @@ class StepLogger:
             result = dataclasses.replace(result, eval_loss=evaluation.loss,
                                          eval_token_accuracy=evaluation.token_accuracy)
             self._record_eval(result.step, evaluation)
+            if evaluation.samples:  # printed after the step's line (read back one step late)
+                self._samples[result.step] = evaluation.samples
         self._emit(self.readback.push(values, result))
 
     def log_eval(self, step: int, evaluation) -> None:
@@ -215,11 +238,18 @@ class StepLogger:
         self._record_eval(step, evaluation)
         self.print(f"eval {'before training' if step == 0 else f'at step {step}'}: held-out loss "
                    f"{evaluation.loss:.4f}{_eval_extras(evaluation.loss, evaluation.token_accuracy)}")
+        self._print_samples(getattr(evaluation, "samples", ()))
+
+    def _print_samples(self, samples: tuple) -> None:
+        for sample in samples:
+            self.print(f"  {sample_line(sample)}")
 
     def _record_eval(self, step: int, evaluation) -> None:
         self.history.add_eval(step, evaluation.loss, evaluation.token_accuracy)
         if self.metrics is not None:
             self.metrics.eval(step, evaluation.loss, evaluation.token_accuracy)
+            if getattr(evaluation, "samples", ()):
+                self.metrics.samples(step, evaluation.samples)
 
     def _emit(self, prev) -> None:
         if prev is None:
@@ -244,6 +274,7 @@ class StepLogger:
             + f" | cache builds {rec.cache_builds}"
             f"{off}"
         )
+        self._print_samples(self._samples.pop(rec.step, ()))
 
     def flush(self) -> None:
         """Print the pending (last) step now (its loss is read back: call after the steps)."""

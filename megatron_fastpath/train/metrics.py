@@ -6,7 +6,8 @@ and a PNG of the loss curves at the end of a run.
 (host values: the logger reads device values back one step late) and every held-out loss.
 Scalars per step: ``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``train/grad_norm``,
 ``train/host_syncs_step``, ``train/host_syncs_fwd_bwd``, ``eval/loss``. Only global rank 0
-writes. Every backend is optional: TensorBoard needs ``tensorboard`` (``torch.utils.tensorboard``
+writes. The greedy completions of held-out prompts (``data.eval_samples``) go to
+``eval_samples.jsonl``, one JSON object per sample and evaluation. Every backend is optional: TensorBoard needs ``tensorboard`` (``torch.utils.tensorboard``
 writes the files), the plot ``matplotlib``; a missing one is reported once in the notes.
 """
 
@@ -63,6 +64,7 @@ class MetricsWriter:
         self.cfg, self.notes = cfg, []
         self.dir = cfg.dir or _hydra_run_dir()
         self.tb = self.wandb = self.log_file = None
+        self.samples_path = None  # eval_samples.jsonl once a sample was written
         self.steps, self.evals = [], []
         if rank != 0 or self.dir is None:
             self.dir = None
@@ -122,6 +124,23 @@ class MetricsWriter:
             scalars["eval/token_accuracy"] = token_accuracy
         self._write(scalars, step)
 
+    def samples(self, step: int, samples: tuple) -> None:
+        """Append the evaluation's :class:`~megatron_fastpath.train.evaluate.EvalSample` s to
+        ``eval_samples.jsonl``: step, index, prompt, completion, reference, the token ids and
+        why the completion stopped."""
+        if self.dir is None:
+            return
+        import json
+
+        self.samples_path = os.path.join(self.dir, "eval_samples.jsonl")
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps(dict(step=step, index=s.index, prompt=s.prompt,
+                                        completion=s.completion, reference=s.reference,
+                                        stop=s.stop, prompt_ids=list(s.prompt_ids),
+                                        completion_ids=list(s.completion_ids)),
+                                   ensure_ascii=False) + "\n")
+
     def _write(self, scalars: dict, step: int) -> None:
         if self.tb is not None:
             for k, v in scalars.items():
@@ -168,6 +187,8 @@ class MetricsWriter:
             self._wandb_call("finish")
         if self.log_file is not None:
             out["log"] = self.log_file.name
+        if self.samples_path is not None:
+            out["eval_samples"] = self.samples_path
         if self.cfg.plot and steps:
             path = os.path.join(self.dir, "loss_curves.png")
             try:
