@@ -42,6 +42,11 @@ class HFJobConfig:
     spec: HFModelSpec
 
 
+def _model_dir(source: ModelSource):
+    """The checkpoint directory of ``model=hf`` (its generation_config.json), else None."""
+    return source.handle.path if isinstance(source.handle, HFJobConfig) else None
+
+
 def _is_main_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -131,7 +136,7 @@ class JsonlData(DataProvider):
 
     def build(self, cfg, dp_rank: int, dp_world: int, log=print) -> DataParts:
         from megatron_fastpath.data import StepData, pack_microbatches
-        from megatron_fastpath.hf.data import load_jsonl_splits
+        from megatron_fastpath.hf.data import build_eval_prompts, load_jsonl_splits
 
         show = dp_rank == 0 and _is_main_rank()
         train, held, report = load_jsonl_splits(cfg.data, cfg.model_source.tokenizer_path,
@@ -151,7 +156,9 @@ class JsonlData(DataProvider):
                       eval_loss_tokens=held.num_loss_tokens if held else 0)
         return DataParts(StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world),
                          eval_bins=tuple(held_bins[dp_rank::dp_world]), report=report,
-                         evaluate=bool(report["eval_records"]))
+                         evaluate=bool(report["eval_records"]),
+                         eval_prompts=build_eval_prompts(cfg.data, held, cfg.model_source.tokenizer_path,
+                                                         _model_dir(cfg.model_source)))
 
 
 register_model_provider(HFModel())

@@ -216,7 +216,7 @@ def build_job(cfg: JobConfig) -> Job:
     if parts.evaluate:  # held-out bins: evaluated every data.eval_every steps
         from megatron_fastpath.train.evaluate import Evaluator
 
-        evaluator = Evaluator(model, cache, parts.eval_bins, cfg.device)
+        evaluator = Evaluator(model, cache, parts.eval_bins, cfg.device, parts.eval_prompts)
     metrics = None
     if cfg.metrics is not None:
         from megatron_fastpath.train.metrics import MetricsWriter, jsonable
