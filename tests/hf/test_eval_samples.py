@@ -148,3 +148,29 @@ def test_completions_equal_transformers_generate(sampled, tiny):
     # training changed what the model says
     assert [r["completion_ids"] for r in rows if r["step"] == 0] != [
         r["completion_ids"] for r in rows if r["step"] == STEPS]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", ["tensor_model_parallel_size=2", "context_parallel_size=2",
+                                    "data_parallel"])
+def test_two_ranks_sample_what_transformers_generates(tmp_path, tiny, layout):
+    """torchrun, 2 gloo processes: tensor parallel (both ranks run each forward; the argmax is
+    over the gathered vocabulary), context parallel (the last token's logits live on one rank)
+    and data parallel (rank 0 samples alone) -- the completions before training are the
+    checkpoint's, after it the exported weights', as transformers generates them; rank 0
+    writes each sample once."""
+    data = str(tmp_path / "chat.jsonl")
+    shutil.copy(DATA, data)
+    par = [] if layout == "data_parallel" else [f"parallel.{layout}"]
+    run = run_main_job([
+        "model=hf", f"model.path={tiny}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
+        f"export.merged_dir={tmp_path / 'merged'}", "training.steps=2", "data.eval_every=0",
+        f"data.eval_samples={SAMPLES}", f"data.eval_max_new_tokens={NEW}", *par,
+        f"metrics.dir={tmp_path / 'metrics'}", "metrics.tensorboard=false", "metrics.wandb=off",
+        "metrics.plot=false"], tmp_path, nproc=2)
+    assert run.summary["world_size"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics" / "eval_samples.jsonl")]
+    assert [(r["step"], r["index"]) for r in rows] == [(s, i) for s in (0, 2) for i in range(SAMPLES)]
+    for step, model_dir in ((0, tiny), (2, str(tmp_path / "merged"))):
+        for r in (r for r in rows if r["step"] == step):
+            assert r["completion_ids"] == _generate(model_dir, r["prompt_ids"]), (layout, r)
