@@ -60,8 +60,13 @@ def test_synthetic_data_has_no_samples_setting():
     """Synthetic data has no text (no tokenizer): the setting is not in its group."""
     from megatron_fastpath.train import parse_job_config
 
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['eval_samples'\] in config group 'data'"):
+    with pytest.raises(ValueError, match=r"data.eval_samples is a setting of data=jsonl: synthetic "
+                                         r"data has no held-out split and no text .* use model=hf "
+                                         r"model.path=<dir> data=jsonl data.path=<file>, or drop "
+                                         r"data.eval_samples$"):
         parse_job_config(compose_job(["+data.eval_samples=2"]))
+    with pytest.raises(ValueError, match=r"or drop data.eval_max_new_tokens, data.eval_samples$"):
+        parse_job_config(compose_job(["+data.eval_samples=2", "+data.eval_max_new_tokens=4"]))
 
 
 def test_prompt_and_reference_split_at_the_first_loss_token():
