@@ -1,0 +1,45 @@
+"""benchmarks/end_to_end.py at T = 512: a row per length mix with the four sides' step times,
+the attention scores each computes, and the loss of ours equal to stock Megatron's (its local
+spec, packed with a block-causal mask and padded, same weights) -- a reference nobody here
+wrote. No time is asserted (the machine may be busy)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.subproc import child_env
+
+# the integration tier: runs the main job, a benchmark script or several processes
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_lengths_fill_the_pack_exactly():
+    from end_to_end import lengths_for
+
+    for mix in ("sft", "long_tail"):
+        for t in (512, 2048):
+            lengths = lengths_for(mix, t)
+            assert sum(lengths) == t and min(lengths) >= 1 and max(lengths) <= 1024
+
+
+def test_t512_rows_agree_with_stock_megatron(tmp_path):
+    out = tmp_path / "e.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--tokens", "512",
+                           "--reps", "1", "--json", str(out)], capture_output=True, text=True,
+                          timeout=900, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tokens"], r["mix"]) for r in rows] == [(512, "sft"), (512, "long_tail")]
+    for r in rows:
+        assert r["scores_packed_mask"] == 512 * 512
+        assert r["scores_padded"] == r["sequences"] * r["longest"] ** 2
+        assert r["tokens_padded"] == r["sequences"] * r["longest"]
+        assert r["loss_rel_diff_megatron"] < 1e-5  # ours == Megatron's local attention
+        assert all(r[f"{n}_ms"] > 0 for n in ("ours", "megatron_packed", "megatron_padded", "hf_padded"))
+        assert r["fastest_peer_over_ours"] == round(r[f"{r['fastest_peer']}_ms"] / r["ours_ms"], 2)
+    assert "fastest_peer_over_ours = the fastest peer's time / ours" in out.with_suffix(".txt").read_text()
