@@ -10,6 +10,8 @@ taken on the response tokens only, as in SFT.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -17,7 +19,7 @@ from megatron_fastpath.packed_seq.packing import first_fit_decreasing
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
 
 __all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches", "StepBatch",
-           "StepData"]
+           "StepData", "EpochOrder", "epoch_order", "pack_bins", "train_step_data"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,11 @@ def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig,
     packs the same bins; the main job deals them out). ``pad_multiple``: each sample counts as
     its length rounded up to it (2 x CP with context parallelism; the tokens stay unpadded)."""
     bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs, pad_multiple)
+    return pack_bins(dataset, cfg, bins)
+
+
+def pack_bins(dataset, cfg, bins) -> list[PackedMicrobatch]:
+    """The microbatches of ``bins`` (lists of sample indices of ``dataset``), in that order."""
     out = []
     for b in bins:
         tokens = torch.zeros(1, cfg.max_tokens, dtype=torch.long)
@@ -98,9 +105,64 @@ def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig,
             labels[0, pos : pos + n - 1] = torch.from_numpy(tok[1:])
             mask[0, pos : pos + n] = torch.from_numpy(m)
             pos += n
-        lengths = dataset.lengths[b].astype(np.int64)
+        lengths = dataset.lengths[list(b)].astype(np.int64)
         out.append(PackedMicrobatch(tokens, labels, mask, lengths, int(mask.sum())))
     return out
+
+
+def epoch_order(lengths, max_tokens: int, max_seqs: int, seed: int, epoch: int,
+                pad_multiple: int = 1) -> list[list[int]]:
+    """Epoch ``epoch``'s packed order (0-based), a function of ``(seed, epoch)`` only: the
+    samples shuffled by ``numpy.random.default_rng([seed, epoch])``, packed first-fit-decreasing
+    in that order (equal lengths land in bins in the shuffled order, so bins change their
+    samples), then the bins shuffled by the same generator. Bins as lists of sample indices;
+    every sample is in exactly one bin. The number of bins is the same every epoch:
+    first-fit-decreasing depends on the lengths only, not on which of equal-length samples goes
+    where."""
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(lengths))
+    bins = first_fit_decreasing([int(lengths[i]) for i in perm], max_tokens, max_seqs, pad_multiple)
+    bins = [[int(perm[j]) for j in b] for b in bins]
+    return [bins[k] for k in rng.permutation(len(bins))]
+
+
+class EpochOrder:
+    """``training.epochs``: the data reshuffled and repacked every epoch (:func:`epoch_order`).
+    The global microbatches form one stream, epoch 0's bins then epoch 1's ...; step ``s`` takes
+    stream positions ``(s-1)*per_step`` to ``s*per_step - 1`` (a step may straddle two epochs).
+    Holds the packed microbatches of the two most recent epochs asked for."""
+
+    def __init__(self, dataset, cfg, epochs: int, seed: int, pad_multiple: int = 1):
+        self.dataset, self.cfg, self.epochs, self.seed = dataset, cfg, epochs, seed
+        self.pad_multiple = pad_multiple
+        self._orders: dict = {}
+        self._bins: dict = {}
+        self.num_bins = len(self.order(0))  # every epoch's (first-fit-decreasing: the lengths')
+
+    def order(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._orders:
+            self._orders = {k: v for k, v in self._orders.items() if k >= epoch - 1}
+            self._orders[epoch] = epoch_order(self.dataset.lengths, self.cfg.max_tokens,
+                                              self.cfg.max_seqs, self.seed, epoch, self.pad_multiple)
+        return self._orders[epoch]
+
+    def bins(self, epoch: int) -> tuple:
+        if epoch not in self._bins:
+            self._bins = {k: v for k, v in self._bins.items() if k >= epoch - 1}
+            self._bins[epoch] = tuple(pack_bins(self.dataset, self.cfg, self.order(epoch)))
+            if len(self._bins[epoch]) != self.num_bins:  # the steps assume it (see epoch_order)
+                raise RuntimeError(f"epoch {epoch} packs into {len(self._bins[epoch])} bins, "
+                                   f"epoch 0 into {self.num_bins}")
+        return self._bins[epoch]
+
+    def steps(self, per_step: int) -> int:
+        """Steps of ``epochs`` epochs: every whole step of the stream (the last epoch's final
+        ``< per_step`` microbatches, if any, are not trained)."""
+        return self.epochs * self.num_bins // per_step
+
+    def samples_before(self, epoch: int, index: int) -> int:
+        """Samples in the stream before position ``index`` of epoch ``epoch``."""
+        return epoch * len(self.dataset.lengths) + sum(len(b) for b in self.order(epoch)[:index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +177,17 @@ class StepBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepData:
-    """Packed microbatches and which of them each step trains on (same on every rank)."""
+    """Packed microbatches and which of them each step trains on (same on every rank).
+
+    Without ``epochs`` (``training.epochs`` unset) the steps cycle through one packed order,
+    ``bins``. With it, the order is reshuffled and repacked every epoch (:class:`EpochOrder`;
+    ``bins`` is epoch 0's)."""
 
     bins: tuple
     micro_batches: int
     dp_rank: int
     dp_world: int
+    epochs: Optional[EpochOrder] = None
 
     @property
     def num_microbatches(self) -> int:
@@ -130,13 +197,32 @@ class StepData:
     def per_step(self) -> int:
         return self.micro_batches * self.dp_world
 
+    def position(self, step: int) -> tuple:
+        """``(epoch, index)`` of step ``step``'s first global microbatch: the data position
+        (epoch None without ``training.epochs``: ``index`` is then in ``bins``)."""
+        if self.epochs is None:
+            return None, ((step - 1) * self.per_step) % (len(self.bins) - self.per_step + 1)
+        return divmod((step - 1) * self.per_step, len(self.bins))
+
     def first_microbatch(self, step: int) -> int:
-        """Index in ``bins`` of step ``step``'s first global microbatch (the data position)."""
-        return ((step - 1) * self.per_step) % (len(self.bins) - self.per_step + 1)
+        """Index of step ``step``'s first global microbatch in its epoch's order (in ``bins``
+        without ``training.epochs``)."""
+        return self.position(step)[1]
 
     def global_microbatches(self, step: int) -> tuple:
-        first = self.first_microbatch(step)
-        return self.bins[first: first + self.per_step]
+        epoch, first = self.position(step)
+        if epoch is None:
+            return self.bins[first: first + self.per_step]
+        out, n = [], len(self.bins)
+        for g in range((step - 1) * self.per_step, step * self.per_step):
+            out.append(self.epochs.bins(g // n)[g % n])
+        return tuple(out)
+
+    def consumed_samples(self, step: int) -> int:
+        """Samples trained on in steps 1..``step``."""
+        if self.epochs is None:
+            return sum(len(mb.lengths) for s in range(1, step + 1) for mb in self.global_microbatches(s))
+        return self.epochs.samples_before(*divmod(step * self.per_step, len(self.bins)))
 
     def batch(self, step: int) -> StepBatch:
         """Step ``step`` (1-based): the global microbatches and this rank's share of them."""
@@ -147,3 +233,17 @@ class StepData:
             global_tokens=sum(mb.num_tokens for mb in global_mbs),
             global_loss_tokens=sum(mb.num_loss_tokens for mb in global_mbs),  # host ints
         )
+
+
+def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int) -> StepData:
+    """The job's train order of ``dataset`` (``cfg``: the job config): one first-fit-decreasing
+    packing cycled through, or with ``training.epochs`` a reshuffle + repack per epoch seeded by
+    ``data.seed`` (the caller refuses fewer packed microbatches than one step takes)."""
+    epochs = cfg.training.epochs
+    order = None
+    if epochs is None:
+        bins = pack_microbatches(dataset, cfg.data, pad_multiple)
+    else:
+        order = EpochOrder(dataset, cfg.data, epochs, cfg.data.seed, pad_multiple)
+        bins = order.bins(0)
+    return StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world, order)

@@ -135,7 +135,7 @@ class JsonlData(DataProvider):
         return data
 
     def build(self, cfg, dp_rank: int, dp_world: int, log=print) -> DataParts:
-        from megatron_fastpath.data import StepData, pack_microbatches
+        from megatron_fastpath.data import pack_microbatches, train_step_data
         from megatron_fastpath.hf.data import build_eval_prompts, load_jsonl_splits
 
         show = dp_rank == 0 and _is_main_rank()
@@ -145,7 +145,8 @@ class JsonlData(DataProvider):
             raise ValueError(f"{cfg.data.path}: token ids exceed the model's vocab_size "
                              f"{cfg.model.vocab_size}: the tokenizer does not belong to the checkpoint")
         pad = 2 * cfg.parallel.context_parallel_size  # CP pads every sample to 2 x CP
-        bins = pack_microbatches(train, cfg.data, pad)  # global order, identical on every rank
+        order = train_step_data(train, cfg, pad, dp_rank, dp_world)  # identical on every rank
+        bins = order.bins
         per_step = cfg.training.micro_batches * dp_world
         if len(bins) < per_step:
             raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {per_step} per "
@@ -154,7 +155,7 @@ class JsonlData(DataProvider):
         report = dict(report, train_microbatches=len(bins), eval_microbatches=len(held_bins),
                       train_loss_tokens=train.num_loss_tokens,
                       eval_loss_tokens=held.num_loss_tokens if held else 0)
-        return DataParts(StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world),
+        return DataParts(order,
                          eval_bins=tuple(held_bins[dp_rank::dp_world]), report=report,
                          evaluate=bool(report["eval_records"]),
                          eval_prompts=build_eval_prompts(cfg.data, held, cfg.model_source.tokenizer_path,

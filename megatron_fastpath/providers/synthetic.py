@@ -34,28 +34,21 @@ class SyntheticData(DataProvider):
         from megatron_fastpath.data import DataConfig
         from megatron_fastpath.settings import parse_group
 
-        held_out = sorted(k for k in group if k.startswith("eval_"))
-        if held_out:  # data=jsonl's held-out settings (evaluation, samples)
-            raise ValueError(
-                f"data.{held_out[0]} is a setting of data=jsonl: synthetic data has no held-out "
-                "split and no text (no tokenizer to decode samples with), so there is nothing to "
-                "evaluate or sample; use model=hf model.path=<dir> data=jsonl data.path=<file>, "
-                f"or drop {', '.join('data.' + k for k in held_out)}")
         return parse_group("data", DataConfig, group)
 
     def build(self, cfg, dp_rank: int, dp_world: int) -> DataParts:
         """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
-        from megatron_fastpath.data import StepData, SyntheticSFTDataset, pack_microbatches
+        from megatron_fastpath.data import SyntheticSFTDataset, train_step_data
 
         # with CP every sample counts padded to 2 x CP (packed_seq/context_parallel.py)
-        bins = pack_microbatches(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg.data,
-                                 pad_multiple=2 * cfg.parallel.context_parallel_size)
+        train = train_step_data(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg,
+                                2 * cfg.parallel.context_parallel_size, dp_rank, dp_world)
         per_step = cfg.training.micro_batches * dp_world
-        if len(bins) < per_step:
+        if len(train.bins) < per_step:
             raise ValueError(
-                f"only {len(bins)} packed microbatches for {per_step} per step; raise data.num_samples"
+                f"only {len(train.bins)} packed microbatches for {per_step} per step; raise data.num_samples"
             )
-        return DataParts(StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world))
+        return DataParts(train)
 
 
 register_model_provider(SyntheticModel())

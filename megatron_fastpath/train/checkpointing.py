@@ -36,6 +36,8 @@ def fingerprint_config(cfg, dp_world: int) -> dict:
     LoRA. Not the layout (``parallel``, the data-parallel size: resharding keeps the global
     batch ``micro_batches * dp_world``), logging, offload or graphs (same math)."""
     training = {k: v for k, v in dataclasses.asdict(cfg.training).items() if k not in _RUNTIME_ONLY}
+    if training["epochs"] is None:  # a run without epochs fingerprints as before they existed
+        del training["epochs"]
     training["global_micro_batches"] = training.pop("micro_batches") * dp_world
     out = {
         "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
@@ -56,18 +58,33 @@ def announce_resume(cfg) -> Optional[str]:
     directory = (cfg.get("checkpoint") or {}).get("dir")
     if directory is None:
         return None
-    steps = (cfg.get("training") or {}).get("steps")
+    training = cfg.get("training") or {}
+    steps, epochs = training.get("steps"), training.get("epochs")
+    if steps is None and epochs is None:
+        from megatron_fastpath.train.config import DEFAULT_STEPS
+
+        steps = DEFAULT_STEPS
     latest = CheckpointManager(CheckpointConfig(dir=str(directory)), {}, log=lambda s: None)
     try:
         path = latest.latest()
         line = f"checkpoint: no checkpoint in {latest.root}, starting at step 1"
         if path is not None:
             with open(os.path.join(path, "train_state.json")) as f:
-                done = json.load(f)["step"]
+                state = json.load(f)
+            done = state["step"]
             line = (f"resuming from {path}: {done} of {steps} steps done, continuing at step {done + 1}"
                     if steps is None or done < steps else
                     f"resuming from {path}: all {steps} steps already done (nothing to train)")
-    except (OSError, ValueError, KeyError) as exc:
+            if steps is None:  # training.epochs: the steps are known once the data is packed
+                from megatron_fastpath.checkpoint.manager import upgrade_train_state
+
+                data = upgrade_train_state(state, path)["parts"].get("data") or {}
+                line = (f"resuming from {path}: {done} steps of {epochs} epochs done, continuing at "
+                        f"step {done + 1} (epoch {(data.get('epoch') or 0) + 1})"
+                        if data.get("next_first_microbatch") is not None else
+                        f"resuming from {path}: all {done} steps of {epochs} epochs already done "
+                        "(nothing to train)")
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: its format
         line = f"resuming from {latest.root}: its latest checkpoint is unreadable ({exc}); see below"
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(line, flush=True)
@@ -154,25 +171,33 @@ class PreemptionSignals:
 
 class DataPosition:
     """The ``data`` part of a checkpoint: where the data stands after ``step`` (microbatches and
-    samples consumed, the first microbatch of the next step). Loading it checks that this run's
-    data continues there (with the same microbatches per step)."""
+    samples consumed; the next step's first microbatch: ``epoch`` -- 0-based, None without
+    ``training.epochs`` -- and its index in that epoch's order, ``next_first_microbatch``).
+    Loading it checks that this run's data continues there (with the same microbatches per
+    step). A data part without ``epoch`` (written before epochs existed) is a run without them."""
 
     def __init__(self, data, steps: int):
         self.data, self.steps = data, steps  # the job's StepData, training.steps
         self.step = 0  # the last step done
 
+    def _next(self, step: int) -> tuple:
+        """(epoch, first microbatch) of the step after ``step``; (None, None) when done."""
+        return self.data.position(step + 1) if step < self.steps else (None, None)
+
     def state_dict(self) -> dict:
         data, step = self.data, self.step
-        samples = sum(len(mb.lengths) for s in range(1, step + 1) for mb in data.global_microbatches(s))
-        nxt = data.first_microbatch(step + 1) if step < self.steps else None
+        epoch, nxt = self._next(step)
         return {"next_step": step + 1, "per_step": data.per_step, "consumed_microbatches":
-                step * data.per_step, "consumed_samples": samples, "next_first_microbatch": nxt}
+                step * data.per_step, "consumed_samples": data.consumed_samples(step),
+                "next_first_microbatch": nxt, "epoch": epoch}
 
     def load_state_dict(self, state: dict) -> None:
         step = state["next_step"] - 1
-        expected = self.data.first_microbatch(step + 1) if step < self.steps else None
-        if state["per_step"] == self.data.per_step and state["next_first_microbatch"] != expected:
-            raise RuntimeError(f"data position {state} does not match this run's ({expected})")
+        epoch, expected = self._next(step)
+        saved = (state.get("epoch"), state["next_first_microbatch"])
+        if state["per_step"] == self.data.per_step and saved != (epoch, expected):
+            raise RuntimeError(f"data position {state} does not match this run's "
+                               f"(epoch {epoch}, microbatch {expected})")
         self.step = step
 
 
@@ -257,9 +282,11 @@ class JobCheckpointer:
         for name, part in self.parts.items():  # the data position first: it checks this run's data
             part.load_state_dict(resumed.parts[name])
         data = resumed.parts["data"]
+        epoch = "" if data.get("epoch") is None else f" of epoch {data['epoch'] + 1}"
         self.logger.print(
             f"  loaded {resumed.path}: {resumed.step} of {total} steps done, "
-            f"{data['consumed_samples']} samples consumed, next microbatch {data['next_first_microbatch']}"
+            f"{data['consumed_samples']} samples consumed, next microbatch "
+            f"{data['next_first_microbatch']}{epoch}"
         )
         for note in resumed.notes:
             self.logger.print(f"  checkpoint: {note}")

@@ -48,6 +48,7 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
 SYNC_CHECK_MODES = ("first", "every", "off")
 DTYPES = ("float32", "bfloat16")  # training.dtype (tests/train/test_feature_matrix.py reads it)
 SYNC_CHECK_FIRST_STEPS = 3  # training.sync_check=first: steps counted, then none
+DEFAULT_STEPS = 40  # training.steps when neither it nor training.epochs is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,12 @@ class TrainingConfig:
     Adam/AdamW; TE/Apex FusedAdam in its plain configuration, swapped for torch's) and megatron
     otherwise."""
 
-    steps: int = bounded(40, POSITIVE)
+    # Steps to train. null: DEFAULT_STEPS, or with `epochs` the steps `epochs` passes over the
+    # packed data take (set when the data is built); setting both is refused.
+    steps: Optional[int] = bounded(None, POSITIVE)
+    # Passes over the data, reshuffled and repacked every epoch by (data.seed, epoch)
+    # (data.EpochOrder). null: one packed order cycled through for `steps` steps.
+    epochs: Optional[int] = bounded(None, POSITIVE)
     micro_batches: int = bounded(2, POSITIVE)
     lr: float = bounded(3e-3, FINITE_POSITIVE)
     min_lr: float = bounded(3e-4, FINITE_NON_NEGATIVE)
@@ -229,10 +235,12 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
     if train.sync_check not in SYNC_CHECK_MODES:
         raise ValueError(f"training.sync_check must be {', '.join(SYNC_CHECK_MODES[:-1])} or "
                          f"{SYNC_CHECK_MODES[-1]}; got {train.sync_check!r}")
-    if train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
+    if train.steps is not None and train.epochs is not None:
         raise ValueError(
-            f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"
-        )
+            f"training.steps={train.steps} and training.epochs={train.epochs} are both set: epochs "
+            "sets the number of steps (the steps its passes over the packed data take), so the two "
+            "can contradict; set one of them (training.steps=null with training.epochs)")
+    check_stop_at_step(train)
     if cluster.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster.backend!r}")
     if cluster.backend == "nccl" and device.type != "cuda":
@@ -243,6 +251,26 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
             f"cluster '{cluster.name}' expects {cluster.expected_world_size} processes but "
             f"the launcher started {launched}"
         )
+
+
+def check_stop_at_step(train: TrainingConfig) -> None:
+    """``training.stop_at_step`` within the run (checked again once epochs set the steps)."""
+    if train.steps is not None and train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
+        raise ValueError(
+            f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"
+        )
+
+
+def steps_from_epochs(cfg: JobConfig, data) -> JobConfig:
+    """``cfg`` with ``training.steps`` set from ``training.epochs`` and the built data
+    (``data.StepData``); unchanged without epochs."""
+    train = cfg.training
+    if train.epochs is None:
+        return cfg
+    steps = data.epochs.steps(data.per_step)
+    train = dataclasses.replace(train, steps=steps)
+    check_stop_at_step(train)
+    return dataclasses.replace(cfg, training=train)
 
 
 def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, offload, device,
@@ -325,6 +353,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
 
     _refuse_moved_keys(cfg)
     train = section(cfg, "training", TrainingConfig)
+    if train.steps is None and train.epochs is None:
+        train = dataclasses.replace(train, steps=DEFAULT_STEPS)
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)

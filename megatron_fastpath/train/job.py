@@ -18,7 +18,7 @@ import torch
 from megatron_fastpath.data import StepData
 from megatron_fastpath.model import build_fastpath_gpt, build_transformer_config
 from megatron_fastpath.providers import data_provider, model_provider
-from megatron_fastpath.train.config import JobConfig
+from megatron_fastpath.train.config import JobConfig, steps_from_epochs
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
 __all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_reports"]
@@ -205,6 +205,7 @@ def build_job(cfg: JobConfig) -> Job:
     dp_world = ps.get_data_parallel_world_size()
     # the data first: the cache's sequence bound comes from its longest sequence
     parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
+    cfg = steps_from_epochs(cfg, parts.train)  # training.epochs: the steps from the packed data
     cache = build_cache(cfg, parts.longest_sequence)
     model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None

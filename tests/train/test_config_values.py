@@ -8,7 +8,8 @@ from megatron_fastpath.train import parse_job_config
 
 CASES = {
     "training.steps=abc": r"training\.steps='abc': must be a whole number",
-    "training.steps=null": r"training\.steps=null: must be a whole number",
+    "training.epochs=two": r"training\.epochs='two': must be a whole number",
+    "training.epochs=0": r"training\.epochs=0: must be > 0",
     "training.steps=3.5": r"training\.steps=3\.5: must be a whole number",
     "training.steps=0": r"training\.steps=0: must be > 0",
     "checkpoint.keep=two": r"checkpoint\.keep='two': must be a whole number",
