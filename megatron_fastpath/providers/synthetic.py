@@ -34,6 +34,13 @@ class SyntheticData(DataProvider):
         from megatron_fastpath.data import DataConfig
         from megatron_fastpath.settings import parse_group
 
+        held_out = sorted(k for k in group if k.startswith("eval_"))
+        if held_out:  # data=jsonl's held-out settings (evaluation, samples)
+            raise ValueError(
+                f"data.{held_out[0]} is a setting of data=jsonl: synthetic data has no held-out "
+                "split and no text (no tokenizer to decode samples with), so there is nothing to "
+                "evaluate or sample; use model=hf model.path=<dir> data=jsonl data.path=<file>, "
+                f"or drop {', '.join('data.' + k for k in held_out)}")
         return parse_group("data", DataConfig, group)
 
     def build(self, cfg, dp_rank: int, dp_world: int) -> DataParts:
