@@ -267,7 +267,7 @@ class StepLogger:
         if rec.eval_loss is not None:
             off += f" | eval loss {rec.eval_loss:.4f}{_eval_extras(rec.eval_loss, rec.eval_token_accuracy)}"
         self.print(
-            f"step {rec.step:4d}/{self.job.cfg.training.steps} | loss {rec.loss:.4f} | lr "
+            f"step {rec.step:4d}/{self.job.cfg.training.steps}{self._epoch(rec.step)} | loss {rec.loss:.4f} | lr "
             f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: "
             + (f"fwd+bwd {rec.syncs_fwd_bwd}, step {rec.syncs_step}" if rec.syncs_step is not None
                else "not counted")
@@ -275,6 +275,13 @@ class StepLogger:
             f"{off}"
         )
         self._print_samples(self._samples.pop(rec.step, ()))
+
+    def _epoch(self, step: int) -> str:
+        """`` (epoch e/E)`` with ``training.epochs``: the epoch of the step's first microbatch."""
+        epochs = self.job.cfg.training.epochs
+        if epochs is None or not hasattr(self.job.data, "position"):
+            return ""
+        return f" (epoch {self.job.data.position(step)[0] + 1}/{epochs})"
 
     def flush(self) -> None:
         """Print the pending (last) step now (its loss is read back: call after the steps)."""

@@ -79,6 +79,9 @@ def test_two_epochs_stopped_mid_epoch_2_resume_exactly(mcore_parallel, tmp_path,
     assert out.splitlines()[0] == (f"resuming from {d}/step_{STOP:08d}: {STOP} steps of {EPOCHS} "
                                    f"epochs done, continuing at step {STOP + 1} (epoch 2)")
     assert "next microbatch 5 of epoch 2" in out
+    # the step lines name the epoch of each step's first microbatch
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("step ")] == [
+        f"step {s:4d}/{STEPS} (epoch 2/{EPOCHS})" for s in range(STOP + 1, STEPS + 1)]
     assert resumed.resumed_from == f"{d}/step_{STOP:08d}" and resumed.stopped is None
     assert len(records(tmp_path / "straight.json")) == STEPS
     assert records(tmp_path / "resumed.json") == records(tmp_path / "straight.json")  # bit-identical
