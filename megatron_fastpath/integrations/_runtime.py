@@ -257,6 +257,8 @@ class FastpathLayerSpec:
                 num_experts=num_experts,
                 linear_impl=s.linear_impl,
                 moe_spec_kwargs=moe_kwargs,
+                # "auto" picks by the model dtype (fp32 -> sdpa), as the main job resolves it
+                params_dtype=config.params_dtype,
             )
         if not num_experts:
             raise ValueError(

@@ -1,0 +1,949 @@
+"""The hooks' feature matrix (issue 22, the hooks' half): every combination of what the NeMo 2 /
+Megatron-Bridge hooks read -- the user's :class:`HookRequest` and the :class:`ModelFacts` of
+the framework config -- through their shared decision layer ``integrations/core.py``.
+
+* **Generator** (:func:`axes`, :func:`combinations`): the axes come from the code -- the
+  attention backends (``core_attention.BACKENDS`` + ``auto``), the FP8 formats
+  (``core.FP8_FORMATS``), the LoRA targets (``lora.config.LORA_TARGETS``), the expert backends
+  (``moe.config.EXPERT_BACKENDS``), the dtypes (``train.config.DTYPES``), the parallel sizes
+  (every ``*parallel*`` / ``*pipeline*`` size field of ``ModelFacts`` plus the model config's
+  ``tensor_model_parallel_size``), the ``HookRequest`` switches and the ``ModelFacts`` the
+  shared rules read -- so a new option joins the matrix by itself. Axes that do not apply
+  collapse to ``-`` (the config's own graphs / FP8 when the request overrides them, the MoE
+  axes of a dense model, the attention backend without the packed cache, ...). Reduction: a
+  value refused on its own whatever the rest (``Axis.alone``: an unsupported PEFT, CP or a
+  virtual pipeline with the cache, FP8 attention on packed sequences, ...) is crossed with the
+  first value of every later axis only; the claim is checked by swapping the value into the
+  accepted combinations (:func:`test_lone_refusals_refuse_every_accepted_combination`).
+  ``HookRequest`` fields that are not axes are listed with why (:data:`NOT_CROSSED`, checked),
+  and hook-only messages of settings the product does not vary are reached one setting away
+  from a runnable combination (:data:`ONE_AWAY`).
+* **Classifier** (:func:`classify`): each combination goes through ``core.refusals`` (and
+  ``core.decide``). Its reasons must be the rules' reasons for ``core.run_facts`` (spelled with
+  the hook's ``rules.NAMES``), in order, after hook-only reasons that each match one of the
+  messages ``core.py`` writes (read from its source, :func:`hook_messages`). An accepted
+  combination gets ``core.plan``; its settings must make a ``FastpathSettings``, and the layer
+  spec's build-time check (``resolve_backend`` on the training GPU with the model dtype) runs
+  on it: what it refuses is listed as accepted by the hook but refused at build.
+* **Runner** (:func:`run_combination`, integration tier): a pairwise cover of the accepted
+  world-1 combinations a CPU can run, over the axes that change the built model
+  (:data:`BUILT`), builds the model the hooked config builds (``FastpathLayerSpec`` of the
+  plan's settings, the plan's position embedding) inside the GPU stand-ins and runs one
+  forward + backward through ``packed_seq.runtime.forward``: finite loss and gradients, the
+  attention backend and experts the classifier predicted, and -- in fp32 with the packed cache
+  and dropless (or no) experts -- per-token losses equal to the same weights with Megatron's
+  attention and RoPE, one sequence at a time (capacity dispatch couples the sequences; bf16
+  has no tolerance that would make a per-sequence comparison meaningful).
+
+docs/hook-feature-matrix.md is generated from this module (:func:`render`,
+:func:`test_listing_is_up_to_date`).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import dataclasses
+import functools
+import inspect
+import itertools
+import re
+from pathlib import Path
+from typing import Callable, Optional
+from unittest import mock
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "hook-feature-matrix.md"
+NA = "-"
+T = 32  # packed_sequence_size of the matrix's data
+UNSUPPORTED_PEFT = "CanonicalLoRA"  # a PEFT scheme the hooks do not serve (PeftFacts.supported=False)
+
+
+# ---------------------------------------------------------------------------------- generator
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One dimension: its values, where they come from, whether it applies to a partial
+    combination (the axes before it) and which values it may take there."""
+
+    name: str
+    values: tuple
+    source: str
+    applies: Callable[[dict], bool] = lambda c: True
+    allowed: Callable[[dict, object], bool] = lambda c, v: True
+    # a value refused on its own (whatever the other settings): the axes after it keep their
+    # first value (checked: test_lone_refusals_refuse_every_accepted_combination)
+    alone: Callable[[dict, object], bool] = lambda c, v: False
+
+
+def _parallel_sizes() -> tuple:
+    """The parallel sizes the hooks read: ModelFacts' size fields of a parallelism, plus the
+    model config's tensor-parallel size (read through ``ModelFacts.model``)."""
+    from megatron_fastpath.integrations import core
+
+    names = [f.name for f in dataclasses.fields(core.ModelFacts)
+             if f.name.endswith("_size") and ("parallel" in f.name or "pipeline" in f.name)]
+    return ("tensor_model_parallel_size",) + tuple(names)
+
+
+def _layouts() -> tuple:
+    """All sizes 1, or one parallel size 2 (a virtual pipeline needs a pipeline of 2 as well)."""
+    return ("1",) + tuple(f"{n}=2" for n in _parallel_sizes())
+
+
+def _lora_requests() -> tuple:
+    """None (keep the PEFT's targets), the attention linears, every LoRA target."""
+    from megatron_fastpath.lora.config import LORA_TARGETS
+
+    attention = tuple(t for t, (where, _) in LORA_TARGETS.items() if where == "self_attention")
+    return (None, attention, tuple(LORA_TARGETS))
+
+
+def _capabilities() -> tuple:
+    """No GPU to ask (a submit host), and the compute capabilities the grouped_mm check names."""
+    return (None, (9, 0), (8, 0))
+
+
+def _graphs(c: dict) -> bool:
+    return c["graphs_on"] if c["cuda_graphs"] is None else bool(c["cuda_graphs"])
+
+
+def _fp8(c: dict) -> bool:
+    return c["fp8_on"] if c["fp8"] is None else c["fp8"] is not False
+
+
+@functools.lru_cache(maxsize=None)
+def axes() -> tuple:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.attention.core_attention import BACKENDS
+    from megatron_fastpath.integrations import core
+    from megatron_fastpath.moe.config import EXPERT_BACKENDS
+    from megatron_fastpath.train.config import DTYPES
+
+    moe = lambda c: c["model"] == "moe"  # noqa: E731
+    warmup = TransformerConfig.__dataclass_fields__["cuda_graph_warmup_steps"].default
+    return (
+        # ---- the framework config (ModelFacts) and the request's switches the rules read first
+        Axis("model", ("dense", "moe"), "`ModelFacts.is_moe` (num_moe_experts)"),
+        Axis("dispatch", ("dropless", "capacity"), "`moe_expert_capacity_factor` (None | 1.5)", moe),
+        Axis("dtype", tuple(DTYPES), "`train.config.DTYPES` (the config's bf16 / params_dtype)"),
+        Axis("packed_cache", (True, False), "`HookRequest.packed_cache`",
+             alone=lambda c, v: v is False and not moe(c)),
+        Axis("layout", _layouts(), "`ModelFacts.*parallel*_size` / `*pipeline*_size` + "
+             "`tensor_model_parallel_size`: all 1, or one of them 2",
+             allowed=lambda c, v: moe(c) or not v.startswith("expert"),
+             # Megatron's expert_tensor_parallel_size follows the tensor-parallel size
+             alone=lambda c, v: v.startswith("virtual") or (v.startswith("context") and c["packed_cache"])
+             or (v.startswith("tensor") and moe(c))),
+        Axis("data", ("packed", "unpacked"), "`ModelFacts.packed_size` (T | None)",
+             alone=lambda c, v: v == "unpacked" and c["packed_cache"]),
+        Axis("peft", (None, "LoRA", UNSUPPORTED_PEFT), "`ModelFacts.peft` (None, supported, not)",
+             alone=lambda c, v: v == UNSUPPORTED_PEFT),
+        Axis("lora", _lora_requests(), "`HookRequest.lora`: None, attention / all `LORA_TARGETS`",
+             alone=lambda c, v: v is not None and (c["peft"] is None or (moe(c) and "linear_fc1" in v))),
+        # ---- the rest of the request, and the config's values it overrides
+        Axis("attention", ("auto",) + tuple(BACKENDS), "`core_attention.BACKENDS` + auto",
+             lambda c: c["packed_cache"]),
+        Axis("cuda_graphs", (None, True, False), "`HookRequest.cuda_graphs`"),
+        Axis("graphs_on", (False, True), "`ModelFacts.graphs_on` (read when cuda_graphs=None)",
+             lambda c: c["cuda_graphs"] is None),
+        Axis("fp8", (None, False) + tuple(core.FP8_FORMATS), "None, False + `core.FP8_FORMATS`"),
+        Axis("fp8_on", (False, True), "`ModelFacts.fp8_on` (read when fp8=None)",
+             lambda c: c["fp8"] is None),
+        # what does not depend on the format is crossed with the first format only
+        Axis("has_precision", (True, False), "`ModelFacts.has_precision`",
+             lambda c: c["fp8"] == core.FP8_FORMATS[0], alone=lambda c, v: v is False),
+        Axis("fp8_attention", (False, True), "`fp8_dot_product_attention` (with FP8 on)",
+             lambda c: _fp8(c) and c["fp8"] in (None, core.FP8_FORMATS[0]),
+             alone=lambda c, v: v is True and c["packed_cache"]),
+        Axis("experts", (None,) + tuple(EXPERT_BACKENDS), "None + `moe.config.EXPERT_BACKENDS`", moe),
+        Axis("gpu", _capabilities(), "`torch.cuda.get_device_capability()` (None: no GPU)",
+             lambda c: moe(c) and _graphs(c)),
+        Axis("graph_warmup", (warmup, 0), "`cuda_graph_warmup_steps` (Megatron's default, 0)",
+             lambda c: c["peft"] == "LoRA" and c["cuda_graphs"] is None and c["graphs_on"]),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _axis_index() -> dict:
+    return {a.name: i for i, a in enumerate(axes())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Combo:
+    values: tuple  # in axes() order
+
+    def __getitem__(self, name: str):
+        return self.values[_axis_index()[name]]
+
+    def items(self):
+        return zip((a.name for a in axes()), self.values)
+
+    @property
+    def label(self) -> str:
+        c = dict(self.items())
+        parts = [c["model"] + ("" if c["dispatch"] is NA else f"/{c['dispatch']}")
+                 + ("" if c["experts"] in (NA, None) else f"/{c['experts']}"),
+                 {"float32": "fp32", "bfloat16": "bf16"}.get(c["dtype"], c["dtype"])]
+        parts.append(c["attention"] if c["packed_cache"] else "no-cache")
+        if c["data"] != "packed":
+            parts.append("unpacked")
+        if c["peft"]:
+            parts.append(c["peft"] + ("" if c["lora"] is None else f"{list(c['lora'])}"))
+        elif c["lora"] is not None:
+            parts.append(f"lora{list(c['lora'])}")
+        graphs = {None: "graphs=cfg", True: "graphs", False: "graphs=off"}[c["cuda_graphs"]]
+        if c["cuda_graphs"] is not None or c["graphs_on"]:
+            parts.append(graphs + ("" if c["graph_warmup"] is NA else f"(w{c['graph_warmup']})"))
+        if c["gpu"] is not NA:
+            parts.append("no-gpu" if c["gpu"] is None else "sm%d%d" % c["gpu"])
+        if c["fp8"] is not None or c["fp8_on"]:
+            parts.append(f"fp8={'cfg' if c['fp8'] is None else c['fp8']}"
+                         + ("+attn" if c["fp8_attention"] is True else "")
+                         + ("/no-precision" if c["has_precision"] is False else ""))
+        if c["layout"] != "1":
+            parts.append(_layout_label(c["layout"]))
+        return " ".join(parts)
+
+
+def _layout_label(value: str) -> str:
+    return value if value == "1" else "".join(w[0].upper() for w in value.split("=")[0].split("_")[:-1])[:2] + "2"
+
+
+def _choices(axis: Axis, c: dict, lone: bool) -> tuple:
+    if not axis.applies(c):
+        return (NA,)
+    values = tuple(v for v in axis.values if axis.allowed(c, v))
+    return values[:1] if lone else values
+
+
+@functools.lru_cache(maxsize=None)
+def combinations() -> tuple:
+    """The product of the axes (``NA`` where an axis does not apply; after a value refused on
+    its own, the first value of every later axis)."""
+    partial = [({}, False)]
+    for axis in axes():
+        partial = [(dict(c, **{axis.name: v}), lone or axis.alone(c, v)) for c, lone in partial
+                   for v in _choices(axis, c, lone)]
+    return tuple(Combo(tuple(c[a.name] for a in axes())) for c, _ in partial)
+
+
+def lone_value(combo: Combo) -> Optional[tuple]:
+    """(axis, value) of the combination's value refused on its own, None without one."""
+    c = {}
+    for axis, (name, v) in zip(axes(), combo.items()):
+        if v is not NA and axis.alone(c, v):
+            return name, v
+        c[name] = v
+    return None
+
+
+# ------------------------------------------------------------------- facts of a combination
+@functools.lru_cache(maxsize=None)
+def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup):
+    """The model config the framework holds (a Megatron TransformerConfig with GPTModel's
+    rotary fields, as NeMo's GPTConfig / Bridge's GPTModelProvider carry them)."""
+    from megatron_fastpath.model import ModelConfig, build_transformer_config
+
+    moe = model == "moe"
+    shape = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=64, vocab_size=64, num_experts=4 if moe else None,
+                        moe_ffn_hidden_size=32 if moe else None)
+    extra = {}
+    if dispatch == "capacity":
+        extra.update(moe_expert_capacity_factor=1.5, moe_token_drop_policy="probs")
+    if warmup is not NA:
+        extra.update(cuda_graph_warmup_steps=warmup)
+    config = build_transformer_config(shape, params_dtype=getattr(torch, dtype),
+                                      tensor_model_parallel_size=tp,
+                                      fp8_dot_product_attention=fp8_attention is True, **extra)
+    config.position_embedding_type = "rope"
+    return config
+
+
+def facts_and_request(combo: Combo, names=None):
+    from megatron_fastpath import rules
+    from megatron_fastpath.integrations import core
+
+    c = dict(combo.items())
+    sizes = dict.fromkeys(_parallel_sizes(), 1)
+    if c["layout"] != "1":
+        sizes[c["layout"].split("=")[0]] = 2
+    if sizes["virtual_pipeline_size"] == 2:
+        sizes["pipeline_size"] = 2
+    model = model_config(c["model"], c["dispatch"], c["dtype"], sizes["tensor_model_parallel_size"],
+                         c["fp8_attention"], c["graph_warmup"])
+    peft = None if c["peft"] is None else core.PeftFacts(
+        c["peft"], c["peft"] == "LoRA", _lora_requests()[1])
+    facts = core.ModelFacts(
+        names=names or rules.NAMES["bridge"], model=model, custom_layer_spec=None, build_override=None,
+        llama31_rope=None, context_parallel_size=sizes["context_parallel_size"],
+        virtual_pipeline_size=sizes["virtual_pipeline_size"] if sizes["virtual_pipeline_size"] > 1 else None,
+        pipeline_size=sizes["pipeline_size"], packed_size=T if c["data"] == "packed" else None,
+        micro_batch_size=1, graphs_on=c["graphs_on"] is True, has_precision=c["has_precision"] is not False,
+        fp8_on=c["fp8_on"] is True, peft=peft, expert_parallel_size=sizes["expert_parallel_size"])
+    request = core.HookRequest(
+        attention_backend=c["attention"] if c["attention"] is not NA else "auto",
+        packed_cache=c["packed_cache"], cuda_graphs=c["cuda_graphs"], fp8=c["fp8"],
+        lora=c["lora"], moe_expert_backend=None if c["experts"] is NA else c["experts"])
+    return facts, request
+
+
+def world_size(combo: Combo) -> int:
+    return 1 if combo["layout"] == "1" else 2
+
+
+# ------------------------------------------------------------------------ hook-only messages
+def _template(node) -> Optional[str]:
+    """A regex of the string an expression of core.py builds (f-string holes match anything)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return re.escape(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else ".*?" for v in node.values)
+    return None
+
+
+def _literal_head(node) -> str:
+    if isinstance(node, ast.Constant):
+        return node.value
+    parts = [v.value if isinstance(v, ast.Constant) else "{}" for v in node.values]
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def hook_messages() -> dict:
+    """{kind: regex} of every reason the hook-only checks of core.py write (the string
+    arguments of ``reasons.append`` / ``reasons += [...]`` / ``return [...]`` in its
+    ``_*_reasons`` functions), plus the ValueErrors ``MoEDispatchConfig`` raises (core.py
+    appends them as they are). A kind is the function and the message's start."""
+    from megatron_fastpath.integrations import core
+    from megatron_fastpath.moe import config as moe_config
+
+    out = {}
+
+    def add(where, node):
+        regex = _template(node)
+        if regex is not None:
+            head = re.sub(r"\s+", " ", _literal_head(node))
+            out[f"{where}: {head[:70]}{'...' if len(head) > 70 else ''}"] = re.compile(regex, re.S)
+
+    for fn in ast.parse(inspect.getsource(core)).body:
+        if isinstance(fn, ast.FunctionDef) and fn.name.endswith("_reasons"):
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "append" and node.args):
+                    add(fn.name, node.args[0])
+                elif isinstance(node, (ast.Return, ast.AugAssign)) and isinstance(node.value, ast.List):
+                    for elt in node.value.elts:
+                        add(fn.name, elt)
+    for node in ast.walk(ast.parse(inspect.getsource(moe_config.MoEDispatchConfig))):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+            add("MoEDispatchConfig", node.exc.args[0])
+    return out
+
+
+def message_kind(reason: str) -> Optional[str]:
+    return next((k for k, rx in hook_messages().items() if rx.fullmatch(reason)), None)
+
+
+# --------------------------------------------------------------------------------- classifier
+REFUSED, BUILD, WORLD2, NO_CPU, RUN = (
+    "refused by the hook", "accepted by the hook, refused when the model is built",
+    "accepted: needs 2 processes", "accepted: cannot run on a CPU", "run (world 1)")
+STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN)
+
+
+def cpu_limit(settings: dict, backend: str, linear_impl: str, is_moe: bool) -> Optional[str]:
+    """Why an accepted plan cannot train on this CPU (the stand-ins cover flash-attn and TE's
+    attention, not TE's linears or GroupedLinear; FlexAttention has no CPU backward)."""
+    if linear_impl == "te":
+        why = "FP8" if settings["linear_impl"] == "te" else "the 'te' attention backend's default"
+        return f"{why}: Transformer Engine linears (`linear_impl=te`) have no CPU stand-in"
+    if is_moe and settings["moe_expert_backend"] == "te_grouped_linear":
+        return "the te_grouped_linear experts: Transformer Engine's GroupedLinear has no CPU stand-in"
+    if backend == "flex":
+        return "attention `flex`: torch FlexAttention has no backward on CPU"
+    return None
+
+
+def build_checks(combo: Combo, settings: dict) -> tuple:
+    """(resolved attention backend, linear impl) the layer spec builds on the training GPU
+    (``core_attention.resolve_backend`` on a CUDA device with the model dtype, as
+    ``get_fastpath_layer_spec`` calls it; flash-attn / TE attention from the stand-ins), or
+    raises what the build raises."""
+    if not settings["packed_cache"]:
+        return "megatron", settings["linear_impl"] or "local"
+    out = _resolved(settings["attention_backend"], combo["dtype"])
+    if isinstance(out, Exception):
+        raise out
+    return out, settings["linear_impl"] or ("te" if out == "te" else "local")
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(backend: str, dtype: str):
+    """The backend resolve_backend picks inside the GPU stand-ins, or the ValueError it raises."""
+    from megatron_fastpath.attention.core_attention import resolve_backend
+    from tests.support.graph_safe_standins import gpu_standins
+
+    with gpu_standins():
+        try:
+            return resolve_backend(backend, torch.device("cuda"), T, None, getattr(torch, dtype))
+        except ValueError as exc:
+            return exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    status: str
+    reasons: tuple = ()  # every reason, in core.refusals order
+    kinds: tuple = ()  # the kind of each reason: a hook_messages() key or a rules.RULES name
+    facts: object = None  # the RunFacts the hook hands the rules
+    plan: object = None
+    why: str = ""  # WORLD2 / NO_CPU: why it is not run here
+    problem: Optional[str] = None  # the contract is broken (a test failure)
+
+
+_CAPABILITY = [None]  # the stand-in GPU of the combination being classified
+
+
+def classify(combo: Combo) -> Verdict:
+    """``core.refusals`` / ``core.plan`` of the combination (call inside :func:`_gpu`)."""
+    from megatron_fastpath import rules
+    from megatron_fastpath.integrations import core
+    from megatron_fastpath.integrations._runtime import FastpathSettings
+
+    _CAPABILITY[0] = None if combo["gpu"] is NA else combo["gpu"]
+    facts, request = facts_and_request(combo)
+    reasons = core.refusals(facts, request)
+    run = core.run_facts(facts, request)
+    shared = rules.refusals(run)
+    fired = tuple(r.__name__ for r in rules.RULES if r(run))
+    own = reasons[:len(reasons) - len(shared)]
+    kinds = tuple(message_kind(r) for r in own) + fired
+    problem = None
+    if shared and reasons[len(own):] != shared:
+        problem = f"the rules' reasons {shared} are not the last of {reasons}"
+    elif None in kinds:
+        problem = f"a reason core.py does not write: {own[kinds.index(None)]!r}"
+    if reasons:
+        try:
+            core.decide(facts, request, ValueError)
+            problem = problem or "decide accepted what refusals refuses"
+        except ValueError as exc:
+            problem = problem or (None if exc.args[0] == reasons else f"decide raised {exc}")
+        return Verdict(REFUSED, tuple(reasons), kinds, run, problem=problem)
+    plan = core.plan(facts, request)
+    try:
+        FastpathSettings(**plan.settings)
+    except ValueError as exc:
+        problem = f"the plan's settings are refused: {exc}"
+    try:
+        backend, linear_impl = build_checks(combo, plan.settings)
+    except ValueError as exc:
+        return Verdict(BUILD, facts=run, plan=plan, why=str(exc), problem=problem)
+    if world_size(combo) > 1:
+        return Verdict(WORLD2, facts=run, plan=plan, problem=problem,
+                       why=f"`{combo['layout']}`: a world of 2 processes")
+    limit = cpu_limit(plan.settings, backend, linear_impl, combo["model"] == "moe")
+    if limit:
+        return Verdict(NO_CPU, facts=run, plan=plan, why=limit, problem=problem)
+    return Verdict(RUN, facts=run, plan=plan, problem=problem)
+
+
+def _gpu():
+    """torch.cuda as the combination's stand-in GPU sees it (``_CAPABILITY``)."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(torch.cuda, "is_available", lambda: _CAPABILITY[0] is not None))
+    stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability",
+                                          lambda device=None: _CAPABILITY[0]))
+    return stack
+
+
+@functools.lru_cache(maxsize=None)
+def classified() -> dict:
+    """{Combo: Verdict} of the whole product (~0.2 ms a combination) with the combination's GPU."""
+    with _gpu():
+        return {c: classify(c) for c in combinations()}
+
+
+# ------------------------------------------------------------- what is not a product axis
+# HookRequest fields the product does not cross, and why (a new field fails
+# test_every_request_field_is_an_axis_or_said_why until it is an axis or listed here).
+REQUEST_AXES = {"attention_backend": "attention", "packed_cache": "packed_cache",
+                "cuda_graphs": "cuda_graphs", "fp8": "fp8", "lora": "lora",
+                "moe_expert_backend": "experts"}
+NOT_CROSSED = {
+    "fp8_recipe": "passed through to the framework's precision config; core.py reads it nowhere "
+                  "(checked: no refusal or plan changes with it)",
+    "max_seqs": "a bound, not a feature: checked at the packed size, 0 and one above",
+    "max_seqlen": "a bound, not a feature: checked at the packed size, 0 and one above",
+}
+# hook-only refusals of a model or request setting the product does not vary: each is reached
+# from the first runnable combination by changing that one setting (test_every_hook_message_is_reached)
+ONE_AWAY = {
+    "multi-latent attention": dict(model=dict(multi_latent_attention=True)),
+    "custom layer spec": dict(facts=dict(custom_layer_spec="gemma2_layer_spec")),
+    "build override": dict(facts=dict(build_override="MyConfig.configure_model")),
+    "sliding window": dict(model=dict(window_size=(128, 0))),
+    "multi-token prediction": dict(model=dict(mtp_num_layers=1)),
+    "position embedding": dict(model=dict(position_embedding_type="yarn")),
+    "local attention": dict(model=dict(attention_backend="local")),
+    "micro-batch size": dict(facts=dict(micro_batch_size=2)),
+    "max_seqs above": dict(request=dict(max_seqs=T + 1)),
+    "max_seqlen above": dict(request=dict(max_seqlen=T + 1)),
+    "full-iteration graph": dict(model=dict(cuda_graph_scope="full_iteration"), request=dict(cuda_graphs=True)),
+    "fp8 format": dict(request=dict(fp8="e5m2")),
+    "expert backend name": dict(request=dict(moe_expert_backend="cutlass")),
+    "unknown LoRA target": dict(request=dict(lora=("linear_q",)), facts=dict(peft="LoRA")),
+    "shared experts": dict(moe=True, model=dict(moe_shared_expert_intermediate_size=32)),
+    "MoE bias": dict(moe=True, model=dict(add_bias_linear=True)),
+    "MoE overlap": dict(moe=True, model=dict(overlap_moe_expert_parallel_comm=True)),
+    "MoE load balancing": dict(moe=True, model=dict(moe_router_load_balancing_type="seq_aux_loss")),
+}
+# MoEDispatchConfig's checks of the MoE fields' own values (top-k, groups, capacity, policies),
+# which the matrix keeps valid (MoEDispatchConfig's own tests, tests/moe, cover them)
+UNREACHABLE_MESSAGES = ("MoEDispatchConfig: num_experts", "MoEDispatchConfig: topk",
+                        "MoEDispatchConfig: capacity_factor", "MoEDispatchConfig: drop_policy",
+                        "MoEDispatchConfig: pad_multiple", "MoEDispatchConfig: strict_capacity",
+                        "MoEDispatchConfig: expert_backend", "MoEDispatchConfig: score_function",
+                        "MoEDispatchConfig: num_groups", "MoEDispatchConfig: group_topk",
+                        "MoEDispatchConfig: TransformerConfig.num_moe_experts is None")
+# rules the hooks cannot break, and why (none: every shared rule fires in the matrix)
+UNREACHABLE_RULES: dict = {}
+# RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
+NOT_SET_BY_HOOKS = {
+    "names": "one spelling per framework; tests/test_rules.py checks every spelling",
+    "attention_backend": "the hooks resolve the backend when the model is built, after the rules",
+    "pipeline_parallel_size": "read by the CP rule for the main job only (the hooks refuse CP)",
+    "sequence_parallel": "read by the CP rule for the main job only",
+    "offload": "the hooks have no activation offload",
+}
+
+
+def one_away(name: str):
+    """(facts, request) of the first runnable combination of the model kind the change needs,
+    with that one setting changed."""
+    change = ONE_AWAY[name]
+    base = first_runnable(moe=change.get("moe", False))
+    facts, request = facts_and_request(base)
+    model = facts.model
+    if "model" in change:
+        model = _copy_config(model)
+        for k, v in change["model"].items():
+            setattr(model, k, v)
+    fields = dict(change.get("facts", {}))
+    if fields.get("peft") == "LoRA":
+        fields["peft"] = _lora_peft()
+    facts = dataclasses.replace(facts, model=model, **fields)
+    return facts, dataclasses.replace(request, **change.get("request", {}))
+
+
+def _lora_peft():
+    from megatron_fastpath.integrations import core
+
+    return core.PeftFacts("LoRA", True, _lora_requests()[1])
+
+
+def _copy_config(config):
+    import copy
+
+    return copy.copy(config)
+
+
+def first_runnable(moe: bool = False) -> Combo:
+    return next(c for c, v in classified().items() if v.status == RUN and (c["model"] == "moe") == moe)
+
+
+def _swap(combo: Combo, name: str, value) -> Optional[Combo]:
+    """``combo`` with axis ``name`` set to ``value`` (axes that stop applying take NA, ones that
+    start take their first value), None where the axis does not apply or allow it."""
+    c = {}
+    for axis, (n, v) in zip(axes(), combo.items()):
+        if n == name:
+            if not axis.applies(c) or not axis.allowed(c, value):
+                return None
+            v = value
+        elif not axis.applies(c):
+            v = NA
+        elif v is NA or not axis.allowed(c, v):
+            v = next(x for x in axis.values if axis.allowed(c, x))
+        c[n] = v
+    return Combo(tuple(c[a.name] for a in axes()))
+
+
+# ------------------------------------------------------------------------------ runner
+def run_combination(combo: Combo) -> str:
+    """Build the model the hooked config builds (call inside the GPU stand-ins, with Megatron's
+    model-parallel state of world 1) and run one forward + backward on a packed batch; compare
+    per-token losses with the same weights under Megatron's own layer spec where that is a
+    reference. Returns what was checked."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_fastpath.integrations import FastpathLayerSpec, FastpathSettings, cache_for, clear_caches
+    from megatron_fastpath.packed_seq.runtime import forward
+    from tests.support.packed_reference import reference_layer_spec
+
+    verdict = classified()[combo]
+    assert verdict.status == RUN, verdict
+    facts, _ = facts_and_request(combo)
+    config = _copy_config(facts.model)
+    plan = verdict.plan
+    settings = FastpathSettings(**plan.settings)
+    if plan.graph_warmup_steps is not None:
+        config.cuda_graph_warmup_steps = plan.graph_warmup_steps
+    pe = plan.position_embedding_type or config.position_embedding_type
+    dtype = getattr(torch, combo["dtype"])
+    clear_caches()
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)  # Megatron's own attention / MoE fork its RNG tracker
+    spec = FastpathLayerSpec(settings)(config)
+    vocab = 64
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=T, position_embedding_type=pe,
+                     share_embeddings_and_output_weights=False)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [11, 7, 9]  # 27 of T=32 tokens: a padding tail
+    n = sum(lengths)
+    tokens = torch.zeros(1, T, dtype=torch.long)
+    labels = torch.zeros(1, T, dtype=torch.long)
+    tokens[0, :n] = torch.randint(1, vocab, (n,), generator=gen)
+    labels[0, :n] = torch.randint(1, vocab, (n,), generator=gen)
+    if settings.packed_cache:
+        pb = cache_for(settings)[1].acquire(lengths)
+        loss_1T = forward(model, pb, tokens, labels)
+    else:  # Megatron's own attention on the framework's unpacked batch
+        loss_1T = model(tokens, torch.arange(T)[None], None, labels=labels)
+    if settings.packed_cache:  # the build is what the classifier's build checks predicted
+        backend, _ = build_checks(combo, plan.settings)
+        assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {backend}
+    if combo["model"] == "moe":
+        from megatron_fastpath.moe.experts import expert_class
+
+        assert {type(layer.mlp.experts) for layer in model.decoder.layers} == {
+            expert_class(settings.moe_expert_backend)}
+    loss = (loss_1T[0, :n].float()).mean()
+    loss.backward()
+    assert torch.isfinite(loss), loss
+    grads = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
+    checked = "finite loss and gradients"
+    reference = (settings.packed_cache and dtype == torch.float32
+                 and (combo["model"] == "dense" or combo["dispatch"] == "dropless"))
+    if not reference:
+        return checked + ("" if settings.packed_cache else " (Megatron's attention; no packed reference)")
+    # same weights, Megatron's SelfAttention + an unpacked causal reference attention with
+    # Megatron's RoPE function, one sequence at a time (the MLP / MoE block is the hooked one)
+    ref_attn = reference_layer_spec(cache_for(settings)[0].config.rope).submodules.self_attention
+    ref_spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=ref_attn))
+    ref = GPTModel(config, ref_spec, vocab_size=vocab, max_sequence_length=T, position_embedding_type="none",
+                   share_embeddings_and_output_weights=False)
+    missing = ref.load_state_dict(model.state_dict(), strict=False)
+    assert not missing.unexpected_keys and all("_extra_state" in k for k in missing.missing_keys), missing
+    start = 0
+    with torch.no_grad():
+        for length in lengths:
+            sl = slice(start, start + length)
+            alone = ref(tokens[:, sl], torch.arange(length)[None], None, labels=labels[:, sl])
+            torch.testing.assert_close(alone[0], loss_1T.detach()[0, sl], rtol=1e-4, atol=1e-4)
+            start += length
+    return checked + "; per-token losses == Megatron's attention, one sequence at a time"
+
+
+# the axes that change the model the runner builds (the others change refusals or settings the
+# CPU run does not read: graphs are captured after the first step, LoRA is the framework's PEFT)
+BUILT = ("model", "dispatch", "dtype", "packed_cache", "attention", "experts", "data")
+
+
+def runnable() -> list:
+    return [c for c, v in classified().items() if v.status == RUN]
+
+
+@functools.lru_cache(maxsize=None)
+def selected() -> tuple:
+    """A pairwise (all-pairs) cover of the runnable combinations over the axes that change the
+    built model (:data:`BUILT`), greedy, deterministic: each pair of values of two such axes
+    that occur together in a runnable combination occurs together in a selected one."""
+    idx = [_axis_index()[a] for a in BUILT]
+
+    def pairs(c):
+        return set(itertools.combinations([(i, c.values[i]) for i in idx], 2))
+
+    combos, todo, chosen = runnable(), set(), []
+    for c in combos:
+        todo |= pairs(c)
+    while todo:
+        best = max(combos, key=lambda c: len(pairs(c) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return tuple(c for c in combos if c in chosen)
+
+
+# ----------------------------------------------------------------------------------- listing
+def _kind_label(kind: str) -> str:
+    return f"rules.{kind}" if ":" not in kind else f"core.{kind}"
+
+
+def render() -> str:
+    """docs/hook-feature-matrix.md (test_listing_is_up_to_date keeps the file equal)."""
+    from megatron_fastpath import rules
+
+    verdicts = classified()
+    counts = collections.Counter(v.status for v in verdicts.values())
+    lines = [
+        "# Hook feature matrix",
+        "",
+        "Generated by `tests/integrations/test_hook_feature_matrix.py::render` -- do not edit; regenerate with",
+        "`.venv/bin/python -c \"from tests.integrations.test_hook_feature_matrix import write; write()\"`",
+        "(`test_listing_is_up_to_date` fails when this file and the generator differ).",
+        "",
+        "Every combination below of what the NeMo 2 / Megatron-Bridge hooks read -- the user's",
+        "`HookRequest` and the framework config's `ModelFacts` -- goes through the hooks' shared",
+        "decision layer (`integrations/core.py`: `refusals`, `decide`, `plan`). A refusal lists",
+        "hook-only reasons (each one of the messages `core.py` writes) followed by the shared",
+        "rules' reasons for `core.run_facts` (`megatron_fastpath/rules.py`, in the hook's spelling).",
+        "An accepted plan's settings make a `FastpathSettings`; the layer spec's build-time checks",
+        "(`resolve_backend` on the training GPU with the model dtype) run on it. The main job's",
+        "matrix is [feature-matrix.md](feature-matrix.md).",
+        "",
+        "## Axes (read from the code)",
+        "",
+        "| axis | values | from |",
+        "| --- | --- | --- |",
+    ]
+    for a in axes():
+        lines.append(f"| {a.name} | {', '.join(map(str, a.values))} | {_cell(a.source)} |")
+    lines += ["", "An axis that does not apply to a combination is `-`. After a value refused on its "
+              "own (whatever the other settings: checked over every accepted combination), every later "
+              "axis keeps its first value:", ""]
+    for (name, value), kinds in sorted(lone_reasons().items(), key=lambda kv: (_axis_index()[kv[0][0]], str(kv[0][1]))):
+        lines.append(f"* {name} = {value}: " + "; ".join(sorted(_kind_label(k) for k in kinds)))
+    lines += ["", "Not crossed (`HookRequest` fields):", ""]
+    lines += [f"* `{k}`: {why}" for k, why in NOT_CROSSED.items()]
+    lines += ["", "Fixed: a 2-layer model (hidden 32, 4 heads, 2 query groups; MoE: 4 experts, top-2), "
+              f"packed size T={T}, micro-batch 1, `position_embedding_type='rope'`, the Bridge spelling "
+              "(`rules.NAMES['bridge']`).", "",
+              "## Counts", "", "| | combinations |", "| --- | --- |",
+              f"| product of the axes | {len(verdicts)} |"]
+    lines += [f"| {status} | {counts[status]} |" for status in STATUSES]
+    lines += [f"| run by the integration test | {len(selected())} |", ""]
+    lines += ["## Refused by the hook", "",
+              "By the first reason (a combination may have several: the next table counts every "
+              "reason).", "", "| first reason | combinations |", "| --- | --- |"]
+    first = collections.Counter(v.kinds[0] for v in verdicts.values() if v.status == REFUSED)
+    for kind, n in sorted(first.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"| {_cell(_kind_label(kind))} | {n} |")
+    every = collections.Counter(k for v in verdicts.values() for k in set(v.kinds))
+    lines += ["", "Every reason (combinations it appears in; `-`: reached only one setting away, "
+              "`ONE_AWAY`):", "", "| reason | combinations |", "| --- | --- |"]
+    kinds = [r.__name__ for r in rules.RULES]
+    kinds += [k for k in hook_messages() if not k.startswith(UNREACHABLE_MESSAGES)]
+    for kind in kinds:
+        lines.append(f"| {_cell(_kind_label(kind))} | {every.get(kind, '-')} |")
+    for status in (BUILD, NO_CPU, WORLD2):
+        groups = collections.Counter(v.why for v in verdicts.values() if v.status == status)
+        lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| why | combinations |", "| --- | --- |"]
+        lines += [f"| {_cell(why)} | {n} |" for why, n in sorted(groups.items())]
+    lines += ["", "## Run (world 1)", "",
+              f"{counts[RUN]} accepted combinations run on this CPU; the integration test runs a pairwise",
+              f"cover over the axes that change the built model ({', '.join(BUILT)}): the model the hooked",
+              "config builds (`FastpathLayerSpec` of the plan), inside the GPU stand-ins, one forward +",
+              "backward through `packed_seq.runtime.forward`: finite loss and gradients; in fp32 with the",
+              "packed cache and dropless (or no) experts, per-token losses equal to the same weights with",
+              "Megatron's attention and RoPE, one sequence at a time. Graphs: the frameworks capture after",
+              "the first step, which runs eagerly; capture (with TE's RNG tracker, which has no CPU",
+              "stand-in) is the main job's matrix. LoRA: applied by the framework's PEFT, not here.", "",
+              "| combination |", "| --- |"]
+    lines += [f"| {c.label} |" for c in selected()]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def write() -> None:
+    DOC.write_text(render(), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_classification_follows_the_rules():
+    """Unit tier: every refusal is hook-only reasons core.py writes, then the rules' reasons for
+    run_facts (verbatim, in order); decide raises them all; every accepted plan makes settings
+    and is not refused by the rules."""
+    from megatron_fastpath import rules
+
+    problems = [f"{c.label}: {v.problem}" for c, v in classified().items() if v.problem]
+    assert problems == []
+    counts = collections.Counter(v.status for v in classified().values())
+    assert all(counts[s] for s in STATUSES), counts
+    for v in classified().values():
+        if v.status != REFUSED:
+            assert rules.refusals(v.facts) == [] and v.plan is not None
+
+
+def test_matrix_reaches_every_rule_and_every_fact():
+    """Every shared rule refuses some combination (or is listed with why it cannot from the
+    hooks) and every RunFacts field the hooks set takes two values across the matrix."""
+    from megatron_fastpath import rules
+
+    verdicts = classified().values()
+    fired = {k for v in verdicts for k in v.kinds if ":" not in k}
+    assert fired == {r.__name__ for r in rules.RULES} - set(UNREACHABLE_RULES)
+    facts = [v.facts for v in verdicts]
+    defaults = rules.RunFacts(names=rules.NAMES["bridge"])
+    for f in dataclasses.fields(rules.RunFacts):
+        values = {getattr(x, f.name) for x in facts}
+        if f.name in NOT_SET_BY_HOOKS:
+            assert values == {getattr(defaults, f.name)}, (f.name, values)
+        else:
+            assert len(values) >= 2, f"RunFacts.{f.name} never varies in the matrix: add an axis"
+
+
+def test_every_request_field_is_an_axis_or_said_why():
+    from megatron_fastpath.integrations import core
+
+    fields = {f.name for f in dataclasses.fields(core.HookRequest)}
+    assert fields == set(REQUEST_AXES) | set(NOT_CROSSED)
+    assert set(REQUEST_AXES.values()) <= {a.name for a in axes()}
+
+
+def test_not_crossed_fields_do_what_the_listing_says():
+    """fp8_recipe changes no refusal and no plan; max_seqs / max_seqlen are accepted up to the
+    packed size and refused with their bound above it and at 0."""
+    from megatron_fastpath.integrations import core
+    from megatron_fastpath.integrations._runtime import FastpathSettings
+
+    with _gpu():
+        sample = [c for i, c in enumerate(combinations()) if i % 97 == 0]
+        for c in sample:
+            _CAPABILITY[0] = None if c["gpu"] is NA else c["gpu"]
+            facts, request = facts_and_request(c)
+            want = core.refusals(facts, request)
+            for recipe in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+                r = dataclasses.replace(request, fp8_recipe=recipe)
+                assert core.refusals(facts, r) == want
+                if not want:
+                    assert core.plan(facts, r) == core.plan(facts, request)
+        facts, request = facts_and_request(first_runnable())
+        for field in ("max_seqs", "max_seqlen"):
+            plan = core.plan(facts, dataclasses.replace(request, **{field: T}))
+            assert plan.settings[field] == T and FastpathSettings(**plan.settings)
+            for bad in (0, T + 1):
+                reasons = core.refusals(facts, dataclasses.replace(request, **{field: bad}))
+                assert reasons == [f"{field}={bad} must be in [1, packed_sequence_size={T}]"], reasons
+
+
+@functools.lru_cache(maxsize=None)
+def lone_reasons() -> dict:
+    """{(axis, value): the reason kinds that value adds}: over the combinations refused for a
+    lone value, the kinds it has and the same combination with the axis's first value has not."""
+    out = collections.defaultdict(set)
+    with _gpu():
+        for c, v in classified().items():
+            lone = lone_value(c)
+            if lone:
+                name = lone[0]
+                first = _swap(c, name, axes()[_axis_index()[name]].values[0])
+                out[lone] |= set(v.kinds) - set(classify(first).kinds)
+    return dict(out)
+
+
+def test_lone_refusals_refuse_every_accepted_combination():
+    """The reduction's claim: a value the generator treats as refused on its own is refused,
+    for one of the reasons it has in the product, in every accepted combination (every 5th)
+    it can be swapped into."""
+    accepted = [c for c, v in classified().items() if v.status != REFUSED]
+    claims = lone_reasons()
+    assert claims and all(claims.values())
+    with _gpu():
+        for (name, value), kinds in sorted(claims.items(), key=str):
+            tried = 0
+            for c in accepted[::5]:
+                swapped = _swap(c, name, value)
+                if swapped is None:
+                    continue
+                prefix = dict(itertools.takewhile(lambda kv: kv[0] != name, swapped.items()))
+                if not axes()[_axis_index()[name]].alone(prefix, value):
+                    continue
+                verdict = classify(swapped)
+                assert verdict.status == REFUSED and set(verdict.kinds) & kinds, (
+                    f"{name}={value} in {swapped.label}: {verdict.reasons}")
+                tried += 1
+            assert tried, (name, value)
+
+
+def test_every_hook_message_is_reached():
+    """Every message core.py writes is the reason of some combination of the matrix or of a
+    combination one listed setting away from a runnable one (ONE_AWAY); MoEDispatchConfig's
+    checks of values a TransformerConfig cannot hold are listed as unreachable."""
+    from megatron_fastpath.integrations import core
+
+    reached = {k for v in classified().values() for k in v.kinds}
+    with _gpu():
+        for name in ONE_AWAY:
+            _CAPABILITY[0] = None
+            reasons = core.refusals(*one_away(name))
+            assert len(reasons) == 1 and message_kind(reasons[0]), (name, reasons)
+            reached.add(message_kind(reasons[0]))
+    want = {k for k in hook_messages() if not k.startswith(UNREACHABLE_MESSAGES)}
+    assert want - reached == set()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hook_layer_spec_resolves_auto_by_the_model_dtype(dtype):
+    """The hooks' layer spec resolves ``auto`` with the model dtype, as the classifier's build
+    check and the main job do: on a GPU with flash-attn, an fp32 model gets sdpa (before, the
+    spec resolved without the dtype, picked flash, and the fp32 model failed to build)."""
+    from megatron_fastpath.integrations import FastpathLayerSpec, FastpathSettings, clear_caches
+    from tests.support.graph_safe_standins import gpu_standins
+
+    config = model_config("dense", NA, dtype, 1, NA, NA)
+    clear_caches()
+    try:
+        with gpu_standins():
+            spec = FastpathLayerSpec(FastpathSettings(max_tokens=T, max_seqs=4))(config)
+    finally:
+        clear_caches()
+    core_attention = spec.submodules.self_attention.submodules.core_attention
+    assert core_attention.params["backend"] == _resolved("auto", dtype)
+    assert _resolved("auto", dtype) == {"float32": "sdpa", "bfloat16": "flash"}[dtype]
+
+
+def test_listing_is_up_to_date():
+    assert DOC.read_text(encoding="utf-8") == render(), (
+        "docs/hook-feature-matrix.md is stale: regenerate it with `.venv/bin/python -c \"from "
+        "tests.integrations.test_hook_feature_matrix import write; write()\"`")
+
+
+@pytest.mark.integration
+def test_hook_feature_matrix_runs(mcore_parallel, capsys):
+    """Integration tier: each selected runnable combination, built as the hooked config builds
+    it, one forward + backward inside the GPU stand-ins."""
+    from megatron_fastpath.integrations import clear_caches
+    from tests.support.graph_safe_standins import gpu_standins
+
+    results, failures = [], []
+    try:
+        for combo in selected():
+            try:
+                with gpu_standins():
+                    results.append((combo.label, run_combination(combo)))
+            except Exception as exc:  # noqa: BLE001 -- listed below, the test fails
+                failures.append(f"{combo.label}: {type(exc).__name__}: {str(exc)[:400]}")
+    finally:
+        clear_caches()
+    with capsys.disabled():
+        print("\nhook feature matrix runs:")
+        for label, what in results:
+            print(f"  run  {label}  {what}")
+        for f in failures:
+            print(f"  FAIL {f}")
+    assert failures == []
