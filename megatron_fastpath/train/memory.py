@@ -129,9 +129,10 @@ def check_memory(cfg, available: Optional[int] = None) -> MemoryEstimate:
     ``training.skip_memory_check=true`` skips this. ``available`` overrides the measured bytes."""
     est = estimate_memory(cfg)
     procs = _processes_per_machine(cfg.device)
-    have, what = machine_memory(cfg.device)
-    if available is not None:
+    if available is not None:  # the device is not asked (planning for another machine)
         have, what = available, f"{available / GIB:.1f} GiB available"
+    else:
+        have, what = machine_memory(cfg.device)
     if est.total * procs > have:
         raise ValueError(
             f"this job will not fit: a {est.params_total / 1e9:.2f}B-parameter model needs an "

@@ -213,6 +213,43 @@ def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
     assert cfg.model.num_layers == 32  # Llama-3-8B
 
 
+CP_SBATCH = REPO / "slurm" / "train_context_parallel.sbatch"
+CP_PRESET = ("model=llama3_8b", "fastpath.lora=true", "training.dtype=bfloat16",
+             "parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+             "fastpath.attention_backend=sdpa",
+             "data.max_tokens=16384", "data.max_len=8192")
+
+
+def test_context_parallel_preset_forwards_parses_and_fits_an_80gb_gpu(tmp_path):
+    """The CP example (issue 23): its overrides reach the main job after train.sbatch's, the main
+    job's parse accepts them on CUDA (the CP rule serves dense + sdpa + LoRA), and the memory
+    estimate of one rank (CP counted) fits an 80 GB GPU."""
+    from megatron_fastpath.train import parse_job_config
+    from megatron_fastpath.train.memory import check_memory
+    from tests.support.cuda_as_cpu import cuda_as_cpu
+    from tests.support.hydra_compose import compose_job
+
+    fake_bin = _fake_slurm_bin(tmp_path)
+    env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-context-parallel", FASTPATH_HOME=str(REPO))
+    proc = subprocess.run(["bash", str(CP_SBATCH), "training.steps=3"], capture_output=True,
+                          text=True, timeout=60,
+                          env=dict(clean_submit_env(**env), PATH=f"{fake_bin}:{os.environ['PATH']}"))
+    assert proc.returncode == 0, proc.stderr
+    argv, _ = _calls(tmp_path)
+    tail = argv[argv.index("megatron_fastpath.train") + 1:]
+    run_dir = f"{tmp_path}/logs/fastpath-context-parallel-123456"
+    assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
+                    f"checkpoint.dir={run_dir}/checkpoints", *CP_PRESET, "training.steps=3"]
+    with cuda_as_cpu():
+        job = parse_job_config(compose_job([*CP_PRESET, "training.device=cuda",
+                                            "training.skip_memory_check=true"]))
+        est = check_memory(job, available=80 * 10**9)  # one rank per 80 GB GPU: no error
+    assert job.attention_backend == "sdpa" and job.parallel.context_parallel_size == 2
+    assert job.parallel.tensor_model_parallel_size == 2
+    assert job.lora is not None and job.data.max_tokens == 16384
+    assert 8 * 10**9 < est.total < 80 * 10**9  # bf16 8B weights over TP 2 (8 GB) and more
+
+
 def test_lora_graphs_preset_needs_the_repository(tmp_path):
     env = _job_env(tmp_path, FASTPATH_HOME=str(tmp_path / "nowhere"))
     proc = subprocess.run(["bash", str(LORA_SBATCH)], env=clean_submit_env(**env),
