@@ -325,6 +325,15 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
         reasons.append(f"fp8 requested but {facts.names.precision}")
     if request.fp8 not in (None, False) + FP8_FORMATS:
         reasons.append(f"fp8 must be None, False, 'hybrid' or 'e4m3'; got {request.fp8!r}")
+    if request.attention_backend in ("te", "flash"):  # auto resolves by the dtype at build
+        import torch
+
+        from megatron_fastpath.attention.core_attention import check_backend_dtype
+
+        try:  # the hooks' frameworks train on GPUs: the layer spec would refuse it at build
+            check_backend_dtype(request.attention_backend, torch.device("cuda"), run_facts(facts, request).dtype)
+        except ValueError as exc:
+            reasons.append(str(exc))
     if request.moe_expert_backend not in (None,) + EXPERT_BACKENDS:
         reasons.append(
             f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
