@@ -5,11 +5,11 @@ JSON is refused before anything is written."""
 
 import json
 import os
-import zlib
 
 import pytest
 import torch
 from tests.checkpoint.ckpt_harness import Run
+from tests.support.checkpoint_files import as_format_1, records, rewrite_train_state
 from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.checkpoint.manager import FORMAT_VERSION, CheckpointFormatError
@@ -19,36 +19,6 @@ STEPS, STOP = 6, 3
 FAST = [f"training.steps={STEPS}", "data.num_samples=256", "model.num_layers=2",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256",
         "training.lr=5e-3"]
-
-
-def _rewrite_train_state(step_dir, edit) -> None:
-    """``edit(state) -> state`` on ``train_state.json``, the manifest's entry kept true."""
-    path = os.path.join(step_dir, "train_state.json")
-    with open(path) as f:
-        state = edit(json.load(f))
-    with open(path, "w") as f:
-        json.dump(state, f, indent=1)
-    manifest_path = os.path.join(step_dir, "manifest.json")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    data = open(path, "rb").read()
-    manifest["train_state.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)
-                                    if manifest["train_state.json"]["crc32"] is not None else None}
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f, indent=1)
-
-
-def as_format_1(state: dict) -> dict:
-    """What megatron_fastpath wrote as format 1 (checked against a real one): the parts and the
-    history's keys side by side in ``extra``."""
-    parts = dict(state.pop("parts"))
-    history = parts.pop("history", {})
-    return {**state, "format_version": 1, "extra": {**parts, **history}}
-
-
-def records(path):
-    with open(path) as f:
-        return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
 
 
 @pytest.mark.integration
@@ -71,7 +41,7 @@ def test_format_1_checkpoint_resumes_exactly(mcore_parallel, tmp_path, capsys):
     d = tmp_path / "ckpt"
     _, job_s = run(compose_job(FAST + [f"training.summary_json={tmp_path}/straight.json"]), return_job=True)
     run(compose_job(FAST + [f"checkpoint.dir={d}", f"training.stop_at_step={STOP}"]))
-    _rewrite_train_state(d / f"step_{STOP:08d}", as_format_1)
+    rewrite_train_state(d / f"step_{STOP:08d}", as_format_1)
     capsys.readouterr()
     resumed, job_r = run(compose_job(FAST + [f"checkpoint.dir={d}", f"training.summary_json={tmp_path}/resumed.json"]),
                          return_job=True)
@@ -95,7 +65,7 @@ def test_other_formats_are_refused_saying_what_why_and_the_fix(mcore_parallel, t
     run_ = Run().train(1)
     older = run_.save(tmp_path)
     newest = run_.train(1).save(tmp_path)
-    _rewrite_train_state(newest.path, lambda s: {**s, "format_version": version})
+    rewrite_train_state(newest.path, lambda s: {**s, "format_version": version})
     for fallback in (False, True):  # never falls back: rotation would delete the newer checkpoint
         with pytest.raises(CheckpointFormatError) as err:
             Run(seed=4).load(tmp_path, fallback_to_previous=fallback)
@@ -110,7 +80,7 @@ def test_format_1_of_the_checkpoint_manager_loads(mcore_parallel, tmp_path):
     """A format-1 checkpoint's other ``extra`` keys become parts of their own."""
     first = Run().train(2)
     saved = first.save(tmp_path)
-    _rewrite_train_state(saved.path, as_format_1)
+    rewrite_train_state(saved.path, as_format_1)
     resumed = Run(seed=4)
     state = resumed.load(tmp_path)
     assert state.step == 2 and resumed.losses == first.losses

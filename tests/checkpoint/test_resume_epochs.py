@@ -4,10 +4,10 @@ checkpoint written before epochs existed (no ``epoch`` in its data part) still r
 
 import json
 import os
-import zlib
 
 import pytest
 import torch
+from tests.support.checkpoint_files import as_format_1, records, rewrite_train_state
 from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
@@ -20,34 +20,6 @@ pytestmark = pytest.mark.integration
 SMALL = ["data.num_samples=48", "model.num_layers=2", "model.hidden_size=64",
          "model.ffn_hidden_size=160", "data.max_tokens=256", "training.lr=5e-3"]
 EPOCHS, STEPS, STOP = 2, 11, 8
-
-
-def rewrite_train_state(step_dir, edit) -> None:
-    """``edit(state) -> state`` on ``train_state.json``, its manifest entry kept true."""
-    path = os.path.join(step_dir, "train_state.json")
-    with open(path) as f:
-        state = edit(json.load(f))
-    with open(path, "w") as f:
-        json.dump(state, f, indent=1)
-    with open(os.path.join(step_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    raw = open(path, "rb").read()
-    crc = zlib.crc32(raw) if manifest["train_state.json"]["crc32"] is not None else None
-    manifest["train_state.json"] = {"bytes": len(raw), "crc32": crc}
-    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-
-
-def as_format_1(state: dict) -> dict:
-    """Format 1: the parts and the history's keys side by side in ``extra``."""
-    parts = dict(state.pop("parts"))
-    history = parts.pop("history", {})
-    return {**state, "format_version": 1, "extra": {**parts, **history}}
-
-
-def records(path):
-    with open(path) as f:
-        return [(r["step"], r["loss"], r["lr"]) for r in json.load(f)["records"]]
 
 
 def same_params(job_a, job_b):
