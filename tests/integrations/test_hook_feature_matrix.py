@@ -56,9 +56,10 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.support.matrix import NA, Combination
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "hook-feature-matrix.md"
-NA = "-"
 T = 32  # packed_sequence_size of the matrix's data
 UNSUPPORTED_PEFT = "CanonicalLoRA"  # a PEFT scheme the hooks do not serve (PeftFacts.supported=False)
 
@@ -168,20 +169,13 @@ def axes() -> tuple:
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _axis_index() -> dict:
-    return {a.name: i for i, a in enumerate(axes())}
-
-
 @dataclasses.dataclass(frozen=True)
-class Combo:
-    values: tuple  # in axes() order
+class Combo(Combination):
+    """One combination of a hook request and the model facts (:func:`axes`)."""
 
-    def __getitem__(self, name: str):
-        return self.values[_axis_index()[name]]
-
-    def items(self):
-        return zip((a.name for a in axes()), self.values)
+    @classmethod
+    def axes(cls) -> tuple:
+        return axes()
 
     @property
     def label(self) -> str:
@@ -678,7 +672,7 @@ def selected() -> tuple:
     """A pairwise (all-pairs) cover of the runnable combinations over the axes that change the
     built model (:data:`BUILT`), greedy, deterministic: each pair of values of two such axes
     that occur together in a runnable combination occurs together in a selected one."""
-    idx = [_axis_index()[a] for a in BUILT]
+    idx = [Combo.index()[a] for a in BUILT]
 
     def pairs(c):
         return set(itertools.combinations([(i, c.values[i]) for i in idx], 2))
@@ -730,7 +724,7 @@ def render() -> str:
     lines += ["", "An axis that does not apply to a combination is `-`. After a value refused on its "
               "own (whatever the other settings: checked over every accepted combination), every later "
               "axis keeps its first value:", ""]
-    for (name, value), kinds in sorted(lone_reasons().items(), key=lambda kv: (_axis_index()[kv[0][0]], str(kv[0][1]))):
+    for (name, value), kinds in sorted(lone_reasons().items(), key=lambda kv: (Combo.index()[kv[0][0]], str(kv[0][1]))):
         lines.append(f"* {name} = {value}: " + "; ".join(sorted(_kind_label(k) for k in kinds)))
     lines += ["", "Not crossed (`HookRequest` fields):", ""]
     lines += [f"* `{k}`: {why}" for k, why in NOT_CROSSED.items()]
@@ -861,7 +855,7 @@ def lone_reasons() -> dict:
             lone = lone_value(c)
             if lone:
                 name = lone[0]
-                first = _swap(c, name, axes()[_axis_index()[name]].values[0])
+                first = _swap(c, name, axes()[Combo.index()[name]].values[0])
                 out[lone] |= set(v.kinds) - set(classify(first).kinds)
     return dict(out)
 
@@ -881,7 +875,7 @@ def test_lone_refusals_refuse_every_accepted_combination():
                 if swapped is None:
                     continue
                 prefix = dict(itertools.takewhile(lambda kv: kv[0] != name, swapped.items()))
-                if not axes()[_axis_index()[name]].alone(prefix, value):
+                if not axes()[Combo.index()[name]].alone(prefix, value):
                     continue
                 verdict = classify(swapped)
                 assert verdict.status == REFUSED and set(verdict.kinds) & kinds, (

@@ -49,9 +49,10 @@ import pytest
 import torch
 import yaml
 
+from tests.support.matrix import NA, Combination
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "feature-matrix.md"
-NA = "-"  # the value of an axis that does not apply to a combination
 
 # Every combination starts from this: a tiny model and data (a step in well under a second),
 # the GPU path on the stand-ins, and the settings a CPU can run each feature with.
@@ -202,22 +203,13 @@ def axes() -> tuple:
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _axis_index() -> dict:
-    return {a.name: i for i, a in enumerate(axes())}
-
-
 @dataclasses.dataclass(frozen=True)
-class Combo:
-    """One combination: a value per axis (``NA`` where the axis does not apply)."""
+class Combo(Combination):
+    """One combination of the main job's settings (:func:`axes`)."""
 
-    values: tuple  # in axes() order
-
-    def __getitem__(self, name: str):
-        return self.values[_axis_index()[name]]
-
-    def items(self):
-        return zip((a.name for a in axes()), self.values)
+    @classmethod
+    def axes(cls) -> tuple:
+        return axes()
 
     def overrides(self) -> Optional[list]:
         """The Hydra overrides of this combination (after BASE), None when one of its values
@@ -635,7 +627,7 @@ def render() -> str:
         f"| runnable and touched by a rule | {len(touched)} |",
         f"| run by the integration test | {n_sel} |",
         "",
-        f"**Reduction.** One combination costs ~10 s on an idle 2-core machine (3 job builds, 8",
+        "**Reduction.** One combination costs ~10 s on an idle 2-core machine (3 job builds, 8",
         f"steps, a checkpoint save and load; 30-50 s while other jobs share it): the {counts[RUN]}",
         f"runnable ones would take ~{counts[RUN] * 10 // 60} minutes, the {len(touched)} a rule touches",
         f"~{len(touched) * 10 // 60}. The integration test runs {n_sel}: a pairwise (all-pairs) cover of the",

@@ -1,0 +1,36 @@
+"""Test-only: what the two feature matrices share (tests/train/test_feature_matrix.py for the
+main job, tests/integrations/test_hook_feature_matrix.py for the hooks): the value of an axis
+that does not apply, and a combination -- a value per axis, in its matrix's axis order."""
+
+import dataclasses
+import functools
+
+NA = "-"  # the value of an axis that does not apply to a combination
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+    """One combination: ``values`` in the order of the subclass's :meth:`axes` (``NA`` where an
+    axis does not apply)."""
+
+    values: tuple
+
+    @classmethod
+    def axes(cls) -> tuple:
+        raise NotImplementedError("a matrix's combination class names its axes")
+
+    @classmethod
+    def index(cls) -> dict:
+        """{axis name: position in ``values``}."""
+        return _index(cls)
+
+    def __getitem__(self, name: str):
+        return self.values[self.index()[name]]
+
+    def items(self):
+        return zip((a.name for a in self.axes()), self.values)
+
+
+@functools.lru_cache(maxsize=None)
+def _index(cls) -> dict:
+    return {a.name: i for i, a in enumerate(cls.axes())}
