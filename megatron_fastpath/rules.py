@@ -143,7 +143,10 @@ class RunFacts:
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
     # What runs (docs/configuration.md): the main job, dense model, sdpa backend, TP without SP,
-    # PP = 1, CP over all-gathered K/V. Everything else is refused until it is written and tested.
+    # PP = 1, CP over all-gathered K/V -- with per-layer CUDA graphs too (the all-gather and its
+    # backward all-reduce are captured in each layer's graphs and replayed; on a CPU the audit:
+    # tests/train/test_context_parallel_graphs.py). Everything else is refused until it is
+    # written and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
         return None
     cp = f"{f.names.context_parallel}={f.context_parallel_size}"
@@ -160,8 +163,6 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
          "wired); use fastpath.attention_backend=sdpa"),
         (f.is_moe, "an MoE model (Megatron folds CP into the expert data-parallel group; the "
          "fastpath dispatcher is not checked with CP-sharded tokens); use a dense model"),
-        (f.graphs_requested, "CUDA graphs / the graph-safety audit (the CP all-gather inside a "
-         "captured layer is not checked); turn fastpath.cuda_graphs off"),
         (f.pipeline_parallel_size > 1, "pipeline parallelism (CP with PP is not tested); use "
          "parallel.pipeline_model_parallel_size=1"),
         (f.sequence_parallel, "sequence parallelism (TP x CP runs on CPU without it; SP needs "

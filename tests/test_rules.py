@@ -131,11 +131,26 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
         want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2, **facts))
         assert _main_job_error(["parallel.context_parallel_size=2", *overrides]) == want[0], overrides
     for facts in (dict(attention_backend="flex"), dict(sequence_parallel=True),
-                  dict(pipeline_parallel_size=2), dict(offload=True), dict(graphs_requested=True)):
+                  dict(pipeline_parallel_size=2), dict(offload=True)):
         assert len(rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                                  **facts))) == 1, facts
     assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                          attention_backend="sdpa", lora=True)) == []
+    # CUDA graphs at CP (captured on a GPU, the audit on a CPU) are served:
+    # tests/train/test_context_parallel_graphs.py
+    for graphs in (dict(graphs_requested=True), dict(graphs_requested=True, graphs_captured=True)):
+        assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                             attention_backend="sdpa", **graphs)) == []
+    from megatron_fastpath.train.config import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    job = parse_job_config(compose_job(["parallel.context_parallel_size=2", "fastpath.cuda_graphs=true",
+                                        "training.skip_memory_check=true"]))
+    assert job.parallel.context_parallel_size == 2 and job.plan.audit  # the CPU runs the audit
+    want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                         graphs_requested=True, attention_backend="flex"))
+    assert _main_job_error(["parallel.context_parallel_size=2", "fastpath.cuda_graphs=true",
+                            "fastpath.attention_backend=flex"]) == want[0]
 
 
 def test_hooks_turning_graphs_on_for_lora_write_zero_warmup():

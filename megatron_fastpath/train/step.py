@@ -322,6 +322,9 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     device = cache.device
     # Megatron's DDP averages gradients over DP x CP (its dp_cp group)
     dp_world = ps.get_data_parallel_world_size(with_context_parallel=True)
+    # ... and its schedule multiplies a (loss, dict) loss by the CP size (megatron-core 0.16.1
+    # pipeline_parallel/schedules.py forward_step: ``output_tensor *= cp_group_size``)
+    cp_world = ps.get_context_parallel_world_size()
     last = {}
     in_flight = InFlightBatches(cache)
     # one staging buffer per microbatch a stage can hold, plus one being filled
@@ -342,9 +345,10 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
             def loss_func(per_token_1T):  # last pipeline stage only
                 loss = masked_loss_sum(per_token_1T, mask_1T)
                 loss_sum.add_(loss.detach())
-                # The schedule divides by the microbatch count and DDP averages over DP x CP: undo
-                # both so gradients are those of the global token-normalised loss.
-                return loss * (n * dp_world / global_loss_tokens), {}
+                # The schedule multiplies by the CP size and divides by the microbatch count, and
+                # DDP averages over DP x CP: undo all three so gradients are those of the global
+                # token-normalised loss (each CP rank's loss is its own tokens' share).
+                return loss * (n * dp_world / (cp_world * global_loss_tokens)), {}
 
             return output, loss_func
 
