@@ -56,7 +56,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.support.matrix import NA, Combination
+from tests.support.matrix import NA, Combination, axes_table, cell
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "hook-feature-matrix.md"
@@ -714,13 +714,8 @@ def render() -> str:
         "(`resolve_backend` on the training GPU with the model dtype) run on it. The main job's",
         "matrix is [feature-matrix.md](feature-matrix.md).",
         "",
-        "## Axes (read from the code)",
-        "",
-        "| axis | values | from |",
-        "| --- | --- | --- |",
+        *axes_table(axes()),
     ]
-    for a in axes():
-        lines.append(f"| {a.name} | {', '.join(map(str, a.values))} | {_cell(a.source)} |")
     lines += ["", "An axis that does not apply to a combination is `-`. After a value refused on its "
               "own (whatever the other settings: checked over every accepted combination), every later "
               "axis keeps its first value:", ""]
@@ -740,18 +735,18 @@ def render() -> str:
               "reason).", "", "| first reason | combinations |", "| --- | --- |"]
     first = collections.Counter(v.kinds[0] for v in verdicts.values() if v.status == REFUSED)
     for kind, n in sorted(first.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"| {_cell(_kind_label(kind))} | {n} |")
+        lines.append(f"| {cell(_kind_label(kind))} | {n} |")
     every = collections.Counter(k for v in verdicts.values() for k in set(v.kinds))
     lines += ["", "Every reason (combinations it appears in; `-`: reached only one setting away, "
               "`ONE_AWAY`):", "", "| reason | combinations |", "| --- | --- |"]
     kinds = [r.__name__ for r in rules.RULES]
     kinds += [k for k in hook_messages() if not k.startswith(UNREACHABLE_MESSAGES)]
     for kind in kinds:
-        lines.append(f"| {_cell(_kind_label(kind))} | {every.get(kind, '-')} |")
+        lines.append(f"| {cell(_kind_label(kind))} | {every.get(kind, '-')} |")
     for status in (BUILD, NO_CPU, WORLD2):
         groups = collections.Counter(v.why for v in verdicts.values() if v.status == status)
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| why | combinations |", "| --- | --- |"]
-        lines += [f"| {_cell(why)} | {n} |" for why, n in sorted(groups.items())]
+        lines += [f"| {cell(why)} | {n} |" for why, n in sorted(groups.items())]
     lines += ["", "## Run (world 1)", "",
               f"{counts[RUN]} accepted combinations run on this CPU; the integration test runs a pairwise",
               f"cover over the axes that change the built model ({', '.join(BUILT)}): the model the hooked",
@@ -764,10 +759,6 @@ def render() -> str:
               "| combination |", "| --- |"]
     lines += [f"| {c.label} |" for c in selected()]
     return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def write() -> None:

@@ -193,18 +193,23 @@ def test_torchrun_needs_processes_per_node(tmp_path):
     assert not (tmp_path / "srun.calls").exists()
 
 
-def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
-    from tests.support.hydra_compose import compose_job
-
+def _preset_argv(tmp_path, script, job_name: str) -> tuple:
+    """(the main job's arguments, the run directory) when ``script training.steps=3`` is run
+    as Slurm job ``job_name`` (id 123456) with the fake srun."""
     fake_bin = _fake_slurm_bin(tmp_path)
-    env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-lora-graphs", FASTPATH_HOME=str(REPO))
-    proc = subprocess.run(["bash", str(LORA_SBATCH), "training.steps=3"], capture_output=True,
+    env = _job_env(tmp_path, SLURM_JOB_NAME=job_name, FASTPATH_HOME=str(REPO))
+    proc = subprocess.run(["bash", str(script), "training.steps=3"], capture_output=True,
                           text=True, timeout=60,
                           env=dict(clean_submit_env(**env), PATH=f"{fake_bin}:{os.environ['PATH']}"))
     assert proc.returncode == 0, proc.stderr
     argv, _ = _calls(tmp_path)
-    tail = argv[argv.index("megatron_fastpath.train") + 1:]
-    run_dir = f"{tmp_path}/logs/fastpath-lora-graphs-123456"
+    return argv[argv.index("megatron_fastpath.train") + 1:], f"{tmp_path}/logs/{job_name}-123456"
+
+
+def test_lora_graphs_preset_forwards_to_train_sbatch_and_composes(tmp_path):
+    from tests.support.hydra_compose import compose_job
+
+    tail, run_dir = _preset_argv(tmp_path, LORA_SBATCH, "fastpath-lora-graphs")
     assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
                     f"checkpoint.dir={run_dir}/checkpoints", *LORA_PRESET, "training.steps=3"]
     cfg = compose_job([*LORA_PRESET, "training.device=cuda"])
@@ -229,15 +234,7 @@ def test_context_parallel_preset_forwards_parses_and_fits_an_80gb_gpu(tmp_path):
     from tests.support.cuda_as_cpu import cuda_as_cpu
     from tests.support.hydra_compose import compose_job
 
-    fake_bin = _fake_slurm_bin(tmp_path)
-    env = _job_env(tmp_path, SLURM_JOB_NAME="fastpath-context-parallel", FASTPATH_HOME=str(REPO))
-    proc = subprocess.run(["bash", str(CP_SBATCH), "training.steps=3"], capture_output=True,
-                          text=True, timeout=60,
-                          env=dict(clean_submit_env(**env), PATH=f"{fake_bin}:{os.environ['PATH']}"))
-    assert proc.returncode == 0, proc.stderr
-    argv, _ = _calls(tmp_path)
-    tail = argv[argv.index("megatron_fastpath.train") + 1:]
-    run_dir = f"{tmp_path}/logs/fastpath-context-parallel-123456"
+    tail, run_dir = _preset_argv(tmp_path, CP_SBATCH, "fastpath-context-parallel")
     assert tail == ["cluster=slurm", "training.device=cuda", f"hydra.run.dir={run_dir}",
                     f"checkpoint.dir={run_dir}/checkpoints", *CP_PRESET, "training.steps=3"]
     with cuda_as_cpu():

@@ -34,3 +34,14 @@ class Combination:
 @functools.lru_cache(maxsize=None)
 def _index(cls) -> dict:
     return {a.name: i for i, a in enumerate(cls.axes())}
+
+
+def cell(text) -> str:
+    """``text`` as one Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def axes_table(axes) -> list:
+    """The generated listing's "Axes (read from the code)" section: a row per axis."""
+    lines = ["## Axes (read from the code)", "", "| axis | values | from |", "| --- | --- | --- |"]
+    return lines + [f"| {a.name} | {', '.join(map(str, a.values))} | {cell(a.source)} |" for a in axes]

@@ -49,7 +49,7 @@ import pytest
 import torch
 import yaml
 
-from tests.support.matrix import NA, Combination
+from tests.support.matrix import NA, Combination, axes_table, cell
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "feature-matrix.md"
@@ -601,13 +601,8 @@ def render() -> str:
         "(losses, learning rates, parameters); with graphs on, layers are captured at the end of",
         "step 1 and replayed after it.",
         "",
-        "## Axes (read from the code)",
-        "",
-        "| axis | values | from |",
-        "| --- | --- | --- |",
+        *axes_table(axes()),
     ]
-    for a in axes():
-        lines.append(f"| {a.name} | {', '.join(map(str, a.values))} | {_cell(a.source)} |")
     lines += ["", "Fixed settings of every combination (besides tiny sizes: "
               f"`{' '.join(SIZES)}`):", ""]
     lines += [f"* `{k}`: {why}" for k, why in FIXED.items()]
@@ -652,8 +647,8 @@ def render() -> str:
         lines += ["", f"## {status[0].upper()}{status[1:]}", ""]
         lines += ["| reason | rule | combinations | which |", "| --- | --- | --- | --- |"]
         for (reason, rule), combos in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0][0])):
-            lines.append(f"| {_cell(reason)} | {rule or 'config'} | {len(combos)} | "
-                         f"{_cell(_group_description(combos))} |")
+            lines.append(f"| {cell(reason)} | {rule or 'config'} | {len(combos)} | "
+                         f"{cell(_group_description(combos))} |")
     for status in (NOT_SELECTABLE, WORLD2, NO_CPU):
         groups = collections.defaultdict(list)
         for c, v in verdicts.items():
@@ -662,7 +657,7 @@ def render() -> str:
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| reason | combinations | which |",
                   "| --- | --- | --- |"]
         for reason, combos in sorted(groups.items()):
-            lines.append(f"| {_cell(reason)} | {len(combos)} | {_cell(_group_description(combos))} |")
+            lines.append(f"| {cell(reason)} | {len(combos)} | {cell(_group_description(combos))} |")
     lines += ["", "## Runnable (accepted, world 1)", "",
               "`run`: trained by the integration test (why it was chosen); `parsed`: accepted, "
               "left out by the reduction. Known bugs: the expected failure is checked instead.", "",
@@ -676,12 +671,8 @@ def render() -> str:
         lines.append("| none | | |")
     for bug in KNOWN_BUGS:
         n = sum(1 for c in runnable() if known_bug(c) is bug)
-        lines.append(f"| {bug.name} | {n} runnable | {_cell(bug.what)} |")
+        lines.append(f"| {bug.name} | {n} runnable | {cell(bug.what)} |")
     return "\n".join(lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def write() -> None:
