@@ -179,6 +179,18 @@ class PackedCoreAttention(MegatronModule):
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_per_head)
         )
+        # YaRN's attention factor m: transformers multiplies cos and sin by it, so the rotated q
+        # and k each carry m (the rotation is linear) and every score q.k carries m^2; folded
+        # into the softmax scale here, for every backend (TE's fused RoPE takes angles only).
+        rope_scale = cache.config.rope.cos_sin_scale if self.apply_rope else 1.0
+        if rope_scale != 1.0:
+            if cache.config.rope.dim != self.hidden_per_head:
+                raise ValueError(
+                    f"YaRN's attention factor with partial rotary embedding (rotary dim "
+                    f"{cache.config.rope.dim} of {self.hidden_per_head} channels per head) is not "
+                    "supported: transformers scales only the rotated channels; use rotary_percent=1")
+            self.softmax_scale = self.softmax_scale * rope_scale * rope_scale
+            softmax_scale = self.softmax_scale
         # What this layer reads from the params; the cache builds it into every slot's params.
         needs = {"sdpa": ["sdpa_padded" if self.sdpa_padded else "sdpa_mask"],
                  "flex": ["flex_block_mask"], "flash": [], "te": []}[self.backend]

@@ -1,12 +1,16 @@
 """Hugging Face ``config.json`` -> the fastpath model description (no transformers import).
 
 :func:`read_hf_config` parses and validates a checkpoint's ``config.json`` into a frozen
-:class:`HFModelSpec`; unsupported architectures, sliding-window attention and rope types are
-refused here, before any tensor is read, with the list of what is supported. The spec derives
+:class:`HFModelSpec`; unsupported architectures and rope types are refused here, before any
+tensor is read, with the list of what is supported. A sliding window is kept on the spec
+(:attr:`HFModelSpec.sliding_window`) and checked against the data's longest sequence by
+:meth:`HFModelSpec.check_sequence_bound` (the job's data, or a cache's ``max_seqlen``). The spec
+derives
 
 * the :class:`~megatron_fastpath.model.ModelConfig` (shape) and the extra Megatron
   ``TransformerConfig`` fields (``layernorm_epsilon``, ``add_qkv_bias``, router options), and
-* the packed cache's :class:`~megatron_fastpath.packed_seq.RopeConfig` (Llama 3.1 scaling).
+* the packed cache's :class:`~megatron_fastpath.packed_seq.RopeConfig` (Llama 3.1 or YaRN
+  scaling).
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
-    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig
+    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig, YarnRopeScaling
 
 __all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "HFConfigError", "read_hf_config"]
 
@@ -31,9 +35,14 @@ SUPPORTED = {
     "qwen3_moe": ("qwen3_moe", True),
 }
 SUPPORTED_TEXT = (
-    "Llama 2/3/3.1/3.2 (model_type llama, rope_scaling none or llama3), Mistral (no sliding "
-    "window), Qwen2, Qwen3, Mixtral, Qwen3-MoE (every layer MoE)"
+    "Llama 2/3/3.1/3.2 (model_type llama), Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE (every "
+    "layer MoE); rope_scaling none, default, llama3 or yarn; a sliding window only where no "
+    "sequence of the data is longer than it"
 )
+# transformers' mask of sliding-window layers keeps key kv of query q iff
+# ``kv_idx > q_idx - sliding_window`` (masking_utils.sliding_window_overlay, 4.57) on top of the
+# causal ``kv_idx <= q_idx``: within a sequence of n tokens q - kv <= n - 1, so a window W
+# masks nothing when n <= W, and plain causal attention is the model's attention.
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -52,6 +61,11 @@ class HFModelSpec:
     head_dim: per-head channels (config ``head_dim`` or hidden / heads).
     qkv_bias: q/k/v projections carry biases (Qwen2). qk_norm: per-head RMSNorm of q and k
     (Qwen3). tie_embeddings: the LM head is the embedding matrix.
+    rope_scaling: Llama 3.1 (``rope_type: llama3``) or YaRN (``yarn``) RoPE scaling, None: none.
+    sliding_window: the attention window of the checkpoint's sliding-window layers (Mistral's
+        ``sliding_window``; Qwen's with ``use_sliding_window``), None: none. Attention runs
+        plain causal, which is the window's only where no sequence is longer than it
+        (:meth:`check_sequence_bound`); config.json is exported unchanged (``raw``).
     num_experts / topk / moe_ffn_hidden_size / norm_topk_prob / aux_loss_coeff: MoE only.
     """
 
@@ -71,7 +85,8 @@ class HFModelSpec:
     tie_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
-    llama3_rope: Optional[Llama3RopeScaling] = None  # rope_scaling of rope_type llama3
+    rope_scaling: Optional[Union[Llama3RopeScaling, YarnRopeScaling]] = None
+    sliding_window: Optional[int] = None
     num_experts: Optional[int] = None
     topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -92,7 +107,8 @@ class HFModelSpec:
             num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
             rotary_base=self.rope_theta,
-            rope_scaling_factor=self.llama3_rope.factor if self.llama3_rope else None,
+            # Megatron's rope_scaling is Llama 3.1's; the cache's RopeConfig carries YaRN
+            rope_scaling_factor=self.rope_scaling.factor if self._llama3 else None,
             kv_channels=self.head_dim, qk_layernorm=self.qk_norm,
             seq_length=self.max_position_embeddings, num_experts=self.num_experts,
             moe_router_topk=self.topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
@@ -111,10 +127,35 @@ class HFModelSpec:
                        moe_router_load_balancing_type="aux_loss" if self.aux_loss_coeff else "none")
         return out
 
+    @property
+    def _llama3(self) -> bool:
+        from megatron_fastpath.packed_seq.rope import Llama3RopeScaling
+
+        return isinstance(self.rope_scaling, Llama3RopeScaling)
+
     def rope_config(self) -> RopeConfig:
         from megatron_fastpath.packed_seq.rope import RopeConfig
 
-        return RopeConfig(dim=self.head_dim, base=self.rope_theta, llama3=self.llama3_rope)
+        scaling = self.rope_scaling
+        return RopeConfig(dim=self.head_dim, base=self.rope_theta,
+                          llama3=scaling if self._llama3 else None,
+                          yarn=None if self._llama3 else scaling)
+
+    def check_sequence_bound(self, longest: int, what: str, fix: str) -> None:
+        """Refuse a sliding window shorter than the longest sequence the run can see.
+
+        longest: the bound on every sequence's tokens; what: where that bound comes from
+        (``"data.max_tokens=8192"``); fix: how to lower it. Attention here is plain causal,
+        which equals the checkpoint's sliding-window attention exactly when every sequence has
+        at most ``sliding_window`` tokens (see the note at ``SUPPORTED_TEXT``)."""
+        w = self.sliding_window
+        if w is None or longest <= w:
+            return
+        raise UnsupportedCheckpointError(
+            f"{os.path.join(self.path, 'config.json')}: sliding_window={w} ({self.model_type}: "
+            f"a token attends to only the last {w} tokens) but a sequence can have {longest} "
+            f"tokens ({what}): sliding-window attention is not implemented, and the plain causal "
+            f"attention run instead equals it only on sequences of at most {w} tokens; {fix}")
 
     def check_parallel(self, tp: int, ep: int = 1) -> None:
         """Refuse TP / EP sizes that do not divide the heads, groups, FFN, vocab or experts."""
@@ -166,8 +207,8 @@ def _refuse(where: str, what: str) -> None:
     raise UnsupportedCheckpointError(f"{where}: {what} is not supported. Supported: {SUPPORTED_TEXT}")
 
 
-def _llama3_rope(cfg: dict, where: str) -> Optional[Llama3RopeScaling]:
-    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling
+def _rope_scaling(cfg: dict, where: str) -> Optional[Union[Llama3RopeScaling, YarnRopeScaling]]:
+    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, YarnRopeScaling
 
     rs = cfg.get("rope_scaling")
     if not rs:
@@ -177,26 +218,71 @@ def _llama3_rope(cfg: dict, where: str) -> Optional[Llama3RopeScaling]:
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        _refuse(where, f"rope_scaling type {kind!r} (supported rope types: none, default, llama3)")
+    if kind not in ("llama3", "yarn"):
+        _refuse(where, f"rope_scaling type {kind!r} (supported rope types: none, default, llama3, yarn)")
     at = f"{where} (rope_scaling)"
     try:
-        return Llama3RopeScaling(
-            factor=_float(rs, "factor", at), low_freq_factor=_float(rs, "low_freq_factor", at, 1.0),
-            high_freq_factor=_float(rs, "high_freq_factor", at, 4.0),
-            original_max_position=_int(rs, "original_max_position_embeddings", at, 8192))
+        if kind == "llama3":
+            return Llama3RopeScaling(
+                factor=_float(rs, "factor", at), low_freq_factor=_float(rs, "low_freq_factor", at, 1.0),
+                high_freq_factor=_float(rs, "high_freq_factor", at, 4.0),
+                original_max_position=_int(rs, "original_max_position_embeddings", at, 8192))
+        # transformers' _compute_yarn_parameters (modeling_rope_utils.py, 4.57): the original
+        # context falls back to max_position_embeddings; beta_fast / beta_slow `or` 32 / 1;
+        # mscale / mscale_all_dim count only when both are truthy; truncate defaults to true.
+        original = rs.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+        if original is None:
+            raise UnsupportedCheckpointError(
+                f"{at}: yarn needs 'original_max_position_embeddings' (the pre-training context) "
+                "or, as transformers falls back to, the config's 'max_position_embeddings'")
+        truncate = rs.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise HFConfigError(f"{at}: field 'truncate' is {truncate!r}: must be true or false")
+        return YarnRopeScaling(
+            factor=_float(rs, "factor", at), original_max_position=original,
+            beta_fast=rs.get("beta_fast") or 32.0, beta_slow=rs.get("beta_slow") or 1.0,
+            attention_factor=rs.get("attention_factor"), mscale=rs.get("mscale") or None,
+            mscale_all_dim=rs.get("mscale_all_dim") or None, truncate=truncate)
+    except (HFConfigError, UnsupportedCheckpointError):
+        raise
     except ValueError as exc:  # values each fine, together not (low_freq_factor >= high)
         raise HFConfigError(f"{at}: {exc}") from None
+
+
+def _sliding_window(cfg: dict, mt: str, where: str) -> Optional[int]:
+    """The window of the checkpoint's sliding-window layers as transformers 4.57 reads the
+    config, None when no layer has one: MistralConfig ``sliding_window`` (default 4096, null:
+    none) on every layer, MixtralConfig's (default none); Qwen2 / Qwen3 / Qwen3-MoE
+    ``sliding_window`` (default 4096) only with ``use_sliding_window``, on the layers
+    ``layer_types`` marks ``sliding_attention`` (default: index >= ``max_window_layers``,
+    default 28; Qwen3-MoE: every layer)."""
+    if mt == "mistral":
+        window = cfg.get("sliding_window", 4096)
+    elif mt == "mixtral":
+        window = cfg.get("sliding_window")
+    elif mt in ("qwen2", "qwen3", "qwen3_moe"):
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    else:  # Llama: transformers reads no window (a stray use_sliding_window is refused, as before)
+        if cfg.get("use_sliding_window"):
+            _refuse(where, f"use_sliding_window=true on model_type {mt!r}")
+        return None
+    if window is None:
+        return None
+    window = _int({"sliding_window": window}, "sliding_window", where)
+    if mt in ("qwen2", "qwen3"):
+        layers = _int(cfg, "num_hidden_layers", where)
+        types = cfg.get("layer_types")
+        if types is None:
+            first = _int(cfg, "max_window_layers", where, 28, minimum=0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if "sliding_attention" not in types:
+            return None
+    return window
 
 
 def _check_attention(cfg: dict, mt: str, where: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse(where, f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU with silu only)")
-    if mt in ("mistral", "mixtral") and cfg.get("sliding_window") is not None:
-        _refuse(where, f"sliding_window={cfg['sliding_window']} (set it to null for full "
-                       "attention, or use a checkpoint without a window)")
-    if cfg.get("use_sliding_window"):
-        _refuse(where, "use_sliding_window=true")
     if mt in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         _refuse(where, "attention_bias / mlp_bias on a Llama-family model")
     if mt == "qwen3" and cfg.get("attention_bias"):
@@ -255,7 +341,8 @@ def read_hf_config(path: str) -> HFModelSpec:
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-        llama3_rope=_llama3_rope(cfg, where), raw=cfg,
+        rope_scaling=_rope_scaling(cfg, where), sliding_window=_sliding_window(cfg, mt, where),
+        raw=cfg,
     )
     if heads % kw["num_query_groups"]:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "

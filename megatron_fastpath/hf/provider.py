@@ -51,6 +51,22 @@ def _is_main_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _check_window(spec: HFModelSpec, data) -> None:
+    """A sliding window runs as plain causal attention, so no sequence of the data may be longer
+    than it (checked at parse, before any weight is read). The bound: data=jsonl refuses (or
+    skips) records longer than data.max_tokens and completes held-out prompts within it; the
+    synthetic data draws lengths up to data.max_len (<= max_tokens)."""
+    if spec.sliding_window is None:
+        return
+    longest, knob = data.max_tokens, "data.max_tokens"
+    if getattr(data, "max_len", None) is not None and data.max_len < longest:
+        longest, knob = data.max_len, "data.max_len"
+    extra = (" (data=jsonl refuses longer records, or skips them with data.bad_records=skip)"
+             if knob == "data.max_tokens" else "")
+    spec.check_sequence_bound(longest, f"{knob}={longest}",
+                              f"set {knob}<={spec.sliding_window}{extra}")
+
+
 class HFModel(ModelProvider):
     key = "hf"
 
@@ -78,6 +94,7 @@ class HFModel(ModelProvider):
                     use_cpu_initialization=device.type != "cuda")
 
     def check(self, source: ModelSource, *, lora, export, data, pipeline_size: int) -> None:
+        _check_window(source.handle.spec, data)
         if export is not None and export.adapter_dir and lora is None:
             raise ValueError("export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true; "
                              "a full fine-tune exports its weights with export.merged_dir=<dir>")

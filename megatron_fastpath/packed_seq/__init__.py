@@ -13,7 +13,7 @@ from megatron_fastpath.packed_seq.metadata import (
     lengths_from_cu_seqlens,
 )
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing
-from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig
+from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig, YarnRopeScaling
 
 __all__ = [
     "CacheStats",
@@ -24,6 +24,7 @@ __all__ = [
     "PackedSeqCache",
     "PackedSeqConfig",
     "RopeConfig",
+    "YarnRopeScaling",
     "build_host_metadata",
     "first_fit_decreasing",
     "lengths_from_cu_seqlens",

@@ -1,6 +1,8 @@
 """Rotary position embedding: the settings (:class:`RopeConfig`, with Llama 3.1's frequency
-scaling as one :class:`Llama3RopeScaling` value) and the math the packed cache builds its RoPE
-tensors with, exactly as Megatron's ``RotaryEmbedding`` computes them.
+scaling as one :class:`Llama3RopeScaling` value and YaRN's as one :class:`YarnRopeScaling`) and
+the math the packed cache builds its RoPE tensors with, exactly as Megatron's
+``RotaryEmbedding`` (Llama 3.1) and transformers' ``_compute_yarn_parameters`` (YaRN) compute
+them.
 
 Shape letters: T = tokens, D = rotary dim, F = D / 2 rotary frequencies.
 """
@@ -14,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Llama3RopeScaling", "RopeConfig"]
+__all__ = ["Llama3RopeScaling", "RopeConfig", "YarnRopeScaling"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,88 @@ class Llama3RopeScaling:
         return torch.where(medium_F, smoothed_F, scaled_F)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' ``get_mscale`` (inside ``_compute_yarn_parameters``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN scaling of RoPE (Hugging Face ``rope_scaling`` of ``rope_type: yarn``: Qwen2 /
+    Qwen2.5 long context, Llama / Mistral / Qwen3 fine-tunes), computed exactly as transformers'
+    ``modeling_rope_utils._compute_yarn_parameters`` (4.57).
+
+    factor: context extension ratio; the interpolated frequencies are divided by it.
+    original_max_position: the pre-training context (HF ``original_max_position_embeddings``,
+        falling back to ``max_position_embeddings`` as transformers does).
+    beta_fast / beta_slow: rotation counts bounding the ramp between extrapolated (kept) and
+        interpolated (divided) frequencies (HF defaults 32 and 1).
+    attention_factor: cos and sin are multiplied by it; None: derived as transformers does,
+        ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` when both are set
+        (and non-zero), else ``get_mscale(factor) = 0.1 ln(factor) + 1``.
+    truncate: floor / ceil the correction range (HF default True).
+    """
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            v = getattr(self, name)
+            if v is None and name not in ("factor", "beta_fast", "beta_slow"):
+                continue
+            if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+                    or v <= 0):
+                raise ValueError(
+                    f"YarnRopeScaling.{name} is {v!r}: it must be a finite number > 0 (Qwen2.5 "
+                    "uses factor=4.0, original_max_position=32768; beta_fast=32, beta_slow=1)")
+            object.__setattr__(self, name, float(v))
+        n = self.original_max_position
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+            raise ValueError(
+                f"YarnRopeScaling.original_max_position is {n!r}: it is the pre-training context "
+                "in tokens, so it must be a whole number >= 1 (Qwen2.5: 32768)")
+        object.__setattr__(self, "original_max_position", int(n))
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"YarnRopeScaling.truncate is {self.truncate!r}: it must be true or false")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor cos and sin are multiplied by (transformers' ``attention_scaling``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return float(_yarn_mscale(self.factor, self.mscale)
+                         / _yarn_mscale(self.factor, self.mscale_all_dim))
+        return _yarn_mscale(self.factor)
+
+    def inv_freq(self, dim: int, base: float, device=None) -> torch.Tensor:
+        """[F] float32 inverse frequencies, op for op as ``_compute_yarn_parameters``."""
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
+                2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        pos_freqs_F = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+        inv_freq_extrapolation_F = 1.0 / pos_freqs_F
+        inv_freq_interpolation_F = 1.0 / (self.factor * pos_freqs_F)
+        ramp_F = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_F = 1 - ramp_F.to(device=device, dtype=torch.float)
+        return (inv_freq_interpolation_F * (1 - extrapolation_F)
+                + inv_freq_extrapolation_F * extrapolation_F)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding settings (Llama-style, as Megatron's ``RotaryEmbedding``).
@@ -85,6 +169,8 @@ class RopeConfig:
     interleaved: rotate (even, odd) pairs instead of the two halves.
     seq_len_interpolation_factor: positions are divided by this (linear scaling), if set.
     llama3: Llama 3.1 frequency scaling, None for none.
+    yarn: YaRN scaling (frequencies and the cos / sin factor), None for none; at most one of
+        ``llama3`` and ``yarn``.
     """
 
     dim: int
@@ -92,6 +178,7 @@ class RopeConfig:
     interleaved: bool = False
     seq_len_interpolation_factor: Optional[float] = None
     llama3: Optional[Llama3RopeScaling] = None
+    yarn: Optional[YarnRopeScaling] = None
 
     def __post_init__(self):
         if self.dim <= 0 or self.dim % 2:
@@ -100,10 +187,26 @@ class RopeConfig:
             raise TypeError(
                 f"RopeConfig.llama3 is {self.llama3!r}: it must be a Llama3RopeScaling or None "
                 "(e.g. llama3=Llama3RopeScaling(factor=8.0))")
+        if self.yarn is not None and not isinstance(self.yarn, YarnRopeScaling):
+            raise TypeError(
+                f"RopeConfig.yarn is {self.yarn!r}: it must be a YarnRopeScaling or None "
+                "(e.g. yarn=YarnRopeScaling(factor=4.0, original_max_position=32768))")
+        if self.yarn is not None and self.llama3 is not None:
+            raise ValueError("RopeConfig: llama3 and yarn scaling are two rope types; set one")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor transformers multiplies cos and sin by (YaRN's attention factor; 1
+        otherwise). The cache's cos / sin do not carry it: attention folds its square into the
+        softmax scale (``PackedCoreAttention``), the same scores on every backend."""
+        return 1.0 if self.yarn is None else self.yarn.cos_sin_scale
 
     def inv_freq(self, device=None) -> torch.Tensor:
         """[F] float32, exactly as Megatron's RotaryEmbedding computes it (including its
-        Llama 3.1 ``_apply_scaling`` when ``llama3`` is set)."""
+        Llama 3.1 ``_apply_scaling`` when ``llama3`` is set); with ``yarn``, as transformers'
+        ``_compute_yarn_parameters``."""
+        if self.yarn is not None:
+            return self.yarn.inv_freq(self.dim, self.base, device)
         inv_F = 1.0 / (
             self.base
             ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim)

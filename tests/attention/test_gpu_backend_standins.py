@@ -116,6 +116,28 @@ def test_te_backend_passes_attn_mask_type_and_no_padded_cu_seqlens(mcore_paralle
     assert_same_as_sdpa(out, grads, lengths)
 
 
+def test_te_backend_applies_the_yarn_attention_factor(mcore_parallel, fake_te):
+    """TE's fused RoPE takes angles only: YaRN's attention factor reaches TE through the softmax
+    scale it is built with, as it reaches sdpa (same outputs and grads)."""
+    import dataclasses
+
+    from megatron_fastpath.packed_seq import YarnRopeScaling
+
+    rope = dataclasses.replace(rope_config_for(TINY),
+                               yarn=YarnRopeScaling(factor=4.0, original_max_position=16))
+    assert rope.cos_sin_scale > 1.1
+    lengths, runs = [5, 11, 7], {}
+    for backend in ("te", "sdpa"):
+        cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope))
+        torch.manual_seed(0)
+        spec = get_fastpath_layer_spec(cache, backend=backend, linear_impl="local")
+        model = build_gpt_model(build_transformer_config(TINY), spec, TINY.vocab_size, T)
+        runs[backend] = step(model, cache, lengths)
+    torch.testing.assert_close(runs["te"][0], runs["sdpa"][0], rtol=1e-5, atol=1e-5)
+    for n, g in runs["sdpa"][1].items():
+        torch.testing.assert_close(runs["te"][1][n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
 def _cuda_cache(config=None):
     return types.SimpleNamespace(device=torch.device("cuda"),
                                  config=config or PackedSeqConfig(max_tokens=T, max_seqs=4))

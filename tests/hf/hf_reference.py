@@ -33,8 +33,18 @@ def hf_config(family: str):
         return tf.LlamaConfig(**{**common, "tie_word_embeddings": True})
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=None, head_dim=16)
+    if family == "mistral_window":  # Mistral 7B v0.1's sliding window, as long as LENGTHS' longest
+        return tf.MistralConfig(**common, sliding_window=max(LENGTHS), head_dim=16)
     if family == "qwen2":
         return tf.Qwen2Config(**common, use_sliding_window=False)
+    if family == "qwen2_yarn":  # Qwen2.5 long context: yarn (small original context so it bites)
+        return tf.Qwen2Config(**common, use_sliding_window=False, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    if family == "llama_yarn":  # yarn with every optional key (mscale ratio, betas, no truncation)
+        return tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+            "beta_fast": 8.0, "beta_slow": 0.5, "mscale": 1.0, "mscale_all_dim": 0.5,
+            "truncate": False})
     if family == "qwen3":  # head_dim != hidden / heads, QK-norm
         return tf.Qwen3Config(**common, head_dim=24, use_sliding_window=False)
     moe = dict(common, intermediate_size=32, num_experts_per_tok=2)
@@ -78,13 +88,14 @@ def packed_tokens(lengths, max_tokens: int, seed: int = 0):
 
 
 # --- our model next to the transformers model ---------------------------------------------
-def build_ours(path, lora=None, max_tokens=MAX_TOKENS):
+def build_ours(path, lora=None, max_tokens=MAX_TOKENS, max_seqlen=None):
     from megatron_fastpath.hf.config import read_hf_config
     from megatron_fastpath.hf.model import load_hf_model
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
     spec = read_hf_config(path)
-    cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, rope=spec.rope_config()))
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, max_seqlen=max_seqlen,
+                                           rope=spec.rope_config()))
     model, _, spec = load_hf_model(path, cache, lora=lora, show_progress=False)
     return model, cache, spec
 
@@ -124,3 +135,68 @@ def held_out_loss(model, records, with_accuracy=False):
             correct += int(((logits.argmax(-1) == labels) * mask.bool()).sum())
             tokens += int(loss_mask.sum())
     return (total / tokens, correct / tokens) if with_accuracy else total / tokens
+
+
+# --- export round trip (tests/hf/test_hf_export.py, test_hf_window_yarn.py) -------------------
+def train_a_few_steps(model, cache, steps=3):
+    from megatron_fastpath.lora import freeze_base_parameters
+
+    freeze_base_parameters(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS, seed=3)
+    labels = torch.roll(tokens, -1, 1)
+    for _ in range(steps):
+        with cache.batch(LENGTHS) as pb:
+            loss = model(tokens, pb.position_ids_1T, None, labels=labels,
+                         packed_seq_params=pb.packed_seq_params)[:, : sum(LENGTHS)].sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def check_export_round_trip(tmp_path, family, max_seqlen=None):
+    """Import ``family``'s tiny checkpoint, train LoRA a few steps, export both ways: PEFT loads
+    the adapter with no missing / unexpected keys and gives our logits; the merged checkpoint
+    loaded by AutoModelForCausalLM gives them too (tmp_path: base/, adapter/, merged/;
+    max_seqlen: the cache's sequence bound)."""
+    import json
+
+    import transformers as tf
+    from peft import PeftModel
+
+    from megatron_fastpath.hf.export import save_merged_checkpoint, save_peft_adapter
+    from megatron_fastpath.lora import LoRAConfig
+
+    src = str(tmp_path / "base")
+    make_checkpoint(family, src)
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 256}, f)  # a tokenizer file that must be copied
+    cfg = LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=lora_targets(family))
+    model, cache, spec = build_ours(src, lora=cfg, max_seqlen=max_seqlen)
+    train_a_few_steps(model, cache)
+    model.eval()
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS, seed=9)
+    with torch.no_grad():
+        ours = packed_logits(model, cache, tokens)
+
+    adapter_dir = str(tmp_path / "adapter")
+    save_peft_adapter(model, spec, cfg, adapter_dir)
+    base = tf.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    pm = PeftModel.from_pretrained(base, adapter_dir)
+    # load again explicitly to read peft's key report
+    result = pm.load_adapter(adapter_dir, adapter_name="check")
+    assert not result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k]
+    pm.set_adapter("default")
+    merged_dir = str(tmp_path / "merged")
+    save_merged_checkpoint(model, spec, merged_dir)
+    assert os.path.isfile(os.path.join(merged_dir, "tokenizer_config.json"))
+    merged = tf.AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager")
+    base_only = tf.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    with torch.no_grad():
+        for start, seq in per_sequence(tokens):
+            mine = ours[:, start : start + seq.shape[1]]
+            assert_rel_close(mine, pm(input_ids=seq).logits, what="peft")
+            assert_rel_close(mine, merged(input_ids=seq).logits, what="merged")
+            # the adapter was trained: the base alone differs
+            assert ((mine - base_only(input_ids=seq).logits).abs().max() > 1e-3)

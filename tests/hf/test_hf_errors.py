@@ -24,9 +24,9 @@ def write_config(path, **cfg):
 
 @pytest.mark.parametrize("cfg, words", [
     (dict(model_type="gpt2"), "model_type 'gpt2'"),
-    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096"),
-    (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (dict(use_sliding_window=True), "use_sliding_window=true on model_type 'llama'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope_scaling type 'longrope'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
     (dict(hidden_act="gelu"), "hidden_act"),
 ])
 def test_unsupported_config_refused_before_weights(tmp_path, cfg, words):

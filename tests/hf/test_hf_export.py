@@ -2,76 +2,18 @@
 no missing / unexpected keys and gives our logits; the merged checkpoint loaded by
 AutoModelForCausalLM gives them too. Plus the TP / EP shard layout (no process group needed)."""
 
-import json
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tests.hf.hf_reference import make_checkpoint, packed_tokens  # noqa: E402
-from tests.hf.hf_reference import LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, lora_targets, packed_logits, per_sequence  # noqa: E402
-
-
-def train_a_few_steps(model, cache, steps=3):
-    from megatron_fastpath.lora import freeze_base_parameters
-
-    freeze_base_parameters(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS, seed=3)
-    labels = torch.roll(tokens, -1, 1)
-    for _ in range(steps):
-        with cache.batch(LENGTHS) as pb:
-            loss = model(tokens, pb.position_ids_1T, None, labels=labels,
-                         packed_seq_params=pb.packed_seq_params)[:, : sum(LENGTHS)].sum()
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
+from tests.hf.hf_reference import check_export_round_trip, make_checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
 def test_export_round_trip(mcore_parallel, tmp_path, family):
-    import transformers as tf
-    from peft import PeftModel
-
-    from megatron_fastpath.hf.export import save_merged_checkpoint, save_peft_adapter
-    from megatron_fastpath.lora import LoRAConfig
-
-    src = str(tmp_path / "base")
-    make_checkpoint(family, src)
-    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
-        json.dump({"model_max_length": 256}, f)  # a tokenizer file that must be copied
-    cfg = LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=lora_targets(family))
-    model, cache, spec = build_ours(src, lora=cfg)
-    train_a_few_steps(model, cache)
-    model.eval()
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS, seed=9)
-    with torch.no_grad():
-        ours = packed_logits(model, cache, tokens)
-
-    adapter_dir = str(tmp_path / "adapter")
-    save_peft_adapter(model, spec, cfg, adapter_dir)
-    base = tf.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
-    pm = PeftModel.from_pretrained(base, adapter_dir)
-    # load again explicitly to read peft's key report
-    result = pm.load_adapter(adapter_dir, adapter_name="check")
-    assert not result.unexpected_keys
-    assert not [k for k in result.missing_keys if "lora_" in k]
-    pm.set_adapter("default")
-    merged_dir = str(tmp_path / "merged")
-    save_merged_checkpoint(model, spec, merged_dir)
-    assert os.path.isfile(os.path.join(merged_dir, "tokenizer_config.json"))
-    merged = tf.AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager")
-    base_only = tf.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
-    with torch.no_grad():
-        for start, seq in per_sequence(tokens):
-            mine = ours[:, start : start + seq.shape[1]]
-            assert_rel_close(mine, pm(input_ids=seq).logits, what="peft")
-            assert_rel_close(mine, merged(input_ids=seq).logits, what="merged")
-            # the adapter was trained: the base alone differs
-            assert ((mine - base_only(input_ids=seq).logits).abs().max() > 1e-3)
+    check_export_round_trip(tmp_path, family)
 
 
 def test_tp_ep_shards_concatenate_to_the_full_layout(tmp_path):

@@ -1,0 +1,184 @@
+"""Mistral's sliding window and YaRN RoPE scaling (issue 26 item 4), against transformers.
+
+* A sliding window W is served as plain causal attention where no sequence is longer than W
+  (transformers keeps key kv of query q iff ``kv_idx > q_idx - W``, masking_utils
+  ``sliding_window_overlay``): the packed logits equal transformers' per sequence with W = the
+  longest sequence, transformers with W one shorter differs on exactly that sequence, and a
+  bound above W is refused (main job at parse, before any weight; the standalone loader from
+  the cache's max_seqlen) with what / why / fix.
+* YaRN: inverse frequencies and attention factor bitwise transformers'
+  ``_compute_yarn_parameters``; packed logits equal transformers' per sequence (Qwen2, Llama with
+  every optional key); the merged export and PEFT adapter load in transformers with the same
+  rope_scaling and give our logits.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from tests.hf.hf_reference import (  # noqa: E402
+    DATA, LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, check_export_round_trip,
+    make_checkpoint, packed_logits, packed_tokens, per_sequence)
+
+WINDOW = max(LENGTHS)  # mistral_window's sliding_window
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            path = str(tmp_path_factory.mktemp(family))
+            made[family] = (path, make_checkpoint(family, path))
+        return made[family]
+
+    return get
+
+
+def test_mistral_window_at_least_the_longest_sequence_equals_transformers(mcore_parallel, checkpoints):
+    import transformers as tf
+
+    path, ref = checkpoints("mistral_window")
+    assert json.load(open(os.path.join(path, "config.json")))["sliding_window"] == WINDOW
+    model, cache, spec = build_ours(path, max_seqlen=WINDOW)
+    assert spec.sliding_window == WINDOW
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    # the same weights with a window one token shorter than the longest sequence
+    shorter = tf.AutoModelForCausalLM.from_pretrained(path, sliding_window=WINDOW - 1,
+                                                      attn_implementation="eager").eval()
+    with torch.no_grad():
+        ours = packed_logits(model.eval(), cache, tokens)
+        for start, seq in per_sequence(tokens):
+            mine = ours[:, start : start + seq.shape[1]]
+            assert_rel_close(mine, ref(seq).logits, what=f"mistral window @{start}")
+            other = shorter(seq).logits
+            if seq.shape[1] <= WINDOW - 1:  # no sequence longer than that window: the same
+                assert_rel_close(mine, other, what=f"window {WINDOW - 1} @{start}")
+            else:  # the reference does apply the window: its last token sees one key fewer
+                assert_rel_close(mine[:, :-1], other[:, :-1])
+                assert (mine[:, -1] - other[:, -1]).abs().max() > 1e-3
+
+
+def test_window_shorter_than_the_cache_bound_refused_by_the_loader(mcore_parallel, checkpoints):
+    from megatron_fastpath.hf.config import UnsupportedCheckpointError
+
+    path, _ = checkpoints("mistral_window")
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        build_ours(path)  # max_tokens 64, no max_seqlen: a sequence can have 64 tokens
+    msg = str(e.value)
+    assert f"config.json: sliding_window={WINDOW}" in msg and "can have 64 tokens" in msg
+    assert f"PackedSeqConfig(max_seqlen<={WINDOW})" in msg
+
+
+@pytest.mark.parametrize("data, words", [
+    (["data=jsonl", f"data.path={DATA}", "data.max_tokens=64"],
+     f"\\(data.max_tokens=64\\): .* set data.max_tokens<={WINDOW} \\(data=jsonl refuses longer"),
+    (["data.max_len=32", "data.max_tokens=64"], f"\\(data.max_len=32\\): .* set data.max_len<={WINDOW}$"),
+])
+def test_job_refuses_data_longer_than_the_window_at_parse(mcore_parallel, checkpoints, monkeypatch,
+                                                          data, words):
+    from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
+    from megatron_fastpath.hf.config import UnsupportedCheckpointError
+    from megatron_fastpath.train.config import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    path, _ = checkpoints("mistral_window")
+
+    def no_reads(self, *a, **k):
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "get", no_reads, raising=False)
+    with pytest.raises(UnsupportedCheckpointError,
+                       match=rf"config.json: sliding_window={WINDOW} \(mistral: a token attends to only "
+                             rf"the last {WINDOW} tokens\) but a sequence can have \d+ tokens {words}"):
+        parse_job_config(compose_job(["model=hf", f"model.path={path}", *data]))
+    # a bound within the window is accepted (plain attention is the window's there)
+    fixed = [d.replace("max_tokens=64", f"max_tokens={WINDOW}").replace("max_len=32", f"max_len={WINDOW}")
+             for d in data]
+    job = parse_job_config(compose_job(["model=hf", f"model.path={path}", *fixed]))
+    assert job.model_source.handle.spec.sliding_window == WINDOW
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(model_type="mistral"),  # no key: MistralConfig's default window 4096
+    dict(model_type="mistral", sliding_window=None),
+    dict(model_type="mistral", sliding_window=4096),
+    dict(model_type="qwen2", use_sliding_window=True, sliding_window=64),  # max_window_layers 28
+    dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1),
+    dict(model_type="qwen2", use_sliding_window=False, sliding_window=64, max_window_layers=0),
+    dict(model_type="qwen3", use_sliding_window=True, sliding_window=64,
+         layer_types=["full_attention", "sliding_attention"]),
+    dict(model_type="qwen3", use_sliding_window=True, sliding_window=64,
+         layer_types=["full_attention", "full_attention"]),
+])
+def test_sliding_window_read_as_transformers_does(tmp_path, cfg):
+    """The window is transformers' on any layer it marks sliding (None: none)."""
+    import transformers as tf
+
+    from megatron_fastpath.hf.config import read_hf_config
+
+    full = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=48, vocab_size=96, rms_norm_eps=1e-5, **cfg)
+    (tmp_path / "config.json").write_text(json.dumps(full))
+    hf = tf.AutoConfig.from_pretrained(str(tmp_path))
+    types = getattr(hf, "layer_types", None)
+    want = hf.sliding_window if types is None or "sliding_attention" in types else None
+    assert read_hf_config(str(tmp_path)).sliding_window == want
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5
+    {"rope_type": "yarn", "factor": 4.0},  # original context from max_position_embeddings
+    {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0,
+     "beta_slow": 2.0, "truncate": False},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048,
+     "attention_factor": 0.9},
+])
+def test_yarn_frequencies_and_factor_are_transformers(tmp_path, rope_scaling):
+    import transformers as tf
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from megatron_fastpath.hf.config import read_hf_config
+
+    config = tf.Qwen2Config(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                            max_position_embeddings=131072, rope_theta=1000000.0,
+                            rope_scaling=dict(rope_scaling))
+    config.save_pretrained(tmp_path)
+    inv_freq, factor = _compute_yarn_parameters(config, torch.device("cpu"))
+    rope = read_hf_config(str(tmp_path)).rope_config()
+    assert rope.yarn is not None and rope.llama3 is None
+    assert rope.inv_freq().dtype == inv_freq.dtype and torch.equal(rope.inv_freq(), inv_freq)
+    assert rope.cos_sin_scale == factor
+
+
+@pytest.mark.parametrize("family", ["qwen2_yarn", "llama_yarn"])
+def test_yarn_logits_equal_transformers(mcore_parallel, checkpoints, family):
+    path, ref = checkpoints(family)
+    model, cache, spec = build_ours(path)
+    assert spec.rope_config().cos_sin_scale != 1.0  # the attention factor is exercised
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    with torch.no_grad():
+        ours = packed_logits(model.eval(), cache, tokens)
+        for start, seq in per_sequence(tokens):
+            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
+                             what=f"{family} @{start}")
+
+
+@pytest.mark.parametrize("family, key, max_seqlen", [("qwen2_yarn", "rope_scaling", None),
+                                                     ("mistral_window", "sliding_window", WINDOW)])
+def test_export_round_trip(mcore_parallel, tmp_path, family, key, max_seqlen):
+    """LoRA-trained: the PEFT adapter and the merged checkpoint load in transformers with the
+    source's rope_scaling / sliding_window and give our logits (the round trip of
+    tests/hf/test_hf_export.py)."""
+    check_export_round_trip(tmp_path, family, max_seqlen=max_seqlen)
+    source = json.load(open(tmp_path / "base" / "config.json"))
+    merged = json.load(open(tmp_path / "merged" / "config.json"))
+    assert merged[key] == source[key] and merged[key] not in (None, {})
