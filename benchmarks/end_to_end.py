@@ -80,7 +80,7 @@ def _model_config():
                        num_query_groups=GROUPS, ffn_hidden_size=FFN, vocab_size=VOCAB)
 
 
-def build_sides(t: int, lengths: list, skip_packed: bool) -> dict:
+def build_sides(t: int, lengths: list, skip_packed: bool, layout: str = "auto") -> dict:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -93,7 +93,7 @@ def build_sides(t: int, lengths: list, skip_packed: bool) -> dict:
     tcfg = build_transformer_config(mcfg)
     cache = PackedSeqCache(PackedSeqConfig(
         max_tokens=t, max_seqs=len(lengths), max_seqlen=seqlen_bound(max(lengths), t),
-        rope=rope_config_for(mcfg), sdpa_layout="auto"))
+        rope=rope_config_for(mcfg), sdpa_layout=layout))
     torch.manual_seed(0)
     ours = build_gpt_model(tcfg, get_fastpath_layer_spec(cache, backend="sdpa"), VOCAB, t)
     locals_ = []
@@ -234,10 +234,10 @@ def make_step(name: str, built: dict, lengths: list, data: dict):
     return step
 
 
-def measure(t: int, mix: str, reps: int) -> dict:
+def measure(t: int, mix: str, reps: int, layout: str = "auto") -> dict:
     lengths = lengths_for(mix, t)
     skip_packed = t > MEGATRON_PACKED_MAX_T
-    built = build_sides(t, lengths, skip_packed)
+    built = build_sides(t, lengths, skip_packed, layout)
     g = torch.Generator().manual_seed(1)
     data = _batches(lengths, torch.randint(0, VOCAB, (t,), generator=g))
     names = list(built["sides"])
@@ -245,7 +245,7 @@ def measure(t: int, mix: str, reps: int) -> dict:
     cpu_scores_buffer(max(HEADS * b * s * s, HEADS * t * t if not skip_packed else 0))
     opts = {n: torch.optim.AdamW(built["sides"][n].parameters(), lr=1e-4, foreach=True) for n in names}
     steps = {n: make_step(n, built, lengths, data) for n in names}
-    losses, best = {}, {n: float("inf") for n in names}
+    losses, times = {}, {n: [] for n in names}
     for r in range(reps + 1):  # round 0: warm-up and numerics (before any optimizer step)
         for n in names:
             model = built["sides"][n]
@@ -259,20 +259,23 @@ def measure(t: int, mix: str, reps: int) -> dict:
             if r == 0:
                 losses[n] = float(loss)
             else:
-                best[n] = min(best[n], dt)
+                times[n].append(dt * 1e3)
     from megatron_fastpath.packed_seq.cache import seqlen_bound
 
     m = seqlen_bound(s, t)
-    padded_view = 4 * b * m * m < t * t  # PackedSeqConfig.sdpa_padded's rule (auto layout)
+    padded_view = built["cache"].config.sdpa_padded  # the layout ours ran
     row = dict(tokens=t, mix=mix, sequences=b, longest=s,
                ours_layout="padded view" if padded_view else "mask")
+    times = {n: [round(x, 1) for x in v] for n, v in times.items()}  # as the JSON keeps them
     for n in ("ours", "megatron_packed", "megatron_padded", "hf_padded"):
-        row[f"{n}_ms"] = round(best[n] * 1e3, 1) if n in best else None
+        row[f"{n}_ms"] = min(times[n]) if n in times else None
     peers = {n: row[f"{n}_ms"] for n in ("megatron_packed", "megatron_padded", "hf_padded")
              if row[f"{n}_ms"] is not None}
     fastest = min(peers, key=peers.get)
     row["fastest_peer"] = fastest
     row["fastest_peer_over_ours"] = round(peers[fastest] / row["ours_ms"], 2)
+    row["verdict"] = verdict(times["ours"], times[fastest])
+    row["times_ms"] = times
     row["scores_ours"] = b * m * m if padded_view else t * t
     row["scores_packed_mask"] = t * t
     row["scores_padded"] = b * s * s
@@ -283,11 +286,27 @@ def measure(t: int, mix: str, reps: int) -> dict:
     return row
 
 
+def spread(times_ms: list) -> float:
+    """Median minus minimum of a side's timed steps: how far repeats of one side move."""
+    return float(np.median(times_ms)) - min(times_ms)
+
+
+def verdict(ours_ms: list, peer_ms: list) -> str:
+    """"ours faster" / "peer faster", or "tie within noise" when the two minimums are closer
+    than either side's min-to-median spread (issue 25: a rerun flips such verdicts)."""
+    gap = min(peer_ms) - min(ours_ms)
+    if abs(gap) <= max(spread(ours_ms), spread(peer_ms)):
+        return "tie within noise"
+    return "ours faster" if gap > 0 else "peer faster"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3, help="timed steps per side (minimum taken)")
     p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     p.add_argument("--mixes", nargs="*", default=list(MIXES), choices=MIXES)
+    p.add_argument("--ours-layout", default="auto", choices=("auto", "mask", "padded"),
+                   help="fastpath.sdpa_layout of ours (auto: the rule the main job applies)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     from megatron_fastpath.distributed import init_distributed
@@ -295,12 +314,14 @@ def main(argv=None) -> dict:
     init_distributed(backend="gloo")  # a 1-process group: Megatron's modules read parallel state
     use_cpu_rng_tracker()
     with LoadMeter() as meter:
-        rows = [measure(t, mix, args.reps) for t in args.tokens for mix in args.mixes]
+        rows = [measure(t, mix, args.reps, args.ours_layout) for t in args.tokens for mix in args.mixes]
     env = dict(torch=torch.__version__, threads=torch.get_num_threads(), **meter.report())
-    keys = list(rows[0])
+    keys = [k for k in rows[0] if k != "times_ms"]
     text = "\n".join(["  ".join(keys)] + ["  ".join(str(r[k]) for k in keys) for r in rows] + [
         "", "ms: one step (forward + backward + AdamW), minimum over repeats; "
         "fastest_peer_over_ours = the fastest peer's time / ours (> 1: ours is faster); "
+        "verdict: a tie within noise when the minimums differ by less than either side's "
+        "min-to-median spread; "
         "scores = attention scores per layer and head; megatron_packed is not run above "
         f"T = {MEGATRON_PACKED_MAX_T} (its [T, T] scores)", describe(env)])
     return publish(args, env, rows, text)

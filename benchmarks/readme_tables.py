@@ -88,8 +88,26 @@ def sync_check(d) -> str:
     return "\n".join(out)
 
 
+def end_to_end(d) -> str:
+    names = {"megatron_packed": "Megatron packed", "megatron_padded": "Megatron padded",
+             "hf_padded": "HF padded"}
+    out = ["| T | lengths | sequences (longest) | ours (sdpa layout) ms | Megatron packed ms "
+           "| Megatron padded ms | HF padded ms | fastest peer / ours | verdict "
+           "| scores: ours / [T, T] / padded batch |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in d["results"]:
+        ms = [f"{r[k]:.0f}" if r[k] is not None else "not run" for k in
+              ("megatron_packed_ms", "megatron_padded_ms", "hf_padded_ms")]
+        out.append(f"| {r['tokens']} | {r['mix']} | {r['sequences']} ({r['longest']}) | "
+                   f"{r['ours_ms']:.0f} ({r['ours_layout']}) | {' | '.join(ms)} | "
+                   f"{r['fastest_peer_over_ours']:.2f} ({names[r['fastest_peer']]}) | {r['verdict']} | "
+                   f"{r['scores_ours'] / 1e6:.2f}M / {r['scores_packed_mask'] / 1e6:.2f}M / "
+                   f"{r['scores_padded'] / 1e6:.2f}M |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
-          ("sync_check", sync_check))
+          ("sync_check", sync_check), ("end_to_end", end_to_end))
 
 
 def tables(results_dir: str = RESULTS) -> dict:

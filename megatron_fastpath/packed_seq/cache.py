@@ -79,9 +79,12 @@ DEFAULT_SDPA_MASK_MAX_TOKENS = 16384
 SDPA_LAYOUTS = ("auto", "mask", "padded")
 # sdpa_layout=auto takes the padded view when it computes this many times fewer scores than the
 # [T, T] mask: its gathers and scatter cost more than the saved scores below that. Measured on
-# CPU (benchmarks/results/attention_layout.json, one layer fwd+bwd): 2.7x fewer scores (T 512,
-# 6 sequences) -> the mask 1.9x faster; 21x fewer (T 4096, 48) -> the padded view 7.9x faster.
-PADDED_VIEW_MIN_SAVING = 4
+# CPU: one layer fwd+bwd (benchmarks/results/attention_layout.json) 2.7x fewer scores (T 512,
+# 6 sequences) -> the mask 1.9x faster, 21x fewer (T 4096, 48) -> the padded view 7.9x faster;
+# a whole training step (benchmarks/results/end_to_end*.json, long-tail lengths): 1.0x and 1.14x
+# fewer (T 512 / 2048) -> the mask faster (48.5 vs 60.8 ms, 256 vs 343 ms); 3.5x and 3.8x fewer
+# (T 8192 / 16384) -> the padded view, ahead of every peer by 1.6x / 2.2x. 3 separates them.
+PADDED_VIEW_MIN_SAVING = 3
 SEQLEN_BUCKET = 64  # a data-derived max_seqlen is the longest sequence rounded up to this
 
 
@@ -128,7 +131,7 @@ class PackedSeqConfig:
         other under one [T, T] additive mask: T^2 scores), "padded" (the packed-to-padded view,
         ``max_seqs`` rows of ``max_seqlen`` tokens, plain causal attention per row: S x M^2
         scores, no mask) or "auto" (:attr:`sdpa_padded`: the padded view when it computes at
-        least :data:`PADDED_VIEW_MIN_SAVING` times fewer scores, 4 S M^2 < T^2 -- many short
+        least :data:`PADDED_VIEW_MIN_SAVING` times fewer scores, 3 S M^2 < T^2 -- many short
         sequences -- or when T is above ``sdpa_mask_max_tokens``, where no mask is built; the
         mask when a few long ones fill T).
     """

@@ -87,8 +87,9 @@ def test_index_buffers_built_on_the_device_without_host_reads():
 
 
 @pytest.mark.parametrize("layout, max_seqs, max_seqlen, padded", [
-    ("auto", 3, 16, True),      # 4 * 3 * 16^2 < 64^2: over 4x fewer scores
-    ("auto", 4, 16, False),     # 4 * 4 * 16^2 == 64^2: only 4x fewer
+    ("auto", 3, 16, True),      # 3 * 3 * 16^2 < 64^2: over 3x fewer scores
+    ("auto", 5, 16, True),      # 3 * 5 * 16^2 < 64^2: 3.2x fewer
+    ("auto", 6, 16, False),     # 3 * 6 * 16^2 > 64^2: 2.7x fewer only
     ("auto", 6, None, False),   # M = T: one row costs T^2 already
     ("mask", 3, 16, False), ("padded", 1, None, True),
 ])
@@ -99,7 +100,7 @@ def test_layout_rule(layout, max_seqs, max_seqlen, padded):
 
 def test_auto_layout_takes_the_padded_view_above_the_mask_limit():
     """Issue 25 review: over ``sdpa_mask_max_tokens`` the mask is refused, so ``auto`` takes the
-    padded view even without its 4x saving (M = T here) and the sdpa backend has no token limit
+    padded view even without its 3x saving (M = T here) and the sdpa backend has no token limit
     (``sdpa_max_tokens``: the rule resolve_backend's auto reads); the mask layout keeps it."""
     from megatron_fastpath.packed_seq.cache import sdpa_max_tokens
 

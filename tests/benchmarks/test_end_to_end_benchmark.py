@@ -42,4 +42,16 @@ def test_t512_rows_agree_with_stock_megatron(tmp_path):
         assert r["loss_rel_diff_megatron"] < 1e-5  # ours == Megatron's local attention
         assert all(r[f"{n}_ms"] > 0 for n in ("ours", "megatron_packed", "megatron_padded", "hf_padded"))
         assert r["fastest_peer_over_ours"] == round(r[f"{r['fastest_peer']}_ms"] / r["ours_ms"], 2)
+        assert r["ours_ms"] == min(r["times_ms"]["ours"]) and len(r["times_ms"]["ours"]) == 1
+        # one repeat: no spread, so the verdict follows the minimums
+        gap = min(r["times_ms"][r["fastest_peer"]]) - min(r["times_ms"]["ours"])
+        assert r["verdict"] == ("ours faster" if gap > 0 else "peer faster" if gap < 0 else "tie within noise")
     assert "fastest_peer_over_ours = the fastest peer's time / ours" in out.with_suffix(".txt").read_text()
+
+
+def test_a_gap_inside_either_sides_spread_is_a_tie():
+    from end_to_end import verdict
+
+    assert verdict([10.0, 12.0, 14.0], [11.0, 11.2, 11.4]) == "tie within noise"  # ours' spread 2
+    assert verdict([10.0, 10.1, 10.2], [13.0, 13.1, 13.2]) == "ours faster"
+    assert verdict([13.0, 13.1, 13.2], [10.0, 10.1, 10.2]) == "peer faster"

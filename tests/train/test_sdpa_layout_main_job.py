@@ -13,7 +13,7 @@ from megatron_fastpath.train import parse_job_config
 from megatron_fastpath.packed_seq import PackedSeqConfig
 from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, seqlen_bound
 
-# T = 512, up to 8 sequences of 8..48 tokens: bound 64, 4 * 8 * 64^2 < 512^2 -> padded view
+# T = 512, up to 8 sequences of 8..48 tokens: bound 64, 3 * 8 * 64^2 < 512^2 -> padded view
 SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.max_seqs=8",
          "model.num_layers=2",
          "model.hidden_size=64", "model.ffn_hidden_size=96", "metrics.wandb=off",
