@@ -19,6 +19,23 @@ import torch
 __all__ = ["Llama3RopeScaling", "RopeConfig", "YarnRopeScaling"]
 
 
+def _set_positive_real(obj, name: str, why: str) -> None:
+    """``obj.name`` as a float, refusing anything but a finite number > 0 (``why``: the rest of
+    the message, after "<Class>.<name> is <value>: ")."""
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{type(obj).__name__}.{name} is {v!r}: {why}")
+    object.__setattr__(obj, name, float(v))
+
+
+def _set_positive_whole(obj, name: str, why: str) -> None:
+    """``obj.name`` as an int, refusing anything but a whole number >= 1."""
+    n = getattr(obj, name)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+        raise ValueError(f"{type(obj).__name__}.{name} is {n!r}: {why}")
+    object.__setattr__(obj, name, int(n))
+
+
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1 frequency scaling of RoPE (Megatron's ``rope_scaling=True`` with
@@ -42,26 +59,17 @@ class Llama3RopeScaling:
 
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            v = getattr(self, name)
-            if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
-                    or v <= 0):
-                raise ValueError(
-                    f"Llama3RopeScaling.{name} is {v!r}: the scaled wavelengths are divided by it, "
-                    "so it must be a finite number > 0; Llama 3.1 uses factor=8.0, "
-                    "low_freq_factor=1.0, high_freq_factor=4.0")
-            object.__setattr__(self, name, float(v))
+            _set_positive_real(self, name, "the scaled wavelengths are divided by it, so it must be "
+                               "a finite number > 0; Llama 3.1 uses factor=8.0, low_freq_factor=1.0, "
+                               "high_freq_factor=4.0")
         if not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 f"Llama3RopeScaling.low_freq_factor={self.low_freq_factor} is not below "
                 f"high_freq_factor={self.high_freq_factor}: the band between them is interpolated "
                 "(a division by their difference), so it must be non-empty; use low < high "
                 "(Llama 3.1: 1.0 and 4.0)")
-        n = self.original_max_position
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
-            raise ValueError(
-                f"Llama3RopeScaling.original_max_position is {n!r}: it is the pre-training context "
-                "in tokens, so it must be a whole number >= 1; Llama 3.1 uses 8192")
-        object.__setattr__(self, "original_max_position", int(n))
+        _set_positive_whole(self, "original_max_position", "it is the pre-training context in "
+                            "tokens, so it must be a whole number >= 1; Llama 3.1 uses 8192")
 
     def apply(self, inv_freq_F: torch.Tensor) -> torch.Tensor:
         """The scaled inverse frequencies (Megatron's ``RotaryEmbedding._apply_scaling``, op for
@@ -110,22 +118,14 @@ class YarnRopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        for name in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-            v = getattr(self, name)
-            if v is None and name not in ("factor", "beta_fast", "beta_slow"):
+        optional = ("attention_factor", "mscale", "mscale_all_dim")  # None: derived / unused
+        for name in ("factor", "beta_fast", "beta_slow") + optional:
+            if getattr(self, name) is None and name in optional:
                 continue
-            if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
-                    or v <= 0):
-                raise ValueError(
-                    f"YarnRopeScaling.{name} is {v!r}: it must be a finite number > 0 (Qwen2.5 "
-                    "uses factor=4.0, original_max_position=32768; beta_fast=32, beta_slow=1)")
-            object.__setattr__(self, name, float(v))
-        n = self.original_max_position
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
-            raise ValueError(
-                f"YarnRopeScaling.original_max_position is {n!r}: it is the pre-training context "
-                "in tokens, so it must be a whole number >= 1 (Qwen2.5: 32768)")
-        object.__setattr__(self, "original_max_position", int(n))
+            _set_positive_real(self, name, "it must be a finite number > 0 (Qwen2.5 uses factor=4.0, "
+                               "original_max_position=32768; beta_fast=32, beta_slow=1)")
+        _set_positive_whole(self, "original_max_position", "it is the pre-training context in "
+                            "tokens, so it must be a whole number >= 1 (Qwen2.5: 32768)")
         if not isinstance(self.truncate, bool):
             raise ValueError(f"YarnRopeScaling.truncate is {self.truncate!r}: it must be true or false")
 
