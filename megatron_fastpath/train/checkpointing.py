@@ -59,11 +59,10 @@ def announce_resume(cfg) -> Optional[str]:
     if directory is None:
         return None
     training = cfg.get("training") or {}
-    steps, epochs = training.get("steps"), training.get("epochs")
-    if steps is None and epochs is None:
-        from megatron_fastpath.train.config import DEFAULT_STEPS
+    from megatron_fastpath.train.config import planned_steps
 
-        steps = DEFAULT_STEPS
+    epochs = training.get("epochs")
+    steps = planned_steps(training.get("steps"), epochs)
     latest = CheckpointManager(CheckpointConfig(dir=str(directory)), {}, log=lambda s: None)
     try:
         path = latest.latest()

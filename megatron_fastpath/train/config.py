@@ -253,6 +253,12 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
         )
 
 
+def planned_steps(steps: Optional[int], epochs: Optional[int]) -> Optional[int]:
+    """``training.steps`` as known before the data is packed: the setting, DEFAULT_STEPS when
+    neither it nor ``training.epochs`` is set, None with epochs (set from the packed data)."""
+    return DEFAULT_STEPS if steps is None and epochs is None else steps
+
+
 def check_stop_at_step(train: TrainingConfig) -> None:
     """``training.stop_at_step`` within the run (checked again once epochs set the steps)."""
     if train.steps is not None and train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
@@ -353,8 +359,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
 
     _refuse_moved_keys(cfg)
     train = section(cfg, "training", TrainingConfig)
-    if train.steps is None and train.epochs is None:
-        train = dataclasses.replace(train, steps=DEFAULT_STEPS)
+    train = dataclasses.replace(train, steps=planned_steps(train.steps, train.epochs))
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)
