@@ -25,6 +25,11 @@ without TE/Apex) op for op with device scalars, so parameters are bit-identical 
 step; "fused" is torch's fused AdamW kernel with its ``found_inf`` skip (one kernel per group;
 last-ulp differences); "auto" picks fused on CUDA, exact elsewhere.
 
+Learning rates: each group's ``lr`` host float (what Megatron's scheduler writes), or, after
+``use_device_lr(schedule)``, the float64 0-dim tensors of a
+:class:`~megatron_fastpath.optim.device_lr.DeviceLRSchedule` (advanced on the device, so a
+captured step reads the current LR); "exact" gives the same bits from either.
+
 Shape key: ``_1`` a one-element tensor ([1] as Megatron keeps it), ``_0`` a 0-dim tensor.
 """
 
@@ -121,6 +126,39 @@ class SyncFreeOptimizer:
                 if kind == "dynamic":
                     self.scalers[i] = _DeviceScaler(leaf.grad_scaler, fields, self.device)
         self.last: Optional[SyncFreeStepResult] = None
+        self.device_lrs: Optional[dict] = None  # leaf index -> [lr_0 per inner param group]
+
+    def use_device_lr(self, schedule) -> None:
+        """Read each param group's LR from ``schedule.lrs`` (a ``DeviceLRSchedule``) instead
+        of ``group["lr"]`` from now on.
+
+        The mapping: the scheduler's groups are ``optimizer.param_groups`` -- for a
+        ChainedOptimizer the concatenation, leaf by leaf, of each leaf's inner torch
+        optimizer's ``param_groups`` (a stub leaf contributes none) -- so flat index ``k``
+        is inner group ``j`` of leaf ``i`` in that order; each is checked to be the very
+        dict the schedule was built over."""
+        flat = list(self.optimizer.param_groups)
+        if len(flat) != len(schedule.groups) or any(a is not b for a, b in zip(flat, schedule.groups)):
+            raise ValueError(
+                f"use_device_lr: the schedule was built over {len(schedule.groups)} param groups "
+                f"that are not this optimizer's {len(flat)}; build it with "
+                f"DeviceLRSchedule.from_scheduler(scheduler) of a scheduler over this optimizer")
+        if schedule.device != self.device:
+            raise ValueError(
+                f"use_device_lr: the schedule's LRs are on {schedule.device}, the optimizer's "
+                f"state on {self.device}; build the schedule with device={self.device}")
+        device_lrs, k = {}, 0
+        for i, leaf in enumerate(self.leaves):
+            groups = [] if leaf.is_stub_optimizer or leaf.optimizer is None else (
+                leaf.optimizer.param_groups)
+            for g in groups:
+                if g is not flat[k]:
+                    raise AssertionError(f"param group {k} is not leaf {i}'s inner group")
+                k += 1
+            device_lrs[i] = schedule.lrs[k - len(groups):k]
+        if k != len(flat):
+            raise AssertionError(f"{len(flat)} param groups, {k} in the leaves' optimizers")
+        self.device_lrs = device_lrs
 
     def __getattr__(self, name):
         return getattr(self.__dict__["optimizer"], name)
@@ -147,9 +185,10 @@ class SyncFreeOptimizer:
             grads = [p.grad for leaf in self.leaves for p in leaf.get_parameters() if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, coeff_0)
-        for leaf in self.leaves:
+        for i, leaf in enumerate(self.leaves):
             if leaf.optimizer is not None and not leaf.is_stub_optimizer:
-                self._adam_step(leaf.optimizer, skip_1)
+                lrs = None if self.device_lrs is None else self.device_lrs[i]
+                self._adam_step(leaf.optimizer, skip_1, lrs)
             optim_compat.leaf_copy_main_params_to_model(leaf)
         applied_1 = ~skip_1
         self.last = SyncFreeStepResult(applied_1, grad_norm_1, self.optimizer.get_loss_scale())
@@ -191,14 +230,16 @@ class SyncFreeOptimizer:
         return torch.stack(sq).sum(0).sqrt()
 
     # -- Adam ----------------------------------------------------------------------------
-    def _adam_step(self, opt: torch.optim.Adam, skip_1: torch.Tensor) -> None:
-        for group in opt.param_groups:
+    def _adam_step(self, opt: torch.optim.Adam, skip_1: torch.Tensor, lrs=None) -> None:
+        """``lrs``: the device LRs of ``opt``'s groups (``use_device_lr``), else None."""
+        for j, group in enumerate(opt.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             states = [self._state(opt, p, group) for p in params]
             fused = self.kernel == "fused" or (self.kernel == "auto" and params[0].is_cuda)
-            (_fused_adam if fused else _exact_adam)(group, params, states, skip_1)
+            lr = group["lr"] if lrs is None else lrs[j]
+            (_fused_adam if fused else _exact_adam)(group, params, states, skip_1, lr)
 
     @staticmethod
     def _state(opt, p, group) -> dict:
@@ -236,17 +277,25 @@ class SyncFreeOptimizer:
         return out
 
 
-def _exact_adam(group, params, states, skip_1) -> None:
+def _exact_adam(group, params, states, skip_1, lr) -> None:
     """torch's ``_single_tensor_adam`` (capturable=False) op for op, with the host scalars it
     computes from ``step.item()`` computed on the device in float64, and the skip as weights of
-    0 / factors of 1 / ``where`` (grads of a skipped step are zeroed first: they hold inf/nan)."""
-    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    0 / factors of 1 / ``where`` (grads of a skipped step are zeroed first: they hold inf/nan).
+
+    ``lr``: the group's host float, or a float64 0-dim device tensor of the same value (the
+    same float64 operations, so the same bits: ``1 - lr * wd`` rounded once to float32,
+    ``-(lr / bc1)`` in float64)."""
+    (beta1, beta2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", False)
     dev = params[0].device
     skip_0 = skip_1.reshape(())
     ok_0 = (~skip_0).float()
     one_0 = torch.ones((), device=dev)
-    decay_0 = torch.where(skip_0, one_0, torch.full((), 1 - lr * wd, device=dev))
+    if torch.is_tensor(lr):
+        keep_0 = (1 - lr * wd).float()  # float64 math, one rounding: as torch.full's below
+    else:
+        keep_0 = torch.full((), 1 - lr * wd, device=dev)
+    decay_0 = torch.where(skip_0, one_0, keep_0)
     w1_0 = torch.where(skip_0, 0.0, torch.full((), 1 - beta1, device=dev))
     b2_0 = torch.where(skip_0, one_0, torch.full((), beta2, device=dev))
     for p, st in zip(params, states):
@@ -268,15 +317,22 @@ def _exact_adam(group, params, states, skip_1) -> None:
         p.addcdiv_(st["exp_avg"] * neg_step_size_0, denom)
 
 
-def _fused_adam(group, params, states, skip_1) -> None:
-    """torch's fused Adam(W) kernel; it skips every update itself when ``found_inf`` is set."""
+def _fused_adam(group, params, states, skip_1, lr) -> None:
+    """torch's fused Adam(W) kernel; it skips every update itself when ``found_inf`` is set.
+
+    A tensor ``lr`` is passed as float32 on the parameters' device: the CUDA kernel reads it
+    through a ``float*`` (``lr.const_data_ptr<float>()``, ATen FusedAdamKernel) in the graph
+    instead of baking a host double (torch/optim/adam.py ``_fused_adam`` only moves a CUDA
+    tensor lr between devices)."""
     from torch.optim.adam import adam
 
+    if torch.is_tensor(lr):
+        lr = lr.to(device=params[0].device, dtype=torch.float32)
     adam(
         params, [p.grad for p in params], [s["exp_avg"] for s in states],
         [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
         fused=True, found_inf=skip_1.float().reshape(()), grad_scale=None,
         decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-        amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+        amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=lr,
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
     )
