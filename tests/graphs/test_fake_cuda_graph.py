@@ -168,3 +168,258 @@ def test_uninitialised_allocations_are_not_replayed():
         g.replay()
         assert torch.equal(out, torch.full((4,), 4.0))
         assert g.num_ops == 2  # fill_ and add; empty is not an op to replay
+
+
+# -- a capture runs no kernel: what existed before capture_begin is unchanged until replay()
+
+def test_captured_in_place_write_waits_for_replay():
+    with fake_cuda_graphs():
+        x = torch.zeros(3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.add_(1)
+        assert torch.equal(x, torch.zeros(3))
+        for n in (1, 2, 3):
+            g.replay()
+            assert torch.equal(x, torch.full((3,), float(n)))
+
+
+def test_written_view_with_offset_is_restored_and_its_base_untouched():
+    with fake_cuda_graphs():
+        base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+        before = base.clone()
+        view = base[1:, 2::2].t()  # storage offset 8, strides (2, 6)
+        assert view.storage_offset() == 8 and not view.is_contiguous()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            view.mul_(-1.0)
+            torch.add(view, 0.5, out=view)  # an out= write of the same view
+        assert torch.equal(base, before)
+        g.replay()
+        expected = before.clone()
+        expected[1:, 2::2] = -before[1:, 2::2] + 0.5
+        assert torch.equal(base, expected)  # the other elements of base untouched
+
+
+def test_tensor_created_inside_the_capture_keeps_working_across_replays():
+    with fake_cuda_graphs():
+        x = torch.tensor([1.0, 2.0])
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            acc = torch.zeros(2)
+            acc.add_(x)
+            acc.mul_(3)
+            counter = torch.tensor([10.0])  # torch.tensor: a storage the capture created
+            counter.add_(1)
+        # the capture's values stay in what the capture created
+        assert torch.equal(acc, torch.tensor([3.0, 6.0])) and torch.equal(counter, torch.tensor([11.0]))
+        for n, new_x in enumerate(([5.0, 7.0], [-1.0, 0.0]), start=1):
+            x.copy_(torch.tensor(new_x))
+            g.replay()
+            assert torch.equal(acc, 3 * torch.tensor(new_x))  # zeros replayed, then add, mul
+            assert torch.equal(counter, torch.tensor([11.0 + n]))  # not re-created: counts on
+
+
+def test_captured_backward_into_an_existing_grad_accumulates_once_per_replay():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    with fake_cuda_graphs():
+        x = torch.randn(5, 4)
+        for p in lin.parameters():
+            p.grad = torch.full_like(p, 0.25)  # accumulating: .grad is not None
+        before = [p.grad for p in lin.parameters()]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            lin(x).square().sum().backward()
+        for p, b in zip(lin.parameters(), before):
+            assert p.grad is b and torch.equal(p.grad, torch.full_like(p, 0.25))
+        ref = torch.nn.Linear(4, 3)
+        ref.load_state_dict(lin.state_dict())
+        ref(x).square().sum().backward()
+        for n in (1, 2):
+            g.replay()
+            for p, r in zip(lin.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, 0.25 + n * r.grad, rtol=1e-6, atol=1e-6)
+
+
+def _adamw_pair(foreach):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, fused=False,
+                              foreach=foreach, capturable=True) for m in (a, b)]
+    for m, opt in zip((a, b), opts):  # one eager step: the states exist before the capture
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    return (a, opts[0]), (b, opts[1])
+
+
+def _adam_state(model, opt):
+    return [t.clone() for p in model.parameters()
+            for t in (p.detach(), *(opt.state[p][k] for k in ("step", "exp_avg", "exp_avg_sq")))]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_captured_optimizer_step_applies_nothing_until_replay(foreach):
+    with fake_cuda_graphs():  # capturable=True needs the stand-in CUDA device from the start
+        (graphed, opt), (eager, ref) = _adamw_pair(foreach)
+        g = torch.cuda.CUDAGraph()
+        for p, q in zip(graphed.parameters(), eager.parameters()):
+            p.grad.copy_(torch.randn_like(p))
+            q.grad.copy_(p.grad)
+        before = _adam_state(graphed, opt)
+        with torch.cuda.graph(g):
+            opt.step()
+        for a, b in zip(_adam_state(graphed, opt), before):
+            assert torch.equal(a, b)  # params, step, exp_avg, exp_avg_sq: as before the capture
+        for _ in range(2):
+            g.replay()
+            ref.step()
+            for a, b in zip(_adam_state(graphed, opt), _adam_state(eager, ref)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _iteration_flow():
+    """A model, its static input buffers, and one training iteration (forward+backward of two
+    microbatches into the existing .grad, then an AdamW step) as two graphs' worth of work."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, capturable=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # states initialised (a zero gradient)
+
+    def fwd_bwd(xs, ys):
+        losses = []
+        for x, y in zip(xs, ys):
+            loss = (model(x) - y).square().mean() / len(xs)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    return model, opt, fwd_bwd
+
+
+def _batches(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(3, 4, generator=g) for _ in range(2)], [torch.randn(3, 1, generator=g) for _ in range(2)]
+
+
+def test_capture_then_immediate_replay_is_one_iteration():
+    """FullCudaGraphWrapper's flow: warm-up eagerly, then on the capture iteration capture the
+    forward-backward (and the optimizer step as a second graph) and replay at once."""
+    with fake_cuda_graphs():
+        model, opt, fwd_bwd = _iteration_flow()
+        ref_model, ref_opt, ref_fwd_bwd = _iteration_flow()
+        static_xs, static_ys = (torch.zeros(3, 4), torch.zeros(3, 4)), (torch.zeros(3, 1), torch.zeros(3, 1))
+        fb_graph = opt_graph = None
+        for step in range(4):
+            xs, ys = _batches(step)
+            ref_opt.zero_grad(set_to_none=False)
+            ref_losses = ref_fwd_bwd(xs, ys)
+            ref_opt.step()
+            opt.zero_grad(set_to_none=False)  # outside the graph, as Megatron's zero_grad_buffer
+            for buf, new in zip(static_xs + static_ys, xs + ys):
+                buf.copy_(new)
+            if step == 0:  # warm-up: eager
+                losses = fwd_bwd(static_xs, static_ys)
+                opt.step()
+            else:
+                if step == 1:
+                    fb_graph, opt_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                    grads_before = [p.grad.clone() for p in model.parameters()]
+                    with torch.cuda.graph(fb_graph):
+                        losses = fwd_bwd(static_xs, static_ys)
+                    for p, b in zip(model.parameters(), grads_before):
+                        assert torch.equal(p.grad, b)  # the capture accumulated nothing
+                    with torch.cuda.graph(opt_graph):
+                        opt.step()
+                fb_graph.replay()
+                opt_graph.replay()
+            for a, b in zip(losses, ref_losses):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture
+def full_cuda_graph_wrapper_state():
+    from megatron.core import full_cuda_graph as fcg
+
+    saved = (dict(fcg.FullCudaGraphWrapper.curr_iteration), dict(fcg.FullCudaGraphWrapper.cuda_graph),
+             dict(fcg.FullCudaGraphWrapper.result),
+             {k: list(v) for k, v in fcg.StaticBufferLoader.static_buffers.items()})
+    fcg.FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    fcg.FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    fcg.FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    fcg.StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+    yield fcg
+    (fcg.FullCudaGraphWrapper.curr_iteration, fcg.FullCudaGraphWrapper.cuda_graph,
+     fcg.FullCudaGraphWrapper.result, fcg.StaticBufferLoader.static_buffers) = saved
+
+
+def test_megatron_full_cuda_graph_wrapper_applies_each_iteration_once(mcore_parallel,
+                                                                      full_cuda_graph_wrapper_state):
+    """Megatron's real FullCudaGraphWrapper (megatron/core/full_cuda_graph.py): iteration 0
+    eager, iteration 1 captures forward_backward_func and replays it at once, then replays.
+    Every iteration's gradients and losses equal one eager iteration's."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from tests.support.megatron_graphs import graph_session
+
+    fcg = full_cuda_graph_wrapper_state
+
+    def forward_backward_func(*, model, data_iterator, num_microbatches, seq_length, forward_only,
+                              **_):
+        it = data_iterator[0]
+        losses = []
+        for _ in range(num_microbatches):
+            mb = next(it)
+            loss = (model[0](mb["x"]) - mb["y"]).square().mean() / num_microbatches
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    with graph_session():
+        model_parallel_cuda_manual_seed(1234)
+        model, _, _ = _iteration_flow()
+        ref_model, _, _ = _iteration_flow()
+        wrapper = fcg.FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=1)
+        for step in range(4):
+            xs, ys = _batches(step)
+            for m in (model, ref_model):
+                for p in m.parameters():
+                    p.grad.zero_()
+            ref_losses = []
+            for x, y in zip(xs, ys):
+                loss = (ref_model(x) - y).square().mean() / 2
+                loss.backward()
+                ref_losses.append(loss.detach())
+            losses = wrapper(model=[model], data_iterator=iter([{"x": x, "y": y} for x, y in zip(xs, ys)]),
+                             num_microbatches=2, seq_length=3, forward_only=False)
+            assert (fcg.FullCudaGraphWrapper.cuda_graph["training"] is None) == (step == 0)
+            for a, b in zip(losses, ref_losses):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        assert fcg.FullCudaGraphWrapper.cuda_graph["training"].replays == 3
+
+
+def test_collective_output_written_in_capture_is_restored_then_replayed(mcore_parallel):
+    """c10d schemas (alltoall_base_(Tensor output, ...)) do not mark the output written: the
+    stand-in treats a collective's tensor arguments as written, so the capture leaves a
+    pre-existing output buffer as it was; a replay re-issues the collective (the subclass)."""
+    import torch.distributed as dist
+
+    from tests.support.graph_safe_standins import FakeCUDAGraphReplayingCollectives
+
+    with fake_cuda_graphs():
+        x, out = torch.arange(4.0), torch.zeros(4)
+        g = FakeCUDAGraphReplayingCollectives()
+        with torch.cuda.graph(g):
+            dist.all_to_all_single(out, x)  # world of one: out = x
+        assert torch.equal(out, torch.zeros(4))
+        x.add_(10)
+        g.replay()
+        assert torch.equal(out, torch.arange(4.0) + 10)

@@ -13,7 +13,18 @@ What a GPU graph does, and so what this does:
 
 * **capture** records every aten op issued inside ``torch.cuda.graph(...)`` (a
   ``TorchDispatchMode``, so the ops autograd issues inside ``torch.autograd.grad`` during a
-  backward capture are recorded too) with the exact tensor objects it read and wrote;
+  backward capture are recorded too) with the exact tensor objects it read and wrote. It has
+  to run each op to get Python values flowing, but, as on a GPU where a capture runs no kernel,
+  **it leaves every tensor that existed before ``capture_begin`` as it was**: before an op
+  writes a storage the capture did not create (a mutable schema argument -- ``Tensor(a!)``,
+  ``out=``, ``Tensor(a!)[]`` -- or any tensor argument of a ``c10d`` collective, whose schemas
+  do not mark their outputs), the storage's bytes are saved once, and ``capture_end`` writes
+  them all back (whole storages, so views at any offset or stride are restored exactly).
+  Parameters, ``.grad`` / ``main_grad``, optimizer states, static input buffers and counters
+  therefore change only on ``replay()``: a capture followed at once by a replay (Megatron's
+  ``FullCudaGraphWrapper``) applies one iteration, not two. Tensors created inside the capture
+  keep what the capture computed (on a GPU they hold whatever the pool had; nothing may rely on
+  it). ``FakeCUDAGraph.restore_pre_capture_state = False`` keeps the capture's writes instead;
 * **replay** re-executes exactly those ops on exactly those tensors and writes each result into
   the tensor captured as its output. Python is not re-run: a buffer chosen in Python per call, a
   tensor reallocated after capture, a Python-side branch -- replay sees what capture saw (the
@@ -31,13 +42,21 @@ What a GPU graph does, and so what this does:
 What it does NOT model: a real graph's private memory pool, where a tensor freed inside one
 capture may be handed to the next capture sharing the pool. Here every captured tensor stays
 alive, so only reuse that Megatron does explicitly in Python (its ``TensorReusePool``) aliases
-buffers between graphs. Random ops replay with the CPU generator (tests use dropout 0).
+buffers between graphs; and tensors created inside a capture hold the capture's values
+afterwards, not garbage. Python-side state a capture changes stays changed, as on a GPU (an
+attribute set, ``.grad`` assigned when it was ``None``). Writes a capture
+makes outside the aten dispatcher (e.g. a storage-level copy) are not seen, so not undone.
+Random ops replay with the CPU generator (tests use dropout 0).
 
 ``torch.cuda`` entry points it patches (besides :func:`cuda_as_cpu.cuda_as_cpu`'s):
 ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``is_current_stream_capturing``,
-``memory_stats``, ``get_device_capability``, ``set_stream``, ``default_generators``; and
-Megatron's ``tensor_parallel.random._lazy_init`` / ``_lazy_call`` (bound at import from
-``torch.cuda``) so its graph-safe RNG tracker runs on fake generators.
+``memory_stats``, ``get_device_capability``, ``set_stream``, ``default_generators``;
+``torch.optim``'s ``_get_capturable_supported_devices`` (``cpu`` added, so a ``capturable=True``
+optimizer's step can be captured on the stand-in CUDA tensors); and Megatron's
+``tensor_parallel.random._lazy_init`` / ``_lazy_call`` (bound at import from ``torch.cuda``) so
+its graph-safe RNG tracker runs on fake generators. Megatron's ``FullCudaGraphWrapper``
+(``megatron/core/full_cuda_graph.py``) needs nothing more: its ``torch.cuda.Stream`` /
+``stream`` / ``synchronize`` / ``current_stream().wait_stream`` are ``cuda_as_cpu``'s.
 
 Megatron-Core 0.16.1 sites this covers (checked by ``tests/graphs/test_fake_cuda_graph.py``):
 """
@@ -104,6 +123,31 @@ def _storage(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def _written_tensors(func, args, kwargs) -> list:
+    """The tensors ``func`` writes: its schema's mutable arguments (``Tensor(a!)``, ``out=``,
+    ``Tensor(a!)[]``), or every tensor argument of a ``c10d`` collective (their schemas,
+    ``c10d.allreduce_(Tensor[] tensors, ...)``, ``c10d.alltoall_base_(Tensor output, ...)``, do
+    not mark the buffers they fill as written)."""
+    if func.namespace == "c10d":
+        values = [args, kwargs]
+    else:
+        values = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            if i < len(args) and not a.kwarg_only:
+                values.append(args[i])
+            elif a.name in kwargs:
+                values.append(kwargs[a.name])
+    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (every view of it, any offset or stride)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+
+
 def _host_side_caller() -> bool:
     f = sys._getframe(2)
     for _ in range(12):
@@ -131,7 +175,11 @@ class _RecordOps(TorchDispatchMode):
                 f"aten.{name} reads device data on the host during CUDA-graph capture "
                 "(a GPU capture is invalidated here)"
             )
+        self.graph._save_before_write(func, args, kwargs)
         out = func(*args, **kwargs)
+        if func.namespace == "c10d" and self.graph.restore_pre_capture_state:
+            self.graph._works += [w for w in tree_flatten(out)[0]
+                                  if hasattr(w, "wait") and not isinstance(w, torch.Tensor)]
         self.graph._record(func, args, kwargs, out)
         return out
 
@@ -163,8 +211,17 @@ _capturing: list = []
 class FakeCUDAGraph:
     """``torch.cuda.CUDAGraph`` with the methods Megatron 0.16.1 calls."""
 
+    # Restore, at capture_end, every storage that existed before capture_begin and that an op
+    # of the capture wrote: a GPU capture runs no kernel. False: the capture's writes stay (the
+    # behaviour before; nothing in the test suite needs it).
+    restore_pre_capture_state = True
+
     def __init__(self, keep_graph: bool = False):
         self.ops: list[_Op] = []
+        self._created: set = set()  # data_ptr of the storages the capture's ops created
+        self._saved: dict = {}  # data_ptr -> (uint8 view of the storage, its pre-capture bytes)
+        self._works: list = []  # the Works of the collectives issued in the capture
+        self._aborted = False
         self.captured = False
         self.replays = 0
         self._pool: Optional[_PoolHandle] = None
@@ -178,6 +235,7 @@ class FakeCUDAGraph:
         if self.captured:
             raise CaptureError("this CUDAGraph was already captured; reset() it first")
         self._pool = pool if pool is not None else _PoolHandle()
+        self._created, self._saved, self._works, self._aborted = set(), {}, [], False
         self._modes = (_RefuseHostReads(), _RecordOps(self))
         for m in self._modes:
             m.__enter__()
@@ -189,6 +247,36 @@ class FakeCUDAGraph:
         self._modes = ()
         _capturing.remove(self)
         self.captured = True
+        self._restore_pre_capture_state()
+
+    def _save_before_write(self, func, args, kwargs):
+        """Before ``func`` writes a storage that existed before ``capture_begin``, keep a copy of
+        its bytes (the first time only, so the copy is the pre-capture content)."""
+        if not self.restore_pre_capture_state:
+            return
+        for t in _written_tensors(func, args, kwargs):
+            try:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage (sparse, subclass wrappers)
+                continue
+            if storage.nbytes() == 0 or key in self._created or key in self._saved:
+                continue
+            view = _bytes_of(storage)
+            self._saved[key] = (view, view.clone())
+
+    def _restore_pre_capture_state(self):
+        """Write back every saved pre-capture content: after a capture, tensors that existed
+        before it hold what they held, as on a GPU, where only replay() runs the kernels.
+        Tensors created inside the capture keep what the capture computed."""
+        saved, self._saved, self._created = self._saved, {}, set()
+        works, self._works = self._works, []
+        if not self._aborted:  # a collective (gloo) may still be writing its output
+            for work in works:
+                work.wait()
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for view, content in saved.values():
+                view.copy_(content)
 
     def _record(self, func, args, kwargs, out):
         flat_in, _ = tree_flatten((args, kwargs))
@@ -199,6 +287,9 @@ class FakeCUDAGraph:
             if isinstance(t, torch.Tensor) and _storage(t) not in in_storages
         )
         name = func.overloadpacket.__name__
+        self._created.update(_storage(t) for _, t in write_back)
+        if name == "lift_fresh":  # torch.tensor(data) inside the capture: a new storage
+            self._created.update(_storage(t) for t in flat_out if isinstance(t, torch.Tensor))
         mutates = func._schema.is_mutable
         execute = mutates or (bool(write_back) and name not in _UNINITIALISED)
         self.ops.append(_Op(func, args, kwargs, write_back, execute))
@@ -227,6 +318,7 @@ class FakeCUDAGraph:
 
     def reset(self):
         self.ops, self.captured = [], False
+        self._created, self._saved = set(), {}
 
     def enable_debug_mode(self):
         pass
@@ -249,6 +341,7 @@ class fake_graph:
         self.cuda_graph.capture_begin(self.pool, capture_error_mode=self.mode)
 
     def __exit__(self, *exc):
+        self.cuda_graph._aborted = exc[0] is not None
         self.cuda_graph.capture_end()
         return False
 
@@ -289,6 +382,25 @@ class FakeCudaGenerator:
             self.gen.set_state(other.gen.get_state())
 
 
+def _capturable_devices_with_cpu(real):
+    """``torch.optim``'s ``_get_capturable_supported_devices`` with ``cpu`` added: here CPU
+    tensors stand in for CUDA ones, and a ``capturable=True`` optimizer asserts its params are
+    on a capturable device (a non-capturable one reads ``step.item()``: no step in a capture)."""
+
+    def devices(*args, **kwargs):
+        return [*real(*args, **kwargs), "cpu"]
+
+    return devices
+
+
+def _optimizer_device_patches() -> list:
+    # every torch.optim module binding the function by name (``import torch`` imports them)
+    return [mock.patch.object(mod, "_get_capturable_supported_devices",
+                              _capturable_devices_with_cpu(mod._get_capturable_supported_devices))
+            for name, mod in sorted(sys.modules.items())
+            if name.startswith("torch.optim.") and hasattr(mod, "_get_capturable_supported_devices")]
+
+
 def _memory_stats(*_, **__):
     return {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0}
 
@@ -310,6 +422,7 @@ def fake_cuda_graphs() -> Iterator[None]:
         mock.patch("torch.cuda.default_generators", gens),
         mock.patch.object(mrandom, "_lazy_init", lambda: None),
         mock.patch.object(mrandom, "_lazy_call", lambda cb, **k: cb()),
+        *_optimizer_device_patches(),
     ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_as_cpu())
