@@ -24,6 +24,7 @@ BREAKS = {
                                   dtype=torch.float32, capability=(9, 0)),
     "_te_grouped_linear_in_graphs": dict(graphs_requested=True, graphs_captured=True, is_moe=True,
                                          expert_backend="te_grouped_linear"),
+    "_full_iteration_graphs": dict(full_iteration=True, pipeline_parallel_size=2),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
@@ -33,6 +34,7 @@ PHRASES = {
     "_lora_graph_warmup": "inputs argument to grad() cannot be empty",
     "_grouped_mm_in_graphs": "sync-free path",
     "_te_grouped_linear_in_graphs": "takes the expert group sizes as a host list",
+    "_full_iteration_graphs": "1F1B schedule's send/recv order across stages",
 }
 
 

@@ -162,3 +162,52 @@ def in_capture_warmup() -> bool:
     from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
 
     return is_graph_warmup() and not is_graph_capturing()
+
+
+# =============================================================================================
+# Full-iteration graphs: Megatron's FullCudaGraphWrapper keeps its state in class attributes
+# =============================================================================================
+#
+# Why: megatron-core 0.16.x ``full_cuda_graph.FullCudaGraphWrapper`` counts iterations and holds
+# the captured graph and its result in class-level dicts (``curr_iteration``, ``cuda_graph``,
+# ``result``), and ``StaticBufferLoader`` its static input buffers (``static_buffers``): one
+# wrapper per process, captured once. A second job in the same process (a test, an evaluation
+# run after training) would find the first job's graph there (``assert
+# FullCudaGraphWrapper.cuda_graph[training_str] is None`` at its capture) and replay it. Each
+# full-iteration step path starts from a clean state through this function.
+
+_FULL_ITERATION_STATE = {
+    "FullCudaGraphWrapper": ("curr_iteration", "cuda_graph", "result"),
+    "StaticBufferLoader": ("static_buffers",),
+}
+
+
+def reset_full_cuda_graph_state() -> None:
+    """Forget every graph, result, iteration count and static buffer Megatron's
+    ``FullCudaGraphWrapper`` / ``StaticBufferLoader`` keep in class attributes (0.16 line)."""
+    _require_checked_mcore(
+        "reset_full_cuda_graph_state",
+        "FullCudaGraphWrapper / StaticBufferLoader keep their graph, result, iteration count "
+        "and static buffers in class-level {'training', 'validation'} dicts")
+    from megatron.core import full_cuda_graph as fcg
+
+    for cls_name, attrs in _FULL_ITERATION_STATE.items():
+        cls = getattr(fcg, cls_name)
+        for attr in attrs:
+            value = getattr(cls, attr, None)
+            if not isinstance(value, dict) or set(value) != {"training", "validation"}:
+                raise ImportError(
+                    f"megatron-core {MCORE_VERSION}: {cls_name}.{attr} is not the "
+                    "{'training', 'validation'} dict of the 0.16 line; the full-iteration "
+                    "graph path supports that layout only")
+    fcg.FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    fcg.FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    fcg.FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    fcg.StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+
+
+def full_cuda_graph_captured(stage: str = "training"):
+    """The graph ``FullCudaGraphWrapper`` captured for ``stage`` (None before its capture)."""
+    from megatron.core import full_cuda_graph as fcg
+
+    return fcg.FullCudaGraphWrapper.cuda_graph[stage]

@@ -25,7 +25,12 @@ from megatron_fastpath.fp8.config import plan_fp8
 if TYPE_CHECKING:
     from megatron_fastpath.fp8 import FP8Config
 
-__all__ = ["CudaGraphConfig", "GraphPlan", "plan_graphs_and_fp8"]
+__all__ = ["CudaGraphConfig", "GRAPH_SCOPES", "GraphPlan", "plan_graphs_and_fp8"]
+
+# What one capture covers: "layers" = a CudaGraphManager per TransformerLayer (MLPerf's setup);
+# "full_iteration" = the forward+backward of every microbatch of a step in one graph (Megatron's
+# FullCudaGraphWrapper) and the optimizer step in a second (train/full_iteration.py).
+GRAPH_SCOPES = ("layers", "full_iteration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +44,21 @@ class CudaGraphConfig:
         ``_CudaGraphRunner.create_fwd_graph`` runs on zero-filled copies of a layer's inputs
         right before capturing it (the first step runs each layer 1 + warmup_steps times).
     use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
-    audit_steps / strict_audit: the CPU graph-safety audit run in place of capture."""
+    audit_steps / strict_audit: the CPU graph-safety audit run in place of capture.
+    scope: :data:`GRAPH_SCOPES`: "layers" (per-layer graphs) or "full_iteration" (the whole
+        step as two graphs, captured at step 2: needs ``training.device=cuda``; warmup_steps
+        does not apply -- step 1 runs eagerly)."""
 
     warmup_steps: int = 3
     use_te_rng_tracker: bool = True
     audit_steps: int = 3
     strict_audit: bool = True
+    scope: str = "layers"
 
     def __post_init__(self):
+        if self.scope not in GRAPH_SCOPES:
+            raise ValueError(
+                f"cuda_graphs.scope must be one of {', '.join(GRAPH_SCOPES)}; got {self.scope!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(
                 "cuda_graphs.warmup_steps must be an int >= 0 (zero-input warm-up passes per "
@@ -63,6 +75,8 @@ class GraphPlan:
     capture: layers are captured (CUDA); False on CPU, where ``audit`` replaces capture.
     audit: run the graph-safety audit.
     notes: human-readable decisions, printed by the main job.
+    full_iteration: the step is captured whole (``cuda_graphs.scope=full_iteration``; with
+        ``capture``), not layer by layer.
     """
 
     transformer_config: dict
@@ -70,6 +84,7 @@ class GraphPlan:
     capture: bool
     audit: bool
     notes: tuple
+    full_iteration: bool = False
 
 
 def plan_graphs_and_fp8(
@@ -100,11 +115,17 @@ def plan_graphs_and_fp8(
         fp8_fields, fp8_note = plan_fp8(fp8, linear_impl)
         tc.update(fp8_fields)
         notes.append(fp8_note)
+    full = graphs is not None and graphs.scope == "full_iteration"
     if graphs is not None:
         _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading)
+        if full and not cuda:
+            raise ValueError(
+                "cuda_graphs.scope=full_iteration captures the whole step on a GPU: it needs "
+                "training.device=cuda (on a CPU there is nothing to capture; "
+                "cuda_graphs.scope=layers runs the graph-safety audit of the layers instead)")
         if cuda:
             _check_capture(graphs, offload, attention_backend)
-            _plan_capture(graphs, tc, env, notes)
+            (_plan_full_iteration if full else _plan_capture)(graphs, tc, env, notes)
         else:
             notes.append(
                 "CUDA graphs requested on CPU: nothing to capture; the graph-safety audit runs "
@@ -116,6 +137,7 @@ def plan_graphs_and_fp8(
         capture=graphs is not None and cuda,
         audit=graphs is not None and not cuda,
         notes=tuple(notes),
+        full_iteration=full and cuda,
     )
 
 
@@ -147,6 +169,13 @@ def _check_capture(graphs: CudaGraphConfig, offload: bool, attention_backend: st
             "the te attention backend with CUDA graphs needs cuda_graphs.use_te_rng_tracker=true: "
             "Transformer Engine's attention asserts during capture that the RNG tracker is its "
             "own; set it, or use another attention backend")
+    if attention_backend == "flex" and graphs.scope == "full_iteration":
+        # the cache builds flex's BlockMask with create_block_mask, whose block counting ends in
+        # data-dependent ops; a full-iteration graph builds the derived tensors inside itself
+        raise ValueError(
+            "the flex attention backend with cuda_graphs.scope=full_iteration: its BlockMask is "
+            "built with torch's create_block_mask (data-dependent ops), which cannot run inside "
+            "the captured step; use the sdpa, flash or te backend, or cuda_graphs.scope=layers")
     if offload:
         raise ValueError(
             "activation offload cannot run inside captured layer graphs (its copy streams and "
@@ -178,6 +207,23 @@ def _plan_capture(graphs: CudaGraphConfig, tc: dict, env: dict, notes: list) -> 
         f"{graphs.warmup_steps} zero-input warm-up passes per layer, TE RNG "
         f"tracker={graphs.use_te_rng_tracker}"
     )
+
+
+def _plan_full_iteration(graphs: CudaGraphConfig, tc: dict, env: dict, notes: list) -> None:
+    """No per-layer graphs (a layer capture cannot nest in the step's); the graph-safe RNG
+    tracker and the allocator settings as for layers."""
+    from megatron_fastpath._optional import require
+
+    if graphs.use_te_rng_tracker:
+        require("transformer_engine.pytorch", "cuda_graphs.use_te_rng_tracker",
+                "cuda_graphs.use_te_rng_tracker=false with all dropouts 0")
+    tc.update(use_te_rng_tracker=graphs.use_te_rng_tracker)
+    env["NCCL_GRAPH_REGISTER"] = "0"
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    notes.append(
+        "full-iteration CUDA graphs: step 1 eager, step 2 captures the forward+backward of every "
+        "microbatch (Megatron's FullCudaGraphWrapper) and the optimizer step + LR schedule as a "
+        f"second graph; later steps replay both (TE RNG tracker={graphs.use_te_rng_tracker})")
 
 
 def apply_env(env: dict) -> dict:

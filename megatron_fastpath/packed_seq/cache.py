@@ -293,6 +293,15 @@ class CacheStats:
     def snapshot(self) -> "CacheStats":
         return dataclasses.replace(self, per_kind=dict(self.per_kind))
 
+    def add(self, other: "CacheStats") -> None:
+        """Add ``other``'s counters (a captured graph's builds, re-run by each replay)."""
+        self.batches += other.batches
+        self.builds += other.builds
+        self.host_to_device_copies += other.host_to_device_copies
+        self.bytes_copied += other.bytes_copied
+        for k, v in other.per_kind.items():
+            self.per_kind[k] = self.per_kind.get(k, 0) + v
+
     def since(self, before: "CacheStats") -> "CacheStats":
         """Counters accumulated after ``before`` (a snapshot)."""
         return CacheStats(
@@ -416,6 +425,29 @@ class PackedSeqCache:
         then builds every registered derived tensor into the slot's params. Reserves the slot
         until :meth:`release`.
         """
+        slot = self._load(None, lengths, cu_seqlens)
+        self._build_all(slot)
+        return self._handle(slot)
+
+    def load_slot(self, index: int, lengths: Optional[LengthsLike] = None, *,
+                  cu_seqlens: Optional[LengthsLike] = None) -> PackedBatch:
+        """The host half of :meth:`set_batch` into slot ``index`` (which must be free): validate,
+        stage and issue the one host->device copy of the boundary record, nothing derived. A
+        full-iteration CUDA graph loads every microbatch of a step this way before its replay
+        and builds the derived tensors inside the graph (:meth:`build_slot`). Reserves the slot
+        until :meth:`release`."""
+        return self._handle(self._load(index, lengths, cu_seqlens))
+
+    def build_slot(self, index: int) -> PackedBatch:
+        """The device half: build every registered derived tensor of slot ``index`` from its
+        record (static-shape device ops, no host read: capturable)."""
+        slot = self.slots[index]
+        if not slot.busy:
+            raise RuntimeError(f"build_slot({index}): the slot holds no batch; load_slot it first")
+        self._build_all(slot)
+        return self._handle(slot)
+
+    def _load(self, index: Optional[int], lengths, cu_seqlens) -> _Slot:
         host = build_host_metadata(
             resolve_lengths(lengths, cu_seqlens),
             self.config.max_tokens,
@@ -428,7 +460,7 @@ class PackedSeqCache:
             record_R = build_cp_host_metadata(
                 host.lengths_N, self.config.max_tokens, self.config.max_seqs,
                 self.config.max_seqlen_bound, cp, self.config.context_parallel_rank).record_R
-        slot = self._acquire_slot()
+        slot = self._acquire_slot() if index is None else self._take_slot(index)
         if slot.copy_done is not None and not slot.copy_done.query():
             # The previous batch's copy out of this staging buffer is still queued (rare: a
             # whole forward+backward ran since). Waiting on that event is not a D2H transfer.
@@ -444,8 +476,7 @@ class PackedSeqCache:
         self.stats.batches += 1
         self.stats.host_to_device_copies += 1
         self.stats.bytes_copied += slot.record_R.numel() * slot.record_R.element_size()
-        self._build_all(slot)
-        return self._handle(slot)
+        return slot
 
     def release(self, batch: PackedBatch) -> None:
         """Mark the batch's slot reusable (call after its backward has been issued)."""
@@ -464,6 +495,15 @@ class PackedSeqCache:
             yield pb
         finally:
             self.release(pb)
+
+    def _take_slot(self, index: int) -> _Slot:
+        if not 0 <= index < len(self.slots):
+            raise ValueError(f"slot {index} does not exist: the cache has {len(self.slots)} slots")
+        slot = self.slots[index]
+        if slot.busy:
+            raise RuntimeError(f"slot {index} still holds a microbatch in flight; release it first")
+        slot.busy = True
+        return slot
 
     def _acquire_slot(self) -> _Slot:
         n = len(self.slots)

@@ -328,12 +328,14 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
     """The job as :mod:`megatron_fastpath.rules` reads it (the GPU's capability is asked for
     later, once the plan's environment is set: reading it initialises CUDA)."""
     graphs, fp8 = features["cuda_graphs"], features["fp8"]
+    full = graphs is not None and graphs.scope == "full_iteration"
     return rules.RunFacts(
         names=rules.NAMES["main"],
         context_parallel_size=par.context_parallel_size,
         graphs_requested=graphs is not None,
         graphs_captured=graphs is not None and device.type == "cuda",
-        graph_warmup_steps=graphs.warmup_steps if graphs is not None else 0,
+        # per-layer capture warm-up passes (a full-iteration step has none: step 1 runs eagerly)
+        graph_warmup_steps=graphs.warmup_steps if graphs is not None and not full else 0,
         lora=features["lora"] is not None,
         is_moe=is_moe,
         moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1 and fast.moe_capacity_factor is None,
@@ -342,6 +344,8 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
         pipeline_parallel_size=par.pipeline_model_parallel_size,
         sequence_parallel=par.sequence_parallel,
         offload=features["offload"] is not None,
+        full_iteration=full,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
 
 
@@ -416,6 +420,11 @@ def parse_job_config(cfg: Any) -> JobConfig:
         linear_impl=linear_impl,
         offload=features["offload"] is not None, attention_backend=backend,
     )
+    if plan.full_iteration and train.optimizer_step == "megatron":
+        raise ValueError(
+            "cuda_graphs.scope=full_iteration captures the optimizer step as a graph: Megatron's "
+            "own step reads the gradient norm and found-inf back to the host (.item()), which a "
+            "capture cannot do; use training.optimizer_step=auto or sync_free")
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
                     linear_impl=linear_impl, plan=plan, model_source=source,

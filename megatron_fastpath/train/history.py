@@ -37,6 +37,7 @@ class StepRecord:
     eval_token_accuracy: Optional[float] = None
     skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
     host_ms: Optional[float] = None  # time the host spent issuing the step (== step_ms on CPU)
+    graph_launches: Optional[int] = None  # full-iteration graphs: launches of the step (0 = eager)
 
     @classmethod
     def from_result(cls, r: "StepResult", loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
@@ -56,7 +57,7 @@ class StepRecord:
             cache_builds=r.cache_builds,
             offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
             grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
-            eval_token_accuracy=r.eval_token_accuracy,
+            eval_token_accuracy=r.eval_token_accuracy, graph_launches=r.graph_launches,
         )
 
 

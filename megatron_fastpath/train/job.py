@@ -111,7 +111,9 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     from megatron_fastpath.packed_seq.inflight import slots_for_1f1b
 
     in_flight = 1
-    if cfg.device.type == "cuda":
+    if cfg.plan.full_iteration:  # the captured step holds every microbatch in its own slot
+        in_flight = cfg.training.micro_batches
+    elif cfg.device.type == "cuda":
         in_flight = slots_for_1f1b(cfg.training.micro_batches,
                                    ps.get_pipeline_model_parallel_world_size(),
                                    ps.get_pipeline_model_parallel_rank())
@@ -224,6 +226,10 @@ def build_job(cfg: JobConfig) -> Job:
 
         metrics = MetricsWriter(cfg.metrics, torch.distributed.get_rank(), run_config=jsonable(cfg))
     path = gpu_train_step if cfg.device.type == "cuda" else cpu_train_step
+    if cfg.plan.full_iteration:
+        from megatron_fastpath.train.full_iteration import full_iteration_train_step
+
+        path = full_iteration_train_step
     step = path(model, tcfg, cfg.training, cache)
     audit = _build_audit(cfg, model)  # after the step path, as it always was
     return Job(

@@ -48,6 +48,7 @@ class StepResult:
     applied: Optional[torch.Tensor] = None  # sync-free step: False = update skipped (inf/nan)
     # CUDA: (start, end) timing events around the step; its device time is read with its loss
     device_timing: Optional[tuple] = None
+    graph_launches: Optional[int] = None  # full-iteration graphs: launches this step (0 = eager)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +265,9 @@ class StepLogger:
                if self.job.offload is not None else "")
         if rec.grad_norm is not None:
             off += f" | grad norm {rec.grad_norm:.3f}{' (skipped: inf/nan)' if rec.skipped else ''}"
+        if rec.graph_launches is not None:
+            off += (f" | full-iteration graphs: {rec.graph_launches} launches" if rec.graph_launches
+                    else " | full-iteration graphs: eager (captured at step 2)")
         if rec.eval_loss is not None:
             off += f" | eval loss {rec.eval_loss:.4f}{_eval_extras(rec.eval_loss, rec.eval_token_accuracy)}"
         self.print(

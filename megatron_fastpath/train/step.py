@@ -45,6 +45,8 @@ class StepParts:
     grad_norm: Callable = lambda: None
     in_flight: object = None
     staging: object = None  # the GPU path's PinnedStaging (None on the CPU path)
+    # cuda_graphs.scope=full_iteration: the FullIterationStep (its ``launches`` per step)
+    graphs: object = None
 
 
 class _Unchecked:
@@ -102,6 +104,7 @@ def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = T
         offload_mode=off.mode.value if off else "off",
         grad_norm=job.step.grad_norm(),
         applied=sync_free.applied_1 if sync_free is not None else None,
+        graph_launches=job.step.graphs.launches if job.step.graphs is not None else None,
     )
 
 

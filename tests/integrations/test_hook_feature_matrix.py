@@ -515,7 +515,10 @@ UNREACHABLE_MESSAGES = ("MoEDispatchConfig: num_experts", "MoEDispatchConfig: to
                         "MoEDispatchConfig: num_groups", "MoEDispatchConfig: group_topk",
                         "MoEDispatchConfig: TransformerConfig.num_moe_experts is None")
 # rules the hooks cannot break, and why (none: every shared rule fires in the matrix)
-UNREACHABLE_RULES: dict = {}
+UNREACHABLE_RULES: dict = {
+    "_full_iteration_graphs": "a full-iteration capture is the main job's cuda_graphs.scope; the "
+                              "hooks never set RunFacts.full_iteration",
+}
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
 NOT_SET_BY_HOOKS = {
     "names": "one spelling per framework; tests/test_rules.py checks every spelling",
@@ -523,6 +526,8 @@ NOT_SET_BY_HOOKS = {
     "pipeline_parallel_size": "read by the CP rule for the main job only (the hooks refuse CP)",
     "sequence_parallel": "read by the CP rule for the main job only",
     "offload": "the hooks have no activation offload",
+    "full_iteration": "the hooks capture per-layer graphs only (the main job's cuda_graphs.scope)",
+    "world_size": "read by the full-iteration rule, which only the main job reaches",
 }
 
 

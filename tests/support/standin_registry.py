@@ -303,6 +303,24 @@ REGISTRY: tuple[Entry, ...] = (
         "asserts nothing: a no-op",
     ),
     Entry(
+        "torch.cuda.CUDAGraph",
+        (f"{_SUPPORT}.fake_cuda_graph.FakeCUDAGraph",
+         f"{_SUPPORT}.graph_safe_standins.FakeCUDAGraphReplayingCollectives"),
+        "capture records every aten op and runs nothing a replay would not (state that existed "
+        "before the capture is restored at its end, as a GPU capture executes no kernel); a "
+        "host read of device data during capture raises; nested capture, a second capture "
+        "without reset() and replay() before capture raise; replay re-runs the recorded ops "
+        "(and the captured c10d collectives) on the captured tensors",
+        "torch/cuda/graphs.py CUDAGraph.capture_begin / capture_end / replay; "
+        "cudaStreamCaptureStatusInvalidated",
+    ),
+    Entry(
+        "torch.cuda.graph",
+        (f"{_SUPPORT}.fake_cuda_graph.fake_graph",),
+        "capture_begin on entry (pool, capture_error_mode accepted), capture_end on exit",
+        "torch/cuda/graphs.py class graph",
+    ),
+    Entry(
         "torch.cuda.is_current_stream_capturing",
         (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",),
         "True exactly while a fake CUDA graph capture is under way (fake_cuda_graph.FakeCUDAGraph "

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import os
 import re
 import typing
 from pathlib import Path
@@ -168,7 +169,7 @@ def layout_label(value: str) -> str:
 def axes() -> tuple:
     from megatron_fastpath.attention.core_attention import BACKENDS
     from megatron_fastpath.fp8 import FP8Config
-    from megatron_fastpath.graphs.config import CudaGraphConfig
+    from megatron_fastpath.graphs.config import GRAPH_SCOPES, CudaGraphConfig
     from megatron_fastpath.moe.config import EXPERT_BACKENDS
     from megatron_fastpath.train.config import DTYPES
 
@@ -191,9 +192,13 @@ def axes() -> tuple:
         _bool_axis("fp8_attention", "fp8.dot_product_attention",
                    lambda c: c["fp8"] == FP8Config().recipe),
         _bool_axis("graphs", "fastpath.cuda_graphs"),
+        Axis("graph_scope", GRAPH_SCOPES, "`graphs.config.GRAPH_SCOPES`",
+             lambda v: [f"cuda_graphs.scope={v}"], lambda c: c["graphs"]),
+        # the per-layer capture's warm-up passes (a full-iteration step has none)
         Axis("graph_warmup", (CudaGraphConfig().warmup_steps, 0),
              "`cuda_graphs.warmup_steps` (the default, 0)",
-             lambda v: [f"cuda_graphs.warmup_steps={v}"], lambda c: c["graphs"]),
+             lambda v: [f"cuda_graphs.warmup_steps={v}"],
+             lambda c: c["graphs"] and c["graph_scope"] == "layers"),
         _bool_axis("offload", "fastpath.offload"),
         Axis("layout", _layouts(), "`ParallelConfig.*_size`: all 1, or one of them 2",
              lambda v: [] if v == "1" else [f"parallel.{v}"]),
@@ -236,7 +241,8 @@ class Combo(Combination):
         if c["fp8"] != "off":
             parts.append(f"fp8:{c['fp8']}" + ("+attn" if c["fp8_attention"] else ""))
         if c["graphs"]:
-            parts.append(f"graphs(w{c['graph_warmup']})")
+            parts.append(f"graphs(w{c['graph_warmup']})" if c["graph_scope"] == "layers"
+                         else "graphs(full)")
         if c["offload"]:
             parts.append("offload")
         parts.append(layout_label(c["layout"]) + ("+SP" if c["sequence_parallel"] is True else ""))
@@ -318,7 +324,9 @@ def classify(combo: Combo) -> Verdict:
         seen.append(facts)
         return real(facts)
 
-    with mock.patch.object(rules, "refusals", recording):
+    # the world a launcher would start (torchrun sets WORLD_SIZE): one process per layout of 1
+    world = "1" if combo["layout"] == "1" else "2"
+    with mock.patch.object(rules, "refusals", recording), mock.patch.dict(os.environ, WORLD_SIZE=world):
         try:
             job = parse_job_config(config_tree(combo))
         except (ValueError, MissingDependencyError) as exc:
@@ -506,6 +514,13 @@ def _check_graphs(job, combo: Combo) -> None:
     micro = job.cfg.training.micro_batches
     if not combo["graphs"]:
         assert runners == [], "graph runners without cuda_graphs"
+        return
+    if combo["graph_scope"] == "full_iteration":  # two graphs, captured at step 2
+        from megatron_fastpath.compat.graphs import full_cuda_graph_captured
+
+        assert runners == [], "per-layer graph runners inside a full-iteration step"
+        fwd_bwd, opt = full_cuda_graph_captured(), job.step.graphs.opt_graph
+        assert fwd_bwd.replays == opt.replays == STEPS - 1
         return
     assert len(runners) == job.cfg.model.num_layers, "one runner per layer"
     for r in runners:  # captured at the end of step 1, replayed by every microbatch after it
@@ -764,7 +779,7 @@ def test_planted_host_read_in_captured_experts_fails_the_matrix(mcore_parallel, 
     monkeypatch.setattr(experts, "_activation", planted)
     with pytest.raises(HostReadDuringCapture, match="Tensor.tolist"):
         run_combination(combo, tmp_path / "graphs")
-    eager = Combo(tuple(False if n == "graphs" else NA if n == "graph_warmup" else v
+    eager = Combo(tuple(False if n == "graphs" else NA if n in ("graph_warmup", "graph_scope") else v
                         for n, v in combo.items()))
     assert classified()[eager].status == RUN
     run_combination(eager, tmp_path / "eager")
