@@ -8,8 +8,8 @@ On a CUDA machine it runs, within ``--budget-s`` seconds (default 10 minutes) an
    backends, offload streams, sync-free optimizer, TE experts, NeMo finetune), per-test results
    from pytest's JUnit XML;
 2. the main job on the GPU for a few steps in the headline configurations (default; LoRA + per-
-   layer CUDA graphs, the MLPerf LoRA shape in small; MoE), each's summary JSON (tok/s, host
-   syncs per step, losses);
+   layer CUDA graphs, the MLPerf LoRA shape in small; MoE; LoRA and MoE with full-iteration
+   graphs), each's summary JSON (tok/s, host syncs per step, losses, graph launches);
 3. ``benchmarks/offload.py --quick`` (its GPU section: real streams, pinned memory) and
    ``benchmarks/h2d_staging.py`` (pageable vs pinned-staged microbatch copies, GPU busy).
 
@@ -36,10 +36,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA_EXIT = 3
 JOB = ["training.steps=8", "training.dtype=bfloat16"]
+FULL_ITERATION = ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration",
+                  "cuda_graphs.use_te_rng_tracker=false"]
 JOBS = {  # headline main-job configurations (name -> overrides)
     "main_job_default": JOB,
     "main_job_lora_cuda_graphs": JOB + ["fastpath.lora=true", "fastpath.cuda_graphs=true"],
     "main_job_moe": JOB + ["model=tiny_moe"],
+    # the whole step as two graphs (issue 24): step 1 eager, captured at step 2, replayed after;
+    # no dropout, so Megatron's graph-safe RNG tracker (no TE needed). MoE graphs need the bf16
+    # grouped_mm sync-free path: sm90 / sm100 (refused at parse elsewhere, with the reason).
+    "main_job_lora_full_iteration": JOB + FULL_ITERATION + ["fastpath.lora=true", "lora.dropout=0.0"],
+    "main_job_moe_full_iteration": JOB + FULL_ITERATION + ["model=tiny_moe"],
 }
 CPU_ONLY = {
     "packed_seq_benchmark": "benchmarks/packed_seq.py measures on the CPU only",
