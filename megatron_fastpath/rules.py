@@ -120,8 +120,7 @@ class RunFacts:
     attention_backend: the resolved attention backend (None: not known yet).
     pipeline_parallel_size / sequence_parallel / offload: the layout and activation offload
         (known to the main job; the CP rule reads them).
-    full_iteration: the whole step is captured (the main job's ``cuda_graphs.scope``);
-        world_size: processes of the run (the launcher's WORLD_SIZE; 1 when not launched).
+    full_iteration: the whole step is captured (the main job's ``cuda_graphs.scope``).
     """
 
     names: Names
@@ -142,7 +141,6 @@ class RunFacts:
     sequence_parallel: bool = False
     offload: bool = False
     full_iteration: bool = False
-    world_size: int = 1
 
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
@@ -232,23 +230,14 @@ def _te_grouped_linear_in_graphs(f: RunFacts) -> Optional[str]:
 
 
 def _full_iteration_graphs(f: RunFacts) -> Optional[str]:
-    # What runs (tests/train/test_full_iteration_graphs.py): one process, PP = CP = 1, dense,
-    # MoE (dropless and capacity) and LoRA, every attention backend but flex (graphs/config.py).
-    if not f.full_iteration:
-        return None
-    why = [
-        (f.pipeline_parallel_size > 1, "pipeline parallelism: the 1F1B schedule's send/recv "
-         "order across stages is not captured as one graph here; use "
-         "parallel.pipeline_model_parallel_size=1"),
-        (f.context_parallel_size > 1, f"context parallelism (not tested inside a whole-step "
-         f"graph); set {f.names.context_parallel}=1"),
-        (f.world_size > 1, f"{f.world_size} processes: collectives inside a whole-step graph "
-         "(gradient all-reduce, expert all-to-all) are not tested yet; run one process"),
-    ]
-    for hit, reason in why:
-        if hit:
-            return (f"cuda_graphs.scope=full_iteration with {reason}, or use "
-                    "cuda_graphs.scope=layers (per-layer graphs)")
+    # What runs (tests/train/test_full_iteration_graphs.py): dense, MoE (dropless and capacity)
+    # and LoRA, every attention backend but flex (graphs/config.py), with DP / TP / EP / CP
+    # collectives captured in the graphs; PP = 1.
+    if f.full_iteration and f.pipeline_parallel_size > 1:
+        return ("cuda_graphs.scope=full_iteration with pipeline parallelism: the 1F1B "
+                "schedule's send/recv order across stages is not captured as one graph here; "
+                "use parallel.pipeline_model_parallel_size=1, or cuda_graphs.scope=layers "
+                "(per-layer graphs)")
     return None
 
 

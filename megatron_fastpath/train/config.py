@@ -345,7 +345,6 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
         sequence_parallel=par.sequence_parallel,
         offload=features["offload"] is not None,
         full_iteration=full,
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_fastpath.packed_seq.runtime import forward, masked_loss_sum
+from megatron_fastpath.packed_seq.runtime import cp_local, forward, masked_loss_sum
 from megatron_fastpath.train.config import TrainingConfig
 
 if TYPE_CHECKING:
@@ -88,6 +88,11 @@ class FullIterationStep:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError("cuda_graphs.scope=full_iteration runs without pipeline parallelism")
         self.cache, self.n, self.device = cache, n, cache.device
+        # as gpu_train_step: Megatron's DDP averages gradients over DP x CP and its schedule
+        # multiplies the loss by the CP size; the loss is summed over DP x CP for the log
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.dp_world = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.cp_world = ps.get_context_parallel_world_size()
         self.ddp, self.optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
         if not isinstance(self.optimizer, SyncFreeOptimizer):
             raise ValueError(
@@ -105,7 +110,10 @@ class FullIterationStep:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             self.loss_sum_0.zero_()
-            return schedule(**kwargs)
+            out = schedule(**kwargs)
+            if self.dp_world > 1:
+                torch.distributed.all_reduce(self.loss_sum_0, group=self.dp_group)
+            return out
 
         self.wrapper = FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=self.eager_steps)
         self.loss_sum_0 = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -168,8 +176,9 @@ class FullIterationStep:
         if host.done is not None and not host.done.query():
             host.done.synchronize()  # the copies out of this set, two steps ago (an event wait)
         handles = [self.cache.load_slot(i, mb.lengths) for i, mb in enumerate(mbs)]
-        # the schedule divides each microbatch's loss by N; DDP averages over DP (1 here)
-        host.scale_N.fill_(self.n / global_loss_tokens)
+        # undo the schedule's / N and x CP and DDP's average over DP x CP (as gpu_train_step):
+        # gradients of the global token-normalised loss
+        host.scale_N.fill_(self.n * self.dp_world / (self.cp_world * global_loss_tokens))
         inputs = []
         for i, mb in enumerate(mbs):
             host.ids_N2T[i, 0].copy_(mb.tokens_1T[0])
@@ -183,8 +192,10 @@ class FullIterationStep:
         """Megatron's ``forward_step_func`` over the wrapper's static buffers of one microbatch."""
         mb = next(data_iterator)
         pb = self.cache.build_slot(mb["slot"])  # the derived tensors, on the device, in the graph
-        ids_2T, mask_1T, scale_0 = mb["ids_2T"], mb["mask_T"].view(1, -1), mb["scale_0"]
-        output = forward(module, pb, ids_2T[0:1], ids_2T[1:2])
+        ids_2T, scale_0 = mb["ids_2T"], mb["scale_0"]
+        tokens_1T, labels_1T, mask_1T = (  # this CP rank's share (the inputs themselves at CP 1)
+            cp_local(pb, x) for x in (ids_2T[0:1], ids_2T[1:2], mb["mask_T"].view(1, -1)))
+        output = forward(module, pb, tokens_1T, labels_1T)
 
         def loss_func(per_token_1T):
             loss = masked_loss_sum(per_token_1T, mask_1T)

@@ -527,7 +527,6 @@ NOT_SET_BY_HOOKS = {
     "sequence_parallel": "read by the CP rule for the main job only",
     "offload": "the hooks have no activation offload",
     "full_iteration": "the hooks capture per-layer graphs only (the main job's cuda_graphs.scope)",
-    "world_size": "read by the full-iteration rule, which only the main job reaches",
 }
 
 

@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import os
 import re
 import typing
 from pathlib import Path
@@ -324,9 +323,7 @@ def classify(combo: Combo) -> Verdict:
         seen.append(facts)
         return real(facts)
 
-    # the world a launcher would start (torchrun sets WORLD_SIZE): one process per layout of 1
-    world = "1" if combo["layout"] == "1" else "2"
-    with mock.patch.object(rules, "refusals", recording), mock.patch.dict(os.environ, WORLD_SIZE=world):
+    with mock.patch.object(rules, "refusals", recording):
         try:
             job = parse_job_config(config_tree(combo))
         except (ValueError, MissingDependencyError) as exc:

@@ -1,0 +1,46 @@
+"""Test-only torchrun worker: the main job's GPU step (inside the GPU stand-ins) trained twice
+in one process -- eager, then with ``cuda_graphs.scope=full_iteration`` -- on the same data and
+seed; each rank writes both runs' per-step (loss, lr, grad norm, launches) and the largest
+difference of its final parameter shards to ``<out>.rank<r>.json``::
+
+    torchrun --nproc_per_node=2 -m tests.support.full_iteration_worker <out> <overrides...>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def _train(overrides):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_fastpath.train import run
+    from tests.support.graph_safe_standins import gpu_standins
+    from tests.support.hydra_compose import compose_job
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
+    get_cuda_rng_tracker().reset()
+    with gpu_standins():
+        return run(compose_job(overrides), return_job=True, announce=False)
+
+
+def main(out: str, overrides: list) -> None:
+    eager, job_e = _train(overrides)
+    full, job_f = _train(overrides + ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration"])
+    pe = {k: v.detach().float() for k, v in job_e.model.state_dict().items() if torch.is_tensor(v)}
+    pf = {k: v.detach().float() for k, v in job_f.model.state_dict().items() if torch.is_tensor(v)}
+    assert pe.keys() == pf.keys()
+    rel = max(((pf[k] - pe[k]).abs() / pe[k].abs().clamp(min=1e-6)).max().item() for k in pe)
+    records = {name: [[r.step, r.loss, r.lr, r.grad_norm, r.graph_launches] for r in s.records]
+               for name, s in (("eager", eager), ("full", full))}
+    rank = torch.distributed.get_rank()
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump({"records": records, "max_param_rel_diff": rel}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
