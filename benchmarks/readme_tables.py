@@ -106,8 +106,23 @@ def end_to_end(d) -> str:
     return "\n".join(out)
 
 
+def graph_launches(d) -> str:
+    names = {"eager": "no graphs", "layers": "`scope=layers`", "full_iteration": "`scope=full_iteration`"}
+    by = {(r["layers"], r["variant"]): r for r in d["results"]}
+    out = ["| L | variant | eager ops / step | graph launches / step | eager ops + launches "
+           "| host->device copies / step | host ms / step (min, CPU) | layers / this (ops + launches) |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        layers = by[(r["layers"], "layers")]["launch_proxy"]
+        out.append(f"| {r['layers']} | {names[r['variant']]} | {r['eager_ops_per_step']} | "
+                   f"{r['graph_launches_per_step']} | {r['launch_proxy']} | "
+                   f"{r['h2d_copies_per_step']} | {r['host_ms_per_step']:.1f} | "
+                   f"{layers / r['launch_proxy']:.2f} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
-          ("sync_check", sync_check), ("end_to_end", end_to_end))
+          ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches))
 
 
 def tables(results_dir: str = RESULTS) -> dict:
