@@ -9,8 +9,8 @@ derives
 
 * the :class:`~megatron_fastpath.model.ModelConfig` (shape) and the extra Megatron
   ``TransformerConfig`` fields (``layernorm_epsilon``, ``add_qkv_bias``, router options), and
-* the packed cache's :class:`~megatron_fastpath.packed_seq.RopeConfig` (Llama 3.1 or YaRN
-  scaling).
+* the packed cache's :class:`~megatron_fastpath.packed_seq.RopeConfig` (Llama 3.1, YaRN or
+  Phi-3's LongRoPE scaling; a partial rotary dim for Phi-3).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import os
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
-    from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, RopeConfig, YarnRopeScaling
+    from megatron_fastpath.packed_seq.rope import (
+        Llama3RopeScaling, LongRopeScaling, RopeConfig, YarnRopeScaling)
 
 __all__ = ["HFModelSpec", "SUPPORTED", "UnsupportedCheckpointError", "HFConfigError", "read_hf_config"]
 
@@ -33,11 +34,14 @@ SUPPORTED = {
     "qwen3": ("qwen3", False),
     "mixtral": ("mixtral", True),
     "qwen3_moe": ("qwen3_moe", True),
+    "phi3": ("phi3", False),
 }
 SUPPORTED_TEXT = (
     "Llama 2/3/3.1/3.2 (model_type llama), Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE (every "
-    "layer MoE); rope_scaling none, default, llama3 or yarn; a sliding window only where no "
-    "sequence of the data is longer than it"
+    "layer MoE), Phi-3 / Phi-3.5 (model_type phi3); rope_scaling none, default, llama3 or yarn "
+    "(Phi-3: none or longrope, longrope only where no sequence of the data is longer than "
+    "original_max_position_embeddings); a sliding window only where no sequence of the data is "
+    "longer than it"
 )
 # transformers' mask of sliding-window layers keeps key kv of query q iff
 # ``kv_idx > q_idx - sliding_window`` (masking_utils.sliding_window_overlay, 4.57) on top of the
@@ -57,11 +61,16 @@ class HFConfigError(ValueError):
 class HFModelSpec:
     """What the fastpath needs from a Hugging Face decoder config (all host values).
 
-    family: llama | qwen2 | qwen3 | mixtral | qwen3_moe (Mistral loads as llama).
+    family: llama | qwen2 | qwen3 | mixtral | qwen3_moe | phi3 (Mistral loads as llama; phi3:
+        fused ``qkv_proj`` / ``gate_up_proj`` tensors).
     head_dim: per-head channels (config ``head_dim`` or hidden / heads).
     qkv_bias: q/k/v projections carry biases (Qwen2). qk_norm: per-head RMSNorm of q and k
     (Qwen3). tie_embeddings: the LM head is the embedding matrix.
-    rope_scaling: Llama 3.1 (``rope_type: llama3``) or YaRN (``yarn``) RoPE scaling, None: none.
+    rope_scaling: Llama 3.1 (``rope_type: llama3``), YaRN (``yarn``) or Phi-3's LongRoPE
+        (``longrope``, short factors: only where no sequence is longer than its
+        ``original_max_position``, :meth:`check_sequence_bound`) RoPE scaling, None: none.
+    rotary_percent: share of each head's channels that are rotated (Phi-3's
+        ``partial_rotary_factor``), 1: all.
     sliding_window: the attention window of the checkpoint's sliding-window layers (Mistral's
         ``sliding_window``; Qwen's with ``use_sliding_window``), None: none. Attention runs
         plain causal, which is the window's only where no sequence is longer than it
@@ -85,7 +94,8 @@ class HFModelSpec:
     tie_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: Optional[Union[Llama3RopeScaling, YarnRopeScaling]] = None
+    rope_scaling: Optional[Union[Llama3RopeScaling, YarnRopeScaling, LongRopeScaling]] = None
+    rotary_percent: float = 1.0
     sliding_window: Optional[int] = None
     num_experts: Optional[int] = None
     topk: int = 2
@@ -106,7 +116,7 @@ class HFModelSpec:
             num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
-            rotary_base=self.rope_theta,
+            rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
             # Megatron's rope_scaling is Llama 3.1's; the cache's RopeConfig carries YaRN
             rope_scaling_factor=self.rope_scaling.factor if self._llama3 else None,
             kv_channels=self.head_dim, qk_layernorm=self.qk_norm,
@@ -133,26 +143,56 @@ class HFModelSpec:
 
         return isinstance(self.rope_scaling, Llama3RopeScaling)
 
+    @property
+    def _longrope(self) -> Optional[LongRopeScaling]:
+        from megatron_fastpath.packed_seq.rope import LongRopeScaling
+
+        return self.rope_scaling if isinstance(self.rope_scaling, LongRopeScaling) else None
+
+    @property
+    def max_sequence(self) -> Optional[int]:
+        """The longest sequence this checkpoint is served exactly for (sliding window, LongRoPE's
+        short-factor context), None: no limit."""
+        limits = [x for x in (self.sliding_window,
+                              self._longrope.original_max_position if self._longrope else None)
+                  if x is not None]
+        return min(limits) if limits else None
+
     def rope_config(self) -> RopeConfig:
-        from megatron_fastpath.packed_seq.rope import RopeConfig
+        from megatron_fastpath.packed_seq.rope import RopeConfig, YarnRopeScaling
 
         scaling = self.rope_scaling
-        return RopeConfig(dim=self.head_dim, base=self.rope_theta,
+        return RopeConfig(dim=int(self.head_dim * self.rotary_percent), base=self.rope_theta,
                           llama3=scaling if self._llama3 else None,
-                          yarn=None if self._llama3 else scaling)
+                          yarn=scaling if isinstance(scaling, YarnRopeScaling) else None,
+                          longrope=self._longrope)
 
     def check_sequence_bound(self, longest: int, what: str, fix: str) -> None:
-        """Refuse a sliding window shorter than the longest sequence the run can see.
+        """Refuse a sliding window, or a LongRoPE pre-training context, shorter than the longest
+        sequence the run can see.
 
         longest: the bound on every sequence's tokens; what: where that bound comes from
-        (``"data.max_tokens=8192"``); fix: how to lower it. Attention here is plain causal,
-        which equals the checkpoint's sliding-window attention exactly when every sequence has
-        at most ``sliding_window`` tokens (see the note at ``SUPPORTED_TEXT``)."""
+        (``"data.max_tokens=8192"``); fix: how to lower it (to :attr:`max_sequence`). Attention
+        here is plain causal, which equals the checkpoint's sliding-window attention exactly
+        when every sequence has at most ``sliding_window`` tokens (see the note at
+        ``SUPPORTED_TEXT``); LongRoPE is served with its short factors, which are
+        transformers' exactly when every sequence has at most ``original_max_position`` tokens."""
+        where = os.path.join(self.path, "config.json")
+        lr = self._longrope
+        if lr is not None and longest > lr.original_max_position:
+            orig = lr.original_max_position
+            raise UnsupportedCheckpointError(
+                f"{where}: rope_scaling longrope with original_max_position_embeddings={orig} "
+                f"({self.model_type}) but a sequence can have {longest} tokens ({what}): "
+                f"transformers rotates a forward whose sequence is longer than {orig} tokens with "
+                f"the long factors and a shorter one with the short factors, and a packed batch "
+                f"mixes lengths, so only the short factors are served, exact on sequences of at "
+                f"most {orig} tokens; {fix}")
         w = self.sliding_window
         if w is None or longest <= w:
             return
         raise UnsupportedCheckpointError(
-            f"{os.path.join(self.path, 'config.json')}: sliding_window={w} ({self.model_type}: "
+            f"{where}: sliding_window={w} ({self.model_type}: "
             f"a token attends to only the last {w} tokens) but a sequence can have {longest} "
             f"tokens ({what}): sliding-window attention is not implemented, and the plain causal "
             f"attention run instead equals it only on sequences of at most {w} tokens; {fix}")
@@ -207,7 +247,69 @@ def _refuse(where: str, what: str) -> None:
     raise UnsupportedCheckpointError(f"{where}: {what} is not supported. Supported: {SUPPORTED_TEXT}")
 
 
-def _rope_scaling(cfg: dict, where: str) -> Optional[Union[Llama3RopeScaling, YarnRopeScaling]]:
+def _rotary_percent(cfg: dict, mt: str, head_dim: int, where: str) -> float:
+    """Phi-3's ``partial_rotary_factor`` (transformers rotates the first
+    ``int(head_dim * factor)`` channels of each head); refused on the other families."""
+    if "partial_rotary_factor" not in cfg or cfg["partial_rotary_factor"] is None:
+        return 1.0
+    factor = _float(cfg, "partial_rotary_factor", where)
+    if factor == 1.0:
+        return 1.0
+    if mt != "phi3":
+        _refuse(where, f"partial_rotary_factor={cfg['partial_rotary_factor']} on model_type {mt!r}")
+    dim = int(head_dim * factor)
+    if factor > 1.0 or dim <= 0 or dim % 2:
+        raise HFConfigError(f"{where}: field 'partial_rotary_factor' is {factor}: the rotary dim "
+                            f"int(head_dim={head_dim} * {factor}) = {dim} must be even, > 0 and "
+                            f"<= head_dim")
+    return factor
+
+
+def _longrope(cfg: dict, rs: dict, head_dim: int, rotary_percent: float, where: str):
+    """Phi-3's LongRoPE as transformers 4.57 reads it (``_compute_longrope_parameters``): the
+    pre-training context is the top-level ``original_max_position_embeddings`` (Phi3Config
+    default 4096) and then factor = max_position_embeddings / original; without it, original =
+    max_position_embeddings and factor = rope_scaling ``factor``. attention_factor (if not
+    given): sqrt(1 + ln(factor) / ln(original)) for factor > 1, else 1."""
+    import math
+
+    from megatron_fastpath.packed_seq.rope import LongRopeScaling
+
+    at = f"{where} (rope_scaling)"
+    dim = int(head_dim * rotary_percent)
+    for key in ("short_factor", "long_factor"):
+        value = rs.get(key)
+        if (not isinstance(value, list) or len(value) != dim // 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value)):
+            raise HFConfigError(f"{at}: field '{key}' is {value!r:.80}: must be a list of "
+                                f"{dim // 2} numbers (one per rotary frequency)")
+    max_pos = _int(cfg, "max_position_embeddings", where, 4096)
+    original = cfg.get("original_max_position_embeddings", 4096)
+    if original:
+        original = _int(cfg, "original_max_position_embeddings", where)
+        factor = max_pos / original
+    else:
+        original, factor = max_pos, _float(rs, "factor", at)
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    else:
+        attention_factor = _float(rs, "attention_factor", at)
+    if attention_factor != 1.0 and rotary_percent != 1.0:
+        _refuse(where, f"longrope's attention factor ({attention_factor:.6g}) with "
+                f"partial_rotary_factor={rotary_percent} (transformers scales only the rotated "
+                "channels' cos / sin, which is not a softmax scale)")
+    try:
+        return LongRopeScaling(short_factor=tuple(rs["short_factor"]), original_max_position=original,
+                               attention_factor=attention_factor)
+    except ValueError as exc:
+        raise HFConfigError(f"{at}: {exc}") from None
+
+
+def _rope_scaling(cfg: dict, where: str, mt: str = "", head_dim: int = 0,
+                  rotary_percent: float = 1.0
+                  ) -> Optional[Union[Llama3RopeScaling, YarnRopeScaling, LongRopeScaling]]:
     from megatron_fastpath.packed_seq.rope import Llama3RopeScaling, YarnRopeScaling
 
     rs = cfg.get("rope_scaling")
@@ -216,6 +318,10 @@ def _rope_scaling(cfg: dict, where: str) -> Optional[Union[Llama3RopeScaling, Ya
     if not isinstance(rs, dict):
         raise HFConfigError(f"{where}: field 'rope_scaling' is {rs!r:.80}: must be an object or null")
     kind = rs.get("rope_type", rs.get("type"))
+    if mt == "phi3":  # Phi3Config renames type su / yarn to longrope and accepts nothing else
+        if rs.get("type", kind) in ("su", "yarn", "longrope"):
+            return _longrope(cfg, rs, head_dim, rotary_percent, where)
+        _refuse(where, f"rope_scaling type {kind!r} on Phi-3 (supported: none, longrope)")
     if kind == "default":
         return None
     if kind not in ("llama3", "yarn"):
@@ -258,7 +364,7 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> Optional[int]:
     default 28; Qwen3-MoE: every layer)."""
     if mt == "mistral":
         window = cfg.get("sliding_window", 4096)
-    elif mt == "mixtral":
+    elif mt in ("mixtral", "phi3"):  # Phi3Config: default none, every layer
         window = cfg.get("sliding_window")
     elif mt in ("qwen2", "qwen3", "qwen3_moe"):
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
@@ -287,8 +393,8 @@ def _check_attention(cfg: dict, mt: str, where: str) -> None:
         _refuse(where, "attention_bias / mlp_bias on a Llama-family model")
     if mt == "qwen3" and cfg.get("attention_bias"):
         _refuse(where, "attention_bias on Qwen3")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        _refuse(where, f"partial_rotary_factor={cfg['partial_rotary_factor']}")
+    if mt == "phi3" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        _refuse(where, "attention_bias / mlp_bias on Phi-3")
 
 
 def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
@@ -329,6 +435,7 @@ def read_hf_config(path: str) -> HFModelSpec:
     heads = _int(cfg, "num_attention_heads", where)
     hidden = _int(cfg, "hidden_size", where)
     head_dim = _int(cfg, "head_dim", where, hidden // heads)
+    rotary_percent = _rotary_percent(cfg, mt, head_dim, where)
     kw = dict(
         path=path, model_type=mt, family=family,
         num_layers=_int(cfg, "num_hidden_layers", where), hidden_size=hidden,
@@ -341,7 +448,8 @@ def read_hf_config(path: str) -> HFModelSpec:
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-        rope_scaling=_rope_scaling(cfg, where), sliding_window=_sliding_window(cfg, mt, where),
+        rope_scaling=_rope_scaling(cfg, where, mt, head_dim, rotary_percent),
+        rotary_percent=rotary_percent, sliding_window=_sliding_window(cfg, mt, where),
         raw=cfg,
     )
     if heads % kw["num_query_groups"]:

@@ -6,6 +6,8 @@ Megatron layout (as Megatron-Bridge's ``merge_qkv_weights`` / ``split_qkv_weight
   k_g, v_g]``, each head ``D`` rows; TP rank r holds the contiguous groups
   ``[r*G/tp, (r+1)*G/tp)``, so its shard is a contiguous block of the fused matrix.
 * ``linear_fc1``: ``[gate; up]``; TP rank r holds ``[gate_r; up_r]`` (each half sharded).
+* Phi-3 stores q, k, v fused as ``qkv_proj`` (rows ``[q; k; v]``, not per group) and gate, up
+  as ``gate_up_proj`` (rows ``[gate; up]``): split into their parts, then laid out as above.
 * ``linear_proj`` / ``linear_fc2``: row parallel (input columns sharded).
 * experts (sort/count MoE, ``GroupedSwiGLUExperts``): ``weight1[e] = [gate_e; up_e]^T``
   ([H, 2F]), ``weight2[e] = down_e^T`` ([F, H]); EP rank s holds experts
@@ -70,6 +72,11 @@ class ShardPlan:
 def hf_layer_names(spec: HFModelSpec, i: int) -> dict:
     """HF tensor names of layer i by role."""
     p = f"model.layers.{i}."
+    if spec.family == "phi3":  # fused tensors; the roles q / k / v, gate / up are row ranges
+        return {"input_norm": p + "input_layernorm.weight", "qkv": p + "self_attn.qkv_proj.weight",
+                "o": p + "self_attn.o_proj.weight",
+                "post_norm": p + "post_attention_layernorm.weight",
+                "gate_up": p + "mlp.gate_up_proj.weight", "down": p + "mlp.down_proj.weight"}
     names = {
         "input_norm": p + "input_layernorm.weight",
         "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight",
@@ -101,6 +108,16 @@ def _qkv_plans(spec: HFModelSpec, n: dict, r: int, tp: int) -> list:
     q_rows = (g0 * (P // G) * D, g1 * (P // G) * D)
     kv_rows = (g0 * D, g1 * D)
     groups = g1 - g0
+    if "qkv" in n:  # Phi-3: q, k, v are row blocks [0, PD), [PD, PD+GD), [PD+GD, (P+2G)D)
+        def shift(rows, by):
+            return (rows[0] + by, rows[1] + by)
+
+        def read_fused(ck):
+            return fuse_qkv(ck.get(n["qkv"], q_rows), ck.get(n["qkv"], shift(kv_rows, P * D)),
+                            ck.get(n["qkv"], shift(kv_rows, (P + G) * D)), groups)
+
+        return [ShardPlan("self_attention.linear_qkv.weight", (n["qkv"],), (((P + 2 * G) * D, H),),
+                          read_fused)]
 
     def read(ck, suffix=""):
         return fuse_qkv(ck.get(n["q" + suffix], q_rows), ck.get(n["k" + suffix], kv_rows),
@@ -118,6 +135,15 @@ def _qkv_plans(spec: HFModelSpec, n: dict, r: int, tp: int) -> list:
 def _dense_mlp_plans(spec: HFModelSpec, n: dict, r: int, tp: int) -> list:
     F, H = spec.ffn_hidden_size, spec.hidden_size
     rows = _rng(F, r, tp)
+    if "gate_up" in n:  # Phi-3: gate rows [0, F), up rows [F, 2F)
+        up_rows = (F + rows[0], F + rows[1])
+        return [
+            ShardPlan("mlp.linear_fc1.weight", (n["gate_up"],), ((2 * F, H),),
+                      lambda ck: torch.cat([ck.get(n["gate_up"], rows),
+                                            ck.get(n["gate_up"], up_rows)], 0)),
+            ShardPlan("mlp.linear_fc2.weight", (n["down"],), ((H, F),),
+                      lambda ck: ck.get(n["down"], None, rows)),
+        ]
     return [
         ShardPlan("mlp.linear_fc1.weight", (n["gate"], n["up"]), ((F, H), (F, H)),
                   lambda ck: torch.cat([ck.get(n["gate"], rows), ck.get(n["up"], rows)], 0)),

@@ -5,6 +5,8 @@ PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, keys
 delta ``s * B @ A`` on ``linear_qkv`` (rows in Megatron's per-group order) is exactly three
 rank-r PEFT adapters sharing A: ``q_proj: (A, B_q)``, ``k_proj: (A, B_k)``, ``v_proj: (A, B_v)``
 with ``B_q, B_k, B_v = split_qkv(B)``; ``linear_fc1`` likewise gives ``gate_proj`` / ``up_proj``.
+Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` take one adapter each: ``(A, [B_q; B_k; B_v])``
+and ``(A, B)`` (``linear_fc1``'s rows are already ``[gate; up]``).
 
 Merged checkpoint: Megatron weights (+ adapter deltas) back in HF names, one safetensors file
 per layer plus ``model.safetensors.index.json`` (one layer in host memory at a time), the
@@ -27,10 +29,18 @@ from megatron_fastpath.hf.config import HFModelSpec
 from megatron_fastpath.hf.convert import hf_layer_names, resolve_param, split_qkv
 from megatron_fastpath.lora.config import HF_TARGETS
 
-__all__ = ["peft_state_dict", "save_peft_adapter", "save_merged_checkpoint", "PEFT_MODULES"]
+__all__ = ["peft_state_dict", "save_peft_adapter", "save_merged_checkpoint", "PEFT_MODULES",
+           "peft_modules"]
 
 # Megatron LoRA target -> HF module names it becomes (the same table reads lora.targets).
 PEFT_MODULES = HF_TARGETS
+PHI3_MODULES = {"linear_qkv": ("qkv_proj",), "linear_proj": ("o_proj",),
+                "linear_fc1": ("gate_up_proj",), "linear_fc2": ("down_proj",)}
+
+
+def peft_modules(spec: HFModelSpec) -> dict:
+    """Megatron LoRA target -> the checkpoint family's HF module names."""
+    return PHI3_MODULES if spec.family == "phi3" else PEFT_MODULES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")
@@ -76,9 +86,13 @@ def _layer_adapters(layer, spec: HFModelSpec, i: int, group) -> Iterator[tuple]:
             B = _full_column(B, 2 if target == "linear_fc1" else 1, group)
             B = B[0] if target != "linear_fc1" else torch.cat(B, 0)
         sub = "self_attn." if owner == "self_attention" else "mlp."
-        names = PEFT_MODULES[target]
+        names = peft_modules(spec)[target]
         if target == "linear_qkv":
             parts = split_qkv(B, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
+            if spec.family == "phi3":  # one fused qkv_proj adapter, rows [q; k; v]
+                parts = (torch.cat(parts, 0),)
+        elif target == "linear_fc1" and spec.family == "phi3":
+            parts = (B,)
         elif target == "linear_fc1":
             parts = B.chunk(2, 0)
         else:
@@ -117,7 +131,7 @@ def save_peft_adapter(model, spec: HFModelSpec, lora_cfg, out_dir: str) -> dict:
     if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError("PEFT export with pipeline parallelism is not supported (PP=1 only)")
     tensors = peft_state_dict(model, spec)
-    modules = sorted({m for t in lora_cfg.targets for m in PEFT_MODULES[t]})
+    modules = sorted({m for t in lora_cfg.targets for m in peft_modules(spec)[t]})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank,
         "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
@@ -155,7 +169,10 @@ def _merged_layer(layer, spec: HFModelSpec, i: int, group, ep_group) -> dict:
     out = {n["input_norm"]: resolve_param(layer, "input_layernorm.weight").detach().float(),
            n["post_norm"]: resolve_param(layer, "pre_mlp_layernorm.weight").detach().float()}
     qkv = _full_column(_weight(layer, "self_attention", "linear_qkv"), 1, group)[0]
-    out[n["q"]], out[n["k"]], out[n["v"]] = split_qkv(qkv, P, G, D)
+    if spec.family == "phi3":
+        out[n["qkv"]] = torch.cat(split_qkv(qkv, P, G, D), 0)
+    else:
+        out[n["q"]], out[n["k"]], out[n["v"]] = split_qkv(qkv, P, G, D)
     if spec.qkv_bias:
         bias = _full_column(layer.self_attention.linear_qkv.bias.detach().float(), 1, group)[0]
         out[n["q_bias"]], out[n["k_bias"]], out[n["v_bias"]] = split_qkv(bias, P, G, D)
@@ -173,6 +190,9 @@ def _merged_layer(layer, spec: HFModelSpec, i: int, group, ep_group) -> dict:
             out[n["expert"].format(e=e, w=gate)] = g
             out[n["expert"].format(e=e, w=up)] = u
             out[n["expert"].format(e=e, w=down)] = w2[e].t()
+    elif spec.family == "phi3":
+        out[n["gate_up"]] = torch.cat(_full_column(_weight(layer, "mlp", "linear_fc1"), 2, group), 0)
+        out[n["down"]] = torch.cat(_gather(_weight(layer, "mlp", "linear_fc2"), 1, group), 1)
     else:
         out[n["gate"]], out[n["up"]] = _full_column(_weight(layer, "mlp", "linear_fc1"), 2, group)
         out[n["down"]] = torch.cat(_gather(_weight(layer, "mlp", "linear_fc2"), 1, group), 1)

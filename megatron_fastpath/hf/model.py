@@ -66,9 +66,9 @@ def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa"
                    offload=None, **config_overrides):
     """(unloaded GPTModel, TransformerConfig) for the checkpoint; see :func:`build_hf_gpt`.
     config_overrides: extra TransformerConfig fields (graph / FP8 settings)."""
-    spec.check_sequence_bound(  # a sliding window: no sequence the cache takes may exceed it
+    spec.check_sequence_bound(  # a sliding window / LongRoPE: no sequence may exceed it
         cache.config.max_seqlen_bound, f"the cache's max_seqlen={cache.config.max_seqlen_bound}",
-        f"build the cache with PackedSeqConfig(max_seqlen<={spec.sliding_window})")
+        f"build the cache with PackedSeqConfig(max_seqlen<={spec.max_sequence})")
     config_overrides.setdefault("use_cpu_initialization", cache.device.type != "cuda")
     tcfg = hf_transformer_config(spec, params_dtype, **config_overrides)
     model = build_hf_gpt(spec, tcfg, cache, lora=lora, backend=backend, linear_impl=linear_impl,

@@ -56,7 +56,7 @@ def _check_window(spec: HFModelSpec, data) -> None:
     than it (checked at parse, before any weight is read). The bound: data=jsonl refuses (or
     skips) records longer than data.max_tokens and completes held-out prompts within it; the
     synthetic data draws lengths up to data.max_len (<= max_tokens)."""
-    if spec.sliding_window is None:
+    if spec.max_sequence is None:  # no sliding window, no LongRoPE
         return
     longest, knob = data.max_tokens, "data.max_tokens"
     if getattr(data, "max_len", None) is not None and data.max_len < longest:
@@ -64,7 +64,7 @@ def _check_window(spec: HFModelSpec, data) -> None:
     extra = (" (data=jsonl refuses longer records, or skips them with data.bad_records=skip)"
              if knob == "data.max_tokens" else "")
     spec.check_sequence_bound(longest, f"{knob}={longest}",
-                              f"set {knob}<={spec.sliding_window}{extra}")
+                              f"set {knob}<={spec.max_sequence}{extra}")
 
 
 class HFModel(ModelProvider):

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Llama3RopeScaling", "RopeConfig", "YarnRopeScaling"]
+__all__ = ["Llama3RopeScaling", "LongRopeScaling", "RopeConfig", "YarnRopeScaling"]
 
 
 def _set_positive_real(obj, name: str, why: str) -> None:
@@ -161,6 +161,51 @@ class YarnRopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE scaling with its short factors (Hugging Face ``rope_scaling`` of ``type:
+    longrope``: Phi-3 / Phi-3.5 128k), computed exactly as transformers'
+    ``modeling_rope_utils._compute_longrope_parameters`` (4.57) for a sequence of at most
+    ``original_max_position`` tokens. transformers switches to the long factors when a forward's
+    longest position reaches past ``original_max_position``; a packed batch mixes lengths, so
+    only the short-factor regime is served (the loader refuses a longer sequence bound).
+
+    short_factor: per-frequency divisors of the inverse frequencies (D / 2 of them).
+    original_max_position: the pre-training context (Phi-3's top-level
+        ``original_max_position_embeddings``).
+    attention_factor: cos and sin are multiplied by it (derived by the config reader as
+        transformers does: ``sqrt(1 + ln(factor) / ln(original))`` for factor > 1, else 1).
+    """
+
+    short_factor: tuple
+    original_max_position: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self):
+        factors = tuple(self.short_factor)
+        if not factors or any(isinstance(f, bool) or not isinstance(f, numbers.Real)
+                              or not math.isfinite(f) or f <= 0 for f in factors):
+            raise ValueError(f"LongRopeScaling.short_factor is {self.short_factor!r:.80}: it must be "
+                             "a non-empty list of finite numbers > 0 (one per rotary frequency)")
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in factors))
+        _set_positive_real(self, "attention_factor", "it must be a finite number > 0")
+        _set_positive_whole(self, "original_max_position", "it is the pre-training context in "
+                            "tokens, so it must be a whole number >= 1 (Phi-3: 4096)")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        return self.attention_factor
+
+    def inv_freq(self, dim: int, base: float, device=None) -> torch.Tensor:
+        """[F] float32 inverse frequencies, op for op as ``_compute_longrope_parameters``."""
+        if len(self.short_factor) != dim // 2:
+            raise ValueError(f"LongRopeScaling.short_factor has {len(self.short_factor)} entries but "
+                             f"the rotary dim {dim} has {dim // 2} frequencies")
+        ext_factors_F = torch.tensor(self.short_factor, dtype=torch.float32, device=device)
+        shape_F = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+        return 1.0 / (ext_factors_F * base**shape_F)
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding settings (Llama-style, as Megatron's ``RotaryEmbedding``).
 
@@ -169,8 +214,9 @@ class RopeConfig:
     interleaved: rotate (even, odd) pairs instead of the two halves.
     seq_len_interpolation_factor: positions are divided by this (linear scaling), if set.
     llama3: Llama 3.1 frequency scaling, None for none.
-    yarn: YaRN scaling (frequencies and the cos / sin factor), None for none; at most one of
-        ``llama3`` and ``yarn``.
+    yarn: YaRN scaling (frequencies and the cos / sin factor), None for none.
+    longrope: LongRoPE scaling in its short-factor regime (Phi-3), None for none; at most one
+        of ``llama3``, ``yarn`` and ``longrope``.
     """
 
     dim: int
@@ -179,6 +225,7 @@ class RopeConfig:
     seq_len_interpolation_factor: Optional[float] = None
     llama3: Optional[Llama3RopeScaling] = None
     yarn: Optional[YarnRopeScaling] = None
+    longrope: Optional[LongRopeScaling] = None
 
     def __post_init__(self):
         if self.dim <= 0 or self.dim % 2:
@@ -191,22 +238,29 @@ class RopeConfig:
             raise TypeError(
                 f"RopeConfig.yarn is {self.yarn!r}: it must be a YarnRopeScaling or None "
                 "(e.g. yarn=YarnRopeScaling(factor=4.0, original_max_position=32768))")
-        if self.yarn is not None and self.llama3 is not None:
-            raise ValueError("RopeConfig: llama3 and yarn scaling are two rope types; set one")
+        if self.longrope is not None and not isinstance(self.longrope, LongRopeScaling):
+            raise TypeError(f"RopeConfig.longrope is {self.longrope!r:.80}: it must be a "
+                            "LongRopeScaling or None")
+        if sum(x is not None for x in (self.llama3, self.yarn, self.longrope)) > 1:
+            raise ValueError("RopeConfig: llama3, yarn and longrope scaling are distinct rope "
+                             "types; set one")
 
     @property
     def cos_sin_scale(self) -> float:
         """The factor transformers multiplies cos and sin by (YaRN's attention factor; 1
         otherwise). The cache's cos / sin do not carry it: attention folds its square into the
         softmax scale (``PackedCoreAttention``), the same scores on every backend."""
-        return 1.0 if self.yarn is None else self.yarn.cos_sin_scale
+        scaling = self.yarn if self.yarn is not None else self.longrope
+        return 1.0 if scaling is None else scaling.cos_sin_scale
 
     def inv_freq(self, device=None) -> torch.Tensor:
         """[F] float32, exactly as Megatron's RotaryEmbedding computes it (including its
         Llama 3.1 ``_apply_scaling`` when ``llama3`` is set); with ``yarn``, as transformers'
-        ``_compute_yarn_parameters``."""
+        ``_compute_yarn_parameters`` (``longrope``: ``_compute_longrope_parameters``)."""
         if self.yarn is not None:
             return self.yarn.inv_freq(self.dim, self.base, device)
+        if self.longrope is not None:
+            return self.longrope.inv_freq(self.dim, self.base, device)
         inv_F = 1.0 / (
             self.base
             ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim)

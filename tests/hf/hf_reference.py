@@ -17,6 +17,7 @@ DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")  # shipped cha
 LENGTHS = [13, 7, 20, 9, 1]
 MAX_TOKENS = 64
 REL_TOL = 1e-4
+PHI3_ORIGINAL = 32  # phi3_longrope's original_max_position_embeddings (>= LENGTHS, < MAX_TOKENS)
 
 
 def hf_config(family: str):
@@ -47,6 +48,18 @@ def hf_config(family: str):
             "truncate": False})
     if family == "qwen3":  # head_dim != hidden / heads, QK-norm
         return tf.Qwen3Config(**common, head_dim=24, use_sliding_window=False)
+    if family.startswith("phi3"):  # fused qkv_proj / gate_up_proj (Phi3Config's pad id 32000: 0 here)
+        phi = dict(common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if family == "phi3":
+            return tf.Phi3Config(**phi)
+        if family == "phi3_partial":  # Phi-4-mini's partial rotary dim, Phi-3-mini's sliding window
+            return tf.Phi3Config(**phi, partial_rotary_factor=0.5, sliding_window=max(LENGTHS))
+        if family == "phi3_longrope":  # Phi-3 128k: longrope (small original context so it bites)
+            gen = torch.Generator().manual_seed(7)
+            return tf.Phi3Config(**phi, original_max_position_embeddings=PHI3_ORIGINAL, rope_scaling={
+                "type": "longrope",
+                "short_factor": (1.0 + 3.0 * torch.rand(8, generator=gen)).tolist(),
+                "long_factor": (4.0 + 20.0 * torch.rand(8, generator=gen)).tolist()})
     moe = dict(common, intermediate_size=32, num_experts_per_tok=2)
     if family == "mixtral":
         return tf.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)

@@ -28,6 +28,10 @@ def write_config(path, **cfg):
     (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope_scaling type 'longrope'"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
     (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 on model_type 'llama'"),
+    # Phi-3 is supported (tests/hf/test_hf_phi3.py); a rope type transformers' Phi3Config rejects is not
+    (dict(model_type="phi3", rope_scaling={"type": "dynamic", "factor": 4.0}),
+     "rope_scaling type 'dynamic' on Phi-3"),
 ])
 def test_unsupported_config_refused_before_weights(tmp_path, cfg, words):
     path = write_config(tmp_path, **cfg)  # no weight files at all: the config error comes first
