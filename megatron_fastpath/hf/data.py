@@ -29,7 +29,7 @@ __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl",
            "DataError", "DataSource", "resolve_source", "bad_record_counts", "eval_prompts",
            "stop_token_ids", "build_eval_prompts"]
 
-CACHE_VERSION = 4  # bump when tokenization, masking or the cache layout changes
+CACHE_VERSION = 5  # bump when tokenization, masking or the cache layout changes
 
 
 class DataError(ValueError):
@@ -96,13 +96,20 @@ class TokenizedData:
     across shards) and where each is ("line 7", "<shard> line 7", "<file> row 6"), and the
     bad records as (where, reason code, reason): codes invalid_utf8, malformed_json,
     not_an_object, unknown_format, mixed_format, bad_fields, unknown_role, no_assistant,
-    template_error, no_loss_token (too_long is counted from the lengths)."""
+    template_error, no_loss_token (too_long is counted from the lengths). A conversation whose
+    chat template renders earlier turns differently from the last one is one sample per
+    assistant turn (``ChatTokenizer.render_samples``): its samples share its number and where."""
 
     ids: list
     masks: list
     lines: list
     malformed: list
     wheres: list = dataclasses.field(default_factory=list)
+
+    @property
+    def split_for_template(self) -> int:
+        """Samples beyond one per record: those of conversations split per assistant turn."""
+        return len(self.lines) - len(set(self.lines))
 
 
 # data.format: "auto" detects per record (below); the others force one format for every record.
@@ -420,27 +427,28 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
             if not chat_seen:
                 tokenizer.require_template()
                 chat_seen = True
-            try:
-                text, spans = renderer.render_chat(payload, num)
+            try:  # one sample, or one per assistant turn (templates rewriting earlier turns)
+                samples = renderer.render_samples(payload, num)
             except TokenizerError:
                 raise
             except ValueError as exc:  # a template's raise_exception, bad roles, ...
                 malformed.append((where, "template_error", f"chat template failed: {exc}"))
                 continue
-            i, m = tokenizer.tokens_and_mask(text, spans)
+            encoded = [tokenizer.tokens_and_mask(text, spans) for text, spans in samples]
         elif kind == "pc":
-            i, m = tokenizer.encode_prompt_completion(*payload)
+            encoded = [tokenizer.encode_prompt_completion(*payload)]
         else:  # text: continued pretraining, every token in the loss
-            i, m = tokenizer.encode_prompt_completion("", payload)
-        if not any(m[1:]):  # position j predicts token j+1: a loss on token 0 alone trains nothing
-            malformed.append((where, "no_loss_token", "no loss token (the template put nothing of "
-                              "the assistant reply inside its generation span)"))
-            continue
-        family = family or ("text" if kind == "text" else "conversational")
-        ids.append(np.asarray(i, dtype=np.int32))
-        masks.append(np.asarray(m, dtype=np.uint8))
-        nums.append(num)
-        wheres.append(where)
+            encoded = [tokenizer.encode_prompt_completion("", payload)]
+        for i, m in encoded:
+            if not any(m[1:]):  # position j predicts token j+1: a loss on token 0 alone trains nothing
+                malformed.append((where, "no_loss_token", "no loss token (the template put nothing "
+                                  "of the assistant reply inside its generation span)"))
+                continue
+            family = family or ("text" if kind == "text" else "conversational")
+            ids.append(np.asarray(i, dtype=np.int32))
+            masks.append(np.asarray(m, dtype=np.uint8))
+            nums.append(num)
+            wheres.append(where)
     if bar is not None:
         bar.close()
     return TokenizedData(ids, masks, nums, malformed, wheres)
@@ -575,24 +583,37 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     too_long = [(where, "too_long", f"{len(i)} tokens")
                 for i, where in zip(data.ids, data.wheres) if len(i) > cfg.max_tokens]
     _report(cfg, data, too_long, log)
+    split = data.split_for_template
+    if split:
+        log(f"data: {len(data.ids)} samples from {len(data.ids) - split} records: the chat template "
+            "renders earlier turns differently from the last one (e.g. drops their reasoning), so "
+            f"conversations with several assistant turns train as one sample per turn, each turn "
+            f"rendered as the last (+{split} samples, split_for_template={split})")
     keep = [k for k, i in enumerate(data.ids) if len(i) <= cfg.max_tokens]
     if not keep:
         raise DataError(f"{cfg.path}: no usable records (with loss tokens, <= max_tokens)")
-    order = np.random.default_rng(cfg.seed).permutation(len(keep))
-    n_eval = 0 if cfg.eval_fraction == 0 else max(1, int(round(cfg.eval_fraction * len(keep))))
-    if n_eval >= len(keep):
-        raise DataError(f"{cfg.path}: {len(keep)} records cannot give a held-out split of "
+    # held out by record: the samples of a split conversation stay together (one group each)
+    groups: dict = {}
+    for k in keep:
+        groups.setdefault(data.lines[k], []).append(k)
+    groups = list(groups.values())
+    order = np.random.default_rng(cfg.seed).permutation(len(groups))
+    n_eval = 0 if cfg.eval_fraction == 0 else max(1, int(round(cfg.eval_fraction * len(groups))))
+    if n_eval >= len(groups):
+        raise DataError(f"{cfg.path}: {len(groups)} records cannot give a held-out split of "
                         f"{cfg.eval_fraction}; lower data.eval_fraction")
-    eval_idx = sorted(keep[j] for j in order[:n_eval])
-    train_idx = sorted(keep[j] for j in order[n_eval:])
+    eval_idx = sorted(k for j in order[:n_eval] for k in groups[j])
+    train_idx = sorted(k for j in order[n_eval:] for k in groups[j])
 
     def subset(idx):
         return JsonlDataset([data.ids[k] for k in idx], [data.masks[k] for k in idx],
                             [data.lines[k] for k in idx])
 
-    report = dict(records=len(data.ids) + len(data.malformed), malformed=len(data.malformed),
+    # records: the data's records; train_records / eval_records: the samples of each split
+    # (split_for_template more than records when conversations were split per assistant turn)
+    report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(data.malformed),
                   too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
-                  train_records=len(train_idx), eval_records=len(eval_idx))
+                  split_for_template=split, train_records=len(train_idx), eval_records=len(eval_idx))
     return subset(train_idx), (subset(eval_idx) if eval_idx else None), report
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Optional
+
 from megatron_fastpath.hf.tokenizer import TokenizerError
 
 __all__ = ["TEMPLATE_SECONDS", "TEMPLATE_MEMORY_BYTES", "TemplateLimitError", "BoundedRenderer"]
@@ -45,7 +47,7 @@ def _serve(conn, tokenizer, memory_bytes: int) -> None:
         if messages is None:
             return
         try:
-            conn.send(("ok", tokenizer.render_chat(messages)))
+            conn.send(("ok", tokenizer.render_samples(messages)))
         except MemoryError:
             conn.send(("memory", None))
         except TokenizerError as exc:
@@ -55,7 +57,7 @@ def _serve(conn, tokenizer, memory_bytes: int) -> None:
 
 
 class BoundedRenderer:
-    """``with BoundedRenderer(tokenizer, where) as r: text, spans = r.render_chat(msgs, line)``.
+    """``with BoundedRenderer(tokenizer, where) as r: samples = r.render_samples(msgs, line)``.
 
     ``where``: the data file (for messages). The helper starts at the first conversation."""
 
@@ -108,8 +110,8 @@ class BoundedRenderer:
             "(tokenizer_config.json 'chat_template' or chat_template.jinja), or use "
             'prompt/completion records ({"prompt": ..., "completion": ...})')
 
-    def render_chat(self, messages: list, line: int) -> tuple[str, list]:
-        """(text, assistant spans) as ``ChatTokenizer.render_chat``; raises the template's own
+    def render_samples(self, messages: list, line: int) -> list:
+        """[(text, assistant spans)] as ``ChatTokenizer.render_samples``; raises the template's own
         error as ``ValueError`` (a malformed record) and :class:`TemplateLimitError`."""
         if self._proc is None:
             self._start()

@@ -11,7 +11,15 @@ Assistant spans: from ``{% generation %}`` blocks when the template has them (ex
 transformers' ``return_assistant_tokens_mask``); otherwise by rendering each conversation prefix
 (``messages[:i]`` + generation prompt, then ``messages[:i+1]``): the characters the assistant
 turn adds, up to its last non-space character (the reply and its end-of-turn token, not the
-template's newline after it), are its span. A template whose prefixes do not render as prefixes is refused.
+template's newline after it), are its span.
+
+Templates that render earlier turns differently from the last one (Qwen3's drops the
+``<think>`` reasoning of every assistant turn before the last user message) do not render
+prefixes as prefixes: :meth:`ChatTokenizer.render_samples` then trains such a conversation as
+one sample per assistant turn -- sample k is the conversation up to and including assistant turn
+k, rendered on its own (turn k is its last turn, rendered as the template renders a final turn),
+with turn k's span alone, as TRL and other fine-tuning tools do. A template that does not even
+render ``messages[:i+1]`` as an extension of ``messages[:i]`` + generation prompt is refused.
 """
 
 from __future__ import annotations
@@ -168,30 +176,48 @@ class ChatTokenizer:
         finally:
             tracker.blocks, tracker.spans = None, None
 
+    def _turn_span(self, messages: list, i: int) -> tuple[str, tuple]:
+        """(rendering of ``messages[:i+1]``, the characters assistant turn ``i`` adds to
+        ``messages[:i]`` + generation prompt, up to its last non-space character)."""
+        before, _ = self.render(messages[:i], add_generation_prompt=True)
+        upto, _ = self.render(messages[: i + 1])
+        if not upto.startswith(before):
+            raise self._rewrites_error()
+        end = len(upto)
+        while end > len(before) and upto[end - 1].isspace():
+            end -= 1  # the template's separator after the end-of-turn token
+        return upto, (len(before), end)
+
+    def _rewrites_error(self) -> "TokenizerError":
+        return TokenizerError(
+            f"{self.path}: the chat template does not render conversation prefixes as "
+            "prefixes (it rewrites earlier turns), so assistant tokens cannot be located; "
+            "use a template with {% generation %} tags")
+
     def _prefix_spans(self, messages: list, text: str) -> list:
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, _ = self.render(messages[:i], add_generation_prompt=True)
-            upto, _ = self.render(messages[: i + 1])
-            if not (text.startswith(upto) and upto.startswith(before)):
-                raise TokenizerError(
-                    f"{self.path}: the chat template does not render conversation prefixes as "
-                    "prefixes (it rewrites earlier turns), so assistant tokens cannot be located; "
-                    "use a template with {% generation %} tags")
-            end = len(upto)
-            while end > len(before) and upto[end - 1].isspace():
-                end -= 1  # the template's separator after the end-of-turn token
-            spans.append((len(before), end))
+            upto, span = self._turn_span(messages, i)
+            if not text.startswith(upto):
+                raise self._rewrites_error()
+            spans.append(span)
         return spans
 
     def encode_chat(self, messages: list) -> tuple[list, list]:
         """(token ids, assistant mask) of one conversation; the mask marks the tokens of each
         assistant span exactly as transformers' ``return_assistant_tokens_mask`` does. (Data
         files render through :class:`~megatron_fastpath.hf.template_guard.BoundedRenderer`:
-        the same two halves, the template's half bounded in time and memory.)"""
+        the same two halves, the template's half bounded in time and memory.) Refuses a
+        template that rewrites earlier turns: :meth:`encode_chat_samples` splits those."""
         return self.tokens_and_mask(*self.render_chat(messages))
+
+    def encode_chat_samples(self, messages: list) -> list:
+        """[(token ids, assistant mask)] of one conversation as data files train it: one
+        sample (:meth:`encode_chat`), or one per assistant turn when the template renders
+        earlier turns differently from the last one (:meth:`render_samples`)."""
+        return [self.tokens_and_mask(text, spans) for text, spans in self.render_samples(messages)]
 
     def render_chat(self, messages: list) -> tuple[str, list]:
         """(text, assistant spans in characters) of one conversation: the template's part."""
@@ -199,6 +225,26 @@ class ChatTokenizer:
         if not self.has_generation_tags:
             spans = self._prefix_spans(messages, text)
         return text, spans
+
+    def render_samples(self, messages: list) -> list:
+        """[(text, assistant spans)]: the conversation as one sample (:meth:`render_chat`)
+        when the template renders its prefixes as prefixes (or has ``{% generation %}`` tags);
+        otherwise one sample per assistant turn k -- ``messages`` up to and including turn k,
+        rendered on its own (turn k renders as the last turn, e.g. keeping its reasoning), with
+        turn k's span only. Every sample's text is ``apply_chat_template(messages[:i+1])``."""
+        if self.has_generation_tags:
+            return [self.render_chat(messages)]
+        text, _ = self.render(messages)
+        try:
+            return [(text, self._prefix_spans(messages, text))]
+        except TokenizerError:
+            pass  # earlier turns render differently from the last one: a sample per turn
+        samples = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                upto, span = self._turn_span(messages, i)  # refuses if even this is no prefix
+                samples.append((upto, [span]))
+        return samples
 
     def tokens_and_mask(self, text: str, spans: list) -> tuple[list, list]:
         """Token ids of ``text`` and the mask of the tokens inside ``spans``."""
