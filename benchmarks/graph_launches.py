@@ -245,7 +245,7 @@ def _host_tensors(job, batch) -> list:
     graphs = getattr(job.step, "graphs", None)
     if graphs is not None:
         for h in graphs.host:
-            out += [h.ids_N2T, h.mask_NT, h.scale_N]
+            out += [h.ids_N2T, h.mask_NT, h.scale_N, h.lengths_NS]
     return out
 
 

@@ -430,24 +430,37 @@ class PackedSeqCache:
         return self._handle(slot)
 
     def load_slot(self, index: int, lengths: Optional[LengthsLike] = None, *,
-                  cu_seqlens: Optional[LengthsLike] = None) -> PackedBatch:
-        """The host half of :meth:`set_batch` into slot ``index`` (which must be free): validate,
-        stage and issue the one host->device copy of the boundary record, nothing derived. A
-        full-iteration CUDA graph loads every microbatch of a step this way before its replay
-        and builds the derived tensors inside the graph (:meth:`build_slot`). Reserves the slot
-        until :meth:`release`."""
-        return self._handle(self._load(index, lengths, cu_seqlens))
+                  cu_seqlens: Optional[LengthsLike] = None, copy_record: bool = True) -> PackedBatch:
+        """The host half of :meth:`set_batch` into slot ``index`` (which must be free): validate
+        and, with ``copy_record``, stage and issue the one host->device copy of the boundary
+        record; nothing derived. A full-iteration CUDA graph loads every microbatch of a step
+        this way before its replay and builds the rest inside the graph (:meth:`build_slot`);
+        without ``copy_record`` the graph builds the record too, from the lengths. Reserves the
+        slot until :meth:`release`."""
+        return self._handle(self._load(index, lengths, cu_seqlens, copy_record))
 
-    def build_slot(self, index: int) -> PackedBatch:
-        """The device half: build every registered derived tensor of slot ``index`` from its
-        record (static-shape device ops, no host read: capturable)."""
+    def build_slot(self, index: int, lengths_S: Optional[torch.Tensor] = None) -> PackedBatch:
+        """The device half: (given ``lengths_S``, int32 [S] device lengths padded with zeros --
+        the ones :meth:`load_slot` validated -- first the slot's boundary record, as the host
+        would build it) every registered derived tensor of slot ``index`` from its record.
+        Static-shape device ops, no host read: capturable."""
         slot = self.slots[index]
         if not slot.busy:
             raise RuntimeError(f"build_slot({index}): the slot holds no batch; load_slot it first")
+        if lengths_S is not None:
+            if self.config.context_parallel_size > 1:
+                raise ValueError(
+                    "build_slot(lengths_S=...) builds the record without context parallelism; "
+                    "the CP layout is built on the host: load_slot(copy_record=True)")
+            from megatron_fastpath.packed_seq.device_record import build_record_from_lengths
+
+            c = self.config
+            build_record_from_lengths(lengths_S, slot.record_R, c.max_tokens, c.max_seqs,
+                                      c.max_seqlen_bound)
         self._build_all(slot)
         return self._handle(slot)
 
-    def _load(self, index: Optional[int], lengths, cu_seqlens) -> _Slot:
+    def _load(self, index: Optional[int], lengths, cu_seqlens, copy_record: bool = True) -> _Slot:
         host = build_host_metadata(
             resolve_lengths(lengths, cu_seqlens),
             self.config.max_tokens,
@@ -461,6 +474,13 @@ class PackedSeqCache:
                 host.lengths_N, self.config.max_tokens, self.config.max_seqs,
                 self.config.max_seqlen_bound, cp, self.config.context_parallel_rank).record_R
         slot = self._acquire_slot() if index is None else self._take_slot(index)
+        self._next_version += 1
+        slot.version = self._next_version
+        slot.host = host
+        self._last = slot
+        self.stats.batches += 1
+        if not copy_record:
+            return slot
         if slot.copy_done is not None and not slot.copy_done.query():
             # The previous batch's copy out of this staging buffer is still queued (rare: a
             # whole forward+backward ran since). Waiting on that event is not a D2H transfer.
@@ -469,11 +489,6 @@ class PackedSeqCache:
         slot.record_R.copy_(slot.staging_R, non_blocking=True)
         if slot.copy_done is not None:
             slot.copy_done.record()
-        self._next_version += 1
-        slot.version = self._next_version
-        slot.host = host
-        self._last = slot
-        self.stats.batches += 1
         self.stats.host_to_device_copies += 1
         self.stats.bytes_copied += slot.record_R.numel() * slot.record_R.element_size()
         return slot

@@ -9,18 +9,22 @@ schedule, DDP, ``get_megatron_optimizer`` wrapped in the sync-free step) is capt
    it copies each microbatch's inputs into its ``StaticBufferLoader``'s static buffers, runs
    step 1 eagerly, captures at step 2 (with the RNG generators registered) and replays from
    then on. Inside the captured region: gradient-buffer zeroing, the packed cache's device-side
-   build of every derived tensor (RoPE, masks, real-token mask, padded view) from the slot's
-   boundary record, the model, the loss and its scaling (a device scalar), the backward and
+   build of each slot's boundary record from the packed lengths and of every derived tensor
+   (RoPE, masks, real-token mask, padded view) from it, the model, the loss and its scaling (a device scalar), the backward and
    Megatron's gradient finalisation.
 2. **the optimizer step** (:class:`~megatron_fastpath.optim.SyncFreeOptimizer`: norm, clip
    coefficient, found-inf skip, Adam) and the LR schedule advancing on the device
    (:class:`~megatron_fastpath.optim.DeviceLRSchedule`), captured by us at step 2 as a second
    graph: Megatron 0.16.1's wrapper captures ``forward_backward_func`` only.
 
-Outside the graphs, per step: the host builds each microbatch's boundary record (numpy, no
-device read) and issues the host->device copies -- the record into the cache slot
-(``PackedSeqCache.load_slot``), token ids / labels / loss mask / loss scale into the wrapper's
-static buffers from pinned host buffers -- then two graph launches. The loss, gradient norm and
+Outside the graphs, per step: the host validates each microbatch's packing (``PackedSeqCache.
+load_slot``: counts and bounds, no device read) and queues the host->device copies of the
+wrapper's static buffers from pinned host buffers -- token ids / labels / loss mask / loss scale
+and the packed lengths -- then two graph launches. Inside the forward graph the cache builds
+each slot's boundary record from those lengths (cu_seqlens, position ids, sequence ids:
+``packed_seq.device_record``) and every derived tensor from the record. With context
+parallelism the record (each rank's load-balanced token share) is built on the host and copied
+into the slot instead. The loss, gradient norm and
 applied flag stay in static device tensors that the logger copies back one step late (its
 non-blocking copies are queued before the next step's replay, so that replay cannot overwrite
 them first).
@@ -59,6 +63,7 @@ class _HostInputs:
     ids_N2T: torch.Tensor  # int64: row 0 token ids, row 1 labels
     mask_NT: torch.Tensor  # float32 loss mask
     scale_N: torch.Tensor  # float32: the loss scale, one per microbatch dict
+    lengths_NS: torch.Tensor  # int32: each microbatch's sequence lengths, zeros after the last
     done: Optional[object] = None  # CUDA event after the copies out of this set
 
 
@@ -121,8 +126,13 @@ class FullIterationStep:
         pin = self.device.type == "cuda"
         self.host = [_HostInputs(torch.zeros((n, 2, t), dtype=torch.int64, pin_memory=pin),
                                  torch.zeros((n, t), dtype=torch.float32, pin_memory=pin),
-                                 torch.zeros((n,), dtype=torch.float32, pin_memory=pin))
+                                 torch.zeros((n,), dtype=torch.float32, pin_memory=pin),
+                                 torch.zeros((n, cache.config.max_seqs), dtype=torch.int32,
+                                             pin_memory=pin))
                      for _ in range(2)]
+        # without CP the graph builds each slot's boundary record from the lengths too; the CP
+        # layout (each rank's token share) is built on the host and its record copied
+        self.lengths_in_graph = self.cp_world == 1
         self.opt_graph = None
         self.calls = 0
         self.launches = 0
@@ -175,7 +185,8 @@ class FullIterationStep:
         host = self.host[self.calls % 2]
         if host.done is not None and not host.done.query():
             host.done.synchronize()  # the copies out of this set, two steps ago (an event wait)
-        handles = [self.cache.load_slot(i, mb.lengths) for i, mb in enumerate(mbs)]
+        handles = [self.cache.load_slot(i, mb.lengths, copy_record=not self.lengths_in_graph)
+                   for i, mb in enumerate(mbs)]  # validated on the host, before any copy
         # undo the schedule's / N and x CP and DDP's average over DP x CP (as gpu_train_step):
         # gradients of the global token-normalised loss
         host.scale_N.fill_(self.n * self.dp_world / (self.cp_world * global_loss_tokens))
@@ -184,14 +195,20 @@ class FullIterationStep:
             host.ids_N2T[i, 0].copy_(mb.tokens_1T[0])
             host.ids_N2T[i, 1].copy_(mb.labels_1T[0])
             host.mask_NT[i].copy_(mb.loss_mask_1T[0])
-            inputs.append({"ids_2T": host.ids_N2T[i], "mask_T": host.mask_NT[i],
-                           "scale_0": host.scale_N[i], "slot": i})
+            item = {"ids_2T": host.ids_N2T[i], "mask_T": host.mask_NT[i],
+                    "scale_0": host.scale_N[i], "slot": i}
+            if self.lengths_in_graph:
+                lengths_N = handles[i].lengths_N
+                host.lengths_NS[i].zero_()[: len(lengths_N)].copy_(torch.from_numpy(lengths_N))
+                item["lengths_S"] = host.lengths_NS[i]
+            inputs.append(item)
         return inputs, handles
 
     def _forward_step(self, data_iterator, module):
         """Megatron's ``forward_step_func`` over the wrapper's static buffers of one microbatch."""
         mb = next(data_iterator)
-        pb = self.cache.build_slot(mb["slot"])  # the derived tensors, on the device, in the graph
+        # the slot's record (from the lengths, without CP) and derived tensors, in the graph
+        pb = self.cache.build_slot(mb["slot"], mb.get("lengths_S"))
         ids_2T, scale_0 = mb["ids_2T"], mb["scale_0"]
         tokens_1T, labels_1T, mask_1T = (  # this CP rank's share (the inputs themselves at CP 1)
             cp_local(pb, x) for x in (ids_2T[0:1], ids_2T[1:2], mb["mask_T"].view(1, -1)))
