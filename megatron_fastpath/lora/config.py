@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LoRAConfig", "LORA_TARGETS", "HF_TARGETS", "normalize_targets"]
+__all__ = ["LoRAConfig", "LORA_TARGETS", "HF_FUSED_TARGETS", "HF_TARGETS", "normalize_targets"]
 
 # Megatron linear names inside a TransformerLayer and how their weights are sharded.
 LORA_TARGETS = {
@@ -27,6 +27,8 @@ HF_TARGETS = {
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
 }
+# Families that fuse them in the checkpoint too (Phi-3: qkv_proj, gate_up_proj): one name each.
+HF_FUSED_TARGETS = {"qkv_proj": "linear_qkv", "gate_up_proj": "linear_fc1"}
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear of the layers (not the output head)
 
 
@@ -41,6 +43,7 @@ def normalize_targets(targets) -> tuple:
             raise ValueError(f"lora.targets: {ALL_LINEAR!r} already names every linear; got {names}")
         return tuple(LORA_TARGETS)
     hf_of = {hf: megatron for megatron, hfs in HF_TARGETS.items() for hf in hfs}
+    hf_of.update(HF_FUSED_TARGETS)
     unknown = sorted(set(names) - set(LORA_TARGETS) - set(hf_of))
     if unknown or not names:
         raise ValueError(

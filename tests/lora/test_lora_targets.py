@@ -61,3 +61,17 @@ def test_all_linear_through_the_main_job_override():
 
     cfg = compose_job(["fastpath.lora=true", "lora.targets=all-linear"])
     assert parse_job_config(cfg).lora.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def test_phi3_fused_hf_names():
+    """Phi-3's checkpoint fuses q/k/v and gate/up too: its PEFT names (what peft adapts on a
+    transformers Phi3) map one to one onto Megatron's linears."""
+    cfg = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                  pad_token_id=0)
+    names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    model = peft.get_peft_model(transformers.Phi3ForCausalLM(cfg), peft.LoraConfig(r=2, target_modules=names))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert adapted == set(names)
+    assert LoRAConfig(targets=names).targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert LoRAConfig(targets="gate_up_proj").targets == ("linear_fc1",)
