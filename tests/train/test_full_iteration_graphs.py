@@ -198,3 +198,17 @@ def test_two_processes_full_iteration_equals_eager(tmp_path, layout):
             assert loss_f == (loss_e if exact else pytest.approx(loss_e, rel=1e-6)), s
             assert gn_f == (gn_e if exact else pytest.approx(gn_e, rel=1e-6)), s
         assert got["max_param_rel_diff"] <= (0.0 if exact else 1e-6), got["max_param_rel_diff"]
+
+
+def test_static_input_copies_wait_for_the_previous_step(mcore_parallel, monkeypatch):
+    """Megatron's StaticBufferLoader copies the next step's inputs on its own stream; every step
+    first makes that stream wait for the current stream, so the copies cannot overtake the
+    previous step's replay (a GPU run is sync-free: the host runs ahead)."""
+    from tests.support import cuda_as_cpu
+
+    waits = []
+    monkeypatch.setattr(cuda_as_cpu._FakeStream, "wait_stream",
+                        lambda self, other: waits.append((self, other)))
+    _, job = _train(FULL)
+    loader_stream = job.step.graphs.wrapper.static_loader.stream
+    assert sum(w[0] is loader_stream for w in waits) == STEPS
