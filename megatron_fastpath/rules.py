@@ -144,11 +144,13 @@ class RunFacts:
 
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
-    # What runs (docs/configuration.md): the main job, dense model, sdpa backend, TP without SP,
-    # PP = 1, CP over all-gathered K/V -- with per-layer CUDA graphs too (the all-gather and its
-    # backward all-reduce are captured in each layer's graphs and replayed; on a CPU the audit:
-    # tests/train/test_context_parallel_graphs.py). Everything else is refused until it is
-    # written and tested.
+    # What runs (docs/configuration.md): the main job, dense model, TP without SP, PP = 1, with
+    # the sdpa backend (CP over all-gathered K/V) -- with per-layer CUDA graphs too (the
+    # all-gather and its backward all-reduce are captured in each layer's graphs and replayed;
+    # on a CPU the audit: tests/train/test_context_parallel_graphs.py) -- or the te backend
+    # (TE's THD + CP p2p ring, eager; checked on CPU against a stand-in asserting TE's contract:
+    # tests/train/test_context_parallel_te.py). Everything else is refused until it is written
+    # and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
         return None
     cp = f"{f.names.context_parallel}={f.context_parallel_size}"
@@ -159,10 +161,15 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
                 f"{f.names.context_parallel}=1, or use Megatron's own TE spec for CP without "
                 "the cache")
     not_yet = [
-        (f.attention_backend not in (None, "sdpa"),
-         f"the '{f.attention_backend}' attention backend (only 'sdpa' runs CP so far: queries "
-         "against K/V all-gathered over the CP group; TE's / flash's / flex's CP calls are not "
-         "wired); use fastpath.attention_backend=sdpa"),
+        (f.attention_backend not in (None, "sdpa", "te"),
+         f"the '{f.attention_backend}' attention backend (only 'sdpa' and 'te' run CP so far: "
+         "queries against K/V all-gathered over the CP group, or Transformer Engine's THD + CP "
+         "ring; flash's / flex's CP calls are not wired); use fastpath.attention_backend=sdpa "
+         "or te"),
+        (f.attention_backend == "te" and (f.graphs_requested or f.full_iteration),
+         "the 'te' attention backend and CUDA graphs (TE's CP ring inside a captured graph is "
+         "not checked: its CPU stand-in reads cu_seqlens on the host); use "
+         "fastpath.attention_backend=sdpa for CP with graphs, or turn fastpath.cuda_graphs off"),
         (f.is_moe, "an MoE model (Megatron folds CP into the expert data-parallel group; the "
          "fastpath dispatcher is not checked with CP-sharded tokens); use a dense model"),
         (f.pipeline_parallel_size > 1, "pipeline parallelism (CP with PP is not tested); use "

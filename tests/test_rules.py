@@ -15,7 +15,7 @@ from megatron_fastpath.integrations import core
 
 # one run per rule that breaks only that rule
 BREAKS = {
-    "_context_parallel": dict(context_parallel_size=2, attention_backend="te"),
+    "_context_parallel": dict(context_parallel_size=2, attention_backend="flash"),
     "_fp8_thd_attention": dict(fp8_attention=True),
     "_dropless_ep_in_graphs": dict(graphs_requested=True, is_moe=True, moe_dropless_ep=True),
     "_lora_graph_warmup": dict(graphs_requested=True, graphs_captured=True, lora=True,

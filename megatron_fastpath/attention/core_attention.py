@@ -42,6 +42,12 @@ __all__ = ["BACKENDS", "PackedCoreAttention", "resolve_backend"]
 
 BACKENDS = ("sdpa", "flex", "flash", "te")
 
+# cp_comm_type values TE 2.9-2.11 runs THD with (None: Megatron's TEDotProductAttention passes
+# "p2p"): context_parallel.py refuses THD under "all_gather" (AttnFuncWithCPAndKVAllGather:
+# "thd format is not supported!") and "a2a+p2p" ("... not supported with hierarchical CP
+# implementation yet!"), and under "a2a" before 2.10.
+_TE_THD_CP_COMM_TYPES = (None, "p2p")
+
 _ALTERNATIVES = {
     "flash": "backend='sdpa' (CPU and GPU) or backend='flex'",
     "te": "backend='flash', 'sdpa' or 'flex'",
@@ -164,13 +170,20 @@ class PackedCoreAttention(MegatronModule):
             dtype=config.params_dtype,
         )
         self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
-        self.cp_group = None
+        self.cp_group = None  # sdpa's all-gather group; te hands CP to TE (below)
         if cache.config.context_parallel_size > 1:
-            if self.backend != "sdpa":
+            if self.backend not in ("sdpa", "te"):
                 raise ValueError(rules.refusals(rules.RunFacts(
                     names=rules.NAMES["main"], context_parallel_size=cache.config.context_parallel_size,
                     attention_backend=self.backend))[0])
-            self.cp_group = context_parallel_group(pg_collection)
+            if self.backend == "sdpa":
+                self.cp_group = context_parallel_group(pg_collection)
+            elif cp_comm_type not in _TE_THD_CP_COMM_TYPES:
+                raise ValueError(
+                    f"cp_comm_type={cp_comm_type!r} with the 'te' backend: Transformer Engine "
+                    "2.9-2.11 runs packed (THD) sequences with context parallelism over 'p2p' "
+                    "only ('all_gather' and 'a2a+p2p' refuse THD; 'a2a' does from 2.10 on); "
+                    "leave cp_comm_type unset (Megatron's default 'p2p')")
         self.layer_number = layer_number
         self.apply_rope = apply_rope and cache.config.rope is not None
         self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
@@ -203,6 +216,16 @@ class PackedCoreAttention(MegatronModule):
             from megatron.core.transformer.enums import AttnMaskType
 
             # TE reads cu_seqlens / max_seqlen from the params (cu_seqlens_*_padded are None).
+            # With CP (config.context_parallel_size > 1) Megatron's TEDotProductAttention hands
+            # TE the CP group of pg_collection, its global ranks, a shared CUDA stream and
+            # cp_comm_type (None -> "p2p") at construction; the params then carry TE's THD + CP
+            # inputs as they are: the GLOBAL cu_seqlens of the sequences padded to 2 x CP (TE
+            # divides them by CP itself), the global max_seqlen bound, and this rank's tokens in
+            # TE's load-balanced order (packed_seq/context_parallel.py). cu_seqlens_*_padded
+            # stay None: TE takes cu_seqlens for them (FusedAttention and FlashAttention alike),
+            # while given ones make DotProductAttention compare both with torch.equal, a host
+            # sync whenever they are not the same tensor (a per-layer graph copies each field
+            # into its own buffer). docs/configuration.md "Context parallelism".
             self._te_attention = _te_dot_product_attention_cls()(
                 config=config,
                 layer_number=layer_number,
@@ -213,6 +236,21 @@ class PackedCoreAttention(MegatronModule):
                 cp_comm_type=cp_comm_type,
                 pg_collection=pg_collection,
             )
+            cp = cache.config.context_parallel_size
+            if cp > 1 and config.context_parallel_size != cp:
+                # Megatron's constructor hands TE the CP arguments only when the
+                # TransformerConfig says CP (mcore 0.16.1 extensions/transformer_engine.py
+                # L1228-1252); the main job keeps CP in parallel_state and the cache, so the same
+                # arguments go through TE's set_context_parallel_group, as Megatron's forward
+                # sets a dynamic CP group (L1347-1353): group, global ranks, the stream shared
+                # by every layer (class attribute, L1149 / L1232-1233), comm type (None -> p2p)
+                te_cls = type(self._te_attention)
+                if getattr(te_cls, "cp_stream", None) is None:
+                    te_cls.cp_stream = torch.cuda.Stream()
+                group = context_parallel_group(pg_collection)
+                self._te_attention.set_context_parallel_group(
+                    group, torch.distributed.get_process_group_ranks(group), te_cls.cp_stream,
+                    "p2p" if cp_comm_type is None else cp_comm_type)
         if self.backend == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -263,7 +301,7 @@ class PackedCoreAttention(MegatronModule):
                 )
             query = apply_rope_cached(query, cos_T1D, sin_T1D, self.rope_interleaved)
             key = apply_rope_cached(key, cos_T1D, sin_T1D, self.rope_interleaved)
-        if self.cp_group is not None:
+        if self.cp_group is not None:  # sdpa (te: TE's own CP exchange, inside its call)
             # Megatron's cp_comm_type="all_gather": every rank's keys / values (RoPE applied at
             # their global positions), in rank order -- the order of the params' cp_kv_* fields.
             key, value = all_gather_cp(key, self.cp_group), all_gather_cp(value, self.cp_group)

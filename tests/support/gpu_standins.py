@@ -9,6 +9,13 @@
   it forwards the base ``PackedSeqParams`` fields as TE's ``DotProductAttention`` receives them
   and decides ``pad_between_seqs`` with TE 2.10's own expression (``torch.equal`` on the
   device tensors: a host sync when ``cu_seqlens_*_padded`` are given).
+  With context parallelism (``config.context_parallel_size`` > 1) it also takes the CP
+  arguments Megatron's constructor hands TE (group, global ranks, stream, comm type), asserts
+  TE 2.9-2.11's THD + CP contract at every call (each assertion cites the TE source line it
+  mirrors; the message is TE's) and computes the result for real: K/V all-gathered over the
+  CP group (the package's ``all_gather_cp``, as the ``sdpa`` backend), every local query
+  attending its own sequence causally at global positions -- the layout derived from what TE
+  is given only (global ``cu_seqlens`` and the rank), TE's DualChunkSwap order.
 * :func:`te_apply_rotary_pos_emb`: TE's ``apply_rotary_pos_emb`` keywords, computed with
   Megatron's ``_apply_rotary_pos_emb_bshd`` (the unfused reference).
 
@@ -80,10 +87,31 @@ def fake_flash_attn_module() -> types.ModuleType:
     return mod
 
 
+def _new_cuda_stream():
+    """``torch.cuda.Stream()`` (the CUDA-as-CPU mode's fake stream), or a placeholder where no
+    CUDA stand-in is installed (a unit test on a CPU build)."""
+    try:
+        return torch.cuda.Stream()
+    except (RuntimeError, AssertionError, AttributeError):
+        return object()
+
+
+# TE's cp_comm_type values: anything else ends in attn_forward_func_with_cp's
+# ValueError("Unsupported communication type: ...") (context_parallel.py v2.10/2.11 L4108, v2.9 L3888)
+TE_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 class TEDotProductAttentionStandIn(torch.nn.Module):
-    """Megatron 0.16.1 ``TEDotProductAttention`` signature over the varlen reference."""
+    """Megatron 0.16.1 ``TEDotProductAttention`` signature over the varlen reference; with CP,
+    TE 2.9-2.11's THD + CP contract asserted and attention computed over all-gathered K/V.
+
+    Line numbers below are of the TE tags v2.9 / v2.10 / v2.11 (transformer_engine/pytorch/
+    attention/dot_product_attention/: dpa = dot_product_attention.py, be = backends.py,
+    cp = context_parallel.py, ut = utils.py) and of megatron-core 0.16.1
+    (megatron/core/extensions/transformer_engine.py, "mcore")."""
 
     calls: list = []
+    cp_stream = None  # mcore L1149: one stream shared by every layer (class attribute)
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
@@ -92,25 +120,195 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         self.config, self.softmax_scale = config, softmax_scale
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.kept = [f.name for f in dataclasses.fields(PackedSeqParams)
                      if f.name not in ("cp_group", "local_cp_size")]
+        # TE DotProductAttention.__init__ defaults (dpa v2.10 L333-336): no CP, "p2p"
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = None, None, None, "p2p"
+        # Megatron's constructor (mcore L1198-1252), mirrored: at CP > 1 TE gets pg_collection's
+        # CP group, its global ranks, the shared stream and cp_comm_type (None -> "p2p";
+        # "a2a+p2p" -> the hierarchical groups)
+        if pg_collection is None:
+            from megatron.core import parallel_state as ps
+
+            cp_group = ps.get_context_parallel_group(check_initialized=False)
+            hcp = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+        else:
+            assert hasattr(pg_collection, "cp"), "TEDotProductAttention pg_collection must have cp pg"
+            cp_group, hcp = pg_collection.cp, getattr(pg_collection, "hcp", None)
+        if config.context_parallel_size > 1:
+            if TEDotProductAttentionStandIn.cp_stream is None:
+                TEDotProductAttentionStandIn.cp_stream = _new_cuda_stream()
+            self.cp_group = cp_group
+            self.cp_global_ranks = torch.distributed.get_process_group_ranks(cp_group)
+            self.cp_stream = TEDotProductAttentionStandIn.cp_stream
+            if cp_comm_type is None:
+                self.cp_comm_type = "p2p"
+            elif cp_comm_type == "a2a+p2p":
+                self.cp_comm_type, self.cp_group = "a2a+p2p", hcp
+            else:
+                self.cp_comm_type = cp_comm_type
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
+        """TE's ``DotProductAttention.set_context_parallel_group`` (dpa v2.10 L529-568)."""
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                 packed_seq_params=None, num_splits=None):
+        from megatron.core.transformer.enums import AttnMaskType
+
         kw = {k: getattr(packed_seq_params, k) for k in self.kept}
         assert kw["qkv_format"] == "thd" and attention_mask is None
-        # TE 2.10 DotProductAttention.forward, verbatim logic:
+        # Megatron's forward (mcore L1347-1353): params carrying a cp_group reset TE's group
+        assert getattr(packed_seq_params, "cp_group", None) is None, "the cache passes no cp_group"
+        # ... and its THD mask conversion (mcore L1397-1404): causal -> padding_causal
+        if attn_mask_type == AttnMaskType.causal:
+            attn_mask_type = AttnMaskType.padding_causal
+        elif attn_mask_type == AttnMaskType.no_mask:
+            attn_mask_type = AttnMaskType.padding
+        # TE DotProductAttention.forward (dpa v2.10 L1298-1307), verbatim logic; torch.equal as
+        # on CUDA (pytorch aten/src/ATen/native/cuda/Equal.cpp: the same view of one storage
+        # is equal without a device read, anything else reads back, a host sync)
         pad_between_seqs = (
             kw["cu_seqlens_q_padded"] is not None
-            and not torch.equal(kw["cu_seqlens_q_padded"][:-1], kw["cu_seqlens_q"][:-1])
+            and not _cuda_equal(kw["cu_seqlens_q_padded"][:-1], kw["cu_seqlens_q"][:-1])
         ) or (
             kw["cu_seqlens_kv_padded"] is not None
-            and not torch.equal(kw["cu_seqlens_kv_padded"][:-1], kw["cu_seqlens_kv"][:-1])
+            and not _cuda_equal(kw["cu_seqlens_kv_padded"][:-1], kw["cu_seqlens_kv"][:-1])
         )
         type(self).calls.append((attn_mask_type.name, pad_between_seqs))
         scale = self.softmax_scale or query.shape[-1] ** -0.5
+        if _group_size(self.cp_group) > 1:
+            out = _te_thd_cp_attention(self, query, key, value, attn_mask_type.name, kw,
+                                       pad_between_seqs, scale)
+            return out.reshape(out.shape[0], -1)
         out = _FlashVarlen.apply(query, key, value, kw["cu_seqlens_q"], kw["max_seqlen_q"], scale)
         return out.reshape(out.shape[0], -1)
+
+
+def _cuda_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` as CUDA answers it: true without reading the device for two identical
+    views of one storage (the fast path of ``cuda_equal``), else a comparison read back."""
+    if (a.is_alias_of(b) and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride()):
+        return True
+    return torch.equal(a, b)
+
+
+def _group_size(group) -> int:
+    """TE's CP size (dpa v2.10 L1208-1214): the group's size, the product over a list."""
+    if group is None:
+        return 1
+    if isinstance(group, list):
+        n = 1
+        for g in group:
+            n *= torch.distributed.get_world_size(g)
+        return n
+    return torch.distributed.get_world_size(group)
+
+
+def _te_thd_cp_attention(layer, q, k, v, mask_type, kw, pad_between_seqs, scale):
+    """TE 2.9-2.11's THD + CP call, its contract asserted (TE's messages), computed on the CPU.
+
+    Not modelled (asserted away): dropout, attention bias, sliding windows, padding between
+    sequences (``pad_between_seqs``), non-causal masks -- none of which the cache's call uses."""
+    import torch.distributed as dist
+
+    from megatron_fastpath.attention.context_parallel import all_gather_cp
+
+    group, ranks, stream, comm = layer.cp_group, layer.cp_global_ranks, layer.cp_stream, layer.cp_comm_type
+    cu_q, cu_kv = kw["cu_seqlens_q"], kw["cu_seqlens_kv"]
+    # -- DotProductAttention.forward's THD checks (dpa v2.10/2.11 L1106-1123, v2.9 L1081-1098)
+    assert all(x.dim() == 3 for x in (q, k, v)), \
+        "Queries, keys and values must be 3D tensors when qkv_format = thd!"
+    assert "padding" in mask_type, \
+        "Attention mask type must be padding or padding_causal for qkv_format=thd!"
+    assert cu_q is not None and cu_kv is not None, \
+        "cu_seqlens_q and cu_seqlens_kv can not be None when qkv_format = thd!"
+    assert cu_q.shape == cu_kv.shape and cu_q.dim() == 1 and cu_kv.dim() == 1, \
+        "cu_seqlens_q and cu_seqlens_q must both have shape [batch_size + 1]!"
+    assert cu_q.dtype == torch.int32 and cu_kv.dtype == torch.int32, \
+        "cu_seqlens_q and cu_seqlens_q must both be in dtype torch.int32!"
+    # max_seqlen None makes TE read the lengths back (dpa v2.10 L1125-1136: .item(), a host
+    # sync); the cache passes its static bound
+    assert kw["max_seqlen_q"] is not None and kw["max_seqlen_kv"] is not None, \
+        "max_seqlen_q/kv None: TE reads the lengths back with .item() (a host sync)"
+    # -- backend selection (ut v2.10 L761-830): with CP no backend takes bottom-right causal
+    # masks or causal cross-attention (max_seqlen_q != max_seqlen_kv): "No dot product
+    # attention backend is available"
+    assert "bottom_right" not in mask_type and kw["max_seqlen_q"] == kw["max_seqlen_kv"], \
+        "No dot product attention backend is available for the provided inputs."
+    # -- FusedAttention.forward fills absent padded boundaries with cu_seqlens (be v2.10/2.11
+    # L1834-1837, v2.9 L1819-1822); FlashAttention passes cu_seqlens as them (be v2.10 L878-879)
+    padded_q = cu_q if kw["cu_seqlens_q_padded"] is None else kw["cu_seqlens_q_padded"]
+    padded_kv = cu_kv if kw["cu_seqlens_kv_padded"] is None else kw["cu_seqlens_kv_padded"]
+    # -- attn_forward_func_with_cp (cp v2.10/2.11 L3986-4021, v2.9 L3766-3801)
+    if comm == "a2a+p2p":
+        assert isinstance(group, list) and len(group) == 2, \
+            "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!"
+        assert False, "thd format is not supported with hierarchical CP implementation yet!"
+    assert isinstance(group, dist.ProcessGroup), \
+        f"cp_group must be {dist.ProcessGroup} type for {comm=}!"
+    assert padded_q is not None and padded_kv is not None, \
+        "cu_seqlens_padded can not be None for context parallelism and qkv_format = 'thd'!"
+    if comm not in TE_CP_COMM_TYPES:  # cp v2.10/2.11 L4108, v2.9 L3888
+        raise ValueError(f"Unsupported communication type: {comm}!")
+    # all_gather refuses THD in every version (cp v2.10/2.11 L2842, v2.9 L2670); a2a in 2.9
+    # (cp v2.9 L3193; 2.10 added THD to a2a): what runs THD across 2.9-2.11 is p2p
+    assert comm == "p2p", "thd format is not supported!"
+    # -- AttnFuncWithCPAndKVP2P.forward: ring peers from cp_global_ranks (cp v2.10 L1294, v2.9
+    # L1122), the second compute stream cp_stream (cp v2.10 L1524, v2.9 L1352)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    assert ranks is not None and len(ranks) == cp and ranks == dist.get_process_group_ranks(group), \
+        "cp_global_ranks must list the global ranks of cp_group (the P2P ring's send/recv peers)"
+    assert stream is not None, "cp_stream is None: the P2P ring overlaps on a second stream"
+    # not modelled here (the cache's call has none of them)
+    assert not pad_between_seqs and "causal" in mask_type and (layer.attention_dropout == 0.0 or not layer.training), \
+        "stand-in: only causal attention without padding between sequences or dropout"
+    # -- the DualChunkSwap layout TE assumes (cp v2.10 L3930-3931, docstring: "requires sequence
+    # lengths to be, or are padded to be, divisible by (cp_size * 2)"; ut v2.10 L761): the P2P
+    # steps divide the boundaries by CP and 2 x CP (cp v2.10 L1323-1327, L707, L743) -- silently
+    # wrong otherwise. The tokens each rank holds: T / CP of the global T (TE's
+    # thd_get_partitioned_indices / get_batch_on_this_cp_rank, cp v2.10 L4226-4320)
+    lens = (padded_q[1:] - padded_q[:-1]).tolist()  # a host read of the stand-in's own
+    assert all(n % (2 * cp) == 0 for n in lens) and padded_q.tolist() == padded_kv.tolist(), \
+        f"sequence lengths must be divisible by 2 x cp_size = {2 * cp}: {lens}"
+    total = int(padded_q[-1])
+    assert q.shape[0] * cp == total and k.shape[0] == v.shape[0] == q.shape[0], \
+        f"this CP rank holds {q.shape[0]} tokens, not the global {total} / cp_size {cp}"
+    assert max(lens) <= kw["max_seqlen_q"], f"a sequence of {max(lens)} > max_seqlen_q"
+    # -- the result: K/V all-gathered (rank order), each local query attends its own sequence's
+    # keys at global positions <= its own -- the layout from cu_seqlens and the rank alone
+    k_all, v_all = all_gather_cp(k, group), all_gather_cp(v, group)
+    allowed_TK = _dual_chunk_swap_mask(padded_q, cp, rank, q.shape[0])
+    mask_TK = torch.zeros(allowed_TK.shape, dtype=q.dtype).masked_fill_(~allowed_TK, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
+        v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask_TK, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _dual_chunk_swap_mask(cu_C: torch.Tensor, cp: int, rank: int, local: int) -> torch.Tensor:
+    """[T_l, CP x T_l] bool: local query i may attend gathered key j (same piece of ``cu_C``,
+    j's global index <= i's). Device ops only: each global token g of piece s (start a, length
+    n, chunk c = n / 2CP) lies in chunk h = (g - a) // c, held by rank h (h < CP) or 2CP-1-h,
+    at local index a / CP + (g - a) - h c (+ c for the second chunk): TE's order."""
+    t = local * cp
+    g = torch.arange(t, dtype=torch.int64, device=cu_C.device)
+    cu = cu_C.to(torch.int64)
+    seq = torch.searchsorted(cu[1:].contiguous(), g, right=True).clamp_(max=cu.numel() - 2)
+    a, n = cu[seq], cu[seq + 1] - cu[seq]
+    c = (n // (2 * cp)).clamp_(min=1)
+    h = (g - a) // c
+    first = h < cp
+    owner = torch.where(first, h, 2 * cp - 1 - h)
+    pos = a // cp + (g - a) - h * c + torch.where(first, 0, c)
+    global_of = torch.empty(t, dtype=torch.int64, device=cu.device)
+    global_of[owner * local + pos] = g  # gathered index -> global index
+    g_q = global_of[rank * local:(rank + 1) * local]
+    return (seq[g_q][:, None] == seq[global_of][None, :]) & (global_of[None, :] <= g_q[:, None])
 
 
 def te_apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None,

@@ -132,13 +132,22 @@ REGISTRY: tuple[Entry, ...] = (
         "Megatron's TEDotProductAttention __init__ / forward signature (names and defaults, "
         "checked against the installed source by tests/attention/test_gpu_backend_standins.py); "
         "asserts qkv_format == 'thd' and attention_mask is None; decides pad_between_seqs with "
-        "TE's own expression (torch.equal of cu_seqlens_*_padded and cu_seqlens_*: a host sync). "
-        "Records the mask type per call but asserts none; asserts nothing of TE's FP8 attention "
-        "backends or backend selection, nor the RNG tracker class TE asserts during capture "
-        f"({_TE_RNG_CAPTURE})",
+        "TE's own expression (torch.equal of cu_seqlens_*_padded and cu_seqlens_*: a host sync "
+        "unless both are one view of one storage, as on CUDA). With CP (set_context_parallel_"
+        "group or Megatron's constructor arguments) asserts TE 2.9-2.11's THD + CP contract "
+        "with TE's messages: 3-D q/k/v, a padding mask type, int32 cu_seqlens of one shape, "
+        "max_seqlen given and q == kv, no bottom-right mask, a ProcessGroup cp_group, "
+        "cu_seqlens_padded (or cu_seqlens in their place), cp_comm_type p2p (all_gather / a2a+p2p "
+        "refuse THD, a2a before 2.10, others are unsupported), cp_global_ranks = the group's, a "
+        "cp_stream, every piece divisible by 2 x CP, local tokens = global / CP; computes over "
+        "all-gathered K/V in TE's DualChunkSwap order. Otherwise records the mask type per call "
+        "but asserts none; asserts nothing of TE's FP8 attention backends, nor the RNG tracker "
+        f"class TE asserts during capture ({_TE_RNG_CAPTURE})",
         "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py, "
-        "DotProductAttention.forward (TE 2.10); megatron/core/extensions/transformer_engine.py, "
-        "TEDotProductAttention (Megatron-Core 0.16.1)",
+        "DotProductAttention.forward / set_context_parallel_group, context_parallel.py "
+        "attn_forward_func_with_cp / AttnFuncWithCPAndKVP2P, backends.py FusedAttention.forward, "
+        "utils.py get_attention_backend (TE 2.9-2.11); megatron/core/extensions/"
+        "transformer_engine.py, TEDotProductAttention (Megatron-Core 0.16.1)",
     ),
     Entry(
         "transformer_engine.pytorch.attention.rope.apply_rotary_pos_emb",
