@@ -212,3 +212,18 @@ def test_static_input_copies_wait_for_the_previous_step(mcore_parallel, monkeypa
     _, job = _train(FULL)
     loader_stream = job.step.graphs.wrapper.static_loader.stream
     assert sum(w[0] is loader_stream for w in waits) == STEPS
+
+
+def test_moe_fp32_numerics_with_the_gpu_only_rule_lifted(mcore_parallel, monkeypatch):
+    """The fp32 check for MoE. On a GPU, MoE under CUDA graphs is bf16-only (torch's fp32
+    ``_grouped_mm`` loops over the groups with host reads: rules._grouped_mm_in_graphs refuses
+    it, test_full_iteration_equals_eager runs MoE in bf16). The CPU stand-in's grouped GEMM
+    reads nothing on the host, so with that GPU-only rule lifted here the captured fp32 MoE step
+    is checked as the dense one is: losses and final parameters within rtol 1e-6 of eager."""
+    from megatron_fastpath.moe import experts
+
+    monkeypatch.setattr(experts, "grouped_mm_sync_free_refusal", lambda *a, **k: None)
+    eager, job_e = _train(["model=tiny_moe"])
+    graphed, job_g = _train(["model=tiny_moe"] + FULL)
+    _assert_same_run(graphed, eager, job_g, job_e)
+    assert [r.graph_launches for r in graphed.records] == [0] + [2] * (STEPS - 1)
