@@ -19,6 +19,12 @@ loss function and schedule) releases the oldest batch when every slot is held: e
 for Megatron's no-pipelining and non-interleaved 1F1B schedules with ``num_slots`` = pipeline
 size, where microbatch m's forward starts after microbatch m - P's backward finished
 (interleaved schedules reorder backwards and are refused by the hooks' rules).
+
+``release="step"`` (the main job's full-iteration CUDA graph, ``train/full_iteration.py``):
+microbatch i of a step is loaded into slot i -- the captured graph reads fixed slots -- with its
+record copied or not (``copy_record``: without it the graph builds the record from the lengths)
+and nothing derived (the graph builds it: ``PackedSeqCache.build_slot``); every slot is held
+until :meth:`release_all` at the end of the step.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from megatron_fastpath._autograd import call_in_backward
 
 __all__ = ["InFlightBatches", "ReleasePolicy", "slots_for_1f1b"]
 
-ReleasePolicy = Literal["backward", "call_order"]
-RELEASE_POLICIES: tuple[str, ...] = ("backward", "call_order")
+ReleasePolicy = Literal["backward", "call_order", "step"]
+RELEASE_POLICIES: tuple[str, ...] = ("backward", "call_order", "step")
 
 
 def slots_for_1f1b(num_microbatches: int, pipeline_size: int, pipeline_rank: int) -> int:
@@ -65,9 +71,16 @@ class InFlightBatches:
         self.max_in_flight = 0
         self.backward_checks = 0
 
-    def acquire(self, lengths=None, *, cu_seqlens=None):
+    def acquire(self, lengths=None, *, cu_seqlens=None, copy_record: bool = True):
         """Load the next packed microbatch (host ``lengths`` or ``cu_seqlens``, see
-        ``PackedSeqCache.set_batch``) into a free slot and hold it."""
+        ``PackedSeqCache.set_batch``) into a free slot and hold it (``copy_record``: the
+        ``"step"`` policy's, see the module docstring)."""
+        if self.release == "step":
+            batch = self.cache.load_slot(len(self.pending), lengths, cu_seqlens=cu_seqlens,
+                                         copy_record=copy_record)
+            self.pending.append(_Entry(batch))
+            self.max_in_flight = max(self.max_in_flight, len(self.pending))
+            return batch
         if self.release == "call_order":
             if len(self.pending) >= len(self.cache.slots):
                 self.cache.release(self.pending.popleft().batch)

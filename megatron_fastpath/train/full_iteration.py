@@ -81,6 +81,7 @@ class FullIterationStep:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_fastpath.compat.graphs import reset_full_cuda_graph_state
+        from megatron_fastpath.packed_seq.inflight import InFlightBatches
         from megatron_fastpath.optim import SyncFreeOptimizer
         from megatron_fastpath.train.step import build_scheduler, megatron_ddp_and_optimizer
 
@@ -133,6 +134,7 @@ class FullIterationStep:
         # without CP the graph builds each slot's boundary record from the lengths too; the CP
         # layout (each rank's token share) is built on the host and its record copied
         self.lengths_in_graph = self.cp_world == 1
+        self.in_flight = InFlightBatches(cache, release="step")
         self.opt_graph = None
         self.calls = 0
         self.launches = 0
@@ -148,7 +150,7 @@ class FullIterationStep:
             raise ValueError(
                 f"a full-iteration graph is captured for {self.n} microbatches per step; this "
                 f"step has {len(mbs)} (data whose shape bound changes is refused, not recaptured)")
-        inputs, handles = self._stage(mbs, global_loss_tokens)
+        inputs = self._stage(mbs, global_loss_tokens)
         if self.calls == 0:  # after any checkpoint load, before the first update
             self.lr = DeviceLRSchedule.from_scheduler(self.scheduler, self.device)
             self.optimizer.use_device_lr(self.lr)
@@ -169,8 +171,7 @@ class FullIterationStep:
         elif replayed:
             self.cache.stats.add(self._graph_builds)
         self._optimizer_step()
-        for pb in handles:
-            self.cache.release(pb)
+        self.in_flight.release_all()
         event = self.host[self.calls % 2]
         if self.device.type == "cuda":
             event.done = torch.cuda.Event()
@@ -189,8 +190,9 @@ class FullIterationStep:
         host = self.host[self.calls % 2]
         if host.done is not None and not host.done.query():
             host.done.synchronize()  # the copies out of this set, two steps ago (an event wait)
-        handles = [self.cache.load_slot(i, mb.lengths, copy_record=not self.lengths_in_graph)
-                   for i, mb in enumerate(mbs)]  # validated on the host, before any copy
+        self.in_flight.reset_stats()  # validated on the host, before any copy; slot i <- mb i
+        handles = [self.in_flight.acquire(mb.lengths, copy_record=not self.lengths_in_graph)
+                   for mb in mbs]
         # undo the schedule's / N and x CP and DDP's average over DP x CP (as gpu_train_step):
         # gradients of the global token-normalised loss
         host.scale_N.fill_(self.n * self.dp_world / (self.cp_world * global_loss_tokens))
@@ -206,7 +208,7 @@ class FullIterationStep:
                 host.lengths_NS[i].zero_()[: len(lengths_N)].copy_(torch.from_numpy(lengths_N))
                 item["lengths_S"] = host.lengths_NS[i]
             inputs.append(item)
-        return inputs, handles
+        return inputs
 
     def _forward_step(self, data_iterator, module):
         """Megatron's ``forward_step_func`` over the wrapper's static buffers of one microbatch."""
@@ -252,4 +254,4 @@ def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache):
 
     step = FullIterationStep(model, tcfg, train_cfg, cache)
     return StepParts(step.forward_backward, step.optimizer, step.scheduler,
-                     grad_norm=step.grad_norm, graphs=step)
+                     grad_norm=step.grad_norm, in_flight=step.in_flight, graphs=step)

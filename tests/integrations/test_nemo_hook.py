@@ -658,6 +658,7 @@ def test_every_entry_point_shares_one_forward_and_one_slot_class():
                     users.add(rel)
     assert calls == [os.path.join("packed_seq", "runtime.py")]
     assert users == {os.path.join(*p) for p in (("train", "step.py"), ("train", "evaluate.py"),
+                                                ("train", "full_iteration.py"),
                                                 ("integrations", "nemo.py"), ("integrations", "bridge.py"))}
     settings = FastpathSettings(max_tokens=T, max_seqs=4)
     from megatron.core.transformer.transformer_config import TransformerConfig
