@@ -33,6 +33,8 @@ def get_fastpath_layer_spec(
     linear_impl: Optional[str] = None,
     moe_spec_kwargs: Optional[dict] = None,
     params_dtype=None,
+    sliding_window: Optional[int] = None,
+    window_layers: Optional[tuple] = None,
 ):
     """Return a ``ModuleSpec`` for a Megatron ``TransformerLayer`` reading ``cache``.
 
@@ -49,6 +51,9 @@ def get_fastpath_layer_spec(
         moe_spec_kwargs: extra keyword arguments for :func:`megatron_fastpath.moe.get_moe_mlp_spec`.
         params_dtype: the model's dtype, when known: te / flash on CUDA in float32 are refused
             here, before any model is built (the attention checks it again when built).
+        sliding_window / window_layers: the attention window (tokens) of the layers
+            ``window_layers`` lists (0-based global indices; None: every layer), None: none
+            (:class:`PackedCoreAttention`'s, e.g. a Hugging Face checkpoint's).
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -69,7 +74,10 @@ def get_fastpath_layer_spec(
                               normalization=normalization)
 
     attn = base.submodules.self_attention
-    core = ModuleSpec(module=PackedCoreAttention, params={"cache": cache, "backend": resolved})
+    core_params = {"cache": cache, "backend": resolved}
+    if sliding_window is not None:
+        core_params.update(sliding_window=sliding_window, window_layers=window_layers)
+    core = ModuleSpec(module=PackedCoreAttention, params=core_params)
     self_attention = ModuleSpec(
         module=CachedRopeSelfAttention,
         params=dict(attn.params),

@@ -121,20 +121,24 @@ def rope_config_of(config):
 
 
 def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_impl: Optional[str] = None,
-                       lora=None, offload=None, tie_embeddings: bool = False):
+                       lora=None, offload=None, tie_embeddings: bool = False,
+                       sliding_window: Optional[int] = None, window_layers: Optional[tuple] = None):
     """The one model builder of the package (main job, Hugging Face loading): ``GPTModel`` of
     architecture ``arch`` on the fastpath layer spec over ``cache``, with the switched-on
     features as spec transforms (``lora``: a ``LoRAConfig``, ``offload``: an
     ``OffloadConfig``), this pipeline stage's part, on the cache's device. Weights are
     Megatron's initialisation; when ``tcfg.perform_initialization`` is False (a loader will
-    overwrite every weight) the tensor-parallel marks Megatron's init would set are set here."""
+    overwrite every weight) the tensor-parallel marks Megatron's init would set are set here.
+    ``sliding_window`` / ``window_layers``: the attention window of the layers it applies to
+    (:func:`~megatron_fastpath.layer_spec.get_fastpath_layer_spec`)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
 
     spec = get_fastpath_layer_spec(
         cache, backend=backend, num_experts=arch.num_experts, qk_layernorm=arch.qk_layernorm,
-        normalization=arch.normalization, linear_impl=linear_impl, params_dtype=tcfg.params_dtype)
+        normalization=arch.normalization, linear_impl=linear_impl, params_dtype=tcfg.params_dtype,
+        sliding_window=sliding_window, window_layers=window_layers)
     if lora is not None:
         from megatron_fastpath.lora import with_lora
 

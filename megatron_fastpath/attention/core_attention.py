@@ -20,6 +20,17 @@ None of them reads a tensor value on the host, and none reads the cache: everyth
 comes from the params (a CUDA-graph replay copies them in; a recompute in backward gets the same
 object its forward got). ``packed_seq_params=None`` is refused.
 
+Sliding windows (``sliding_window=W`` on the layers ``window_layers`` lists): key j of query i is
+kept iff it is in i's sequence, j <= i and pos(i) - pos(j) < W -- transformers' mask
+(``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W`` on top of causal). sdpa reads
+the cache's windowed [T, T] mask (``sdpa_mask_window``, built once per batch) or, in the padded
+view, a constant banded causal [M, M] mask; flex the windowed BlockMask
+(``flex_block_mask_window``); flash passes ``window_size=(W - 1, 0)`` and te hands TE
+``window_size=(W - 1, 0)`` through Megatron's ``config.window_size`` (both keep the keys in
+[i - window_size[0], i + window_size[1]]). TE with context parallelism refuses a window (TE's CP
+ring takes none for THD). A window no sequence can exceed (W >= the cache's ``max_seqlen``)
+masks nothing: such a layer runs plain causal attention.
+
 Shape letters: T packed tokens, H heads (np query heads, ng key/value groups), d head dim,
 D rotary dim.
 """
@@ -154,6 +165,8 @@ class PackedCoreAttention(MegatronModule):
         cache,
         backend: str = "sdpa",
         apply_rope: bool = True,
+        sliding_window: Optional[int] = None,
+        window_layers: Optional[tuple] = None,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -185,6 +198,7 @@ class PackedCoreAttention(MegatronModule):
                     "only ('all_gather' and 'a2a+p2p' refuse THD; 'a2a' does from 2.10 on); "
                     "leave cp_comm_type unset (Megatron's default 'p2p')")
         self.layer_number = layer_number
+        self.window = self._layer_window(cache, layer_number, sliding_window, window_layers)
         self.apply_rope = apply_rope and cache.config.rope is not None
         self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -211,6 +225,16 @@ class PackedCoreAttention(MegatronModule):
             needs.append("rope_freqs" if self.backend == "te" else "rope_cos_sin")
         for kind in needs:
             cache.register(kind, dtype=config.params_dtype)
+        self._band_MM = None  # the padded view's banded causal mask of a windowed layer
+        if self.window is not None:
+            kind = {"sdpa": None if self.sdpa_padded else "sdpa_mask_window",
+                    "flex": "flex_block_mask_window"}.get(self.backend)
+            if kind is not None:
+                cache.register(kind, dtype=config.params_dtype, window=self.window)
+            if self.sdpa_padded:  # row position i keeps keys i - W < j <= i: a constant
+                m_1M = torch.arange(cache.config.max_seqlen_bound, device=cache.device).unsqueeze(0)
+                back_MM = m_1M.t() - m_1M
+                self._band_MM = (back_MM >= 0) & (back_MM < self.window)
         self._te_attention = None
         if self.backend == "te":
             from megatron.core.transformer.enums import AttnMaskType
@@ -227,7 +251,7 @@ class PackedCoreAttention(MegatronModule):
             # sync whenever they are not the same tensor (a per-layer graph copies each field
             # into its own buffer). docs/configuration.md "Context parallelism".
             self._te_attention = _te_dot_product_attention_cls()(
-                config=config,
+                config=self._te_config(config),
                 layer_number=layer_number,
                 attn_mask_type=AttnMaskType.padding_causal,
                 attention_type=attention_type,
@@ -256,6 +280,41 @@ class PackedCoreAttention(MegatronModule):
 
             # flex_attention only generates a fused kernel under torch.compile.
             self._flex = torch.compile(flex_attention, dynamic=False) if cache.device.type == "cuda" else flex_attention
+
+    @staticmethod
+    def _layer_window(cache, layer_number: int, window: Optional[int],
+                      window_layers: Optional[tuple]) -> Optional[int]:
+        """This layer's sliding window: ``window`` when ``window_layers`` (0-based global layer
+        indices; None: every layer) holds it, None otherwise or when no sequence can exceed it
+        (the cache's ``max_seqlen`` <= W: plain causal attention is exactly the window's)."""
+        if window is None or (window_layers is not None and layer_number - 1 not in window_layers):
+            return None
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1; got {window!r}")
+        return None if window >= cache.config.max_seqlen_bound else window
+
+    def _te_config(self, config):
+        """The config Megatron's ``TEDotProductAttention`` gets: with a window, a copy whose
+        ``window_size`` = (W - 1, 0) (mcore 0.16.1 hands it to TE on the layers
+        ``is_layer_window_attention`` marks: every one with ``window_attn_skip_freq`` None).
+        TE's DotProductAttention keeps, for query i, the keys in [i + s_k - s_q -
+        window_size[0], i + s_k - s_q + window_size[1]] (s_k = s_q per packed sequence), and
+        (W - 1, 0) is a valid window for its causal masks (``check_set_window_size``)."""
+        if self.window is None:
+            return config
+        if self.cache.config.context_parallel_size > 1:
+            raise ValueError(
+                f"sliding_window={self.window} (layer {self.layer_number}) with the 'te' backend "
+                "and context parallelism: Transformer Engine 2.9-2.11 takes a sliding window under "
+                "CP only with cp_comm_type 'all_gather' / 'a2a' (attn_forward_func_with_cp), "
+                "which do not run packed (THD) sequences here ('p2p' only); use "
+                "attention_backend=sdpa (its CP mask applies the window), or keep every sequence "
+                f"within the window (max_seqlen <= {self.window})")
+        import copy
+
+        te_config = copy.copy(config)
+        te_config.window_size, te_config.window_attn_skip_freq = (self.window - 1, 0), None
+        return te_config
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -324,8 +383,10 @@ class PackedCoreAttention(MegatronModule):
                 f"{type(params).__name__}); load the batch with cache.set_batch(lengths or "
                 "cu_seqlens) and pass batch.packed_seq_params"
             )
-        field = {"sdpa": "pad_gather_SM" if self.sdpa_padded else "sdpa_mask_TT",
-                 "flex": "flex_kv_indices"}.get(self.backend)
+        windowed = self.window is not None
+        field = {"sdpa": "pad_gather_SM" if self.sdpa_padded
+                 else "sdpa_mask_window_TT" if windowed else "sdpa_mask_TT",
+                 "flex": "flex_window_kv_indices" if windowed else "flex_kv_indices"}.get(self.backend)
         if field is not None and getattr(params, field) is None:
             raise ValueError(
                 f"packed_seq_params carry no {field}: they come from a PackedSeqCache this "
@@ -358,7 +419,8 @@ class PackedCoreAttention(MegatronModule):
     def _forward_sdpa(self, q, k, v, params):
         if self.sdpa_padded:
             return self._forward_sdpa_padded(q, k, v, params)
-        mask_TT = params.sdpa_mask_TT  # additive, q's dtype: used as is, saved once per step
+        # additive, q's dtype: used as is, saved once per step (windowed layers: their own one)
+        mask_TT = params.sdpa_mask_TT if self.window is None else params.sdpa_mask_window_TT
         if mask_TT.dtype != q.dtype:
             raise ValueError(
                 f"the packed cache built the SDPA mask in {mask_TT.dtype} (TransformerConfig."
@@ -390,7 +452,8 @@ class PackedCoreAttention(MegatronModule):
 
         with self._dropout_rng():
             out_ShMd = F.scaled_dot_product_attention(
-                padded(q), padded(k), padded(v), is_causal=True, dropout_p=self._dropout(),
+                padded(q), padded(k), padded(v), attn_mask=self._band_MM,
+                is_causal=self._band_MM is None, dropout_p=self._dropout(),
                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         out_flat = out_ShMd.transpose(1, 2).reshape(s_rows * m, q.shape[1], -1)
         out_THd = out_flat[params.pad_scatter_T]  # a fresh tensor: filled in place
@@ -404,7 +467,7 @@ class PackedCoreAttention(MegatronModule):
                 "the 'flex' backend has no backward on CPU (torch FlexAttention limitation); "
                 "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"
             )
-        block_mask = block_mask_from(params)
+        block_mask = block_mask_from(params, self.window)
         out_1HTd = self._flex(
             *self._as_1HTd(q, k, v),
             block_mask=block_mask,
@@ -425,6 +488,9 @@ class PackedCoreAttention(MegatronModule):
                 dropout_p=self._dropout(),
                 softmax_scale=self.softmax_scale,
                 causal=True,
+                # flash-attn 2.8 keeps the keys in [i - window_size[0], i + window_size[1]]
+                # (equal q / k lengths; -1: unbounded): (W - 1, 0) is transformers' window
+                window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
             )
         # cu_seqlens close the padding tail at T: the kernel writes every row of out and, in
         # backward, of dq / dk / dv (FA2 leaves rows after the last boundary uninitialised).

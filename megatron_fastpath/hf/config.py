@@ -3,7 +3,9 @@
 :func:`read_hf_config` parses and validates a checkpoint's ``config.json`` into a frozen
 :class:`HFModelSpec`; unsupported architectures and rope types are refused here, before any
 tensor is read, with the list of what is supported. A sliding window is kept on the spec
-(:attr:`HFModelSpec.sliding_window`) and checked against the data's longest sequence by
+(:attr:`HFModelSpec.sliding_window`, on the layers :attr:`HFModelSpec.window_layers`) and served
+by the packed attention of those layers (``PackedCoreAttention(sliding_window=...)``); LongRoPE's
+pre-training context is checked against the data's longest sequence by
 :meth:`HFModelSpec.check_sequence_bound` (the job's data, or a cache's ``max_seqlen``). The spec
 derives
 
@@ -40,13 +42,14 @@ SUPPORTED_TEXT = (
     "Llama 2/3/3.1/3.2 (model_type llama), Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE (every "
     "layer MoE), Phi-3 / Phi-3.5 (model_type phi3); rope_scaling none, default, llama3 or yarn "
     "(Phi-3: none or longrope, longrope only where no sequence of the data is longer than "
-    "original_max_position_embeddings); a sliding window only where no sequence of the data is "
-    "longer than it"
+    "original_max_position_embeddings); sliding windows (Mistral, Qwen2/3 use_sliding_window on "
+    "the layers max_window_layers / layer_types mark, Phi-3), served by every attention backend "
+    "(with context parallelism: the sdpa backend only)"
 )
 # transformers' mask of sliding-window layers keeps key kv of query q iff
 # ``kv_idx > q_idx - sliding_window`` (masking_utils.sliding_window_overlay, 4.57) on top of the
-# causal ``kv_idx <= q_idx``: within a sequence of n tokens q - kv <= n - 1, so a window W
-# masks nothing when n <= W, and plain causal attention is the model's attention.
+# causal ``kv_idx <= q_idx`` (positions inside the sequence): the packed attention of a
+# windowed layer keeps exactly those keys (PackedCoreAttention's ``sliding_window``).
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -72,9 +75,11 @@ class HFModelSpec:
     rotary_percent: share of each head's channels that are rotated (Phi-3's
         ``partial_rotary_factor``), 1: all.
     sliding_window: the attention window of the checkpoint's sliding-window layers (Mistral's
-        ``sliding_window``; Qwen's with ``use_sliding_window``), None: none. Attention runs
-        plain causal, which is the window's only where no sequence is longer than it
-        (:meth:`check_sequence_bound`); config.json is exported unchanged (``raw``).
+        ``sliding_window``; Qwen's with ``use_sliding_window``), None: none; config.json is
+        exported unchanged (``raw``).
+    window_layers: the 0-based indices of the layers attending through ``sliding_window``
+        (transformers' ``sliding_attention`` layers; every layer but for Qwen2 / Qwen3's
+        ``layer_types`` / ``max_window_layers``), () without a window.
     num_experts / topk / moe_ffn_hidden_size / norm_topk_prob / aux_loss_coeff: MoE only.
     """
 
@@ -97,6 +102,7 @@ class HFModelSpec:
     rope_scaling: Optional[Union[Llama3RopeScaling, YarnRopeScaling, LongRopeScaling]] = None
     rotary_percent: float = 1.0
     sliding_window: Optional[int] = None
+    window_layers: tuple = ()
     num_experts: Optional[int] = None
     topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -151,12 +157,14 @@ class HFModelSpec:
 
     @property
     def max_sequence(self) -> Optional[int]:
-        """The longest sequence this checkpoint is served exactly for (sliding window, LongRoPE's
-        short-factor context), None: no limit."""
-        limits = [x for x in (self.sliding_window,
-                              self._longrope.original_max_position if self._longrope else None)
-                  if x is not None]
-        return min(limits) if limits else None
+        """The longest sequence this checkpoint is served exactly for (LongRoPE's short-factor
+        context), None: no limit. A sliding window sets none: the windowed layers attend
+        through it (:attr:`window_layers`)."""
+        return self._longrope.original_max_position if self._longrope else None
+
+    def window_of_layer(self, layer_number: int) -> Optional[int]:
+        """The window of Megatron's (1-based, global) ``layer_number``, None: full attention."""
+        return self.sliding_window if layer_number - 1 in self.window_layers else None
 
     def rope_config(self) -> RopeConfig:
         from megatron_fastpath.packed_seq.rope import RopeConfig, YarnRopeScaling
@@ -168,15 +176,13 @@ class HFModelSpec:
                           longrope=self._longrope)
 
     def check_sequence_bound(self, longest: int, what: str, fix: str) -> None:
-        """Refuse a sliding window, or a LongRoPE pre-training context, shorter than the longest
-        sequence the run can see.
+        """Refuse a LongRoPE pre-training context shorter than the longest sequence the run can
+        see (a sliding window has no bound: the windowed layers attend through it).
 
         longest: the bound on every sequence's tokens; what: where that bound comes from
-        (``"data.max_tokens=8192"``); fix: how to lower it (to :attr:`max_sequence`). Attention
-        here is plain causal, which equals the checkpoint's sliding-window attention exactly
-        when every sequence has at most ``sliding_window`` tokens (see the note at
-        ``SUPPORTED_TEXT``); LongRoPE is served with its short factors, which are
-        transformers' exactly when every sequence has at most ``original_max_position`` tokens."""
+        (``"data.max_tokens=8192"``); fix: how to lower it (to :attr:`max_sequence`). LongRoPE
+        is served with its short factors, which are transformers' exactly when every sequence
+        has at most ``original_max_position`` tokens."""
         where = os.path.join(self.path, "config.json")
         lr = self._longrope
         if lr is not None and longest > lr.original_max_position:
@@ -188,15 +194,6 @@ class HFModelSpec:
                 f"the long factors and a shorter one with the short factors, and a packed batch "
                 f"mixes lengths, so only the short factors are served, exact on sequences of at "
                 f"most {orig} tokens; {fix}")
-        w = self.sliding_window
-        if w is None or longest <= w:
-            return
-        raise UnsupportedCheckpointError(
-            f"{where}: sliding_window={w} ({self.model_type}: "
-            f"a token attends to only the last {w} tokens) but a sequence can have {longest} "
-            f"tokens ({what}): sliding-window attention is not implemented, and the plain causal "
-            f"attention run instead equals it only on sequences of at most {w} tokens; {fix}")
-
     def check_parallel(self, tp: int, ep: int = 1) -> None:
         """Refuse TP / EP sizes that do not divide the heads, groups, FFN, vocab or experts."""
         where = os.path.join(self.path, "config.json")
@@ -355,9 +352,9 @@ def _rope_scaling(cfg: dict, where: str, mt: str = "", head_dim: int = 0,
         raise HFConfigError(f"{at}: {exc}") from None
 
 
-def _sliding_window(cfg: dict, mt: str, where: str) -> Optional[int]:
-    """The window of the checkpoint's sliding-window layers as transformers 4.57 reads the
-    config, None when no layer has one: MistralConfig ``sliding_window`` (default 4096, null:
+def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
+    """(window, 0-based windowed layers) of the checkpoint as transformers 4.57 reads the
+    config, (None, ()) when no layer has one: MistralConfig ``sliding_window`` (default 4096, null:
     none) on every layer, MixtralConfig's (default none); Qwen2 / Qwen3 / Qwen3-MoE
     ``sliding_window`` (default 4096) only with ``use_sliding_window``, on the layers
     ``layer_types`` marks ``sliding_attention`` (default: index >= ``max_window_layers``,
@@ -371,19 +368,22 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> Optional[int]:
     else:  # Llama: transformers reads no window (a stray use_sliding_window is refused, as before)
         if cfg.get("use_sliding_window"):
             _refuse(where, f"use_sliding_window=true on model_type {mt!r}")
-        return None
+        return None, ()
     if window is None:
-        return None
+        return None, ()
     window = _int({"sliding_window": window}, "sliding_window", where)
-    if mt in ("qwen2", "qwen3"):
-        layers = _int(cfg, "num_hidden_layers", where)
+    layers = _int(cfg, "num_hidden_layers", where)
+    if mt in ("qwen2", "qwen3"):  # Qwen2/3Attention: the window where layer_types says sliding
         types = cfg.get("layer_types")
         if types is None:
             first = _int(cfg, "max_window_layers", where, 28, minimum=0)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        if "sliding_attention" not in types:
-            return None
-    return window
+        if not isinstance(types, list) or len(types) != layers:
+            raise HFConfigError(f"{where}: field 'layer_types' must list one type per layer "
+                                f"({layers}); got {types!r}")
+        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return (window, windowed) if windowed else (None, ())
+    return window, tuple(range(layers))
 
 
 def _check_attention(cfg: dict, mt: str, where: str) -> None:
@@ -449,9 +449,9 @@ def read_hf_config(path: str) -> HFModelSpec:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_scaling=_rope_scaling(cfg, where, mt, head_dim, rotary_percent),
-        rotary_percent=rotary_percent, sliding_window=_sliding_window(cfg, mt, where),
-        raw=cfg,
+        rotary_percent=rotary_percent, raw=cfg,
     )
+    kw["sliding_window"], kw["window_layers"] = _sliding_window(cfg, mt, where)
     if heads % kw["num_query_groups"]:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kw['num_query_groups']}")

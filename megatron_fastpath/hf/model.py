@@ -58,7 +58,14 @@ def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "s
 
     return build_fastpath_gpt(tcfg, cache, spec.model_config(), backend=backend,
                               linear_impl=linear_impl, lora=lora, offload=offload,
-                              tie_embeddings=spec.tie_embeddings)
+                              tie_embeddings=spec.tie_embeddings, **window_kwargs(spec))
+
+
+def window_kwargs(spec: HFModelSpec) -> dict:
+    """The builder's sliding-window arguments of the checkpoint (none without a window)."""
+    if spec.sliding_window is None:
+        return {}
+    return dict(sliding_window=spec.sliding_window, window_layers=tuple(spec.window_layers))
 
 
 def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa",
@@ -66,7 +73,7 @@ def build_hf_model(spec: HFModelSpec, cache, *, lora=None, backend: str = "sdpa"
                    offload=None, **config_overrides):
     """(unloaded GPTModel, TransformerConfig) for the checkpoint; see :func:`build_hf_gpt`.
     config_overrides: extra TransformerConfig fields (graph / FP8 settings)."""
-    spec.check_sequence_bound(  # a sliding window / LongRoPE: no sequence may exceed it
+    spec.check_sequence_bound(  # LongRoPE: no sequence may exceed its original context
         cache.config.max_seqlen_bound, f"the cache's max_seqlen={cache.config.max_seqlen_bound}",
         f"build the cache with PackedSeqConfig(max_seqlen<={spec.max_sequence})")
     config_overrides.setdefault("use_cpu_initialization", cache.device.type != "cuda")

@@ -52,11 +52,12 @@ def _is_main_rank() -> bool:
 
 
 def _check_window(spec: HFModelSpec, data) -> None:
-    """A sliding window runs as plain causal attention, so no sequence of the data may be longer
-    than it (checked at parse, before any weight is read). The bound: data=jsonl refuses (or
-    skips) records longer than data.max_tokens and completes held-out prompts within it; the
-    synthetic data draws lengths up to data.max_len (<= max_tokens)."""
-    if spec.max_sequence is None:  # no sliding window, no LongRoPE
+    """LongRoPE is served with its short factors, so no sequence of the data may be longer than
+    its original context (checked at parse, before any weight is read; a sliding window has no
+    bound: the windowed layers attend through it). The bound: data=jsonl refuses (or skips)
+    records longer than data.max_tokens and completes held-out prompts within it; the synthetic
+    data draws lengths up to data.max_len (<= max_tokens)."""
+    if spec.max_sequence is None:  # no LongRoPE
         return
     longest, knob = data.max_tokens, "data.max_tokens"
     if getattr(data, "max_len", None) is not None and data.max_len < longest:
@@ -85,7 +86,8 @@ class HFModel(ModelProvider):
         SafetensorsCheckpoint(spec.path).close()  # missing / truncated files, headers only
         return ModelSource(self.key, spec.model_config(), spec.rope_config(),
                            tie_embeddings=spec.tie_embeddings, tokenizer_path=spec.path,
-                           handle=HFJobConfig(spec.path, spec))
+                           handle=HFJobConfig(spec.path, spec),
+                           sliding_window=spec.sliding_window, window_layers=spec.window_layers)
 
     def transformer_overrides(self, source: ModelSource, device) -> dict:
         """The checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters allocated

@@ -15,7 +15,11 @@ ints on every step):
   math in :mod:`megatron_fastpath.packed_seq.rope`);
 * the SDPA mask ``sdpa_mask_TT``: ONE additive mask (0 / -inf) in the compute dtype, shared by
   all layers (SDPA saves it once per step and converts nothing);
-* the ``flex_attention`` BlockMask as eight index tensors ``flex_*``.
+* the ``flex_attention`` BlockMask as eight index tensors ``flex_*``;
+* for sliding-window layers (``PackedCoreAttention(sliding_window=W)``; one window per cache)
+  the same two masks restricted to the last W keys of each query: ``sdpa_mask_window_TT`` and
+  ``flex_window_*`` (kinds ``sdpa_mask_window`` / ``flex_block_mask_window``, built only when a
+  layer registers them, once per batch whatever the number of windowed layers).
 
 Attention reads all of it from the params it is given, never from the cache by identity or from
 a "current" batch. That is what Megatron's ``CudaGraphManager`` needs: it rebuilds dataclass
@@ -232,6 +236,9 @@ class CachedPackedSeqParams(PackedSeqParams):
     sdpa_mask_TT: [T, T] additive mask in the compute dtype: 0 where token i may attend j
         (same sequence, j <= i; a padding token attends itself), -inf elsewhere.
     flex_*: the ``BlockMask`` index tensors ([1, 1, Q] / [1, 1, Q, K] int32) of the same mask.
+    sdpa_mask_window_TT / flex_window_*: the same masks of sliding-window layers (window W, the
+        cache's :attr:`PackedSeqCache.window`): key j of query i also needs
+        ``pos(i) - pos(j) < W`` (transformers' ``kv_idx > q_idx - W``).
     pad_gather_SM: [S, M] int64, the packed-to-padded view: row s holds sequence s's tokens
         (their index in [0, T)) left-aligned; cells past a sequence's end and rows past the
         batch's sequences hold 0 (every index is in [0, T): the reader gathers without
@@ -266,6 +273,15 @@ class CachedPackedSeqParams(PackedSeqParams):
     flex_q_indices: Optional[torch.Tensor] = None
     flex_full_q_num_blocks: Optional[torch.Tensor] = None
     flex_full_q_indices: Optional[torch.Tensor] = None
+    sdpa_mask_window_TT: Optional[torch.Tensor] = None
+    flex_window_kv_num_blocks: Optional[torch.Tensor] = None
+    flex_window_kv_indices: Optional[torch.Tensor] = None
+    flex_window_full_kv_num_blocks: Optional[torch.Tensor] = None
+    flex_window_full_kv_indices: Optional[torch.Tensor] = None
+    flex_window_q_num_blocks: Optional[torch.Tensor] = None
+    flex_window_q_indices: Optional[torch.Tensor] = None
+    flex_window_full_q_num_blocks: Optional[torch.Tensor] = None
+    flex_window_full_q_indices: Optional[torch.Tensor] = None
     pad_gather_SM: Optional[torch.Tensor] = None
     pad_scatter_T: Optional[torch.Tensor] = None
     cp_token_index_T: Optional[torch.Tensor] = None
@@ -408,6 +424,7 @@ class PackedSeqCache:
         self._next_slot = 0
         self._last: Optional[_Slot] = None
         self._kinds: dict[str, torch.dtype] = {}  # registered derived kind -> compute dtype
+        self.window: Optional[int] = None  # the sliding window of the windowed kinds
         self._arange_T: Optional[torch.Tensor] = None
         self._inv_freq = config.rope.inv_freq(self.device) if config.rope is not None else None
 
@@ -573,14 +590,28 @@ class PackedSeqCache:
         return total
 
     # ------------------------------------------------------------------ derived tensors
-    def register(self, kind: str, dtype: Optional[torch.dtype] = None) -> None:
+    def register(self, kind: str, dtype: Optional[torch.dtype] = None,
+                 window: Optional[int] = None) -> None:
         """Declare that a consumer needs the derived tensors ``kind`` (a key of
         :data:`DERIVED_KINDS`), computed in ``dtype`` (kinds with ``compute_dtype``:
-        "rope_cos_sin" and "sdpa_mask"; default float32; the ``"kind:dtype"`` form is accepted).
+        "rope_cos_sin", "sdpa_mask" and "sdpa_mask_window"; default float32; the
+        ``"kind:dtype"`` form is accepted). The windowed kinds take the sliding ``window``
+        (one per cache: every windowed layer of a checkpoint has the same).
         Allocates the field in every slot's params now (the address never changes afterwards)
         and builds it for batches already loaded."""
         kind, _, dtype_name = kind.partition(":")
         spec = derived_kind(kind)
+        if spec.windowed:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise ValueError(f"{kind} needs a sliding window >= 1 token; got {window!r}")
+            if self.window is not None and self.window != window:
+                raise ValueError(
+                    f"the cache builds its windowed masks for sliding_window={self.window}; a "
+                    f"layer asked for {window}: one cache serves one window (give models of "
+                    "another window their own PackedSeqCache)")
+            self.window = window
+        elif window is not None:
+            raise ValueError(f"{kind} takes no window (got window={window})")
         if dtype_name:
             dtype = getattr(torch, dtype_name)
         dtype = dtype if spec.compute_dtype and dtype is not None else torch.float32
@@ -656,38 +687,53 @@ class PackedSeqCache:
                 f" use the 'flex', 'flash' or 'te' backend (no dense mask), {padded}, or raise the limit"
             )
 
-    def _allocate_sdpa_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
+    def _allocate_sdpa_mask(self, slot: _Slot, dtype: torch.dtype, field: str = "sdpa_mask_TT") -> None:
         t = self.config.max_tokens
-        slot.params.sdpa_mask_TT = torch.zeros((self.config.local_tokens, t), dtype=dtype,
-                                               device=self.device)
+        setattr(slot.params, field, torch.zeros((self.config.local_tokens, t), dtype=dtype,
+                                                device=self.device))
 
-    def _build_sdpa_mask(self, slot: _Slot) -> None:
+    def _allocate_sdpa_mask_window(self, slot: _Slot, dtype: torch.dtype) -> None:
+        self._allocate_sdpa_mask(slot, dtype, "sdpa_mask_window_TT")
+
+    def _build_sdpa_mask(self, slot: _Slot, window: Optional[int] = None) -> None:
         """mask[i, j] = 0 if start(i) <= j <= i else -inf, with start(i) = i - position(i) the
         first token of i's sequence. Sequences are contiguous, so this is "same sequence and
         causal"; a padding token has position 0, so its row is the diagonal alone (no fully
         masked row). Written in place into the slot's [T, T] buffer in the compute dtype: no
-        causal constant is held, and SDPA gets a mask it uses as is (no per-layer conversion)."""
+        causal constant is held, and SDPA gets a mask it uses as is (no per-layer conversion).
+        With ``window`` W (into ``sdpa_mask_window_TT``) also j > i - W: inside a sequence the
+        position difference is the index difference, so this is transformers' window."""
         p = slot.params
         if self._arange_T is None:
             self._arange_T = torch.arange(self.config.max_tokens, dtype=torch.int32, device=self.device)
+        out_TT = p.sdpa_mask_TT if window is None else p.sdpa_mask_window_TT
         if p.cp_kv_seq_ids_K is not None:
-            return self._build_sdpa_mask_cp(slot)
+            return self._build_sdpa_mask_cp(slot, out_TT, window)
         j_1T, i_T1 = self._arange_T.unsqueeze(0), self._arange_T.unsqueeze(1)
         outside_TT = torch.lt(j_1T, i_T1 - p.position_ids_T.unsqueeze(1))  # before its sequence
         outside_TT.logical_or_(torch.gt(j_1T, i_T1))  # after the query: causal
-        p.sdpa_mask_TT.zero_().masked_fill_(outside_TT, float("-inf"))
+        if window is not None:  # W or more tokens back: outside the window
+            outside_TT.logical_or_(torch.le(j_1T, i_T1 - window))
+        out_TT.zero_().masked_fill_(outside_TT, float("-inf"))
 
-    def _build_sdpa_mask_cp(self, slot: _Slot) -> None:
+    def _build_sdpa_mask_window(self, slot: _Slot) -> None:
+        self._build_sdpa_mask(slot, self.window)
+
+    def _build_sdpa_mask_cp(self, slot: _Slot, out_TK: torch.Tensor, window: Optional[int]) -> None:
         """CP: local query i (gathered index rank * T_l + i) may attend gathered key j when both
-        are in the same sequence and j's global position is <= i's; a tail token attends itself."""
+        are in the same sequence and j's global position is <= i's (and, with ``window`` W,
+        > i's - W); a tail token attends itself."""
         p, tl = slot.params, self.config.local_tokens
         sid_T1, pos_T1 = p.seq_ids_T.unsqueeze(1), p.position_ids_T.unsqueeze(1)
+        kv_pos_1K = p.cp_kv_position_ids_K.unsqueeze(0)
         allowed_TK = torch.eq(sid_T1, p.cp_kv_seq_ids_K.unsqueeze(0))
         allowed_TK.logical_and_(torch.ge(sid_T1, 0))
-        allowed_TK.logical_and_(torch.le(p.cp_kv_position_ids_K.unsqueeze(0), pos_T1))
+        allowed_TK.logical_and_(torch.le(kv_pos_1K, pos_T1))
+        if window is not None:
+            allowed_TK.logical_and_(torch.gt(kv_pos_1K, pos_T1 - window))
         own_T1 = self._arange_T[:tl].unsqueeze(1) + self.config.context_parallel_rank * tl
         allowed_TK.logical_or_(torch.eq(self._arange_T.unsqueeze(0), own_T1))
-        p.sdpa_mask_TT.zero_().masked_fill_(allowed_TK.logical_not_(), float("-inf"))
+        out_TK.zero_().masked_fill_(allowed_TK.logical_not_(), float("-inf"))
 
     def _allocate_sdpa_padded(self, slot: _Slot, dtype: torch.dtype) -> None:
         t, rows, m = self.config.max_tokens, self.config.max_seqs, self.config.max_seqlen_bound
@@ -711,22 +757,29 @@ class PackedSeqCache:
         slot.pad_gather_ext.zero_().scatter_(0, cell_T, self._arange_T.to(torch.int64))
         p.pad_scatter_T.copy_(cell_T).masked_fill_(real_T.logical_not_(), 0)
 
-    def _allocate_flex_block_mask(self, slot: _Slot, dtype: torch.dtype) -> None:
+    def _allocate_flex_block_mask(self, slot: _Slot, dtype: torch.dtype, prefix: str = "flex_") -> None:
         nb = -(-self.config.max_tokens // FLEX_BLOCK)
         for name in _FLEX_FIELDS:
             shape = (1, 1, nb) if name.endswith("num_blocks") else (1, 1, nb, nb)
-            setattr(slot.params, f"flex_{name}", torch.zeros(shape, dtype=torch.int32, device=self.device))
+            setattr(slot.params, f"{prefix}{name}", torch.zeros(shape, dtype=torch.int32, device=self.device))
 
-    def _build_flex_block_mask(self, slot: _Slot) -> None:
+    def _build_flex_block_mask(self, slot: _Slot, window: Optional[int] = None) -> None:
         """The BlockMask of the same mask, copied into the slot's static index tensors
         (``create_block_mask`` allocates fresh ones; a graph replay needs fixed addresses)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         t = self.config.max_tokens
-        fresh = create_block_mask(packed_causal_mask_mod(slot.params.seq_ids_T), None, None, t, t,
-                                  device=self.device, BLOCK_SIZE=FLEX_BLOCK)
+        fresh = create_block_mask(packed_causal_mask_mod(slot.params.seq_ids_T, window), None, None,
+                                  t, t, device=self.device, BLOCK_SIZE=FLEX_BLOCK)
+        prefix = "flex_" if window is None else "flex_window_"
         for name in _FLEX_FIELDS:
-            getattr(slot.params, f"flex_{name}").copy_(getattr(fresh, name))
+            getattr(slot.params, f"{prefix}{name}").copy_(getattr(fresh, name))
+
+    def _allocate_flex_block_mask_window(self, slot: _Slot, dtype: torch.dtype) -> None:
+        self._allocate_flex_block_mask(slot, dtype, "flex_window_")
+
+    def _build_flex_block_mask_window(self, slot: _Slot) -> None:
+        self._build_flex_block_mask(slot, self.window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,6 +791,7 @@ class DerivedKind:
     compute_dtype: built in the consumer's dtype (else float32).
     needs_rope: needs ``PackedSeqConfig.rope``.
     dense_mask: a [T, T] mask per slot (refused above ``sdpa_mask_max_tokens``).
+    windowed: built for the cache's sliding :attr:`PackedSeqCache.window` (given at register).
     """
 
     allocate: Callable[[PackedSeqCache, _Slot, torch.dtype], None]
@@ -745,6 +799,7 @@ class DerivedKind:
     compute_dtype: bool = False
     needs_rope: bool = False
     dense_mask: bool = False
+    windowed: bool = False
 
 
 # Every derived kind of the cache: the one list a consumer registers from.
@@ -761,6 +816,12 @@ DERIVED_KINDS: dict[str, DerivedKind] = {
                                PackedSeqCache._build_sdpa_padded),
     "flex_block_mask": DerivedKind(PackedSeqCache._allocate_flex_block_mask,
                                    PackedSeqCache._build_flex_block_mask),
+    "sdpa_mask_window": DerivedKind(PackedSeqCache._allocate_sdpa_mask_window,
+                                    PackedSeqCache._build_sdpa_mask_window, compute_dtype=True,
+                                    dense_mask=True, windowed=True),
+    "flex_block_mask_window": DerivedKind(PackedSeqCache._allocate_flex_block_mask_window,
+                                          PackedSeqCache._build_flex_block_mask_window,
+                                          windowed=True),
 }
 KINDS = tuple(DERIVED_KINDS)
 
@@ -775,32 +836,42 @@ def derived_kind(kind: str) -> DerivedKind:
     return spec
 
 
-def packed_causal_mask_mod(seq_ids_T: torch.Tensor):
-    """flex ``mask_mod``: same sequence and causal; a padding token (id -1) attends itself."""
+def packed_causal_mask_mod(seq_ids_T: torch.Tensor, window: Optional[int] = None):
+    """flex ``mask_mod``: same sequence and causal (with ``window`` W: and fewer than W tokens
+    back -- inside a sequence, index differences are position differences); a padding token
+    (id -1) attends itself."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         sq = seq_ids_T[q_idx]
         same = (sq == seq_ids_T[kv_idx]) & (sq >= 0)
         return (same & (q_idx >= kv_idx)) | (q_idx == kv_idx)
 
-    return mask_mod
+    def window_mask_mod(b, h, q_idx, kv_idx):
+        sq = seq_ids_T[q_idx]
+        same = (sq == seq_ids_T[kv_idx]) & (sq >= 0)
+        return (same & (q_idx >= kv_idx) & (q_idx - kv_idx < window)) | (q_idx == kv_idx)
+
+    return mask_mod if window is None else window_mask_mod
 
 
-def block_mask_from(params: CachedPackedSeqParams):
-    """A ``BlockMask`` over the params' flex fields (no copy, no new index tensors)."""
+def block_mask_from(params: CachedPackedSeqParams, window: Optional[int] = None):
+    """A ``BlockMask`` over the params' flex fields (no copy, no new index tensors); with
+    ``window``: over the windowed ones (``flex_window_*``, built for that window)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     t = params.seq_ids_T.shape[0]
-    # One mask_mod per params object (kept on it, not a field): a compiled flex_attention then
-    # sees the same callable at every layer instead of a new closure per call.
-    memo = params.__dict__.get("_flex_mask_mod")
+    # One mask_mod per params object and window (kept on it, not a field): a compiled
+    # flex_attention then sees the same callable at every layer instead of a new closure per call.
+    key = "_flex_mask_mod" if window is None else f"_flex_mask_mod_w{window}"
+    memo = params.__dict__.get(key)
     if memo is None or memo[0] is not params.seq_ids_T:
-        memo = params.__dict__["_flex_mask_mod"] = (
-            params.seq_ids_T, packed_causal_mask_mod(params.seq_ids_T))
+        memo = params.__dict__[key] = (
+            params.seq_ids_T, packed_causal_mask_mod(params.seq_ids_T, window))
     mask_mod = memo[1]
+    prefix = "flex_" if window is None else "flex_window_"
     return BlockMask(
         (t, t),
-        *(getattr(params, f"flex_{name}") for name in _FLEX_FIELDS),
+        *(getattr(params, f"{prefix}{name}") for name in _FLEX_FIELDS),
         BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
         mask_mod=mask_mod,
     )

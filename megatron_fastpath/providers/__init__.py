@@ -48,7 +48,9 @@ class ModelSource:
     provider: the registry key. config: the architecture (``model.ModelConfig``) the job
     reads. rope: the cache's ``RopeConfig``. tie_embeddings: output layer shares the
     embedding. tokenizer_path: the tokenizer a data provider uses by default (None: none).
-    handle: the provider's own parsed state, handed back to it (HF: ``HFJobConfig``)."""
+    handle: the provider's own parsed state, handed back to it (HF: ``HFJobConfig``).
+    sliding_window / window_layers: the attention window of the layers (0-based) it applies
+    to, None / (): none (a Hugging Face checkpoint's sliding window)."""
 
     provider: str
     config: Any
@@ -56,6 +58,8 @@ class ModelSource:
     tie_embeddings: bool = False
     tokenizer_path: Optional[str] = None
     handle: Any = None
+    sliding_window: Optional[int] = None
+    window_layers: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,9 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
     source = cfg.model_source
     model = build_fastpath_gpt(tcfg, cache, cfg.model, backend=cfg.attention_backend,
                                linear_impl=cfg.linear_impl, lora=cfg.lora, offload=cfg.offload,
-                               tie_embeddings=source.tie_embeddings)
+                               tie_embeddings=source.tie_embeddings,
+                               sliding_window=source.sliding_window,
+                               window_layers=source.window_layers or None)
     model_provider(source.provider).load_weights(model, source, log=lambda m: print(m, flush=True))
     total = trainable = sum(p.numel() for p in model.parameters())
     if cfg.lora is not None:

@@ -1,11 +1,12 @@
 """Mistral's sliding window and YaRN RoPE scaling (issue 26 item 4), against transformers.
 
-* A sliding window W is served as plain causal attention where no sequence is longer than W
-  (transformers keeps key kv of query q iff ``kv_idx > q_idx - W``, masking_utils
-  ``sliding_window_overlay``): the packed logits equal transformers' per sequence with W = the
-  longest sequence, transformers with W one shorter differs on exactly that sequence, and a
-  bound above W is refused (main job at parse, before any weight; the standalone loader from
-  the cache's max_seqlen) with what / why / fix.
+* A sliding window W (transformers keeps key kv of query q iff ``kv_idx > q_idx - W``,
+  masking_utils ``sliding_window_overlay``): where no sequence is longer than W the layers run
+  plain causal attention, and the packed logits equal transformers' per sequence with W = the
+  longest sequence, transformers with W one shorter differing on exactly that sequence; a
+  bound above W is served by the windowed attention (the standalone loader from the cache's
+  max_seqlen, the main job at parse) -- parity on sequences longer than the window:
+  tests/hf/test_hf_sliding_window.py.
 * YaRN: inverse frequencies and attention factor bitwise transformers'
   ``_compute_yarn_parameters``; packed logits equal transformers' per sequence (Qwen2, Llama with
   every optional key); the merged export and PEFT adapter load in transformers with the same
@@ -65,44 +66,35 @@ def test_mistral_window_at_least_the_longest_sequence_equals_transformers(mcore_
                 assert (mine[:, -1] - other[:, -1]).abs().max() > 1e-3
 
 
-def test_window_shorter_than_the_cache_bound_refused_by_the_loader(mcore_parallel, checkpoints):
-    from megatron_fastpath.hf.config import UnsupportedCheckpointError
+def test_window_shorter_than_the_cache_bound_served_by_the_loader(mcore_parallel, checkpoints):
+    """A cache bound above the window (once refused): the layers attend through the window."""
+    path, ref = checkpoints("mistral_window")
+    model, cache, spec = build_ours(path)  # max_tokens 64, no max_seqlen: a sequence can have 64
+    assert spec.max_sequence is None and spec.window_layers == (0, 1)
+    assert [layer.self_attention.core_attention.window for layer in model.decoder.layers] == [WINDOW] * 2
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    with torch.no_grad():
+        ours = packed_logits(model.eval(), cache, tokens)
+        for start, seq in per_sequence(tokens):
+            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
+                             what=f"mistral window @{start}")
 
-    path, _ = checkpoints("mistral_window")
-    with pytest.raises(UnsupportedCheckpointError) as e:
-        build_ours(path)  # max_tokens 64, no max_seqlen: a sequence can have 64 tokens
-    msg = str(e.value)
-    assert f"config.json: sliding_window={WINDOW}" in msg and "can have 64 tokens" in msg
-    assert f"PackedSeqConfig(max_seqlen<={WINDOW})" in msg
 
-
-@pytest.mark.parametrize("data, words", [
-    (["data=jsonl", f"data.path={DATA}", "data.max_tokens=64"],
-     f"\\(data.max_tokens=64\\): .* set data.max_tokens<={WINDOW} \\(data=jsonl refuses longer"),
-    (["data.max_len=32", "data.max_tokens=64"], f"\\(data.max_len=32\\): .* set data.max_len<={WINDOW}$"),
+@pytest.mark.parametrize("data", [
+    ["data=jsonl", f"data.path={DATA}", "data.max_tokens=64"],
+    ["data.max_len=32", "data.max_tokens=64"],
 ])
-def test_job_refuses_data_longer_than_the_window_at_parse(mcore_parallel, checkpoints, monkeypatch,
-                                                          data, words):
-    from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
-    from megatron_fastpath.hf.config import UnsupportedCheckpointError
+def test_job_accepts_data_longer_than_the_window_at_parse(mcore_parallel, checkpoints, data):
+    """Data longer than the window (once refused at parse): the job carries the window to the
+    layers it applies to."""
     from megatron_fastpath.train.config import parse_job_config
     from tests.support.hydra_compose import compose_job
 
     path, _ = checkpoints("mistral_window")
-
-    def no_reads(self, *a, **k):
-        raise AssertionError("a weight was read before the refusal")
-
-    monkeypatch.setattr(SafetensorsCheckpoint, "get", no_reads, raising=False)
-    with pytest.raises(UnsupportedCheckpointError,
-                       match=rf"config.json: sliding_window={WINDOW} \(mistral: a token attends to only "
-                             rf"the last {WINDOW} tokens\) but a sequence can have \d+ tokens {words}"):
-        parse_job_config(compose_job(["model=hf", f"model.path={path}", *data]))
-    # a bound within the window is accepted (plain attention is the window's there)
-    fixed = [d.replace("max_tokens=64", f"max_tokens={WINDOW}").replace("max_len=32", f"max_len={WINDOW}")
-             for d in data]
-    job = parse_job_config(compose_job(["model=hf", f"model.path={path}", *fixed]))
-    assert job.model_source.handle.spec.sliding_window == WINDOW
+    job = parse_job_config(compose_job(["model=hf", f"model.path={path}", *data]))
+    source = job.model_source
+    assert source.handle.spec.sliding_window == WINDOW
+    assert (source.sliding_window, source.window_layers) == (WINDOW, (0, 1))
 
 
 @pytest.mark.parametrize("cfg", [
@@ -118,7 +110,7 @@ def test_job_refuses_data_longer_than_the_window_at_parse(mcore_parallel, checkp
          layer_types=["full_attention", "full_attention"]),
 ])
 def test_sliding_window_read_as_transformers_does(tmp_path, cfg):
-    """The window is transformers' on any layer it marks sliding (None: none)."""
+    """The window is transformers' on the layers it marks sliding (None: none)."""
     import transformers as tf
 
     from megatron_fastpath.hf.config import read_hf_config
@@ -129,7 +121,12 @@ def test_sliding_window_read_as_transformers_does(tmp_path, cfg):
     hf = tf.AutoConfig.from_pretrained(str(tmp_path))
     types = getattr(hf, "layer_types", None)
     want = hf.sliding_window if types is None or "sliding_attention" in types else None
-    assert read_hf_config(str(tmp_path)).sliding_window == want
+    spec = read_hf_config(str(tmp_path))
+    assert spec.sliding_window == want
+    # the windowed layers: transformers' sliding_attention ones (Mistral: every layer)
+    layers = () if want is None else tuple(
+        i for i in range(2) if types is None or types[i] == "sliding_attention")
+    assert spec.window_layers == layers
 
 
 @pytest.mark.parametrize("rope_scaling", [

@@ -10,7 +10,8 @@ from megatron_fastpath.packed_seq.cache import DERIVED_KINDS, derived_kind
 
 def test_unknown_derived_kind_is_refused_naming_the_known_kinds():
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4, rope=RopeConfig(dim=4)))
-    known = r"\['real_mask', 'rope_cos_sin', 'rope_freqs', 'sdpa_mask', 'sdpa_padded', 'flex_block_mask'\]"
+    known = (r"\['real_mask', 'rope_cos_sin', 'rope_freqs', 'sdpa_mask', 'sdpa_padded', "
+             r"'flex_block_mask', 'sdpa_mask_window', 'flex_block_mask_window'\]")
     with pytest.raises(ValueError, match=rf"unknown derived kind 'sdpa_masks'.*known kinds {known}"):
         cache.register("sdpa_masks")
     with pytest.raises(ValueError, match="unknown derived kind 'nope'"):
@@ -21,11 +22,16 @@ def test_unknown_derived_kind_is_refused_naming_the_known_kinds():
 @pytest.mark.parametrize("kind", list(DERIVED_KINDS))
 def test_every_registered_kind_allocates_and_builds_through_its_registry_entry(kind):
     """Each kind of the registry allocates its fields (in the compute dtype when it takes one)
-    and is built once per batch; kinds needing RoPE are refused without it."""
+    and is built once per batch; kinds needing RoPE are refused without it, windowed kinds
+    without a window (and the others with one)."""
     spec = DERIVED_KINDS[kind]
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4, rope=RopeConfig(dim=4)))
     before = set(cache.slots[0].params.tensors())
-    cache.register(kind, torch.bfloat16)
+    window = 3 if spec.windowed else None
+    with pytest.raises(ValueError, match="needs a sliding window" if spec.windowed else "takes no window"):
+        cache.register(kind, torch.bfloat16, window=None if spec.windowed else 3)
+    cache.register(kind, torch.bfloat16, window=window)
+    assert cache.window == window
     added = {n: t for n, t in cache.slots[0].params.tensors().items() if n not in before}
     assert bool(added) == (kind != "real_mask")
     if spec.compute_dtype:

@@ -3,7 +3,10 @@
 * :func:`flash_attn_varlen_func`: flash-attn 2.8's varlen signature. Like FA2, its output and
   its dq / dk / dv are allocated uninitialised (here: NaN) and only rows inside a sequence
   ``[cu_seqlens[i], cu_seqlens[i+1])`` are written (flash-attention PR #2324); a sequence longer
-  than ``max_seqlen`` is an error.
+  than ``max_seqlen`` is an error. ``window_size=(left, right)``: flash-attn 2.8's sliding
+  window (``flash_attn_interface.py`` docstring: query i attends the keys in
+  [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] inclusive, -1: unbounded),
+  on top of ``causal``.
 * :class:`TEDotProductAttentionStandIn`: Megatron 0.16.1's ``TEDotProductAttention``
   constructor and ``forward`` signature (checked against the installed source by the tests);
   it forwards the base ``PackedSeqParams`` fields as TE's ``DotProductAttention`` receives them
@@ -32,8 +35,25 @@ import torch
 import torch.nn.functional as F
 
 
-def _varlen_reference(q, k, v, cu, max_seqlen, scale):
-    """Causal attention per sequence; NaN on rows outside every sequence."""
+def _window_mask(n: int, window, device=None):
+    """[n, n] bool of one sequence (s_q = s_k = n): causal, and inside flash-attn / TE's
+    ``window_size=(left, right)`` -- key j of query i iff i - left <= j <= i + right (-1:
+    unbounded); None when the window bounds nothing."""
+    left, right = window
+    if left < 0 and right < 0:
+        return None
+    i = torch.arange(n, device=device)
+    back = i[:, None] - i[None, :]  # i - j
+    keep = back >= 0
+    if left >= 0:
+        keep &= back <= left
+    if right >= 0:
+        keep &= -back <= right
+    return keep
+
+
+def _varlen_reference(q, k, v, cu, max_seqlen, scale, window=(-1, -1)):
+    """Causal attention per sequence (within ``window``); NaN on rows outside every sequence."""
     out = torch.full_like(q, float("nan"))
     bounds = cu.tolist()
     rep = q.shape[1] // k.shape[1]
@@ -44,16 +64,18 @@ def _varlen_reference(q, k, v, cu, max_seqlen, scale):
             raise RuntimeError(f"sequence of {b - a} tokens > max_seqlen={max_seqlen}")
         qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+        keep = _window_mask(b - a, window, q.device)
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, is_causal=keep is None,
+                                                  scale=scale).transpose(0, 1)
     return out
 
 
 class _FlashVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, max_seqlen, scale):
+    def forward(ctx, q, k, v, cu_q, max_seqlen, scale, window=(-1, -1)):
         ctx.save_for_backward(q, k, v, cu_q)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
-        return _varlen_reference(q, k, v, cu_q, max_seqlen, scale)
+        ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
+        return _varlen_reference(q, k, v, cu_q, max_seqlen, scale, window)
 
     @staticmethod
     def backward(ctx, dout):
@@ -65,10 +87,11 @@ class _FlashVarlen(torch.autograd.Function):
                 continue
             with torch.enable_grad():
                 xs = [x[a:b].detach().requires_grad_(True) for x in (q, k, v)]
-                o = _varlen_reference(*xs, torch.tensor([0, b - a]), ctx.max_seqlen, ctx.scale)
+                o = _varlen_reference(*xs, torch.tensor([0, b - a]), ctx.max_seqlen, ctx.scale,
+                                      ctx.window)
                 g = torch.autograd.grad(o, xs, dout[a:b])
             dq[a:b], dk[a:b], dv[a:b] = g
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -76,8 +99,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     assert causal and dropout_p == 0.0
+    assert len(window_size) == 2 and all(isinstance(w, int) and w >= -1 for w in window_size), \
+        f"flash-attn window_size is (left, right), each -1 or >= 0; got {window_size!r}"
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _FlashVarlen.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale)
+    return _FlashVarlen.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, tuple(window_size))
 
 
 def fake_flash_attn_module() -> types.ModuleType:
@@ -120,6 +145,19 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         self.config, self.softmax_scale = config, softmax_scale
+        # Megatron's constructor hands TE window_size=config.window_size on the layers
+        # is_layer_window_attention marks (mcore L1262-1270); TE's check_set_window_size
+        # (dot_product_attention/utils.py) takes (-1, 0) or (>= 0, 0) with causal masks, and
+        # DotProductAttention keeps for query i the keys in [i + s_k - s_q - window_size[0],
+        # i + s_k - s_q + window_size[1]] (its window_size docstring; s_k = s_q here)
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        self.window_size = (-1, 0)
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            assert right == 0 and (left == -1 or left >= 0), \
+                f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type=padding_causal; got {config.window_size}"
+            self.window_size = (left, right)
         self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.kept = [f.name for f in dataclasses.fields(PackedSeqParams)
                      if f.name not in ("cp_group", "local_cp_size")]
@@ -183,7 +221,8 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
             out = _te_thd_cp_attention(self, query, key, value, attn_mask_type.name, kw,
                                        pad_between_seqs, scale)
             return out.reshape(out.shape[0], -1)
-        out = _FlashVarlen.apply(query, key, value, kw["cu_seqlens_q"], kw["max_seqlen_q"], scale)
+        out = _FlashVarlen.apply(query, key, value, kw["cu_seqlens_q"], kw["max_seqlen_q"], scale,
+                                 self.window_size)
         return out.reshape(out.shape[0], -1)
 
 

@@ -10,7 +10,8 @@ CUDA graphs captured -- :func:`gpu_standins` installs them all -- and the two it
   ``searchsorted`` over ``cu_seqlens`` on the device and attention is one masked SDPA call.
   Same contract otherwise (flash-attn 2.8's signature, causal within each sequence, GQA by
   head repetition, output rows outside every sequence uninitialised -- NaN here). Not
-  modelled: the ``max_seqlen`` bound (a host check), dropout.
+  modelled: the ``max_seqlen`` bound (a host check), dropout. ``window_size=(left, right)`` as
+  flash-attn 2.8 (query i attends keys i - left .. i + right of its sequence, -1: unbounded).
 * :class:`FakeCudaTorchGenerator`, the fake CUDA generator as a ``torch.Generator``.
 * :class:`FakeCUDAGraphReplayingCollectives`, the fake CUDA graph replaying captured collectives.
 """
@@ -32,13 +33,21 @@ from torch.utils._pytree import tree_flatten
 from tests.support.fake_cuda_graph import FakeCUDAGraph, _Op
 
 
-def _row_mask(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T, T] bool: query row i may attend key j, [T] bool: row i is inside a sequence)."""
+def _row_mask(cu_seqlens: torch.Tensor, T: int,
+              window=(-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, T] bool: query row i may attend key j, [T] bool: row i is inside a sequence);
+    ``window``: flash-attn's (left, right) -- inside a sequence index differences are position
+    differences."""
     pos = torch.arange(T, device=cu_seqlens.device)
     bounds = cu_seqlens.to(pos.dtype)
     seq = torch.searchsorted(bounds[1:].contiguous(), pos, right=True)  # empty sequences skipped
     inside = pos < bounds[-1]
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]) & inside[:, None]
+    left, right = window
+    if left >= 0:
+        mask &= pos[:, None] - pos[None, :] <= left
+    if right >= 0:
+        mask &= pos[None, :] - pos[:, None] <= right
     return mask, inside
 
 
@@ -49,7 +58,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert causal and dropout_p == 0.0
     T, heads = q.shape[0], q.shape[1]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    mask, inside = _row_mask(cu_seqlens_q, T)
+    assert len(window_size) == 2 and all(isinstance(w, int) and w >= -1 for w in window_size), \
+        f"flash-attn window_size is (left, right), each -1 or >= 0; got {window_size!r}"
+    mask, inside = _row_mask(cu_seqlens_q, T, tuple(window_size))
     rep = heads // k.shape[1]
     qs, ks, vs = (x.transpose(0, 1) for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
     # a row outside every sequence has no key: keep it out of the softmax, then NaN it
