@@ -1,7 +1,10 @@
 """NeMo 2's ``llm.finetune`` with ``apply_fastpath`` for a few steps on a GPU (issue 12 point 7).
 
-NeMo cannot train on a CPU (``torch.cuda.Stream`` in ``nemo/lightning/megatron_parallel.py``),
-so this is ``gpu``-marked: the first GPU user runs the whole NeMo path once -- the tiny Llama
+On this CPU machine NeMo trains only under test-only stand-ins (``torch.cuda.Stream`` in
+``nemo/lightning/megatron_parallel.py`` and the rest: ``tests/support/nemo_on_cpu.py``), which
+``tests/integrations/test_nemo_finetune_cpu.py`` uses to compare three LoRA steps with the main
+job's losses. This test is ``gpu``-marked: the first GPU user runs the real NeMo path once (TE,
+bf16, NCCL, no stand-ins) -- the tiny Llama
 checkpoint of ``examples/make_tiny_hf_llama.py`` imported with ``llm.import_ckpt`` (HF ->
 NeMo), the shipped chat JSONL converted to NeMo's input/output fine-tuning format, a LoRA
 recipe with packed sequences, ``apply_fastpath``, three steps. Not run on this CPU machine.
