@@ -144,13 +144,21 @@ class RunFacts:
 
 
 def _context_parallel(f: RunFacts) -> Optional[str]:
-    # What runs (docs/configuration.md): the main job, dense model, TP without SP, PP = 1, with
-    # the sdpa backend (CP over all-gathered K/V) -- with per-layer CUDA graphs too (the
-    # all-gather and its backward all-reduce are captured in each layer's graphs and replayed;
-    # on a CPU the audit: tests/train/test_context_parallel_graphs.py) -- or the te backend
-    # (TE's THD + CP p2p ring, eager; checked on CPU against a stand-in asserting TE's contract:
-    # tests/train/test_context_parallel_te.py). Everything else is refused until it is written
-    # and tested.
+    # What runs (docs/configuration.md): the main job, dense model, TP (with SP: see below),
+    # PP = 1, with the sdpa backend (CP over all-gathered K/V) -- with per-layer CUDA graphs too
+    # (the all-gather and its backward all-reduce are captured in each layer's graphs and
+    # replayed; on a CPU the audit: tests/train/test_context_parallel_graphs.py) -- or the te
+    # backend (TE's THD + CP p2p ring; checked on CPU against a stand-in asserting TE's
+    # contract: tests/train/test_context_parallel_te.py), eager or in per-layer CUDA graphs (TE
+    # 2.9-2.11's THD + CP p2p path reads no device value on the host -- cu_seqlens stay on the
+    # device, the ring is NCCL isend/irecv and stream waits, TE 2.10+ passes
+    # cuda_graph=is_graph_capturing() to its fused-attention calls there -- so it captures;
+    # the graphs are checked against the stand-in, whose mask is built on the device:
+    # tests/train/test_context_parallel_te_graphs.py). Sequence parallelism is accepted with CP
+    # under the conditions it has without CP (train/config.py _check_parallel: TP >= 2, CUDA,
+    # TE's linears, and data.max_tokens splitting over CP x TP): it needs TE's linears, which
+    # have no CPU stand-in, so neither SP nor SP with CP runs on a CPU here. Everything else is
+    # refused until it is written and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
         return None
     cp = f"{f.names.context_parallel}={f.context_parallel_size}"
@@ -166,16 +174,14 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
          "queries against K/V all-gathered over the CP group, or Transformer Engine's THD + CP "
          "ring; flash's / flex's CP calls are not wired); use fastpath.attention_backend=sdpa "
          "or te"),
-        (f.attention_backend == "te" and (f.graphs_requested or f.full_iteration),
-         "the 'te' attention backend and CUDA graphs (TE's CP ring inside a captured graph is "
-         "not checked: its CPU stand-in reads cu_seqlens on the host); use "
-         "fastpath.attention_backend=sdpa for CP with graphs, or turn fastpath.cuda_graphs off"),
+        (f.attention_backend == "te" and f.full_iteration,
+         "the 'te' attention backend and cuda_graphs.scope=full_iteration (TE's CP ring is "
+         "checked in per-layer graphs only); use cuda_graphs.scope=layers, or "
+         "fastpath.attention_backend=sdpa"),
         (f.is_moe, "an MoE model (Megatron folds CP into the expert data-parallel group; the "
          "fastpath dispatcher is not checked with CP-sharded tokens); use a dense model"),
         (f.pipeline_parallel_size > 1, "pipeline parallelism (CP with PP is not tested); use "
          "parallel.pipeline_model_parallel_size=1"),
-        (f.sequence_parallel, "sequence parallelism (TP x CP runs on CPU without it; SP needs "
-         "CUDA and is not tested with CP); use parallel.sequence_parallel=false"),
         (f.offload, "activation offload (not tested with CP); turn fastpath.offload off"),
     ]
     for hit, why in not_yet:

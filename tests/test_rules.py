@@ -132,17 +132,22 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
                               dict(attention_backend="sdpa", pipeline_parallel_size=2))):
         want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2, **facts))
         assert _main_job_error(["parallel.context_parallel_size=2", *overrides]) == want[0], overrides
-    for facts in (dict(attention_backend="flex"), dict(sequence_parallel=True),
-                  dict(pipeline_parallel_size=2), dict(offload=True)):
+    for facts in (dict(attention_backend="flex"), dict(pipeline_parallel_size=2), dict(offload=True),
+                  dict(attention_backend="te", graphs_requested=True, full_iteration=True)):
         assert len(rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                                  **facts))) == 1, facts
     assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                          attention_backend="sdpa", lora=True)) == []
-    # CUDA graphs at CP (captured on a GPU, the audit on a CPU) are served:
-    # tests/train/test_context_parallel_graphs.py
+    # CUDA graphs at CP (captured on a GPU, the audit on a CPU) are served, per-layer ones with
+    # the te backend too: tests/train/test_context_parallel_graphs.py, _te_graphs.py
     for graphs in (dict(graphs_requested=True), dict(graphs_requested=True, graphs_captured=True)):
-        assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
-                                             attention_backend="sdpa", **graphs)) == []
+        for backend in ("sdpa", "te"):
+            assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                                 attention_backend=backend, **graphs)) == []
+    # sequence parallelism with CP: left to the checks SP has without CP (train/config.py
+    # _check_parallel; tests/train/test_llama2_70b_lora_preset.py)
+    assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
+                                         attention_backend="te", sequence_parallel=True)) == []
     from megatron_fastpath.train.config import parse_job_config
     from tests.support.hydra_compose import compose_job
 

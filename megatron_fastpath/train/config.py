@@ -9,6 +9,7 @@ is switched on or off in ``fastpath`` only; its group (``lora``, ``offload``, ``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -316,7 +317,22 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
                 "parallel.sequence_parallel needs CUDA: Megatron 0.16.1's sequence-parallel "
                 "all-gathers allocate on torch.cuda.current_device(); use "
                 "parallel.sequence_parallel=false on CPU (tensor parallelism still works)")
-        if max_tokens % tp:
+        cp = par.context_parallel_size
+        if cp > 1:
+            # SP with CP (rules._context_parallel): each CP rank holds data.max_tokens / CP
+            # tokens (the cache's local share, every piece split into 2 x CP chunks), and SP
+            # splits that share over the TP ranks -- so max_tokens must split over 2 x CP (the
+            # cache's check) and over CP x TP. Accepted on the conditions SP has without CP
+            # (TP >= 2, CUDA, TE's linears); like SP alone it cannot run on a CPU here (TE's
+            # linears have no CPU stand-in).
+            need = math.lcm(2 * cp, cp * tp)
+            if max_tokens % need:
+                raise ValueError(
+                    f"parallel.sequence_parallel with parallel.context_parallel_size={cp}: each "
+                    f"CP rank's data.max_tokens / {cp} tokens split over the {tp} TP ranks (and "
+                    f"every packed piece into 2 x CP chunks): make data.max_tokens={max_tokens} "
+                    f"a multiple of {need}")
+        elif max_tokens % tp:
             raise ValueError(
                 f"parallel.sequence_parallel splits each packed batch of data.max_tokens="
                 f"{max_tokens} tokens over the {tp} TP ranks: make data.max_tokens a multiple "

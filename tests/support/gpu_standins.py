@@ -18,7 +18,11 @@
   mirrors; the message is TE's) and computes the result for real: K/V all-gathered over the
   CP group (the package's ``all_gather_cp``, as the ``sdpa`` backend), every local query
   attending its own sequence causally at global positions -- the layout derived from what TE
-  is given only (global ``cu_seqlens`` and the rank), TE's DualChunkSwap order.
+  is given only (global ``cu_seqlens`` and the rank), TE's DualChunkSwap order. The mask is
+  built on the device (static shapes, ``searchsorted``), so a CUDA graph captures the call and
+  replays it over any packing; the stand-in's own checks of ``cu_seqlens`` values (host reads)
+  run on eager calls only (real TE checks none of these values: its THD + CP p2p path reads no
+  device value on the host, see ``_te_thd_cp_attention``).
 * :func:`te_apply_rotary_pos_emb`: TE's ``apply_rotary_pos_emb`` keywords, computed with
   Megatron's ``_apply_rotary_pos_emb_bshd`` (the unfused reference).
 
@@ -235,6 +239,15 @@ def _cuda_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` (the fake CUDA graph answers it in the
+    stand-ins); False on a CPU build of torch outside them, where it raises."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):
+        return False
+
+
 def _group_size(group) -> int:
     """TE's CP size (dpa v2.10 L1208-1214): the group's size, the product over a list."""
     if group is None:
@@ -305,38 +318,68 @@ def _te_thd_cp_attention(layer, q, k, v, mask_type, kw, pad_between_seqs, scale)
     # not modelled here (the cache's call has none of them)
     assert not pad_between_seqs and "causal" in mask_type and (layer.attention_dropout == 0.0 or not layer.training), \
         "stand-in: only causal attention without padding between sequences or dropout"
+    assert k.shape[0] == v.shape[0] == q.shape[0], "q, k, v hold different token counts"
     # -- the DualChunkSwap layout TE assumes (cp v2.10 L3930-3931, docstring: "requires sequence
     # lengths to be, or are padded to be, divisible by (cp_size * 2)"; ut v2.10 L761): the P2P
     # steps divide the boundaries by CP and 2 x CP (cp v2.10 L1323-1327, L707, L743) -- silently
     # wrong otherwise. The tokens each rank holds: T / CP of the global T (TE's
-    # thd_get_partitioned_indices / get_batch_on_this_cp_rank, cp v2.10 L4226-4320)
-    lens = (padded_q[1:] - padded_q[:-1]).tolist()  # a host read of the stand-in's own
-    assert all(n % (2 * cp) == 0 for n in lens) and padded_q.tolist() == padded_kv.tolist(), \
-        f"sequence lengths must be divisible by 2 x cp_size = {2 * cp}: {lens}"
-    total = int(padded_q[-1])
-    assert q.shape[0] * cp == total and k.shape[0] == v.shape[0] == q.shape[0], \
-        f"this CP rank holds {q.shape[0]} tokens, not the global {total} / cp_size {cp}"
-    assert max(lens) <= kw["max_seqlen_q"], f"a sequence of {max(lens)} > max_seqlen_q"
+    # thd_get_partitioned_indices / get_batch_on_this_cp_rank, cp v2.10 L4226-4320).
+    # These are checks of device VALUES, the stand-in's own: real TE checks none of them, and
+    # its THD + CP p2p path (bf16) reads no device value on the host -- cu_seqlens are divided
+    # on the device (cp v2.9-2.11 cp_p2p_fwd_prepare_qkv: ``cu_seqlens_q // cp_size``), handed
+    # as device pointers to tex.thd_read_half_tensor / thd_out_correction /
+    # thd_second_half_lse_correction (pytorch/csrc/extensions/attention.cpp: shapes only) and to
+    # fused_attn_fwd/bwd, which TE 2.10-2.11 call with cuda_graph=is_graph_capturing() (cp
+    # L888, L1151); the ring is NCCL isend/irecv plus stream / event waits. So the checks run on
+    # eager calls and are skipped while a CUDA graph is being captured (a host read there
+    # invalidates a real capture; the fake graph raises): the layout is then not checked at
+    # all, as on real TE.
+    if not _capturing():
+        lens = (padded_q[1:] - padded_q[:-1]).tolist()  # a host read of the stand-in's own
+        assert all(n % (2 * cp) == 0 for n in lens) and padded_q.tolist() == padded_kv.tolist(), \
+            f"sequence lengths must be divisible by 2 x cp_size = {2 * cp}: {lens}"
+        # the local rows may run past the last sequence: TE takes a THD tensor longer than
+        # cu_seqlens[-1] and zero-fills its output first (pytorch/csrc/extensions/attention.cpp
+        # v2.10/2.11 L157-159, v2.9 L152-154: te_O.zero_() for bf16 / fp16 THD). The cache's
+        # batches fill every row; Megatron's graph warm-up calls each layer with zeroed inputs
+        # (transformer/cuda_graphs.py create_fwd_graph, mcore L911-914: zeros_like) -- every
+        # cu_seqlens 0, every row past the last sequence
+        total = int(padded_q[-1])
+        assert total <= q.shape[0] * cp, \
+            f"this CP rank holds {q.shape[0]} tokens, not the global {total} / cp_size {cp}"
+        assert max(lens) <= kw["max_seqlen_q"], f"a sequence of {max(lens)} > max_seqlen_q"
     # -- the result: K/V all-gathered (rank order), each local query attends its own sequence's
-    # keys at global positions <= its own -- the layout from cu_seqlens and the rank alone
+    # keys at global positions <= its own -- the layout from cu_seqlens and the rank alone,
+    # built on the device (static shapes, no host read: capturable, replays any packing)
     k_all, v_all = all_gather_cp(k, group), all_gather_cp(v, group)
     allowed_TK = _dual_chunk_swap_mask(padded_q, cp, rank, q.shape[0])
-    mask_TK = torch.zeros(allowed_TK.shape, dtype=q.dtype).masked_fill_(~allowed_TK, float("-inf"))
+    mask_TK = torch.zeros(allowed_TK.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~allowed_TK, float("-inf"))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
         v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask_TK, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(0).transpose(0, 1)
+    out = out.squeeze(0).transpose(0, 1)
+    # rows past the last sequence: TE's zero-filled output (see above), on the device
+    inside_T = _dual_chunk_swap_inside(padded_q, cp, rank, q.shape[0])
+    return torch.where(inside_T[:, None, None], out, torch.zeros_like(out))
+
+
+def _dual_chunk_swap_inside(cu_C: torch.Tensor, cp: int, rank: int, local: int) -> torch.Tensor:
+    """[T_l] bool: local row i holds a token of a sequence of ``cu_C`` (not past the last one)."""
+    return torch.arange(local, dtype=torch.int64, device=cu_C.device) < cu_C[-1].to(torch.int64) // cp
 
 
 def _dual_chunk_swap_mask(cu_C: torch.Tensor, cp: int, rank: int, local: int) -> torch.Tensor:
     """[T_l, CP x T_l] bool: local query i may attend gathered key j (same piece of ``cu_C``,
     j's global index <= i's). Device ops only: each global token g of piece s (start a, length
     n, chunk c = n / 2CP) lies in chunk h = (g - a) // c, held by rank h (h < CP) or 2CP-1-h,
-    at local index a / CP + (g - a) - h c (+ c for the second chunk): TE's order."""
+    at local index a / CP + (g - a) - h c (+ c for the second chunk): TE's order. The rows past
+    ``cu_C[-1]`` (each rank's last ones) count as one more piece, so the map stays a
+    permutation; their output is zeroed by the caller."""
     t = local * cp
     g = torch.arange(t, dtype=torch.int64, device=cu_C.device)
-    cu = cu_C.to(torch.int64)
+    cu = torch.cat([cu_C.to(torch.int64), torch.full((1,), t, dtype=torch.int64, device=cu_C.device)])
     seq = torch.searchsorted(cu[1:].contiguous(), g, right=True).clamp_(max=cu.numel() - 2)
     a, n = cu[seq], cu[seq + 1] - cu[seq]
     c = (n // (2 * cp)).clamp_(min=1)

@@ -139,8 +139,11 @@ REGISTRY: tuple[Entry, ...] = (
         "max_seqlen given and q == kv, no bottom-right mask, a ProcessGroup cp_group, "
         "cu_seqlens_padded (or cu_seqlens in their place), cp_comm_type p2p (all_gather / a2a+p2p "
         "refuse THD, a2a before 2.10, others are unsupported), cp_global_ranks = the group's, a "
-        "cp_stream, every piece divisible by 2 x CP, local tokens = global / CP; computes over "
-        "all-gathered K/V in TE's DualChunkSwap order. Otherwise records the mask type per call "
+        "cp_stream, every piece divisible by 2 x CP, local tokens = global / CP (rows past the "
+        "last sequence zeroed, as TE's THD output); computes over all-gathered K/V in TE's "
+        "DualChunkSwap order with the mask built on the device (capturable: its checks of "
+        "cu_seqlens values, host reads TE does not make, run on eager calls only, skipped while "
+        "capturing). Otherwise records the mask type per call "
         "but asserts none; asserts nothing of TE's FP8 attention backends, nor the RNG tracker "
         f"class TE asserts during capture ({_TE_RNG_CAPTURE})",
         "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py, "

@@ -61,11 +61,10 @@ def test_misspelled_override_rejected():
         ("parallel.pipeline_model_parallel_size=2", "pipeline parallelism needs"),
         ("training.device=tpu", "training.device must be auto, cpu or cuda"),
         ("data.max_len=1000", "max_len=1000 must be <= max_tokens"),
-        # the MLPerf preset (TP4 CP2 SP): the shared rules speak first (the feature matrix's
-        # contract), and they refuse CP with SP (not served yet: tests/test_rules.py); without
-        # CP, a CPU refuses sequence parallelism
-        ("parallel=llama2_70b_lora", "context parallelism with the packed cache is not served yet "
-                                     r"\(parallel.context_parallel_size=2\) with sequence parallelism"),
+        # the MLPerf preset (TP4 CP2 SP): SP with CP is accepted where SP is (GPU, TE's
+        # linears: tests/train/test_llama2_70b_lora_preset.py); a CPU refuses sequence
+        # parallelism, with CP or without
+        ("parallel=llama2_70b_lora", "parallel.sequence_parallel needs CUDA"),
         ("parallel=llama2_70b_lora parallel.context_parallel_size=1", "parallel.sequence_parallel needs CUDA"),
         ("parallel.expert_model_parallel_size=2", "needs an MoE model"),
         ("cluster.expected_world_size=4", "expects 4 processes but the launcher started 1"),
