@@ -38,25 +38,10 @@ from pathlib import Path
 
 import pytest
 
-# 24 samples pack into 6 microbatches (data.max_seqs binds): 3 steps of 2 an epoch; epoch 2
-# replays them in another order (training.epochs reshuffles the packed bins every epoch)
-EPOCHS, MICRO, BINS = 2, 2, 6
-STEPS = EPOCHS * BINS // MICRO
-COMMON = [f"training.epochs={EPOCHS}", f"training.micro_batches={MICRO}", "training.warmup_steps=1",
-          "data.num_samples=24", "data.max_tokens=256", "data.max_len=40", "data.max_seqs=4",
-          "model=tiny_dense", "parallel=single", "model.num_layers=2", "model.hidden_size=64",
-          "model.ffn_hidden_size=96", "fastpath.attention_backend=sdpa",
-          # what a graphs run needs on a CPU (test_feature_matrix.FIXED)
-          "training.skip_memory_check=true", "cluster.backend=gloo", "fastpath.linear_impl=local",
-          "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0"]
-CP2 = ["parallel.context_parallel_size=2"]
-GRAPHS = ["fastpath.cuda_graphs=true"]
-CUDA = ["training.device=cuda"]
+from tests.support.cp_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA,
+                                     FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
+
 ENTRY = ["-m", "tests.train.test_context_parallel_graphs"]
-LAYERS = 2
-# per layer and replay: forward K and V all-gathered, backward their gradients all-reduced
-FWD_COLLECTIVES = {"allgather_": 2}
-BWD_COLLECTIVES = {"allreduce_": 2}
 
 
 # ------------------------------------------------------------------------------ the launcher

@@ -39,8 +39,8 @@ import sys
 
 import pytest
 
-from tests.train.test_context_parallel_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA, EPOCHS,
-                                                     FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
+from tests.support.cp_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA, EPOCHS,
+                                     FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
 
 TE = [o.replace("fastpath.attention_backend=sdpa", "fastpath.attention_backend=te") for o in COMMON]
 assert TE != COMMON
