@@ -1,5 +1,8 @@
 """Shared test fixtures: a one-process gloo group + Megatron parallel state on CPU, and the
-`gpu` marker (tests that need CUDA are skipped, with the reason, on CPU machines)."""
+`gpu` marker (tests that need CUDA are skipped, with the reason, on CPU machines), and the
+flash-attn / Transformer Engine attention stand-ins as fixtures."""
+
+import sys
 
 import pytest
 import torch
@@ -81,3 +84,28 @@ def build_pair(mcore_parallel):
         return packed, ref, cache
 
     return build
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """flash-attn's stand-in (tests/support/gpu_standins.py) importable as ``flash_attn``."""
+    from megatron_fastpath import _optional
+    from tests.support.gpu_standins import fake_flash_attn_module
+
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module())
+    _optional._try_import.cache_clear()
+    yield
+    _optional._try_import.cache_clear()
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """Transformer Engine's attention and fused RoPE stand-ins behind core_attention's seams."""
+    from megatron_fastpath.attention import core_attention
+    from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
+
+    monkeypatch.setattr(core_attention, "_te_dot_product_attention_cls",
+                        lambda: TEDotProductAttentionStandIn)
+    monkeypatch.setattr(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
+    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    TEDotProductAttentionStandIn.calls = []

@@ -4,7 +4,6 @@ first GPU run would hit are refused before anything is built."""
 
 import ast
 import inspect
-import sys
 import types
 from pathlib import Path
 
@@ -17,32 +16,11 @@ from megatron_fastpath.layer_spec import get_fastpath_layer_spec
 from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 from megatron_fastpath.sync import SyncSentinel
-from tests.support.gpu_standins import (
-    TEDotProductAttentionStandIn,
-    fake_flash_attn_module,
-    te_apply_rotary_pos_emb,
-)
+from tests.support.gpu_standins import TEDotProductAttentionStandIn
 from tests.support.packed_reference import TINY
 from tests.support.packed_reference import packed_inputs
 
 T = 32
-
-
-@pytest.fixture
-def fake_flash(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module())
-    _optional._try_import.cache_clear()
-    yield
-    _optional._try_import.cache_clear()
-
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    monkeypatch.setattr(core_attention, "_te_dot_product_attention_cls",
-                        lambda: TEDotProductAttentionStandIn)
-    monkeypatch.setattr(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
-    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
-    TEDotProductAttentionStandIn.calls = []
 
 
 def build(backend, max_seqlen=None):

@@ -13,24 +13,10 @@ peft = pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
     FAMILIES, LENGTHS, MAX_TOKENS, VOCAB, assert_rel_close, build_ours, lora_targets,
-    make_checkpoint, packed_logits, packed_tokens, per_sequence)
+    packed_logits, packed_tokens, per_sequence)
 
 from megatron_fastpath.hf.convert import fuse_qkv  # noqa: E402
 
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(family, shard=False):
-        key = (family, shard)
-        if key not in made:
-            path = str(tmp_path_factory.mktemp(f"{family}{'_sharded' if shard else ''}"))
-            made[key] = (path, make_checkpoint(family, path, shard=shard))
-        return made[key]
-
-    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -29,19 +29,6 @@ from tests.hf.hf_reference import (  # noqa: E402
 WINDOW = max(LENGTHS)  # phi3_partial's sliding_window
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            path = str(tmp_path_factory.mktemp(family))
-            made[family] = (path, make_checkpoint(family, path))
-        return made[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family, max_seqlen", [
     ("phi3", None), ("phi3_partial", WINDOW), ("phi3_longrope", PHI3_ORIGINAL)])
 def test_phi3_logits_equal_transformers(mcore_parallel, checkpoints, family, max_seqlen):

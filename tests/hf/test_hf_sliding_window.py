@@ -15,14 +15,11 @@ top of causal (``masking_utils.sliding_window_overlay``).
 * TE with context parallelism refuses a window no sequence bound keeps within (at build).
 """
 
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from megatron_fastpath import _optional  # noqa: E402
 from megatron_fastpath.attention import core_attention  # noqa: E402
 from tests.hf.hf_reference import (  # noqa: E402
     LENGTHS, MAX_TOKENS, VOCAB, assert_rel_close, packed_logits, packed_tokens, per_sequence,
@@ -62,27 +59,6 @@ def checkpoints(tmp_path_factory):
         return made[family]
 
     return get
-
-
-@pytest.fixture
-def fake_flash(monkeypatch):
-    from tests.support.gpu_standins import fake_flash_attn_module
-
-    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn_module())
-    _optional._try_import.cache_clear()
-    yield
-    _optional._try_import.cache_clear()
-
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
-
-    monkeypatch.setattr(core_attention, "_te_dot_product_attention_cls",
-                        lambda: TEDotProductAttentionStandIn)
-    monkeypatch.setattr(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
-    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
-    TEDotProductAttentionStandIn.calls = []
 
 
 def build(path, backend="sdpa", layout="mask", max_seqlen=None):

@@ -24,22 +24,9 @@ pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
     DATA, LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, check_export_round_trip,
-    make_checkpoint, packed_logits, packed_tokens, per_sequence)
+    packed_logits, packed_tokens, per_sequence)
 
 WINDOW = max(LENGTHS)  # mistral_window's sliding_window
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            path = str(tmp_path_factory.mktemp(family))
-            made[family] = (path, make_checkpoint(family, path))
-        return made[family]
-
-    return get
 
 
 def test_mistral_window_at_least_the_longest_sequence_equals_transformers(mcore_parallel, checkpoints):
