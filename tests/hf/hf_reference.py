@@ -131,6 +131,19 @@ def per_sequence(tokens, lengths=LENGTHS):
         start += n
 
 
+def assert_packed_logits_equal(model, cache, ref, what=""):
+    """Our packed logits of the :data:`LENGTHS` sequences (one packed batch of
+    :data:`MAX_TOKENS`) equal the transformers model ``ref``'s on each sequence alone."""
+    import torch
+
+    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
+    with torch.no_grad():
+        ours = packed_logits(model.eval(), cache, tokens)
+        for start, seq in per_sequence(tokens):
+            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
+                             what=f"{what} @{start}")
+
+
 def lora_targets(family):
     return ("linear_qkv", "linear_proj") if family in MOE else (
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
-    FAMILIES, LENGTHS, MAX_TOKENS, VOCAB, assert_rel_close, build_ours, lora_targets,
-    packed_logits, packed_tokens, per_sequence)
+    FAMILIES, LENGTHS, MAX_TOKENS, VOCAB, assert_packed_logits_equal, assert_rel_close, build_ours,
+    lora_targets, packed_logits, packed_tokens, per_sequence)
 
 from megatron_fastpath.hf.convert import fuse_qkv  # noqa: E402
 
@@ -37,11 +37,7 @@ def test_sharded_checkpoint_loads_the_same(mcore_parallel, checkpoints):
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
     model, cache, _ = build_ours(path)
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
-    with torch.no_grad():
-        ours = packed_logits(model.eval(), cache, tokens)
-        for start, seq in per_sequence(tokens):
-            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits)
+    assert_packed_logits_equal(model, cache, ref, "qwen2 sharded")
 
 
 def make_peft(ref, spec, ours, cfg):

@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
-    DATA, LENGTHS, MAX_TOKENS, PHI3_ORIGINAL, assert_rel_close, build_ours,
-    check_export_round_trip, make_checkpoint, packed_logits, packed_tokens, per_sequence)
+    DATA, LENGTHS, PHI3_ORIGINAL, assert_packed_logits_equal, build_ours, check_export_round_trip,
+    make_checkpoint)
 
 WINDOW = max(LENGTHS)  # phi3_partial's sliding_window
 
@@ -39,12 +39,7 @@ def test_phi3_logits_equal_transformers(mcore_parallel, checkpoints, family, max
         assert spec.rope_config().dim == spec.head_dim // 2 and spec.sliding_window == WINDOW
     if family == "phi3_longrope":
         assert spec.rope_config().cos_sin_scale != 1.0  # the attention factor is exercised
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
-    with torch.no_grad():
-        ours = packed_logits(model.eval(), cache, tokens)
-        for start, seq in per_sequence(tokens):
-            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
-                             what=f"{family} @{start}")
+    assert_packed_logits_equal(model, cache, ref, family)
 
 
 class _Dict:

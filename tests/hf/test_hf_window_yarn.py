@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
-    DATA, LENGTHS, MAX_TOKENS, assert_rel_close, build_ours, check_export_round_trip,
-    packed_logits, packed_tokens, per_sequence)
+    DATA, LENGTHS, MAX_TOKENS, assert_packed_logits_equal, assert_rel_close, build_ours,
+    check_export_round_trip, packed_logits, packed_tokens, per_sequence)
 
 WINDOW = max(LENGTHS)  # mistral_window's sliding_window
 
@@ -59,12 +59,7 @@ def test_window_shorter_than_the_cache_bound_served_by_the_loader(mcore_parallel
     model, cache, spec = build_ours(path)  # max_tokens 64, no max_seqlen: a sequence can have 64
     assert spec.max_sequence is None and spec.window_layers == (0, 1)
     assert [layer.self_attention.core_attention.window for layer in model.decoder.layers] == [WINDOW] * 2
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
-    with torch.no_grad():
-        ours = packed_logits(model.eval(), cache, tokens)
-        for start, seq in per_sequence(tokens):
-            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
-                             what=f"mistral window @{start}")
+    assert_packed_logits_equal(model, cache, ref, "mistral window")
 
 
 @pytest.mark.parametrize("data", [
@@ -148,12 +143,7 @@ def test_yarn_logits_equal_transformers(mcore_parallel, checkpoints, family):
     path, ref = checkpoints(family)
     model, cache, spec = build_ours(path)
     assert spec.rope_config().cos_sin_scale != 1.0  # the attention factor is exercised
-    tokens = packed_tokens(LENGTHS, MAX_TOKENS)
-    with torch.no_grad():
-        ours = packed_logits(model.eval(), cache, tokens)
-        for start, seq in per_sequence(tokens):
-            assert_rel_close(ours[:, start : start + seq.shape[1]], ref(seq).logits,
-                             what=f"{family} @{start}")
+    assert_packed_logits_equal(model, cache, ref, family)
 
 
 @pytest.mark.parametrize("family, key, max_seqlen", [("qwen2_yarn", "rope_scaling", None),
