@@ -121,8 +121,26 @@ def graph_launches(d) -> str:
     return "\n".join(out)
 
 
+def data_stream(d) -> str:
+    impl = {"new": "streaming", "old": "before (0607857)"}
+    gen = {g["records"]: g for g in d["generation"]}
+    out = ["| records | JSONL MiB (generated in, s) | implementation | phase | s (min) | records/s "
+           "| tokens/s | tokens | refused | train + eval bins | all bins read, s | peak RSS MiB "
+           "| RSS after imports MiB |",
+           "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        g = gen[r["size"]]
+        out.append(f"| {r['records']:,} | {g['bytes'] / 2**20:.0f} ({g['seconds']:.1f}) | "
+                   f"{impl[r['impl']]} | {r['phase']} | {r['build_s']:.1f} | {r['records_per_s']:,} | "
+                   f"{r['tokens_per_s']:,} | {r['tokens']:,} | {r['refused']} | "
+                   f"{r['train_bins']:,} + {r['eval_bins']:,} | {r['read_bins_s']:.1f} | "
+                   f"{r['peak_rss_mib']:,.0f} | {r['rss_after_imports_mib']:,.0f} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
-          ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches))
+          ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
+          ("data_stream", data_stream))
 
 
 def tables(results_dir: str = RESULTS) -> dict:

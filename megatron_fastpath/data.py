@@ -9,17 +9,19 @@ taken on the response tokens only, as in SFT.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import operator
 from typing import Optional
 
 import numpy as np
 import torch
 
-from megatron_fastpath.packed_seq.packing import first_fit_decreasing
+from megatron_fastpath.packed_seq.packing import first_fit_decreasing_arrays
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
 
-__all__ = ["DataConfig", "PackedMicrobatch", "SyntheticSFTDataset", "pack_microbatches", "StepBatch",
-           "StepData", "EpochOrder", "epoch_order", "pack_bins", "train_step_data"]
+__all__ = ["DataConfig", "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset", "pack_microbatches",
+           "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins", "train_step_data"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +84,72 @@ class SyntheticSFTDataset:
 
 
 def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig,
-                      pad_multiple: int = 1) -> list[PackedMicrobatch]:
+                      pad_multiple: int = 1) -> "PackedBins":
     """First-fit-decreasing packing of the whole dataset into bins (every data-parallel rank
     packs the same bins; the main job deals them out). ``pad_multiple``: each sample counts as
-    its length rounded up to it (2 x CP with context parallelism; the tokens stay unpadded)."""
-    bins = first_fit_decreasing(dataset.lengths.tolist(), cfg.max_tokens, cfg.max_seqs, pad_multiple)
-    return pack_bins(dataset, cfg, bins)
+    its length rounded up to it (2 x CP with context parallelism; the tokens stay unpadded).
+    The bins are packed from the lengths alone; each microbatch is made when read
+    (:class:`PackedBins`)."""
+    arrays = first_fit_decreasing_arrays(dataset.lengths, cfg.max_tokens, cfg.max_seqs, pad_multiple)
+    return PackedBins(dataset, cfg, arrays)
+
+
+class PackedBins(collections.abc.Sequence):
+    """The packed microbatches of ``bins`` (lists of sample indices of ``dataset``, or the
+    ``(members, starts)`` arrays of :func:`first_fit_decreasing_arrays`), in that order, each
+    padded to ``max_tokens`` when read (:func:`pack_bins`); the ``KEEP`` most recently read are
+    kept, so reading one again gives the same object. Memory: the bins' sample indices (8 bytes
+    a sample), not every padded microbatch (20 bytes x max_tokens a bin). Slices are tuples."""
+
+    KEEP = 256
+
+    def __init__(self, dataset, cfg, bins):
+        if isinstance(bins, tuple) and len(bins) == 2 and isinstance(bins[0], np.ndarray):
+            members, starts = bins
+        else:
+            sizes = [len(b) for b in bins]
+            members = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=sum(sizes))
+            starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=starts[1:])
+        self.dataset, self.cfg, self.members, self.starts = dataset, cfg, members, starts
+        self._kept: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Samples per bin."""
+        return np.diff(self.starts)
+
+    @property
+    def longest(self) -> int:
+        """The longest sample of any bin (0: no bins)."""
+        return int(np.asarray(self.dataset.lengths)[self.members].max()) if len(self.members) else 0
+
+    def indices(self, k: int) -> list:
+        return self.members[self.starts[k]: self.starts[k + 1]].tolist()
+
+    def every(self, start: int, step: int) -> "PackedBins":
+        """Bins ``start``, ``start + step``, ... (a data-parallel rank's share), unpacked."""
+        picked = range(start, len(self), step)
+        return PackedBins(self.dataset, self.cfg, [self.indices(k) for k in picked])
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return tuple(self[j] for j in range(*k.indices(len(self))))
+        k = operator.index(k)
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(f"bin {k} of {len(self)}")
+        mb = self._kept.pop(k, None)
+        if mb is None:
+            (mb,) = pack_bins(self.dataset, self.cfg, [self.indices(k)])
+        self._kept[k] = mb  # most recent last
+        if len(self._kept) > self.KEEP:
+            del self._kept[next(iter(self._kept))]
+        return mb
 
 
 def pack_bins(dataset, cfg, bins) -> list[PackedMicrobatch]:
@@ -121,9 +183,10 @@ def epoch_order(lengths, max_tokens: int, max_seqs: int, seed: int, epoch: int,
     where."""
     rng = np.random.default_rng([seed, epoch])
     perm = rng.permutation(len(lengths))
-    bins = first_fit_decreasing([int(lengths[i]) for i in perm], max_tokens, max_seqs, pad_multiple)
-    bins = [[int(perm[j]) for j in b] for b in bins]
-    return [bins[k] for k in rng.permutation(len(bins))]
+    members, starts = first_fit_decreasing_arrays(np.asarray(lengths)[perm], max_tokens, max_seqs,
+                                                  pad_multiple)
+    members = perm[members]
+    return [members[starts[k]: starts[k + 1]].tolist() for k in rng.permutation(len(starts) - 1)]
 
 
 class EpochOrder:
@@ -149,7 +212,7 @@ class EpochOrder:
     def bins(self, epoch: int) -> tuple:
         if epoch not in self._bins:
             self._bins = {k: v for k, v in self._bins.items() if k >= epoch - 1}
-            self._bins[epoch] = tuple(pack_bins(self.dataset, self.cfg, self.order(epoch)))
+            self._bins[epoch] = PackedBins(self.dataset, self.cfg, self.order(epoch))
             if len(self._bins[epoch]) != self.num_bins:  # the steps assume it (see epoch_order)
                 raise RuntimeError(f"epoch {epoch} packs into {len(self._bins[epoch])} bins, "
                                    f"epoch 0 into {self.num_bins}")
@@ -180,8 +243,8 @@ class StepData:
     """Packed microbatches and which of them each step trains on (same on every rank).
 
     Without ``epochs`` (``training.epochs`` unset) the steps cycle through one packed order,
-    ``bins``. With it, the order is reshuffled and repacked every epoch (:class:`EpochOrder`;
-    ``bins`` is epoch 0's)."""
+    ``bins`` (a :class:`PackedBins` or a tuple of microbatches). With it, the order is
+    reshuffled and repacked every epoch (:class:`EpochOrder`; ``bins`` is epoch 0's)."""
 
     bins: tuple
     micro_batches: int
@@ -220,8 +283,12 @@ class StepData:
 
     def consumed_samples(self, step: int) -> int:
         """Samples trained on in steps 1..``step``."""
-        if self.epochs is None:
-            return sum(len(mb.lengths) for s in range(1, step + 1) for mb in self.global_microbatches(s))
+        if self.epochs is None:  # from the samples per bin (no microbatch is packed for it)
+            sizes = (self.bins.sizes if isinstance(self.bins, PackedBins)
+                     else np.asarray([len(mb.lengths) for mb in self.bins], dtype=np.int64))
+            csum = np.concatenate([[0], np.cumsum(sizes)])
+            firsts = np.asarray([self.first_microbatch(s) for s in range(1, step + 1)], dtype=np.int64)
+            return int((csum[firsts + self.per_step] - csum[firsts]).sum())
         return self.epochs.samples_before(*divmod(step * self.per_step, len(self.bins)))
 
     def batch(self, step: int) -> StepBatch:
@@ -246,4 +313,4 @@ def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int
     else:
         order = EpochOrder(dataset, cfg.data, epochs, cfg.data.seed, pad_multiple)
         bins = order.bins(0)
-    return StepData(tuple(bins), cfg.training.micro_batches, dp_rank, dp_world, order)
+    return StepData(bins, cfg.training.micro_batches, dp_rank, dp_world, order)

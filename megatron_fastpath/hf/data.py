@@ -12,10 +12,19 @@ silently). Tokenized records are cached beside the data (keyed on every shard's 
 tokenizer and template bytes). A deterministic
 ``eval_fraction`` of the records is held out; both splits are packed first-fit decreasing into
 ``max_tokens`` with :func:`megatron_fastpath.data.pack_microbatches`.
+
+Memory is bounded by the tokens, not by Python objects per record: JSONL is read line by line
+(the ``datasets`` types row by row from memory-mapped Arrow), each record's ids / mask are
+appended to flat buffers (int32 ids, uint8 masks, one length, number and where per sample:
+:class:`Ragged`, :class:`Column`, :class:`Wheres`), the cache stores those arrays as they are,
+the split is computed on the arrays, packing reads the lengths only and each padded microbatch
+is made when it is read (:class:`megatron_fastpath.data.PackedBins`).
 """
 
 from __future__ import annotations
 
+import array
+import collections.abc
 import dataclasses
 import hashlib
 import json
@@ -29,7 +38,7 @@ __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl",
            "DataError", "DataSource", "resolve_source", "bad_record_counts", "eval_prompts",
            "stop_token_ids", "build_eval_prompts"]
 
-CACHE_VERSION = 5  # bump when tokenization, masking or the cache layout changes
+CACHE_VERSION = 6  # bump when tokenization, masking or the cache layout changes
 
 
 class DataError(ValueError):
@@ -89,6 +98,138 @@ class JsonlDataConfig:
                 "or data.eval_samples=0")
 
 
+class _View(collections.abc.Sequence):
+    """A read-only list-like view (``==`` / ``+`` with lists, slices as lists) of per-record
+    values held in flat arrays, so that a million records cost a few arrays, not a million
+    Python objects."""
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self._item(j) for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        return self._item(k)
+
+    def __eq__(self, other):
+        return isinstance(other, (list, tuple, _View)) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({len(self)} items)"
+
+
+class Ragged(_View):
+    """Records of variable length in one flat array: record ``k`` is
+    ``flat[starts[k]:ends[k]]`` (a view, no copy). A subset (:meth:`take`) shares the flat
+    array: only its starts and ends are new."""
+
+    def __init__(self, flat: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.flat, self.starts, self.ends = flat, starts, ends
+
+    @classmethod
+    def from_lengths(cls, flat: np.ndarray, lengths) -> "Ragged":
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(flat, offsets[:-1], offsets[1:])
+
+    @classmethod
+    def from_list(cls, items, dtype) -> "Ragged":
+        items = [np.asarray(x, dtype=dtype) for x in items]
+        flat = np.concatenate(items) if items else np.zeros(0, dtype)
+        return cls.from_lengths(flat, [len(x) for x in items])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.ends - self.starts
+
+    def __len__(self):
+        return len(self.starts)
+
+    def _item(self, k):
+        return self.flat[self.starts[k]: self.ends[k]]
+
+    def take(self, idx) -> "Ragged":
+        """The records ``idx`` (in that order), sharing this flat array."""
+        return Ragged(self.flat, self.starts[idx], self.ends[idx])
+
+    def reduce(self, ufunc, initial):
+        """``ufunc.reduce`` over the tokens of these records (non-overlapping; a token mask of
+        one byte a token, not a copy of the tokens, when they are not the whole flat array)."""
+        if not len(self.starts):
+            return initial
+        if self.starts[0] == 0 and self.ends[-1] == len(self.flat) and int(self.lengths.sum()) == len(self.flat):
+            return ufunc.reduce(self.flat, initial=initial)
+        edges = np.zeros(len(self.flat) + 1, dtype=np.int8)
+        np.add.at(edges, self.starts, 1)
+        np.add.at(edges, self.ends, -1)
+        inside = np.cumsum(edges[:-1], dtype=np.int8).view(bool)
+        return ufunc.reduce(self.flat, where=inside, initial=initial)
+
+
+class Column(_View):
+    """Per-record integers in one array (items as Python ints)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+
+    def __len__(self):
+        return len(self.values)
+
+    def _item(self, k):
+        return int(self.values[k])
+
+
+class Wheres(_View):
+    """Where each record is ("line 7", "<shard> line 7", "<file> row 6"): an interned prefix per
+    record and the number after it (-1: the prefix is the whole text)."""
+
+    def __init__(self, prefixes: list, prefix: np.ndarray, num: np.ndarray):
+        self.prefixes, self.prefix, self.num = prefixes, prefix, num
+
+    def __len__(self):
+        return len(self.num)
+
+    def _item(self, k):
+        p, n = self.prefixes[int(self.prefix[k])], int(self.num[k])
+        return p if n < 0 else f"{p} {n}"
+
+    def take(self, idx) -> "Wheres":
+        return Wheres(self.prefixes, self.prefix[idx], self.num[idx])
+
+
+class _WheresBuilder:
+    def __init__(self):
+        self.prefixes, self.ids = [], {}
+        self.prefix, self.num = array.array("i"), array.array("q")
+
+    def append(self, where: str) -> None:
+        head, _, tail = where.rpartition(" ")
+        if head and tail.isdigit() and str(int(tail)) == tail:
+            num = int(tail)
+        else:
+            head, num = where, -1
+        k = self.ids.get(head)
+        if k is None:
+            k = self.ids[head] = len(self.prefixes)
+            self.prefixes.append(head)
+        self.prefix.append(k)
+        self.num.append(num)
+
+    def build(self) -> Wheres:
+        return Wheres(self.prefixes, np.frombuffer(self.prefix, dtype=np.int32).copy() if self.prefix
+                      else np.zeros(0, np.int32),
+                      np.frombuffer(self.num, dtype=np.int64).copy() if self.num else np.zeros(0, np.int64))
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizedData:
     """All well-formed records of the data: ids / masks per record (token-aligned assistant
@@ -98,18 +239,26 @@ class TokenizedData:
     not_an_object, unknown_format, mixed_format, bad_fields, unknown_role, no_assistant,
     template_error, no_loss_token (too_long is counted from the lengths). A conversation whose
     chat template renders earlier turns differently from the last one is one sample per
-    assistant turn (``ChatTokenizer.render_samples``): its samples share its number and where."""
+    assistant turn (``ChatTokenizer.render_samples``): its samples share its number and where.
 
-    ids: list
-    masks: list
-    lines: list
+    Held in flat arrays whatever the number of records: ``ids`` / ``masks`` are :class:`Ragged`
+    (int32 ids / uint8 masks of all records end to end, and each record's start and end), ``lines`` a
+    :class:`Column`, ``wheres`` a :class:`Wheres`; each reads like a list."""
+
+    ids: Ragged
+    masks: Ragged
+    lines: Column
     malformed: list
-    wheres: list = dataclasses.field(default_factory=list)
+    wheres: Wheres
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.ids.lengths
 
     @property
     def split_for_template(self) -> int:
         """Samples beyond one per record: those of conversations split per assistant turn."""
-        return len(self.lines) - len(set(self.lines))
+        return len(self.lines) - len(np.unique(self.lines.values))
 
 
 # data.format: "auto" detects per record (below); the others force one format for every record.
@@ -348,11 +497,17 @@ def _source_records(source: DataSource):
     single = len(source.files) == 1
     if source.kind == "jsonl":
         for f in source.files:
-            with open(f, "rb") as fh:
-                lines = fh.read().split(b"\n")
-            for lineno, raw in enumerate(lines, start=1):
-                n += 1
-                yield (lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"), raw
+            with open(f, "rb") as fh:  # line by line: memory independent of the file's size
+                lineno, raw = 0, b"\n"
+                for raw in fh:
+                    lineno += 1
+                    n += 1
+                    yield ((lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"),
+                           raw[:-1] if raw.endswith(b"\n") else raw)
+                if raw.endswith(b"\n"):  # the empty line after the last newline (numbered too)
+                    lineno += 1
+                    n += 1
+                    yield (lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"), b""
         return
     for name, ds in _datasets_tables(source):
         for row, rec in enumerate(ds):
@@ -397,7 +552,10 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
     record (a dict from datasets). Bad records are collected as (where, reason code, text)."""
     from megatron_fastpath.hf.tokenizer import TokenizerError
 
-    ids, masks, nums, wheres, malformed = [], [], [], [], []
+    # token ids and masks appended to flat buffers (4 + 1 bytes a token), one length, number
+    # and where per sample: no Python object per record survives its tokenization
+    ids, masks, lengths, nums = array.array("i"), array.array("B"), array.array("q"), array.array("q")
+    wheres, malformed = _WheresBuilder(), []
     chat_seen = False
     family = None  # "text" or "conversational": the file's, from its first good record
     bar = _progress(None, "tokenizing")
@@ -445,13 +603,29 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
                                   "of the assistant reply inside its generation span)"))
                 continue
             family = family or ("text" if kind == "text" else "conversational")
-            ids.append(np.asarray(i, dtype=np.int32))
-            masks.append(np.asarray(m, dtype=np.uint8))
+            ids.extend(i)
+            masks.extend(m)
+            lengths.append(len(i))
             nums.append(num)
             wheres.append(where)
     if bar is not None:
         bar.close()
-    return TokenizedData(ids, masks, nums, malformed, wheres)
+    return _tokenized(_as_array(ids, np.int32), _as_array(masks, np.uint8),
+                      _as_array(lengths, np.int64), _as_array(nums, np.int64), malformed, wheres.build())
+
+
+def _as_array(buf: array.array, dtype) -> np.ndarray:
+    """An ``array.array`` buffer as a numpy array of ``dtype`` (shares the buffer when the item
+    sizes agree)."""
+    if not len(buf):
+        return np.zeros(0, dtype)
+    out = np.frombuffer(buf, dtype=np.dtype(buf.typecode))
+    return out if out.dtype == np.dtype(dtype) else out.astype(dtype)
+
+
+def _tokenized(ids, masks, lengths, lines, malformed, wheres) -> TokenizedData:
+    ids = Ragged.from_lengths(ids, lengths)
+    return TokenizedData(ids, Ragged(masks, ids.starts, ids.ends), Column(lines), malformed, wheres)
 
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
@@ -463,13 +637,13 @@ def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
 
 
 def _save_cache(path: str, data: TokenizedData) -> None:
-    lengths = np.asarray([len(x) for x in data.ids], dtype=np.int64)
+    """The flat arrays as they are (no per-record objects, no concatenation)."""
     bad = np.asarray([f"{where}\t{code}\t{why}" for where, code, why in data.malformed], dtype=str)
+    w = data.wheres
     tmp = path + ".tmp.npz"
-    np.savez(tmp, ids=np.concatenate(data.ids) if data.ids else np.zeros(0, np.int32),
-             masks=np.concatenate(data.masks) if data.masks else np.zeros(0, np.uint8),
-             lengths=lengths, lines=np.asarray(data.lines, dtype=np.int64), malformed=bad,
-             wheres=np.asarray(data.wheres, dtype=str))
+    np.savez(tmp, ids=data.ids.flat, masks=data.masks.flat, lengths=data.lengths,
+             lines=data.lines.values, malformed=bad,
+             where_prefixes=np.asarray(w.prefixes, dtype=str), where_prefix=w.prefix, where_num=w.num)
     os.replace(tmp, path)
 
 
@@ -477,25 +651,26 @@ def _load_cache(path: str) -> TokenizedData:
     """The cached tokens, read without unpickling (``allow_pickle=False``: an object array in a
     planted or damaged cache raises instead of running code) and checked for consistency;
     ValueError when the file is not a cache this module wrote."""
-    keys = ("ids", "masks", "lengths", "lines", "malformed", "wheres")
+    keys = ("ids", "masks", "lengths", "lines", "malformed", "where_prefixes", "where_prefix", "where_num")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in keys}
     except (OSError, KeyError, ValueError, EOFError) as exc:  # zipfile.BadZipFile is an OSError
         raise ValueError(f"{path} is not a readable token cache ({exc})") from exc
     ids, masks, lengths, lines = (arrays[k] for k in ("ids", "masks", "lengths", "lines"))
+    prefixes, prefix, num = (arrays[k] for k in ("where_prefixes", "where_prefix", "where_num"))
     bad = arrays["malformed"].tolist()
-    if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines))
-            and arrays["malformed"].dtype.kind in "U" and arrays["wheres"].dtype.kind == "U"
-            and len(ids) == len(masks) and len(arrays["wheres"]) == len(lines)
+    if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines, prefix, num))
+            and arrays["malformed"].dtype.kind in "U" and prefixes.dtype.kind in "U"
+            and len(ids) == len(masks) and len(prefix) == len(num) == len(lines)
             and len(lengths) == len(lines) and (lengths >= 0).all() and int(lengths.sum()) == len(ids)
+            and (not len(prefix) or (prefix.min() >= 0 and prefix.max() < len(prefixes)))
             and all(s.count("\t") >= 2 for s in bad)):
         raise ValueError(f"{path} is not a token cache this version wrote (inconsistent arrays)")
-    cuts = np.cumsum(lengths)[:-1]
     malformed = [tuple(s.split("\t", 2)) for s in bad]
-    return TokenizedData(list(np.split(ids, cuts)) if len(lengths) else [],
-                         list(np.split(masks, cuts)) if len(lengths) else [],
-                         lines.tolist(), malformed, arrays["wheres"].tolist())
+    return _tokenized(ids.astype(np.int32, copy=False), masks.astype(np.uint8, copy=False),
+                      lengths.astype(np.int64, copy=False), lines.astype(np.int64, copy=False),
+                      malformed, Wheres(prefixes.tolist(), prefix, num))
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:
@@ -550,26 +725,50 @@ def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> N
     log(f"data: skipped {msg}")
 
 
+class _Samples(_View):
+    """``samples[k]`` = (tokens int64 [n], loss mask float32 [n]), made when asked for."""
+
+    def __init__(self, ids: Ragged, masks: Ragged):
+        self.ids, self.masks = ids, masks
+
+    def __len__(self):
+        return len(self.ids)
+
+    def _item(self, k):
+        tok, am = self.ids[k], self.masks[k]
+        loss = np.zeros(len(tok), dtype=np.float32)
+        loss[:-1] = am[1:]
+        return tok.astype(np.int64), loss
+
+
 class JsonlDataset:
     """``samples`` = [(tokens int64 [n], loss mask float32 [n])], ``lengths`` int64 [N] -- the
     interface :func:`megatron_fastpath.data.pack_microbatches` packs. The loss mask is the
-    assistant mask shifted by one: position j predicts token j+1."""
+    assistant mask shifted by one: position j predicts token j+1. Held as flat arrays (int32
+    ids and uint8 assistant masks of all samples, :class:`Ragged`); a sample's arrays are made
+    when it is read (``samples`` reads like a list)."""
 
-    def __init__(self, ids: list, masks: list, lines: list):
-        self.lines = list(lines)
-        self.samples = []
-        for tok, am in zip(ids, masks):
-            loss = np.zeros(len(tok), dtype=np.float32)
-            loss[:-1] = am[1:]
-            self.samples.append((np.asarray(tok, dtype=np.int64), loss))
-        self.lengths = np.asarray([len(t) for t in ids], dtype=np.int64)
+    def __init__(self, ids, masks, lines):
+        ids = ids if isinstance(ids, Ragged) else Ragged.from_list(ids, np.int32)
+        masks = masks if isinstance(masks, Ragged) else Ragged.from_list(masks, np.uint8)
+        self.ids, self.masks = ids, masks
+        self.lines = lines if isinstance(lines, Column) else Column(np.asarray(list(lines), dtype=np.int64))
+        self.samples = _Samples(ids, masks)
+        self.lengths = ids.lengths
 
     def __len__(self) -> int:
         return len(self.samples)
 
     @property
     def num_loss_tokens(self) -> int:
-        return int(sum(m.sum() for _, m in self.samples))
+        """Assistant-mask tokens but each sample's first (no position predicts it)."""
+        m = self.masks
+        firsts = m.flat[m.starts[self.lengths > 0]]
+        return int(m.reduce(np.add, 0)) - int(firsts.sum(dtype=np.int64))
+
+    @property
+    def max_token_id(self) -> int:
+        return int(self.ids.reduce(np.maximum, -1))
 
 
 def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
@@ -580,8 +779,9 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     tok_dir = cfg.tokenizer_path or tokenizer_path
     tokenizer = ChatTokenizer(tok_dir)
     data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
-    too_long = [(where, "too_long", f"{len(i)} tokens")
-                for i, where in zip(data.ids, data.wheres) if len(i) > cfg.max_tokens]
+    lengths = data.lengths
+    too_long = [(data.wheres[k], "too_long", f"{int(lengths[k])} tokens")
+                for k in np.flatnonzero(lengths > cfg.max_tokens)]
     _report(cfg, data, too_long, log)
     split = data.split_for_template
     if split:
@@ -589,32 +789,35 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
             "renders earlier turns differently from the last one (e.g. drops their reasoning), so "
             f"conversations with several assistant turns train as one sample per turn, each turn "
             f"rendered as the last (+{split} samples, split_for_template={split})")
-    keep = [k for k, i in enumerate(data.ids) if len(i) <= cfg.max_tokens]
-    if not keep:
+    keep = np.flatnonzero(lengths <= cfg.max_tokens)
+    if not len(keep):
         raise DataError(f"{cfg.path}: no usable records (with loss tokens, <= max_tokens)")
-    # held out by record: the samples of a split conversation stay together (one group each)
-    groups: dict = {}
-    for k in keep:
-        groups.setdefault(data.lines[k], []).append(k)
-    groups = list(groups.values())
-    order = np.random.default_rng(cfg.seed).permutation(len(groups))
-    n_eval = 0 if cfg.eval_fraction == 0 else max(1, int(round(cfg.eval_fraction * len(groups))))
-    if n_eval >= len(groups):
-        raise DataError(f"{cfg.path}: {len(groups)} records cannot give a held-out split of "
+    # held out by record: the samples of a split conversation stay together (one group each,
+    # groups numbered in order of their first sample)
+    _, first, inverse = np.unique(data.lines.values[keep], return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    group = rank[inverse.reshape(-1)]  # kept sample -> its group
+    n_groups = len(first)
+    order = np.random.default_rng(cfg.seed).permutation(n_groups)
+    n_eval = 0 if cfg.eval_fraction == 0 else max(1, int(round(cfg.eval_fraction * n_groups)))
+    if n_eval >= n_groups:
+        raise DataError(f"{cfg.path}: {n_groups} records cannot give a held-out split of "
                         f"{cfg.eval_fraction}; lower data.eval_fraction")
-    eval_idx = sorted(k for j in order[:n_eval] for k in groups[j])
-    train_idx = sorted(k for j in order[n_eval:] for k in groups[j])
+    held_group = np.zeros(n_groups, dtype=bool)
+    held_group[order[:n_eval]] = True
+    eval_idx = keep[held_group[group]]
+    train_idx = keep[~held_group[group]]
 
     def subset(idx):
-        return JsonlDataset([data.ids[k] for k in idx], [data.masks[k] for k in idx],
-                            [data.lines[k] for k in idx])
+        return JsonlDataset(data.ids.take(idx), data.masks.take(idx), Column(data.lines.values[idx]))  # views
 
     # records: the data's records; train_records / eval_records: the samples of each split
     # (split_for_template more than records when conversations were split per assistant turn)
     report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(data.malformed),
                   too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
                   split_for_template=split, train_records=len(train_idx), eval_records=len(eval_idx))
-    return subset(train_idx), (subset(eval_idx) if eval_idx else None), report
+    return subset(train_idx), (subset(eval_idx) if len(eval_idx) else None), report
 
 
 def _checkpoint_eos_ids(model_dir: Optional[str]) -> set:

@@ -160,7 +160,7 @@ class JsonlData(DataProvider):
         show = dp_rank == 0 and _is_main_rank()
         train, held, report = load_jsonl_splits(cfg.data, cfg.model_source.tokenizer_path,
                                                 log=log if show else (lambda m: None))
-        if max(int(x.max()) for x, _ in train.samples) >= cfg.model.vocab_size:
+        if train.max_token_id >= cfg.model.vocab_size:
             raise ValueError(f"{cfg.data.path}: token ids exceed the model's vocab_size "
                              f"{cfg.model.vocab_size}: the tokenizer does not belong to the checkpoint")
         pad = 2 * cfg.parallel.context_parallel_size  # CP pads every sample to 2 x CP
@@ -175,7 +175,8 @@ class JsonlData(DataProvider):
                       train_loss_tokens=train.num_loss_tokens,
                       eval_loss_tokens=held.num_loss_tokens if held else 0)
         return DataParts(order,
-                         eval_bins=tuple(held_bins[dp_rank::dp_world]), report=report,
+                         eval_bins=held_bins.every(dp_rank, dp_world) if held_bins else (),
+                         report=report,
                          evaluate=bool(report["eval_records"]),
                          eval_prompts=build_eval_prompts(cfg.data, held, cfg.model_source.tokenizer_path,
                                                          _model_dir(cfg.model_source)))

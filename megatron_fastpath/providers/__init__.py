@@ -79,8 +79,12 @@ class DataParts:
     def longest_sequence(self) -> int:
         """The longest sequence of any bin, train or held-out (host lengths): the bound the
         packed cache is sized by (its ``max_seqlen``)."""
-        bins = tuple(self.train.bins) + tuple(self.eval_bins)
-        return max(int(mb.lengths.max()) for mb in bins)
+        def longest(bins):  # packed bins know it from the lengths, without packing a microbatch
+            if hasattr(bins, "longest"):
+                return bins.longest
+            return max((int(mb.lengths.max()) for mb in bins), default=0)
+
+        return max(longest(self.train.bins), longest(self.eval_bins))
 
 
 @dataclasses.dataclass(frozen=True)
