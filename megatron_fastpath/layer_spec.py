@@ -35,6 +35,7 @@ def get_fastpath_layer_spec(
     params_dtype=None,
     sliding_window: Optional[int] = None,
     window_layers: Optional[tuple] = None,
+    gemma=None,
 ):
     """Return a ``ModuleSpec`` for a Megatron ``TransformerLayer`` reading ``cache``.
 
@@ -54,6 +55,12 @@ def get_fastpath_layer_spec(
         sliding_window / window_layers: the attention window (tokens) of the layers
             ``window_layers`` lists (0-based global indices; None: every layer), None: none
             (:class:`PackedCoreAttention`'s, e.g. a Hugging Face checkpoint's).
+        gemma: a :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2's layer): every norm a
+            ``(1 + weight)`` float32 :class:`~megatron_fastpath.gemma.GemmaRMSNorm`, the
+            attention and MLP outputs normed before the residual add, the attention scores
+            soft-capped (``gemma.attention_softcap``; refused with the te backend, here). Local
+            linears only (TE's linear_qkv / linear_fc1 fuse a norm without the (1 + weight)
+            float32 form and there is no post-norm slot).
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -69,6 +76,8 @@ def get_fastpath_layer_spec(
     linear_impl = linear_impl or ("te" if resolved == "te" else "local")
     if linear_impl not in ("local", "te"):
         raise ValueError(f"linear_impl must be 'local' or 'te'; got {linear_impl!r}")
+    if gemma is not None:
+        _check_gemma(gemma, resolved, linear_impl, num_experts)
 
     base = megatron_base_spec(linear_impl, num_experts=num_experts, qk_layernorm=qk_layernorm,
                               normalization=normalization)
@@ -77,9 +86,16 @@ def get_fastpath_layer_spec(
     core_params = {"cache": cache, "backend": resolved}
     if sliding_window is not None:
         core_params.update(sliding_window=sliding_window, window_layers=window_layers)
+    attention_cls = CachedRopeSelfAttention
+    if gemma is not None:
+        from megatron_fastpath.gemma import PostNormSelfAttention
+
+        attention_cls = PostNormSelfAttention
+        if gemma.attention_softcap is not None:
+            core_params["softcap"] = gemma.attention_softcap
     core = ModuleSpec(module=PackedCoreAttention, params=core_params)
     self_attention = ModuleSpec(
-        module=CachedRopeSelfAttention,
+        module=attention_cls,
         params=dict(attn.params),
         submodules=dataclasses.replace(attn.submodules, core_attention=core),
     )
@@ -88,8 +104,32 @@ def get_fastpath_layer_spec(
         from megatron_fastpath.moe.spec import get_moe_mlp_spec
 
         mlp = get_moe_mlp_spec(num_experts=num_experts, **(moe_spec_kwargs or {}))
-    submodules = dataclasses.replace(base.submodules, self_attention=self_attention, mlp=mlp)
+    norms = {}
+    if gemma is not None:
+        from megatron_fastpath.gemma import GemmaRMSNorm, PostNormMLP
+
+        mlp = ModuleSpec(module=PostNormMLP, params=dict(mlp.params), submodules=mlp.submodules)
+        norms = dict(input_layernorm=GemmaRMSNorm, pre_mlp_layernorm=GemmaRMSNorm)
+    submodules = dataclasses.replace(base.submodules, self_attention=self_attention, mlp=mlp,
+                                     **norms)
     return ModuleSpec(module=base.module, params=dict(base.params), submodules=submodules)
+
+
+def _check_gemma(gemma, backend: str, linear_impl: str, num_experts) -> None:
+    """Refuse what Gemma 2's layer cannot be built on, before any model exists."""
+    if gemma.attention_softcap is not None and backend == "te":
+        raise ValueError(
+            f"attention logit soft-capping (Gemma 2's attn_logit_softcapping="
+            f"{gemma.attention_softcap}) with the 'te' attention backend: Transformer Engine "
+            "2.9-2.11's DotProductAttention has no logit soft-capping; use attention_backend="
+            "flash (flash-attn's softcap), sdpa or flex")
+    if linear_impl != "local":
+        raise ValueError(
+            "Gemma 2's layer with linear_impl='te': Transformer Engine's linear_qkv / linear_fc1 "
+            "fuse the input / pre-MLP norm (not Gemma's (1 + weight) norm in float32) and the "
+            "layer has no post-attention / post-MLP norm slot; use linear_impl='local'")
+    if num_experts is not None:
+        raise ValueError("Gemma 2's layer is dense: num_experts must be None")
 
 
 def megatron_base_spec(

@@ -122,7 +122,8 @@ def rope_config_of(config):
 
 def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_impl: Optional[str] = None,
                        lora=None, offload=None, tie_embeddings: bool = False,
-                       sliding_window: Optional[int] = None, window_layers: Optional[tuple] = None):
+                       sliding_window: Optional[int] = None, window_layers: Optional[tuple] = None,
+                       gemma=None):
     """The one model builder of the package (main job, Hugging Face loading): ``GPTModel`` of
     architecture ``arch`` on the fastpath layer spec over ``cache``, with the switched-on
     features as spec transforms (``lora``: a ``LoRAConfig``, ``offload``: an
@@ -130,7 +131,9 @@ def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_i
     Megatron's initialisation; when ``tcfg.perform_initialization`` is False (a loader will
     overwrite every weight) the tensor-parallel marks Megatron's init would set are set here.
     ``sliding_window`` / ``window_layers``: the attention window of the layers it applies to
-    (:func:`~megatron_fastpath.layer_spec.get_fastpath_layer_spec`)."""
+    (:func:`~megatron_fastpath.layer_spec.get_fastpath_layer_spec`). ``gemma``: a
+    :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2's layer, scaled embeddings, final
+    norm and soft-capped logits)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
@@ -138,7 +141,7 @@ def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_i
     spec = get_fastpath_layer_spec(
         cache, backend=backend, num_experts=arch.num_experts, qk_layernorm=arch.qk_layernorm,
         normalization=arch.normalization, linear_impl=linear_impl, params_dtype=tcfg.params_dtype,
-        sliding_window=sliding_window, window_layers=window_layers)
+        sliding_window=sliding_window, window_layers=window_layers, gemma=gemma)
     if lora is not None:
         from megatron_fastpath.lora import with_lora
 
@@ -153,6 +156,10 @@ def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_i
     model = build_gpt_model(
         tcfg, spec, arch.vocab_size, cache.config.max_tokens,
         share_embeddings_and_output_weights=tie_embeddings, pre_process=first, post_process=last)
+    if gemma is not None:
+        from megatron_fastpath.gemma import apply_gemma_model_hooks
+
+        apply_gemma_model_hooks(model, gemma, arch.hidden_size)
     if not tcfg.perform_initialization:
         from megatron_fastpath.compat.tensor_parallel import mark_tensor_parallel_weights
 

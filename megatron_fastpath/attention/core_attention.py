@@ -31,6 +31,13 @@ view, a constant banded causal [M, M] mask; flex the windowed BlockMask
 ring takes none for THD). A window no sequence can exceed (W >= the cache's ``max_seqlen``)
 masks nothing: such a layer runs plain causal attention.
 
+Attention logit soft-capping (``softcap=c``, Gemma 2's ``attn_logit_softcapping``): scores =
+c * tanh(q.k * scale / c) before the mask and softmax (transformers' ``eager_attention_forward``).
+Torch SDPA takes no score function, so sdpa computes such a layer explicitly over the same mask
+(additive [T, T], or the padded view's causal / banded [M, M]): scores, cap, mask, softmax in
+float32 cast back, @ v; flex passes a ``score_mod``; flash flash-attn's ``softcap`` (>= 2.6);
+te refuses it at construction (Transformer Engine 2.9-2.11's attention has no soft-capping).
+
 Shape letters: T packed tokens, H heads (np query heads, ng key/value groups), d head dim,
 D rotary dim.
 """
@@ -167,6 +174,7 @@ class PackedCoreAttention(MegatronModule):
         apply_rope: bool = True,
         sliding_window: Optional[int] = None,
         window_layers: Optional[tuple] = None,
+        softcap: Optional[float] = None,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -198,6 +206,7 @@ class PackedCoreAttention(MegatronModule):
                     "only ('all_gather' and 'a2a+p2p' refuse THD; 'a2a' does from 2.10 on); "
                     "leave cp_comm_type unset (Megatron's default 'p2p')")
         self.layer_number = layer_number
+        self.softcap = self._checked_softcap(softcap, self.backend)
         self.window = self._layer_window(cache, layer_number, sliding_window, window_layers)
         self.apply_rope = apply_rope and cache.config.rope is not None
         self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
@@ -280,6 +289,22 @@ class PackedCoreAttention(MegatronModule):
 
             # flex_attention only generates a fused kernel under torch.compile.
             self._flex = torch.compile(flex_attention, dynamic=False) if cache.device.type == "cuda" else flex_attention
+
+    @staticmethod
+    def _checked_softcap(cap: Optional[float], backend: str) -> Optional[float]:
+        """Attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``): scores =
+        cap * tanh(scores / cap) after the softmax scale, before the mask and softmax."""
+        if cap is None:
+            return None
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) \
+                or cap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 or None; got {cap!r}")
+        if backend == "te":
+            raise ValueError(
+                f"attention logit soft-capping (softcap={cap}) with the 'te' attention backend: "
+                "Transformer Engine 2.9-2.11's DotProductAttention has no logit soft-capping; "
+                "use attention_backend=flash (flash-attn's softcap), sdpa or flex")
+        return float(cap)
 
     @staticmethod
     def _layer_window(cache, layer_number: int, window: Optional[int],
@@ -426,6 +451,9 @@ class PackedCoreAttention(MegatronModule):
                 f"the packed cache built the SDPA mask in {mask_TT.dtype} (TransformerConfig."
                 f"params_dtype) but attention runs in {q.dtype}; set params_dtype to the compute dtype"
             )
+        if self.softcap is not None:
+            out_1HTd = self._softcapped_attention(*self._as_1HTd(q, k, v), mask_TT)
+            return out_1HTd.squeeze(0).transpose(0, 1)
         with self._dropout_rng():
             out_1HTd = F.scaled_dot_product_attention(
                 *self._as_1HTd(q, k, v),
@@ -435,6 +463,26 @@ class PackedCoreAttention(MegatronModule):
                 enable_gqa=q.shape[1] != k.shape[1],
             )
         return out_1HTd.squeeze(0).transpose(0, 1)
+
+    def _softcapped_attention(self, q_BHQd, k_BGKd, v_BGKd, mask_QK):
+        """Explicit attention with logit soft-capping (torch SDPA takes no score function), as
+        transformers' ``eager_attention_forward`` of Gemma 2: scores = q k^T * scale, cap *
+        tanh(scores / cap), + the mask (additive, or a bool keep-mask), softmax in float32 cast
+        to q's dtype, dropout, @ v. GQA: query head h reads key / value group h // (H / G)."""
+        rep = q_BHQd.shape[1] // k_BGKd.shape[1]
+        if rep > 1:
+            k_BGKd, v_BGKd = (x.repeat_interleave(rep, 1) for x in (k_BGKd, v_BGKd))
+        scores = torch.matmul(q_BHQd, k_BGKd.transpose(-2, -1)) * self.softmax_scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask_QK.dtype == torch.bool:
+            scores = scores.masked_fill(mask_QK.logical_not(), float("-inf"))
+        else:
+            scores = scores + mask_QK
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQd.dtype)
+        if self._dropout() > 0:
+            with self._dropout_rng():
+                probs = F.dropout(probs, p=self._dropout())
+        return torch.matmul(probs, v_BGKd)
 
     def _forward_sdpa_padded(self, q, k, v, params):
         """Causal SDPA on the packed-to-padded view: S rows of M tokens, one sequence per row,
@@ -450,11 +498,16 @@ class PackedCoreAttention(MegatronModule):
         def padded(x_THd):  # [T, h, d] -> [S, h, M, d]
             return x_THd[gather_SM].transpose(1, 2)
 
-        with self._dropout_rng():
-            out_ShMd = F.scaled_dot_product_attention(
-                padded(q), padded(k), padded(v), attn_mask=self._band_MM,
-                is_causal=self._band_MM is None, dropout_p=self._dropout(),
-                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        if self.softcap is not None:
+            m_M = torch.arange(m, device=q.device)
+            keep_MM = self._band_MM if self._band_MM is not None else m_M[:, None] >= m_M[None, :]
+            out_ShMd = self._softcapped_attention(padded(q), padded(k), padded(v), keep_MM)
+        else:
+            with self._dropout_rng():
+                out_ShMd = F.scaled_dot_product_attention(
+                    padded(q), padded(k), padded(v), attn_mask=self._band_MM,
+                    is_causal=self._band_MM is None, dropout_p=self._dropout(),
+                    scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         out_flat = out_ShMd.transpose(1, 2).reshape(s_rows * m, q.shape[1], -1)
         out_THd = out_flat[params.pad_scatter_T]  # a fresh tensor: filled in place
         return out_THd.masked_fill_(params.real_token_mask_T.logical_not().view(-1, 1, 1), 0)
@@ -468,9 +521,18 @@ class PackedCoreAttention(MegatronModule):
                 "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"
             )
         block_mask = block_mask_from(params, self.window)
+        extra = {}
+        if self.softcap is not None:  # flex scales q.k first, then applies score_mod
+            cap = self.softcap
+
+            def softcap_score(score, b, h, q_idx, kv_idx):
+                return torch.tanh(score / cap) * cap
+
+            extra["score_mod"] = softcap_score
         out_1HTd = self._flex(
             *self._as_1HTd(q, k, v),
             block_mask=block_mask,
+            **extra,
             scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
@@ -491,6 +553,8 @@ class PackedCoreAttention(MegatronModule):
                 # flash-attn 2.8 keeps the keys in [i - window_size[0], i + window_size[1]]
                 # (equal q / k lengths; -1: unbounded): (W - 1, 0) is transformers' window
                 window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
+                # flash-attn >= 2.6: softcap > 0 caps the scaled scores, cap * tanh(s / cap)
+                **({} if self.softcap is None else {"softcap": self.softcap}),
             )
         # cu_seqlens close the padding tail at T: the kernel writes every row of out and, in
         # backward, of dq / dk / dv (FA2 leaves rows after the last boundary uninitialised).

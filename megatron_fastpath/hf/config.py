@@ -37,6 +37,7 @@ SUPPORTED = {
     "mixtral": ("mixtral", True),
     "qwen3_moe": ("qwen3_moe", True),
     "phi3": ("phi3", False),
+    "gemma2": ("gemma2", False),
 }
 SUPPORTED_TEXT = (
     "Llama 2/3/3.1/3.2 (model_type llama), Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE (every "
@@ -44,8 +45,14 @@ SUPPORTED_TEXT = (
     "(Phi-3: none or longrope, longrope only where no sequence of the data is longer than "
     "original_max_position_embeddings); sliding windows (Mistral, Qwen2/3 use_sliding_window on "
     "the layers max_window_layers / layer_types mark, Phi-3), served by every attention backend "
-    "(with context parallelism: the sdpa backend only)"
+    "(with context parallelism: the sdpa backend only); Gemma 2 (model_type gemma2: attention "
+    "logit soft-capping on the sdpa, flex and flash backends, not te)"
 )
+# Gemma 3 (model_type gemma3_text / gemma3) is refused with this reason
+GEMMA3_REASON = (
+    "Gemma 3 attends its sliding-window layers with RoPE base rope_local_base_freq and its "
+    "global layers with rope_theta: the packed cache builds one RoPE table per batch, a second "
+    "one keyed by its base is not served yet")
 # transformers' mask of sliding-window layers keeps key kv of query q iff
 # ``kv_idx > q_idx - sliding_window`` (masking_utils.sliding_window_overlay, 4.57) on top of the
 # causal ``kv_idx <= q_idx`` (positions inside the sequence): the packed attention of a
@@ -80,6 +87,10 @@ class HFModelSpec:
     window_layers: the 0-based indices of the layers attending through ``sliding_window``
         (transformers' ``sliding_attention`` layers; every layer but for Qwen2 / Qwen3's
         ``layer_types`` / ``max_window_layers``), () without a window.
+    softmax_scale: the attention's softmax scale when not head_dim ** -0.5 (Gemma 2's
+        ``query_pre_attn_scalar ** -0.5``), None: the default.
+    attn_softcap / final_softcap: Gemma 2's ``attn_logit_softcapping`` (attention scores) and
+        ``final_logit_softcapping`` (LM head logits), None: off.
     num_experts / topk / moe_ffn_hidden_size / norm_topk_prob / aux_loss_coeff: MoE only.
     """
 
@@ -103,6 +114,9 @@ class HFModelSpec:
     rotary_percent: float = 1.0
     sliding_window: Optional[int] = None
     window_layers: tuple = ()
+    softmax_scale: Optional[float] = None
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
     num_experts: Optional[int] = None
     topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -134,6 +148,10 @@ class HFModelSpec:
         """TransformerConfig fields beyond ``build_transformer_config``'s Llama defaults."""
         out = dict(layernorm_epsilon=self.rms_norm_eps, add_qkv_bias=self.qkv_bias,
                    perform_initialization=False)  # every weight is overwritten by the loader
+        if self.family == "gemma2":
+            from megatron_fastpath.gemma import gelu_tanh
+
+            out.update(activation_func=gelu_tanh, softmax_scale=self.softmax_scale)
         if self.is_moe:
             # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron:
             # pre_softmax=False takes top-k logits then softmax (== renormalised), True keeps
@@ -142,6 +160,15 @@ class HFModelSpec:
                        moe_aux_loss_coeff=self.aux_loss_coeff,
                        moe_router_load_balancing_type="aux_loss" if self.aux_loss_coeff else "none")
         return out
+
+    def gemma_options(self):
+        """The builder's :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2), else None."""
+        if self.family != "gemma2":
+            return None
+        from megatron_fastpath.gemma import GemmaOptions
+
+        return GemmaOptions(attention_softcap=self.attn_softcap,
+                            final_logit_softcap=self.final_softcap)
 
     @property
     def _llama3(self) -> bool:
@@ -365,6 +392,8 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
         window = cfg.get("sliding_window")
     elif mt in ("qwen2", "qwen3", "qwen3_moe"):
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    elif mt == "gemma2":  # Gemma2Config: default 4096 on the layers layer_types marks
+        window = cfg.get("sliding_window", 4096)
     else:  # Llama: transformers reads no window (a stray use_sliding_window is refused, as before)
         if cfg.get("use_sliding_window"):
             _refuse(where, f"use_sliding_window=true on model_type {mt!r}")
@@ -373,9 +402,11 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
         return None, ()
     window = _int({"sliding_window": window}, "sliding_window", where)
     layers = _int(cfg, "num_hidden_layers", where)
-    if mt in ("qwen2", "qwen3"):  # Qwen2/3Attention: the window where layer_types says sliding
+    if mt in ("qwen2", "qwen3", "gemma2"):  # the window where layer_types says sliding
         types = cfg.get("layer_types")
-        if types is None:
+        if types is None and mt == "gemma2":  # Gemma2Config: every other layer, from the first
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif types is None:
             first = _int(cfg, "max_window_layers", where, 28, minimum=0)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if not isinstance(types, list) or len(types) != layers:
@@ -387,6 +418,13 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
 
 
 def _check_attention(cfg: dict, mt: str, where: str) -> None:
+    if mt == "gemma2":  # Gemma2Config reads hidden_activation (a stray hidden_act is unused)
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            _refuse(where, f"hidden_activation {cfg.get('hidden_activation')!r} on Gemma 2 "
+                    "(GeGLU with gelu_pytorch_tanh only)")
+        if cfg.get("attention_bias"):
+            _refuse(where, "attention_bias on Gemma 2")
+        return
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse(where, f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU with silu only)")
     if mt in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
@@ -395,6 +433,19 @@ def _check_attention(cfg: dict, mt: str, where: str) -> None:
         _refuse(where, "attention_bias on Qwen3")
     if mt == "phi3" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         _refuse(where, "attention_bias / mlp_bias on Phi-3")
+
+
+def _gemma2_fields(cfg: dict, where: str) -> dict:
+    """Gemma2Config (transformers 4.57): query_pre_attn_scalar (default 256; softmax scale
+    its ** -0.5), attn_logit_softcapping (default 50.0) and final_logit_softcapping (default
+    30.0), each null: off."""
+    def cap(key, default):
+        value = cfg.get(key, default)
+        return None if value is None else _float({key: value}, key, where)
+
+    scalar = _float(cfg, "query_pre_attn_scalar", where, 256)
+    return dict(softmax_scale=scalar ** -0.5, attn_softcap=cap("attn_logit_softcapping", 50.0),
+                final_softcap=cap("final_logit_softcapping", 30.0))
 
 
 def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
@@ -428,6 +479,8 @@ def read_hf_config(path: str) -> HFModelSpec:
         raise HFConfigError(f"{where} holds a JSON {type(cfg).__name__}, not an object: not a "
                             "Hugging Face config.json")
     mt = cfg.get("model_type")
+    if mt in ("gemma3_text", "gemma3"):
+        _refuse(where, f"model_type {mt!r} ({GEMMA3_REASON})")
     if mt not in SUPPORTED:
         _refuse(where, f"model_type {mt!r} (architectures {cfg.get('architectures')})")
     family, is_moe = SUPPORTED[mt]
@@ -446,12 +499,15 @@ def read_hf_config(path: str) -> HFModelSpec:
         rms_norm_eps=_float(cfg, "rms_norm_eps", where),
         rope_theta=_float(cfg, "rope_theta", where, 10000.0),
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Gemma2Config's default is true (save_pretrained leaves it out of config.json then)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma2")),
         qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_scaling=_rope_scaling(cfg, where, mt, head_dim, rotary_percent),
         rotary_percent=rotary_percent, raw=cfg,
     )
     kw["sliding_window"], kw["window_layers"] = _sliding_window(cfg, mt, where)
+    if family == "gemma2":
+        kw.update(_gemma2_fields(cfg, where))
     if heads % kw["num_query_groups"]:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kw['num_query_groups']}")

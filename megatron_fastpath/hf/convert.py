@@ -6,6 +6,10 @@ Megatron layout (as Megatron-Bridge's ``merge_qkv_weights`` / ``split_qkv_weight
   k_g, v_g]``, each head ``D`` rows; TP rank r holds the contiguous groups
   ``[r*G/tp, (r+1)*G/tp)``, so its shard is a contiguous block of the fused matrix.
 * ``linear_fc1``: ``[gate; up]``; TP rank r holds ``[gate_r; up_r]`` (each half sharded).
+* Gemma 2's four norms per layer: ``input_layernorm`` -> ``input_layernorm``,
+  ``pre_feedforward_layernorm`` -> ``pre_mlp_layernorm``, ``post_attention_layernorm`` /
+  ``post_feedforward_layernorm`` -> ``self_attention`` / ``mlp.post_layernorm`` (each the
+  ``(1 + weight)`` norm's weight as stored).
 * Phi-3 stores q, k, v fused as ``qkv_proj`` (rows ``[q; k; v]``, not per group) and gate, up
   as ``gate_up_proj`` (rows ``[gate; up]``): split into their parts, then laid out as above.
 * ``linear_proj`` / ``linear_fc2``: row parallel (input columns sharded).
@@ -83,6 +87,10 @@ def hf_layer_names(spec: HFModelSpec, i: int) -> dict:
         "v": p + "self_attn.v_proj.weight", "o": p + "self_attn.o_proj.weight",
         "post_norm": p + "post_attention_layernorm.weight",
     }
+    if spec.family == "gemma2":  # four norms: the pre-MLP one is pre_feedforward_layernorm
+        names.update(post_norm=p + "pre_feedforward_layernorm.weight",
+                     attn_out_norm=p + "post_attention_layernorm.weight",
+                     mlp_out_norm=p + "post_feedforward_layernorm.weight")
     if spec.qkv_bias:
         names.update(q_bias=p + "self_attn.q_proj.bias", k_bias=p + "self_attn.k_proj.bias",
                      v_bias=p + "self_attn.v_proj.bias")
@@ -192,6 +200,9 @@ def plan_layer(spec: HFModelSpec, i: int, tp_rank: int = 0, tp: int = 1,
         plans += [ShardPlan("self_attention.q_layernorm.weight", (n["q_norm"],), ((D,),), whole(n["q_norm"])),
                   ShardPlan("self_attention.k_layernorm.weight", (n["k_norm"],), ((D,),), whole(n["k_norm"]))]
     plans.append(ShardPlan("pre_mlp_layernorm.weight", (n["post_norm"],), ((H,),), whole(n["post_norm"])))
+    if "attn_out_norm" in n:  # Gemma 2: attention / MLP outputs normed before the residual add
+        plans += [ShardPlan(f"{owner}.post_layernorm.weight", (n[role],), ((H,),), whole(n[role]))
+                  for owner, role in (("self_attention", "attn_out_norm"), ("mlp", "mlp_out_norm"))]
     plans += _moe_plans(spec, n, ep_rank, ep) if spec.is_moe else _dense_mlp_plans(spec, n, tp_rank, tp)
     return plans
 

@@ -168,6 +168,9 @@ def _merged_layer(layer, spec: HFModelSpec, i: int, group, ep_group) -> dict:
     P, G, D = spec.num_attention_heads, spec.num_query_groups, spec.head_dim
     out = {n["input_norm"]: resolve_param(layer, "input_layernorm.weight").detach().float(),
            n["post_norm"]: resolve_param(layer, "pre_mlp_layernorm.weight").detach().float()}
+    if "attn_out_norm" in n:  # Gemma 2's post-attention / post-MLP norms
+        out[n["attn_out_norm"]] = layer.self_attention.post_layernorm.weight.detach().float()
+        out[n["mlp_out_norm"]] = layer.mlp.post_layernorm.weight.detach().float()
     qkv = _full_column(_weight(layer, "self_attention", "linear_qkv"), 1, group)[0]
     if spec.family == "phi3":
         out[n["qkv"]] = torch.cat(split_qkv(qkv, P, G, D), 0)

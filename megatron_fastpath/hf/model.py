@@ -58,7 +58,8 @@ def build_hf_gpt(spec: HFModelSpec, tcfg, cache, *, lora=None, backend: str = "s
 
     return build_fastpath_gpt(tcfg, cache, spec.model_config(), backend=backend,
                               linear_impl=linear_impl, lora=lora, offload=offload,
-                              tie_embeddings=spec.tie_embeddings, **window_kwargs(spec))
+                              tie_embeddings=spec.tie_embeddings, gemma=spec.gemma_options(),
+                              **window_kwargs(spec))
 
 
 def window_kwargs(spec: HFModelSpec) -> dict:

@@ -131,6 +131,13 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     )
 
 
+def _gemma_options(source):
+    """A Hugging Face Gemma 2 checkpoint's layer / model options (its spec rides in the
+    source's handle), None for every other model."""
+    spec = getattr(source.handle, "spec", None)
+    return spec.gemma_options() if hasattr(spec, "gemma_options") else None
+
+
 def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]:
     """GPTModel of the model provider's architecture on the fastpath layer spec with the
     switched-on features (LoRA, offload), its weights from the provider (a checkpoint's shard,
@@ -140,7 +147,8 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
                                linear_impl=cfg.linear_impl, lora=cfg.lora, offload=cfg.offload,
                                tie_embeddings=source.tie_embeddings,
                                sliding_window=source.sliding_window,
-                               window_layers=source.window_layers or None)
+                               window_layers=source.window_layers or None,
+                               gemma=_gemma_options(source))
     model_provider(source.provider).load_weights(model, source, log=lambda m: print(m, flush=True))
     total = trainable = sum(p.numel() for p in model.parameters())
     if cfg.lora is not None:

@@ -18,6 +18,9 @@ LENGTHS = [13, 7, 20, 9, 1]
 MAX_TOKENS = 64
 REL_TOL = 1e-4
 PHI3_ORIGINAL = 32  # phi3_longrope's original_max_position_embeddings (>= LENGTHS, < MAX_TOKENS)
+# gemma2's caps and window, low / short enough that they bite on the tiny model
+GEMMA2 = dict(attn_logit_softcapping=1.5, final_logit_softcapping=2.0, sliding_window=8,
+              query_pre_attn_scalar=24)
 
 
 def hf_config(family: str):
@@ -60,6 +63,11 @@ def hf_config(family: str):
                 "type": "longrope",
                 "short_factor": (1.0 + 3.0 * torch.rand(8, generator=gen)).tolist(),
                 "long_factor": (4.0 + 20.0 * torch.rand(8, generator=gen)).tolist()})
+    if family == "gemma2":  # tied (Gemma's default), alternating windows from layer 0
+        return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, **GEMMA2)
+    if family == "gemma2_nocap":  # the same model without either cap
+        return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, **{
+            **GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None})
     moe = dict(common, intermediate_size=32, num_experts_per_tok=2)
     if family == "mixtral":
         return tf.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)

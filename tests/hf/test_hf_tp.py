@@ -110,13 +110,14 @@ def test_dp2_matches_one_process_including_eval(tmp_path):
         assert abs(a - b) <= 1e-5 * a
 
 
-@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True)],
-                         ids=["qwen3_full_finetune", "llama_lora"])
+@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True), ("gemma2", True)],
+                         ids=["qwen3_full_finetune", "llama_lora", "gemma2_lora"])
 def test_tp2_trains_as_one_process(tmp_path, family, lora):
     """TP = 2 on the CPU path takes the same steps as one process, with gradient clipping on
     (every step's norm > clip_grad = 1): the clip uses Megatron's TP-aware norm, which needs
     the TP marks of the sharded weights (the loaded base: Megatron sets them only when it
-    initialises; the LoRA adapters) and the qk layernorm gradients summed over TP (Qwen3)."""
+    initialises; the LoRA adapters) and the qk layernorm gradients summed over TP (Qwen3);
+    Gemma 2 through the main job: its layer (post norms, soft-capping, windows) built there."""
     from tests.hf.hf_reference import make_checkpoint
 
     ckpt = str(tmp_path / family)

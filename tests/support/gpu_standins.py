@@ -6,7 +6,11 @@
   than ``max_seqlen`` is an error. ``window_size=(left, right)``: flash-attn 2.8's sliding
   window (``flash_attn_interface.py`` docstring: query i attends the keys in
   [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] inclusive, -1: unbounded),
-  on top of ``causal``.
+  on top of ``causal``. ``softcap`` > 0: flash-attn >= 2.6's logit soft-capping
+  (``flash_attn_interface.py`` docstring "softcap: float. Anything > 0 activates softcapping
+  attention"; the kernel caps the scaled scores, ``softcap * tanh(q.k * softmax_scale / softcap)``,
+  before the mask and softmax: ``flash_api.cpp`` sets ``params.softcap = softmax_scale / softcap``
+  and ``params.scale_softmax = softcap``); 0.0 (its default): off.
 * :class:`TEDotProductAttentionStandIn`: Megatron 0.16.1's ``TEDotProductAttention``
   constructor and ``forward`` signature (checked against the installed source by the tests);
   it forwards the base ``PackedSeqParams`` fields as TE's ``DotProductAttention`` receives them
@@ -56,7 +60,18 @@ def _window_mask(n: int, window, device=None):
     return keep
 
 
-def _varlen_reference(q, k, v, cu, max_seqlen, scale, window=(-1, -1)):
+def _softcapped(q, k, v, keep, scale, cap):
+    """[h, n, d] attention with scores cap * tanh(q.k * scale / cap), causal within ``keep``."""
+    n = q.shape[1]
+    if keep is None:
+        i = torch.arange(n, device=q.device)
+        keep = i[:, None] >= i[None, :]
+    scores = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1, dtype=torch.float32)
+    return probs.to(q.dtype) @ v
+
+
+def _varlen_reference(q, k, v, cu, max_seqlen, scale, window=(-1, -1), softcap=0.0):
     """Causal attention per sequence (within ``window``); NaN on rows outside every sequence."""
     out = torch.full_like(q, float("nan"))
     bounds = cu.tolist()
@@ -69,6 +84,9 @@ def _varlen_reference(q, k, v, cu, max_seqlen, scale, window=(-1, -1)):
         qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
         keep = _window_mask(b - a, window, q.device)
+        if softcap > 0:
+            out[a:b] = _softcapped(qs, ks, vs, keep, scale, softcap).transpose(0, 1)
+            continue
         out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, is_causal=keep is None,
                                                   scale=scale).transpose(0, 1)
     return out
@@ -76,10 +94,10 @@ def _varlen_reference(q, k, v, cu, max_seqlen, scale, window=(-1, -1)):
 
 class _FlashVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, max_seqlen, scale, window=(-1, -1)):
+    def forward(ctx, q, k, v, cu_q, max_seqlen, scale, window=(-1, -1), softcap=0.0):
         ctx.save_for_backward(q, k, v, cu_q)
-        ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
-        return _varlen_reference(q, k, v, cu_q, max_seqlen, scale, window)
+        ctx.max_seqlen, ctx.scale, ctx.window, ctx.softcap = max_seqlen, scale, window, softcap
+        return _varlen_reference(q, k, v, cu_q, max_seqlen, scale, window, softcap)
 
     @staticmethod
     def backward(ctx, dout):
@@ -92,10 +110,10 @@ class _FlashVarlen(torch.autograd.Function):
             with torch.enable_grad():
                 xs = [x[a:b].detach().requires_grad_(True) for x in (q, k, v)]
                 o = _varlen_reference(*xs, torch.tensor([0, b - a]), ctx.max_seqlen, ctx.scale,
-                                      ctx.window)
+                                      ctx.window, ctx.softcap)
                 g = torch.autograd.grad(o, xs, dout[a:b])
             dq[a:b], dk[a:b], dv[a:b] = g
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -105,8 +123,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert causal and dropout_p == 0.0
     assert len(window_size) == 2 and all(isinstance(w, int) and w >= -1 for w in window_size), \
         f"flash-attn window_size is (left, right), each -1 or >= 0; got {window_size!r}"
+    assert isinstance(softcap, (int, float)) and softcap >= 0, f"softcap >= 0; got {softcap!r}"
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _FlashVarlen.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, tuple(window_size))
+    return _FlashVarlen.apply(q, k, v, cu_seqlens_q, max_seqlen_q, scale, tuple(window_size),
+                              float(softcap))
 
 
 def fake_flash_attn_module() -> types.ModuleType:

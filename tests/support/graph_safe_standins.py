@@ -64,7 +64,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     rep = heads // k.shape[1]
     qs, ks, vs = (x.transpose(0, 1) for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
     # a row outside every sequence has no key: keep it out of the softmax, then NaN it
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask | ~inside[:, None], scale=scale)
+    keep = mask | ~inside[:, None]
+    if softcap > 0:  # flash-attn >= 2.6: softcap * tanh(q.k * scale / softcap) (gpu_standins)
+        scores = torch.tanh(qs @ ks.transpose(-2, -1) * scale / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1, dtype=torch.float32)
+        out = probs.to(qs.dtype) @ vs
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=scale)
     out = out.transpose(0, 1)
     return torch.where(inside[:, None, None], out, torch.full_like(out, float("nan")))
 

@@ -254,7 +254,8 @@ REGISTRY: tuple[Entry, ...] = (
         "flash_attn.flash_attn_varlen_func",
         (f"{_SUPPORT}.gpu_standins.flash_attn_varlen_func",
          f"{_SUPPORT}.graph_safe_standins.flash_attn_varlen_func"),
-        "flash-attn 2.8's signature; asserts causal=True and dropout_p == 0; output (and, in "
+        "flash-attn 2.8's signature; asserts causal=True and dropout_p == 0; softcap > 0 caps "
+        "the scaled scores (softcap * tanh(s / softcap)) before the mask; output (and, in "
         "gpu_standins, dq / dk / dv) rows outside every sequence are left uninitialised (NaN); "
         "gpu_standins raises on a sequence longer than max_seqlen, the graph-safe one reads "
         "cu_seqlens on the device only (no max_seqlen check)",
