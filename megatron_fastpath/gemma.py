@@ -1,4 +1,5 @@
-"""Gemma 2's architecture pieces on the Megatron layer spec (``model_type: gemma2``).
+"""Gemma 2 / 3's architecture pieces on the Megatron layer spec (``model_type: gemma2``,
+``gemma3_text``).
 
 Gemma 2 differs from Llama by (transformers 4.57 ``models/gemma2/modeling_gemma2.py``):
 
@@ -18,6 +19,11 @@ Gemma 2 differs from Llama by (transformers 4.57 ``models/gemma2/modeling_gemma2
 * embeddings times ``sqrt(hidden_size)`` rounded to the model's dtype (transformers'
   ``normalizer``) and the LM head's logits soft-capped (``final_logit_softcapping``): forward
   hooks on the model's ``embedding`` / ``output_layer`` (:func:`apply_gemma_model_hooks`).
+
+Gemma 3 adds per-head q / k norms of the same ``(1 + weight)`` form (``q_norm`` / ``k_norm``,
+on Megatron's ``q_layernorm`` / ``k_layernorm`` slots) and rotates its sliding-window layers
+with a second RoPE base (``rope_local_base_freq``, the packed cache's ``rope_local`` table),
+its global ones with ``rope_theta`` (and ``rope_scaling``); no soft-capping by default.
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ __all__ = ["GemmaOptions", "GemmaRMSNorm", "PostNormSelfAttention", "PostNormMLP
 
 @dataclasses.dataclass(frozen=True)
 class GemmaOptions:
-    """The model-level Gemma 2 settings (None: that cap is off)."""
+    """The Gemma 2 / 3 settings (None: that cap is off). local_rope_layers: the 0-based layers
+    rotating with the cache's second RoPE (Gemma 3's sliding layers, ``rope_local_base_freq``;
+    ``PackedSeqConfig.rope_local``)."""
 
     attention_softcap: Optional[float] = None
     final_logit_softcap: Optional[float] = None
+    local_rope_layers: tuple = ()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def get_fastpath_layer_spec(
         sliding_window / window_layers: the attention window (tokens) of the layers
             ``window_layers`` lists (0-based global indices; None: every layer), None: none
             (:class:`PackedCoreAttention`'s, e.g. a Hugging Face checkpoint's).
-        gemma: a :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2's layer): every norm a
+        gemma: a :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2 / 3's layer): every norm a
             ``(1 + weight)`` float32 :class:`~megatron_fastpath.gemma.GemmaRMSNorm`, the
             attention and MLP outputs normed before the residual add, the attention scores
             soft-capped (``gemma.attention_softcap``; refused with the te backend, here). Local
@@ -93,11 +93,18 @@ def get_fastpath_layer_spec(
         attention_cls = PostNormSelfAttention
         if gemma.attention_softcap is not None:
             core_params["softcap"] = gemma.attention_softcap
+        if gemma.local_rope_layers:
+            core_params["local_rope_layers"] = tuple(gemma.local_rope_layers)
     core = ModuleSpec(module=PackedCoreAttention, params=core_params)
+    attn_subs = dataclasses.replace(attn.submodules, core_attention=core)
+    if gemma is not None and qk_layernorm:  # Gemma 3's q_norm / k_norm: (1 + weight) norms
+        from megatron_fastpath.gemma import GemmaRMSNorm
+
+        attn_subs = dataclasses.replace(attn_subs, q_layernorm=GemmaRMSNorm, k_layernorm=GemmaRMSNorm)
     self_attention = ModuleSpec(
         module=attention_cls,
         params=dict(attn.params),
-        submodules=dataclasses.replace(attn.submodules, core_attention=core),
+        submodules=attn_subs,
     )
     mlp = base.submodules.mlp
     if num_experts is not None:
@@ -125,11 +132,11 @@ def _check_gemma(gemma, backend: str, linear_impl: str, num_experts) -> None:
             "flash (flash-attn's softcap), sdpa or flex")
     if linear_impl != "local":
         raise ValueError(
-            "Gemma 2's layer with linear_impl='te': Transformer Engine's linear_qkv / linear_fc1 "
+            "Gemma's layer with linear_impl='te': Transformer Engine's linear_qkv / linear_fc1 "
             "fuse the input / pre-MLP norm (not Gemma's (1 + weight) norm in float32) and the "
             "layer has no post-attention / post-MLP norm slot; use linear_impl='local'")
     if num_experts is not None:
-        raise ValueError("Gemma 2's layer is dense: num_experts must be None")
+        raise ValueError("Gemma's layer is dense: num_experts must be None")
 
 
 def megatron_base_spec(

@@ -38,6 +38,10 @@ Torch SDPA takes no score function, so sdpa computes such a layer explicitly ove
 float32 cast back, @ v; flex passes a ``score_mod``; flash flash-attn's ``softcap`` (>= 2.6);
 te refuses it at construction (Transformer Engine 2.9-2.11's attention has no soft-capping).
 
+A second RoPE (``local_rope_layers``: Gemma 3's sliding layers, ``rope_local_base_freq``): those
+layers read the params' ``rope_local_cos_T1D`` / ``rope_local_sin_T1D`` (the cache's
+``PackedSeqConfig.rope_local``, built once per batch); te refuses it (one table per batch).
+
 Shape letters: T packed tokens, H heads (np query heads, ng key/value groups), d head dim,
 D rotary dim.
 """
@@ -175,6 +179,7 @@ class PackedCoreAttention(MegatronModule):
         sliding_window: Optional[int] = None,
         window_layers: Optional[tuple] = None,
         softcap: Optional[float] = None,
+        local_rope_layers: Optional[tuple] = None,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -209,7 +214,19 @@ class PackedCoreAttention(MegatronModule):
         self.softcap = self._checked_softcap(softcap, self.backend)
         self.window = self._layer_window(cache, layer_number, sliding_window, window_layers)
         self.apply_rope = apply_rope and cache.config.rope is not None
-        self.rope_interleaved = cache.config.rope.interleaved if self.apply_rope else False
+        # Gemma 3: the layers local_rope_layers lists (0-based) rotate with the cache's second
+        # RoPE (PackedSeqConfig.rope_local, rope_local_base_freq), the others with its rope
+        self.rope_local = self.apply_rope and layer_number - 1 in (local_rope_layers or ())
+        if self.rope_local and self.backend == "te":
+            raise ValueError(
+                f"layer {layer_number} rotates with a second RoPE base (Gemma 3's "
+                "rope_local_base_freq) and the 'te' backend takes one RoPE table per batch "
+                "(rope_freqs); use attention_backend=flash, sdpa or flex")
+        rope_cfg = cache.config.rope_local if self.rope_local else cache.config.rope
+        if self.rope_local and rope_cfg is None:
+            raise ValueError(f"layer {layer_number} rotates with a second RoPE base but the cache "
+                             "has none: build it with PackedSeqConfig(rope_local=...)")
+        self.rope_interleaved = rope_cfg.interleaved if self.apply_rope else False
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.hidden_per_head = config.kv_channels
         self.softmax_scale = (
@@ -218,12 +235,12 @@ class PackedCoreAttention(MegatronModule):
         # YaRN's attention factor m: transformers multiplies cos and sin by it, so the rotated q
         # and k each carry m (the rotation is linear) and every score q.k carries m^2; folded
         # into the softmax scale here, for every backend (TE's fused RoPE takes angles only).
-        rope_scale = cache.config.rope.cos_sin_scale if self.apply_rope else 1.0
+        rope_scale = rope_cfg.cos_sin_scale if self.apply_rope else 1.0
         if rope_scale != 1.0:
-            if cache.config.rope.dim != self.hidden_per_head:
+            if rope_cfg.dim != self.hidden_per_head:
                 raise ValueError(
                     f"YaRN's attention factor with partial rotary embedding (rotary dim "
-                    f"{cache.config.rope.dim} of {self.hidden_per_head} channels per head) is not "
+                    f"{rope_cfg.dim} of {self.hidden_per_head} channels per head) is not "
                     "supported: transformers scales only the rotated channels; use rotary_percent=1")
             self.softmax_scale = self.softmax_scale * rope_scale * rope_scale
             softmax_scale = self.softmax_scale
@@ -231,7 +248,8 @@ class PackedCoreAttention(MegatronModule):
         needs = {"sdpa": ["sdpa_padded" if self.sdpa_padded else "sdpa_mask"],
                  "flex": ["flex_block_mask"], "flash": [], "te": []}[self.backend]
         if self.apply_rope:
-            needs.append("rope_freqs" if self.backend == "te" else "rope_cos_sin")
+            needs.append("rope_freqs" if self.backend == "te" else
+                         "rope_cos_sin_local" if self.rope_local else "rope_cos_sin")
         for kind in needs:
             cache.register(kind, dtype=config.params_dtype)
         self._band_MM = None  # the padded view's banded causal mask of a windowed layer
@@ -377,7 +395,8 @@ class PackedCoreAttention(MegatronModule):
             )
         params = self._checked_params(packed_seq_params)
         if self.apply_rope and self.backend != "te":
-            cos_T1D, sin_T1D = params.rope_cos_T1D, params.rope_sin_T1D
+            cos_T1D, sin_T1D = ((params.rope_local_cos_T1D, params.rope_local_sin_T1D)
+                                if self.rope_local else (params.rope_cos_T1D, params.rope_sin_T1D))
             if cos_T1D.dtype != query.dtype:
                 raise ValueError(
                     f"the packed cache built RoPE in {cos_T1D.dtype} (TransformerConfig.params_dtype)"

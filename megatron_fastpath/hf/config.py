@@ -38,7 +38,9 @@ SUPPORTED = {
     "qwen3_moe": ("qwen3_moe", True),
     "phi3": ("phi3", False),
     "gemma2": ("gemma2", False),
+    "gemma3_text": ("gemma3", False),
 }
+GEMMA = ("gemma2", "gemma3")  # the families built with megatron_fastpath.gemma
 SUPPORTED_TEXT = (
     "Llama 2/3/3.1/3.2 (model_type llama), Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE (every "
     "layer MoE), Phi-3 / Phi-3.5 (model_type phi3); rope_scaling none, default, llama3 or yarn "
@@ -46,13 +48,13 @@ SUPPORTED_TEXT = (
     "original_max_position_embeddings); sliding windows (Mistral, Qwen2/3 use_sliding_window on "
     "the layers max_window_layers / layer_types mark, Phi-3), served by every attention backend "
     "(with context parallelism: the sdpa backend only); Gemma 2 (model_type gemma2: attention "
-    "logit soft-capping on the sdpa, flex and flash backends, not te)"
+    "logit soft-capping on the sdpa, flex and flash backends, not te); Gemma 3 text "
+    "(model_type gemma3_text: rope_scaling none or linear; sdpa, flex and flash backends)"
 )
-# Gemma 3 (model_type gemma3_text / gemma3) is refused with this reason
+# Gemma 3's multimodal config (model_type gemma3) is refused with this reason
 GEMMA3_REASON = (
-    "Gemma 3 attends its sliding-window layers with RoPE base rope_local_base_freq and its "
-    "global layers with rope_theta: the packed cache builds one RoPE table per batch, a second "
-    "one keyed by its base is not served yet")
+    "the multimodal Gemma3ForConditionalGeneration config (vision tower, text_config nested); "
+    "load a text-only checkpoint (model_type gemma3_text, Gemma3ForCausalLM)")
 # transformers' mask of sliding-window layers keeps key kv of query q iff
 # ``kv_idx > q_idx - sliding_window`` (masking_utils.sliding_window_overlay, 4.57) on top of the
 # causal ``kv_idx <= q_idx`` (positions inside the sequence): the packed attention of a
@@ -71,8 +73,9 @@ class HFConfigError(ValueError):
 class HFModelSpec:
     """What the fastpath needs from a Hugging Face decoder config (all host values).
 
-    family: llama | qwen2 | qwen3 | mixtral | qwen3_moe | phi3 (Mistral loads as llama; phi3:
-        fused ``qkv_proj`` / ``gate_up_proj`` tensors).
+    family: llama | qwen2 | qwen3 | mixtral | qwen3_moe | phi3 | gemma2 | gemma3 (Mistral loads
+        as llama; phi3: fused ``qkv_proj`` / ``gate_up_proj`` tensors; gemma2 / gemma3
+        (``gemma3_text``): :mod:`megatron_fastpath.gemma`'s layer).
     head_dim: per-head channels (config ``head_dim`` or hidden / heads).
     qkv_bias: q/k/v projections carry biases (Qwen2). qk_norm: per-head RMSNorm of q and k
     (Qwen3). tie_embeddings: the LM head is the embedding matrix.
@@ -91,6 +94,12 @@ class HFModelSpec:
         ``query_pre_attn_scalar ** -0.5``), None: the default.
     attn_softcap / final_softcap: Gemma 2's ``attn_logit_softcapping`` (attention scores) and
         ``final_logit_softcapping`` (LM head logits), None: off.
+    rope_local_theta / local_rope_layers: Gemma 3's ``rope_local_base_freq`` and the 0-based
+        layers rotating with it (its sliding layers; the cache's ``rope_local``,
+        :meth:`rope_config_local`), None / (): one RoPE.
+    linear_rope_factor: Gemma 3's ``rope_scaling`` ``linear`` factor of the global RoPE
+        (transformers divides the inverse frequencies by it; served as positions / factor,
+        ``RopeConfig.seq_len_interpolation_factor``), None: none.
     num_experts / topk / moe_ffn_hidden_size / norm_topk_prob / aux_loss_coeff: MoE only.
     """
 
@@ -117,6 +126,9 @@ class HFModelSpec:
     softmax_scale: Optional[float] = None
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
+    rope_local_theta: Optional[float] = None
+    local_rope_layers: tuple = ()
+    linear_rope_factor: Optional[float] = None
     num_experts: Optional[int] = None
     topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
@@ -148,7 +160,7 @@ class HFModelSpec:
         """TransformerConfig fields beyond ``build_transformer_config``'s Llama defaults."""
         out = dict(layernorm_epsilon=self.rms_norm_eps, add_qkv_bias=self.qkv_bias,
                    perform_initialization=False)  # every weight is overwritten by the loader
-        if self.family == "gemma2":
+        if self.family in GEMMA:
             from megatron_fastpath.gemma import gelu_tanh
 
             out.update(activation_func=gelu_tanh, softmax_scale=self.softmax_scale)
@@ -163,12 +175,22 @@ class HFModelSpec:
 
     def gemma_options(self):
         """The builder's :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2), else None."""
-        if self.family != "gemma2":
+        if self.family not in GEMMA:
             return None
         from megatron_fastpath.gemma import GemmaOptions
 
         return GemmaOptions(attention_softcap=self.attn_softcap,
-                            final_logit_softcap=self.final_softcap)
+                            final_logit_softcap=self.final_softcap,
+                            local_rope_layers=tuple(self.local_rope_layers))
+
+    def rope_config_local(self):
+        """The cache's second RoPE (``PackedSeqConfig.rope_local``): Gemma 3's sliding layers'
+        ``rope_local_base_freq`` with transformers' default rope type; None without one."""
+        if self.rope_local_theta is None:
+            return None
+        from megatron_fastpath.packed_seq.rope import RopeConfig
+
+        return RopeConfig(dim=int(self.head_dim * self.rotary_percent), base=self.rope_local_theta)
 
     @property
     def _llama3(self) -> bool:
@@ -198,6 +220,7 @@ class HFModelSpec:
 
         scaling = self.rope_scaling
         return RopeConfig(dim=int(self.head_dim * self.rotary_percent), base=self.rope_theta,
+                          seq_len_interpolation_factor=self.linear_rope_factor,
                           llama3=scaling if self._llama3 else None,
                           yarn=scaling if isinstance(scaling, YarnRopeScaling) else None,
                           longrope=self._longrope)
@@ -392,7 +415,7 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
         window = cfg.get("sliding_window")
     elif mt in ("qwen2", "qwen3", "qwen3_moe"):
         window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
-    elif mt == "gemma2":  # Gemma2Config: default 4096 on the layers layer_types marks
+    elif mt in ("gemma2", "gemma3_text"):  # default 4096 on the layers layer_types marks
         window = cfg.get("sliding_window", 4096)
     else:  # Llama: transformers reads no window (a stray use_sliding_window is refused, as before)
         if cfg.get("use_sliding_window"):
@@ -402,10 +425,10 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
         return None, ()
     window = _int({"sliding_window": window}, "sliding_window", where)
     layers = _int(cfg, "num_hidden_layers", where)
-    if mt in ("qwen2", "qwen3", "gemma2"):  # the window where layer_types says sliding
+    if mt in ("qwen2", "qwen3", "gemma2", "gemma3_text"):  # where layer_types says sliding
         types = cfg.get("layer_types")
-        if types is None and mt == "gemma2":  # Gemma2Config: every other layer, from the first
-            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        if types is None and mt in ("gemma2", "gemma3_text"):
+            types = _gemma_layer_types(cfg, mt, layers, where)
         elif types is None:
             first = _int(cfg, "max_window_layers", where, 28, minimum=0)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -417,13 +440,23 @@ def _sliding_window(cfg: dict, mt: str, where: str) -> tuple:
     return window, tuple(range(layers))
 
 
+def _gemma_layer_types(cfg: dict, mt: str, layers: int, where: str) -> list:
+    """Gemma2Config: sliding on every other layer from the first; Gemma3TextConfig: on all but
+    every ``sliding_window_pattern``-th (default 6) -- ``(i + 1) % pattern`` in both."""
+    pattern = 2 if mt == "gemma2" else _int(cfg, "sliding_window_pattern", where, 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
 def _check_attention(cfg: dict, mt: str, where: str) -> None:
-    if mt == "gemma2":  # Gemma2Config reads hidden_activation (a stray hidden_act is unused)
+    if mt in ("gemma2", "gemma3_text"):  # Gemma configs read hidden_activation, not hidden_act
+        name = "Gemma 2" if mt == "gemma2" else "Gemma 3"
         if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            _refuse(where, f"hidden_activation {cfg.get('hidden_activation')!r} on Gemma 2 "
+            _refuse(where, f"hidden_activation {cfg.get('hidden_activation')!r} on {name} "
                     "(GeGLU with gelu_pytorch_tanh only)")
         if cfg.get("attention_bias"):
-            _refuse(where, "attention_bias on Gemma 2")
+            _refuse(where, f"attention_bias on {name}")
+        if cfg.get("use_bidirectional_attention"):
+            _refuse(where, "use_bidirectional_attention=true on Gemma 3 (causal attention only)")
         return
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse(where, f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU with silu only)")
@@ -435,17 +468,40 @@ def _check_attention(cfg: dict, mt: str, where: str) -> None:
         _refuse(where, "attention_bias / mlp_bias on Phi-3")
 
 
-def _gemma2_fields(cfg: dict, where: str) -> dict:
-    """Gemma2Config (transformers 4.57): query_pre_attn_scalar (default 256; softmax scale
-    its ** -0.5), attn_logit_softcapping (default 50.0) and final_logit_softcapping (default
-    30.0), each null: off."""
+def _without_linear(cfg: dict, mt: str) -> dict:
+    """Gemma 3's ``linear`` rope_scaling is read by :func:`_gemma_fields`, not as a scaling."""
+    rs = cfg.get("rope_scaling")
+    if mt == "gemma3_text" and isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "linear":
+        return {k: v for k, v in cfg.items() if k != "rope_scaling"}
+    return cfg
+
+
+def _gemma_fields(cfg: dict, mt: str, layers: int, where: str) -> dict:
+    """Gemma2Config / Gemma3TextConfig (transformers 4.57): query_pre_attn_scalar (default 256;
+    softmax scale its ** -0.5), attn_logit_softcapping and final_logit_softcapping (Gemma 2
+    default 50.0 / 30.0, Gemma 3 none; null: off); Gemma 3: rope_local_base_freq (default
+    10000) on its sliding layers (layer_types), a ``linear`` rope_scaling factor on the others."""
+    gemma2 = mt == "gemma2"
+
     def cap(key, default):
         value = cfg.get(key, default)
         return None if value is None else _float({key: value}, key, where)
 
     scalar = _float(cfg, "query_pre_attn_scalar", where, 256)
-    return dict(softmax_scale=scalar ** -0.5, attn_softcap=cap("attn_logit_softcapping", 50.0),
-                final_softcap=cap("final_logit_softcapping", 30.0))
+    out = dict(softmax_scale=scalar ** -0.5,
+               attn_softcap=cap("attn_logit_softcapping", 50.0 if gemma2 else None),
+               final_softcap=cap("final_logit_softcapping", 30.0 if gemma2 else None))
+    if not gemma2:
+        types = cfg.get("layer_types") or _gemma_layer_types(cfg, mt, layers, where)
+        if not isinstance(types, list) or len(types) != layers:
+            raise HFConfigError(f"{where}: field 'layer_types' must list one type per layer "
+                                f"({layers}); got {types!r}")
+        out.update(rope_local_theta=_float(cfg, "rope_local_base_freq", where, 10000.0),
+                   local_rope_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+        rs = cfg.get("rope_scaling")
+        if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "linear":
+            out["linear_rope_factor"] = _float(rs, "factor", f"{where} (rope_scaling)")
+    return out
 
 
 def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
@@ -479,7 +535,7 @@ def read_hf_config(path: str) -> HFModelSpec:
         raise HFConfigError(f"{where} holds a JSON {type(cfg).__name__}, not an object: not a "
                             "Hugging Face config.json")
     mt = cfg.get("model_type")
-    if mt in ("gemma3_text", "gemma3"):
+    if mt == "gemma3":
         _refuse(where, f"model_type {mt!r} ({GEMMA3_REASON})")
     if mt not in SUPPORTED:
         _refuse(where, f"model_type {mt!r} (architectures {cfg.get('architectures')})")
@@ -497,17 +553,17 @@ def read_hf_config(path: str) -> HFModelSpec:
         head_dim=head_dim, ffn_hidden_size=_int(cfg, "intermediate_size", where),
         vocab_size=_int(cfg, "vocab_size", where),
         rms_norm_eps=_float(cfg, "rms_norm_eps", where),
-        rope_theta=_float(cfg, "rope_theta", where, 10000.0),
+        rope_theta=_float(cfg, "rope_theta", where, 1e6 if family == "gemma3" else 10000.0),
         max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
         # Gemma2Config's default is true (save_pretrained leaves it out of config.json then)
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma2")),
-        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
-        rope_scaling=_rope_scaling(cfg, where, mt, head_dim, rotary_percent),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family in GEMMA)),
+        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        rope_scaling=_rope_scaling(_without_linear(cfg, mt), where, mt, head_dim, rotary_percent),
         rotary_percent=rotary_percent, raw=cfg,
     )
     kw["sliding_window"], kw["window_layers"] = _sliding_window(cfg, mt, where)
-    if family == "gemma2":
-        kw.update(_gemma2_fields(cfg, where))
+    if family in GEMMA:
+        kw.update(_gemma_fields(cfg, mt, kw["num_layers"], where))
     if heads % kw["num_query_groups"]:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kw['num_query_groups']}")

@@ -87,7 +87,7 @@ def hf_layer_names(spec: HFModelSpec, i: int) -> dict:
         "v": p + "self_attn.v_proj.weight", "o": p + "self_attn.o_proj.weight",
         "post_norm": p + "post_attention_layernorm.weight",
     }
-    if spec.family == "gemma2":  # four norms: the pre-MLP one is pre_feedforward_layernorm
+    if spec.family in ("gemma2", "gemma3"):  # four norms: the pre-MLP one is pre_feedforward_layernorm
         names.update(post_norm=p + "pre_feedforward_layernorm.weight",
                      attn_out_norm=p + "post_attention_layernorm.weight",
                      mlp_out_norm=p + "post_feedforward_layernorm.weight")

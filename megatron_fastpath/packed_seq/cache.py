@@ -130,6 +130,8 @@ class PackedSeqConfig:
         not matter to attention (it reads the params it is given; a CUDA-graph replay copies
         them into the graph's inputs).
     rope: rotary settings; None disables the RoPE structures.
+    rope_local: a second RoPE of the layers that rotate with another base (Gemma 3's sliding
+        layers: ``rope_local_base_freq``), the ``rope_cos_sin_local`` kind; None: none.
     sdpa_mask_max_tokens: refuse to build a T x T SDPA mask above this T.
     sdpa_layout: how the ``sdpa`` backend attends: "mask" (the packed [T] tokens against each
         other under one [T, T] additive mask: T^2 scores), "padded" (the packed-to-padded view,
@@ -145,6 +147,7 @@ class PackedSeqConfig:
     max_seqlen: Optional[int] = None
     num_slots: int = 1
     rope: Optional[RopeConfig] = None
+    rope_local: Optional[RopeConfig] = None
     sdpa_mask_max_tokens: int = DEFAULT_SDPA_MASK_MAX_TOKENS
     sdpa_layout: str = "auto"
     context_parallel_size: int = 1
@@ -233,6 +236,7 @@ class CachedPackedSeqParams(PackedSeqParams):
         router and losses; static shape, no host read).
     rope_cos_T1D / rope_sin_T1D: [T, 1, D] per-token RoPE factors in the compute dtype.
     rope_freqs_T11D: [T, 1, 1, D] float32 angles for Transformer Engine's fused RoPE.
+    rope_local_cos_T1D / rope_local_sin_T1D: the same factors of ``PackedSeqConfig.rope_local``.
     sdpa_mask_TT: [T, T] additive mask in the compute dtype: 0 where token i may attend j
         (same sequence, j <= i; a padding token attends itself), -inf elsewhere.
     flex_*: the ``BlockMask`` index tensors ([1, 1, Q] / [1, 1, Q, K] int32) of the same mask.
@@ -264,6 +268,8 @@ class CachedPackedSeqParams(PackedSeqParams):
     rope_cos_T1D: Optional[torch.Tensor] = None
     rope_sin_T1D: Optional[torch.Tensor] = None
     rope_freqs_T11D: Optional[torch.Tensor] = None
+    rope_local_cos_T1D: Optional[torch.Tensor] = None
+    rope_local_sin_T1D: Optional[torch.Tensor] = None
     sdpa_mask_TT: Optional[torch.Tensor] = None
     flex_kv_num_blocks: Optional[torch.Tensor] = None
     flex_kv_indices: Optional[torch.Tensor] = None
@@ -427,6 +433,8 @@ class PackedSeqCache:
         self.window: Optional[int] = None  # the sliding window of the windowed kinds
         self._arange_T: Optional[torch.Tensor] = None
         self._inv_freq = config.rope.inv_freq(self.device) if config.rope is not None else None
+        self._inv_freq_local = (config.rope_local.inv_freq(self.device)
+                                if config.rope_local is not None else None)
 
     # ------------------------------------------------------------------ batch lifecycle
     def set_batch(
@@ -617,6 +625,9 @@ class PackedSeqCache:
         dtype = dtype if spec.compute_dtype and dtype is not None else torch.float32
         if spec.needs_rope and self.config.rope is None:
             raise ValueError("RoPE requested but PackedSeqConfig.rope is None")
+        if spec.needs_rope_local and self.config.rope_local is None:
+            raise ValueError(f"{kind}: the second RoPE requested but PackedSeqConfig.rope_local "
+                             "is None")
         if spec.dense_mask:
             self._check_sdpa_size()
         if kind in self._kinds:
@@ -665,6 +676,16 @@ class PackedSeqCache:
         emb_TD = self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
         slot.params.rope_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
         slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+
+    def _allocate_rope_cos_sin_local(self, slot: _Slot, dtype: torch.dtype) -> None:
+        t, d = self.config.local_tokens, self.config.rope_local.dim
+        slot.params.rope_local_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+        slot.params.rope_local_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+
+    def _build_rope_cos_sin_local(self, slot: _Slot) -> None:
+        emb_TD = self.config.rope_local.angles_TD(slot.params.position_ids_T, self._inv_freq_local)
+        slot.params.rope_local_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
+        slot.params.rope_local_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
 
     def _allocate_rope_freqs(self, slot: _Slot, dtype: torch.dtype) -> None:
         t, d = self.config.local_tokens, self.config.rope.dim
@@ -790,6 +811,7 @@ class DerivedKind:
     build(cache, slot): write them for the slot's current batch (once per batch).
     compute_dtype: built in the consumer's dtype (else float32).
     needs_rope: needs ``PackedSeqConfig.rope``.
+    needs_rope_local: needs ``PackedSeqConfig.rope_local`` (the second RoPE).
     dense_mask: a [T, T] mask per slot (refused above ``sdpa_mask_max_tokens``).
     windowed: built for the cache's sliding :attr:`PackedSeqCache.window` (given at register).
     """
@@ -798,6 +820,7 @@ class DerivedKind:
     build: Callable[[PackedSeqCache, _Slot], None]
     compute_dtype: bool = False
     needs_rope: bool = False
+    needs_rope_local: bool = False
     dense_mask: bool = False
     windowed: bool = False
 
@@ -810,6 +833,9 @@ DERIVED_KINDS: dict[str, DerivedKind] = {
                                 needs_rope=True),
     "rope_freqs": DerivedKind(PackedSeqCache._allocate_rope_freqs, PackedSeqCache._build_rope_freqs,
                               needs_rope=True),
+    "rope_cos_sin_local": DerivedKind(PackedSeqCache._allocate_rope_cos_sin_local,
+                                      PackedSeqCache._build_rope_cos_sin_local, compute_dtype=True,
+                                      needs_rope=True, needs_rope_local=True),
     "sdpa_mask": DerivedKind(PackedSeqCache._allocate_sdpa_mask, PackedSeqCache._build_sdpa_mask,
                              compute_dtype=True, dense_mask=True),
     "sdpa_padded": DerivedKind(PackedSeqCache._allocate_sdpa_padded,

@@ -124,11 +124,18 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         max_seqlen=bound, num_slots=in_flight, rope=cfg.model_source.rope,
+                        rope_local=_rope_local(cfg.model_source),
                         sdpa_layout=cfg.fastpath.sdpa_layout,
                         context_parallel_size=ps.get_context_parallel_world_size(),
                         context_parallel_rank=ps.get_context_parallel_rank()),
         device=cfg.device,
     )
+
+
+def _rope_local(source):
+    """A Hugging Face Gemma 3 checkpoint's second RoPE (its sliding layers' base), else None."""
+    spec = getattr(source.handle, "spec", None)
+    return spec.rope_config_local() if hasattr(spec, "rope_config_local") else None
 
 
 def _gemma_options(source):

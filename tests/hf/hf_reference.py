@@ -68,6 +68,11 @@ def hf_config(family: str):
     if family == "gemma2_nocap":  # the same model without either cap
         return tf.Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, **{
             **GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    if family in ("gemma3", "gemma3_linear"):  # q / k norms, a second RoPE base on sliding layers
+        extra = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}} if family == "gemma3_linear" else {}
+        return tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=16,
+                                   query_pre_attn_scalar=24, sliding_window=8,
+                                   sliding_window_pattern=2, rope_local_base_freq=50.0, **extra)
     moe = dict(common, intermediate_size=32, num_experts_per_tok=2)
     if family == "mixtral":
         return tf.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
@@ -116,7 +121,8 @@ def build_ours(path, lora=None, max_tokens=MAX_TOKENS, max_seqlen=None):
 
     spec = read_hf_config(path)
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=max_tokens, max_seqs=8, max_seqlen=max_seqlen,
-                                           rope=spec.rope_config()))
+                                           rope=spec.rope_config(),
+                                           rope_local=spec.rope_config_local()))
     model, _, spec = load_hf_model(path, cache, lora=lora, show_progress=False)
     return model, cache, spec
 

@@ -8,7 +8,12 @@
   view), flex (forward) and flash (the stand-in honouring flash-attn's ``softcap``).
 * Export: the PEFT adapter loads in peft onto the transformers model with our logits; the
   merged checkpoint too.
-* Refusals: soft-capping with the te backend (TE 2.9-2.11 has none), TE linears, Gemma 3.
+* Gemma 3 text (``gemma3_text``): the same layer plus per-head (1 + weight) q / k norms, its
+  sliding layers rotating with ``rope_local_base_freq`` (the cache's second RoPE table,
+  ``PackedSeqConfig.rope_local``) and the global ones with ``rope_theta`` (``linear`` scaling
+  too); logits, export round trip.
+* Refusals: soft-capping with the te backend (TE 2.9-2.11 has none), TE linears, the second
+  RoPE on te, Gemma 3's multimodal config, bidirectional attention.
 """
 
 import json
@@ -24,7 +29,7 @@ from tests.hf.hf_reference import (  # noqa: E402
     packed_tokens)
 
 
-def _build(path, backend="sdpa", sdpa_layout=None, max_seqlen=None):
+def _build(path, backend="sdpa", sdpa_layout=None, max_seqlen=None, **kw_model):
     from megatron_fastpath.hf.config import read_hf_config
     from megatron_fastpath.hf.model import load_hf_model
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
@@ -32,8 +37,9 @@ def _build(path, backend="sdpa", sdpa_layout=None, max_seqlen=None):
     spec = read_hf_config(path)
     kw = {} if sdpa_layout is None else dict(sdpa_layout=sdpa_layout)
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=MAX_TOKENS, max_seqs=8, max_seqlen=max_seqlen,
-                                           rope=spec.rope_config(), **kw))
-    model, _, spec = load_hf_model(path, cache, backend=backend, show_progress=False)
+                                           rope=spec.rope_config(),
+                                           rope_local=spec.rope_config_local(), **kw))
+    model, _, spec = load_hf_model(path, cache, backend=backend, show_progress=False, **kw_model)
     return model, cache, spec
 
 
@@ -165,7 +171,10 @@ def test_te_linears_refused():
 @pytest.mark.parametrize("cfg, words", [
     (dict(model_type="gemma2", hidden_activation="gelu"), "hidden_activation 'gelu' on Gemma 2"),
     (dict(model_type="gemma2", attention_bias=True), "attention_bias on Gemma 2"),
-    (dict(model_type="gemma3_text"), "rope_local_base_freq"),
+    (dict(model_type="gemma3"), "multimodal Gemma3ForConditionalGeneration"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(model_type="gemma3_text", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "rope_scaling type 'dynamic'"),
 ])
 def test_gemma_config_refusals(tmp_path, cfg, words):
     from megatron_fastpath.hf.config import UnsupportedCheckpointError, read_hf_config
@@ -192,3 +201,56 @@ def test_gemma2_config_defaults(tmp_path):
     assert spec.softmax_scale == 256 ** -0.5
     assert (spec.sliding_window, spec.window_layers) == (4096, (0, 2))
 
+
+
+# --- Gemma 3 text ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family, backend, layout", [
+    ("gemma3", "sdpa", "mask"), ("gemma3", "sdpa", "padded"), ("gemma3", "flex", None),
+    ("gemma3_linear", "sdpa", "mask")])
+def test_gemma3_logits_equal_transformers(mcore_parallel, checkpoints, family, backend, layout):
+    path, ref = checkpoints(family)
+    model, cache, spec = _build(path, backend, layout, max_seqlen=max(LENGTHS))
+    assert spec.family == "gemma3" and spec.qk_norm and spec.attn_softcap is None
+    assert spec.rope_local_theta == ref.config.rope_local_base_freq != spec.rope_theta
+    assert spec.local_rope_layers == (0,) and spec.window_layers == (0,)
+    if family == "gemma3_linear":
+        assert spec.rope_config().seq_len_interpolation_factor == 4.0
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert [c.rope_local for c in cores] == [True, False]
+    assert_packed_logits_equal(model, cache, ref, f"{family} {backend} {layout}")
+
+
+def test_gemma3_flash_standin(mcore_parallel, checkpoints, fake_flash):
+    path, ref = checkpoints("gemma3")
+    model, cache, _ = _build(path, "flash")
+    assert_packed_logits_equal(model, cache, ref, "gemma3 flash")
+
+
+def test_gemma3_one_rope_base_differs(checkpoints):
+    """With the global base on every layer transformers gives other logits: the test above sees
+    the second RoPE table."""
+    import transformers as tf
+
+    _, ref = checkpoints("gemma3")
+    one = tf.AutoModelForCausalLM.from_config(
+        tf.Gemma3TextConfig(**{**ref.config.to_dict(), "rope_local_base_freq": ref.config.rope_theta}),
+        attn_implementation="eager")
+    one.load_state_dict(ref.state_dict())
+    seq = packed_tokens(LENGTHS, MAX_TOKENS)[:, : LENGTHS[2]]
+    with torch.no_grad():
+        assert (ref(seq).logits - one.eval()(seq).logits).abs().max() > 1e-2
+
+
+def test_gemma3_export_round_trip(mcore_parallel, tmp_path):
+    check_export_round_trip(tmp_path, "gemma3", max_seqlen=max(LENGTHS))
+    index = json.load(open(tmp_path / "merged" / "model.safetensors.index.json"))["weight_map"]
+    assert "model.layers.0.self_attn.q_norm.weight" in index
+    assert "model.layers.0.post_feedforward_layernorm.weight" in index
+
+
+def test_gemma3_second_rope_refused_on_te(mcore_parallel, checkpoints, fake_te):
+    path, _ = checkpoints("gemma3")
+    with pytest.raises(ValueError, match=r"second RoPE base .*'te' backend takes one RoPE table"):
+        _build(path, "te", linear_impl="local")
+    with pytest.raises(ValueError, match=r"Gemma's layer with linear_impl='te'"):
+        _build(path, "te")

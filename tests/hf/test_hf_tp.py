@@ -110,8 +110,9 @@ def test_dp2_matches_one_process_including_eval(tmp_path):
         assert abs(a - b) <= 1e-5 * a
 
 
-@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True), ("gemma2", True)],
-                         ids=["qwen3_full_finetune", "llama_lora", "gemma2_lora"])
+@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True), ("gemma2", True),
+                                           ("gemma3", True)],
+                         ids=["qwen3_full_finetune", "llama_lora", "gemma2_lora", "gemma3_lora"])
 def test_tp2_trains_as_one_process(tmp_path, family, lora):
     """TP = 2 on the CPU path takes the same steps as one process, with gradient clipping on
     (every step's norm > clip_grad = 1): the clip uses Megatron's TP-aware norm, which needs
