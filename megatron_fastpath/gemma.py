@@ -78,9 +78,11 @@ class GemmaRMSNorm(torch.nn.Module):
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 
-class PostNormSelfAttention(CachedRopeSelfAttention):
-    """Self-attention whose output is normed (Gemma's ``post_attention_layernorm``) before the
-    layer's residual add; weight at ``self_attention.post_layernorm.weight``."""
+class _PostNormed:
+    """Mixin: the module's output normed (a :class:`GemmaRMSNorm` at ``post_layernorm``)
+    before the layer's residual add; ``_norm_name`` says which of Gemma's norms it is."""
+
+    _norm_name = "post norm"
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -89,8 +91,15 @@ class PostNormSelfAttention(CachedRopeSelfAttention):
     def forward(self, *args, **kwargs):
         out, bias = super().forward(*args, **kwargs)
         if bias is not None:
-            raise ValueError("a post-attention norm needs add_bias_linear=False (no output bias)")
+            raise ValueError(f"a {self._norm_name} needs add_bias_linear=False (no output bias)")
         return self.post_layernorm(out), None
+
+
+class PostNormSelfAttention(_PostNormed, CachedRopeSelfAttention):
+    """Self-attention whose output is normed (Gemma's ``post_attention_layernorm``) before the
+    layer's residual add; weight at ``self_attention.post_layernorm.weight``."""
+
+    _norm_name = "post-attention norm"
 
 
 def _mlp_cls():
@@ -99,19 +108,11 @@ def _mlp_cls():
     return MLP
 
 
-class PostNormMLP(_mlp_cls()):
+class PostNormMLP(_PostNormed, _mlp_cls()):
     """Megatron's MLP whose output is normed (Gemma's ``post_feedforward_layernorm``) before
     the layer's residual add; weight at ``mlp.post_layernorm.weight``."""
 
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.post_layernorm = GemmaRMSNorm(config, config.hidden_size, config.layernorm_epsilon)
-
-    def forward(self, *args, **kwargs):
-        out, bias = super().forward(*args, **kwargs)
-        if bias is not None:
-            raise ValueError("a post-MLP norm needs add_bias_linear=False (no output bias)")
-        return self.post_layernorm(out), None
+    _norm_name = "post-MLP norm"
 
 
 def apply_gemma_model_hooks(model, options: GemmaOptions, hidden_size: int) -> None:
