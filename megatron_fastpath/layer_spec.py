@@ -71,7 +71,7 @@ def get_fastpath_layer_spec(
         raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm'; got {normalization!r}")
     resolved = resolve_backend(
         backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
-        dtype=params_dtype,
+        dtype=params_dtype, context_parallel_size=cache.config.context_parallel_size,
     )
     linear_impl = linear_impl or ("te" if resolved == "te" else "local")
     if linear_impl not in ("local", "te"):

@@ -143,6 +143,11 @@ class RunFacts:
     full_iteration: bool = False
 
 
+# The attention backends that run context parallelism with the packed cache (what
+# attention_backend=auto chooses from at CP > 1: core_attention.resolve_backend).
+CP_ATTENTION_BACKENDS = ("sdpa", "te")
+
+
 def _context_parallel(f: RunFacts) -> Optional[str]:
     # What runs (docs/configuration.md): the main job, dense model, TP (with SP: see below),
     # PP = 1, with the sdpa backend (CP over all-gathered K/V) -- with per-layer CUDA graphs too
@@ -169,7 +174,7 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
                 f"{f.names.context_parallel}=1, or use Megatron's own TE spec for CP without "
                 "the cache")
     not_yet = [
-        (f.attention_backend not in (None, "sdpa", "te"),
+        (f.attention_backend not in (None, *CP_ATTENTION_BACKENDS),
          f"the '{f.attention_backend}' attention backend (only 'sdpa' and 'te' run CP so far: "
          "queries against K/V all-gathered over the CP group, or Transformer Engine's THD + CP "
          "ring; flash's / flex's CP calls are not wired); use fastpath.attention_backend=sdpa "

@@ -77,7 +77,7 @@ _ALTERNATIVES = {
 
 
 def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
-                    dtype: Optional[torch.dtype] = None) -> str:
+                    dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
     """Validate ``backend`` (raising before any device work when its package is missing, or
     when ``dtype`` is one its kernels lack) and resolve ``"auto"``: te > flash on CUDA when
     installed and the dtype is one their kernels take (bf16 / fp16), else sdpa -- flex only on
@@ -87,16 +87,23 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
     ``sdpa_limit``: the most tokens the sdpa backend serves in its layout,
     :func:`megatron_fastpath.packed_seq.cache.sdpa_max_tokens` (the one home of that rule):
     the [T, T] mask's limit when sdpa attends through the mask, None when its layout is or can
-    be the padded view, which has no mask (then the mask's limit never pushes auto off sdpa)."""
+    be the padded view, which has no mask (then the mask's limit never pushes auto off sdpa).
+
+    With ``context_parallel_size > 1`` ``auto`` picks only among the backends that run context
+    parallelism (:data:`megatron_fastpath.rules.CP_ATTENTION_BACKENDS`): te, else sdpa -- never
+    flash or flex, which the rules would refuse at CP > 1."""
     if backend == "auto":
         from megatron_fastpath._optional import have
+        from megatron_fastpath.rules import CP_ATTENTION_BACKENDS
 
         half = dtype is None or dtype in (torch.bfloat16, torch.float16)
-        if device.type == "cuda" and half and have("transformer_engine.pytorch"):
+        usable = BACKENDS if context_parallel_size <= 1 else CP_ATTENTION_BACKENDS
+        if device.type == "cuda" and half and "te" in usable and have("transformer_engine.pytorch"):
             resolved = "te"
-        elif device.type == "cuda" and half and have("flash_attn"):
+        elif device.type == "cuda" and half and "flash" in usable and have("flash_attn"):
             resolved = "flash"
-        elif device.type == "cuda" and sdpa_limit is not None and max_tokens > sdpa_limit:
+        elif (device.type == "cuda" and "flex" in usable and sdpa_limit is not None
+              and max_tokens > sdpa_limit):
             resolved = "flex"  # sdpa's layout is the [T, T] mask, refused above its limit
         else:
             # on CPU above the mask limit (sdpa_layout=mask) the cache refuses the mask, naming
@@ -193,7 +200,7 @@ class PackedCoreAttention(MegatronModule):
         self.cache = cache
         self.backend = resolve_backend(  # the mask's size limit binds the mask layout only
             backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
-            dtype=config.params_dtype,
+            dtype=config.params_dtype, context_parallel_size=cache.config.context_parallel_size,
         )
         self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
         self.cp_group = None  # sdpa's all-gather group; te hands CP to TE (below)

@@ -410,7 +410,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
     # the mask's size limit binds only the [T, T] mask layout (sdpa_max_tokens: the padded view has none)
     sdpa_limit = sdpa_max_tokens(fast.sdpa_layout, DEFAULT_SDPA_MASK_MAX_TOKENS, par.context_parallel_size)
     backend = resolve_backend(fast.attention_backend, device, data.max_tokens, sdpa_limit,
-                              dtype=getattr(torch, train.dtype))  # te/flash refuse fp32 on CUDA
+                              dtype=getattr(torch, train.dtype),  # te/flash refuse fp32 on CUDA
+                              context_parallel_size=par.context_parallel_size)
     facts = dataclasses.replace(facts, attention_backend=backend)
     _refuse(rules.refusals(facts))  # the rules that read the resolved backend (context parallelism)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (

@@ -219,3 +219,40 @@ def test_gpu_bf16_backward_with_padding_tail_matches_cpu_sdpa(mcore_parallel, ba
     for n, g in grads["cpu"].items():
         assert torch.isfinite(grads["cuda"][n]).all(), n
         torch.testing.assert_close(grads["cuda"][n], g, rtol=5e-2, atol=5e-2, msg=n)
+
+
+def test_auto_at_context_parallel_picks_a_backend_cp_runs(monkeypatch):
+    """attention_backend=auto at CP > 1 chose flash (flash-attn installed, no TE) or flex
+    (above the mask limit), both of which the context-parallel rule then refused: auto now
+    picks among rules.CP_ATTENTION_BACKENDS only (te, else sdpa)."""
+    from megatron_fastpath import rules
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(_optional, "have", lambda name: name == "flash_attn")
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.bfloat16) == "flash"
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.bfloat16,
+                                          context_parallel_size=2) == "sdpa"
+    assert core_attention.resolve_backend("auto", cuda, 32768, 16384, dtype=torch.float32,
+                                          context_parallel_size=2) == "sdpa"
+    monkeypatch.setattr(_optional, "have", lambda name: True)
+    assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.bfloat16,
+                                          context_parallel_size=2) == "te"
+    for backend in ("sdpa", "te"):
+        assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], packed_cache=True,
+                                             context_parallel_size=2, attention_backend=backend)) == []
+
+
+def test_main_job_auto_at_cp2_with_flash_installed_parses(fake_flash, monkeypatch):
+    """The main job's parse at CP 2, bf16, CUDA, attention auto, flash-attn installed and no
+    TE: sdpa, accepted (it stopped at the context-parallel refusal of flash)."""
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.graph_safe_standins import gpu_standins
+    from tests.support.hydra_compose import compose_job
+
+    monkeypatch.setattr(_optional, "have", lambda name: name == "flash_attn")
+    with gpu_standins():
+        job = parse_job_config(compose_job([
+            "training.device=cuda", "training.dtype=bfloat16", "cluster.backend=gloo",
+            "parallel.context_parallel_size=2", "fastpath.attention_backend=auto",
+            "data.max_tokens=64", "data.max_len=24", "training.skip_memory_check=true"]))
+    assert job.attention_backend == "sdpa"
