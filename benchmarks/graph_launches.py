@@ -62,6 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # load_meter
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root: tests.support's GPU stand-ins
 from load_meter import LoadMeter, describe, publish  # noqa: E402
+from text_table import text_table  # noqa: E402
 
 LAYERS = (4, 16, 32)
 MICRO_BATCHES = 3
@@ -320,11 +321,7 @@ def _table(rows: list) -> str:
                       str(r["h2d_copies_per_step"]), f"{r['host_ms_per_step']:.1f}",
                       f"{lay['launch_proxy'] / r['launch_proxy']:.2f}",
                       f"{eag['launch_proxy'] / r['launch_proxy']:.2f}"])
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    out.append("-" * len(out[0]))
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    return text_table(cols, cells)
 
 
 def main(argv=None) -> dict:

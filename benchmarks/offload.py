@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_meter import LoadMeter, describe, publish  # noqa: E402
+from text_table import text_table  # noqa: E402
 from megatron_fastpath.offload import OffloadConfig, RecordingDevice  # noqa: E402
 from megatron_fastpath.offload.plan import LayerTimes, plan_window  # noqa: E402
 from megatron_fastpath.offload.timing import step_hidden_fraction  # noqa: E402
@@ -361,11 +362,7 @@ def _table(rows: list[dict]) -> str:
             "single_over_ours", "extra_device_bytes", "steps_per_s", "peak_mb", "note"]
     cols = [c for c in cols if any(c in r for r in rows)]
     cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    return text_table(cols, cells)
 
 
 def _environment(meter: LoadMeter) -> dict:

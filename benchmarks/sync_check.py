@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from load_meter import LoadMeter, describe, publish  # noqa: E402
+from text_table import text_table  # noqa: E402
 
 MODELS = {  # name: main-job overrides
     "default (tiny_dense, 2 x 256 tokens)": [],
@@ -88,11 +89,7 @@ def _table(rows: list) -> str:
     keys = ["model", "aten_ops_per_step", "host_syncs_per_step", "with_sentinel_ms", "without_ms",
             "sentinel_cost_ms", "with_over_without", "cost_per_op_us"]
     cells = [[str(r[k]) for k in keys] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    out.append("-" * len(out[0]))
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    return text_table(cols, cells)
 
 
 def main(argv=None) -> dict:
