@@ -15,6 +15,8 @@ from megatron_fastpath.sync import HostSyncError, SyncEvent, SyncSentinel  # noq
 
 __version__ = "0.1.0"
 
+from megatron_fastpath._lazy import lazy_getattr  # noqa: E402
+
 _LAZY = {
     "PackedSeqCache": "megatron_fastpath.packed_seq.cache",
     "PackedSeqConfig": "megatron_fastpath.packed_seq.cache",
@@ -22,12 +24,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'megatron_fastpath' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["HostSyncError", "SyncEvent", "SyncSentinel", *_LAZY]

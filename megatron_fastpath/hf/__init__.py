@@ -15,6 +15,8 @@ from megatron_fastpath.hf.config import (
     read_hf_config,
 )
 
+from megatron_fastpath._lazy import lazy_getattr
+
 _LAZY = {
     "build_hf_model": "megatron_fastpath.hf.model",
     "load_hf_model": "megatron_fastpath.hf.model",
@@ -22,12 +24,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'megatron_fastpath.hf' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["CheckpointError", "HFModelSpec", "SUPPORTED", "SafetensorsCheckpoint",

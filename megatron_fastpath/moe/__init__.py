@@ -18,6 +18,8 @@ from megatron_fastpath.moe.dispatch import (
     validate_routing_inputs,
 )
 
+from megatron_fastpath._lazy import lazy_getattr
+
 _LAZY = {
     "FastpathRouter": "megatron_fastpath.moe.router",
     "topk_routing": "megatron_fastpath.moe.router",
@@ -30,12 +32,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'megatron_fastpath.moe' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

@@ -37,6 +37,8 @@ from megatron_fastpath.offload.plan import (
     plan_window,
 )
 
+from megatron_fastpath._lazy import lazy_getattr
+
 _LAZY = {
     "OffloadedTransformerLayer": "megatron_fastpath.offload.layer",
     "OffloadedMoETransformerLayer": "megatron_fastpath.offload.layer",
@@ -49,12 +51,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'megatron_fastpath.offload' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
