@@ -132,12 +132,15 @@ def _worker(rank, world, port, result_path):
         destroy_distributed()
 
 
+def _spawn_two(worker, path: str) -> list:
+    """Each rank's results of ``worker`` run in 2 spawned processes (EP=2 over gloo)."""
+    mp.spawn(worker, args=(2, free_port(), path), nprocs=2, join=True)
+    return [torch.load(f"{path}.{rank}") for rank in range(2)]
+
+
 @pytest.mark.integration
 def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
-    path = str(tmp_path / "ep_results")
-    mp.spawn(_worker, args=(2, free_port(), path), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(f"{path}.{rank}")
+    for rank, results in enumerate(_spawn_two(_worker, str(tmp_path / "ep_results"))):
         assert set(results) == set(MODES), results.keys()
         for name, r in results.items():
             where = f"rank {rank}, {name}: {r}"
@@ -192,10 +195,7 @@ def _padding_worker(rank, world, port, result_path):
 
 @pytest.mark.integration
 def test_ep2_padding_content_changes_nothing_real(tmp_path):
-    path = str(tmp_path / "ep_padding")
-    mp.spawn(_padding_worker, args=(2, free_port(), path), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(f"{path}.{rank}")
+    for rank, results in enumerate(_spawn_two(_padding_worker, str(tmp_path / "ep_padding"))):
         assert set(results) == set(PAD_MODES), results
         for name, r in results.items():
             assert r["ok"], r["error"]
