@@ -19,3 +19,38 @@ LAYERS = 2
 # per layer and replay: forward K and V all-gathered, backward their gradients all-reduced
 FWD_COLLECTIVES = {"allgather_": 2}
 BWD_COLLECTIVES = {"allreduce_": 2}
+
+
+def counting_replays(real_waited, replayed):
+    """A stand-in for ``graph_safe_standins._waited`` (the fake graph's replay of a captured
+    collective) that counts each replayed collective by name into ``replayed`` (a Counter)."""
+
+    def waited(collective):
+        run = real_waited(collective)
+        name = collective.overloadpacket.__name__
+
+        def counted(*args, **kwargs):
+            replayed[name] += 1
+            return run(*args, **kwargs)
+
+        counted.collective = name
+        return counted
+
+    return waited
+
+
+def layer_graphs(model) -> list:
+    """Per layer of ``model``: whether its forward / backward graphs were captured, how often
+    each was replayed and the collectives each captured ({name: count})."""
+    import collections
+
+    from tests.support.megatron_graphs import graph_runners
+
+    def collectives(graph):
+        return dict(collections.Counter(op.func.collective for op in graph.ops
+                                        if hasattr(op.func, "collective")))
+
+    return [dict(fwd_captured=r.fwd_graph.captured, bwd_captured=r.bwd_graph.captured,
+                 fwd_replays=r.fwd_graph.replays, bwd_replays=r.bwd_graph.replays,
+                 fwd_collectives=collectives(r.fwd_graph), bwd_collectives=collectives(r.bwd_graph))
+            for r in graph_runners(model)]

@@ -52,7 +52,7 @@ def _launch() -> None:
     import megatron_fastpath.train as train_mod
     from tests.support import graph_safe_standins
     from tests.support.graph_safe_standins import gpu_standins
-    from tests.support.megatron_graphs import graph_runners
+    from tests.support.cp_graphs import counting_replays, layer_graphs
 
     jobs, replayed = [], collections.Counter()
     real_build, real_waited = train_mod.build_job, graph_safe_standins._waited
@@ -61,29 +61,12 @@ def _launch() -> None:
         jobs.append(real_build(cfg))
         return jobs[-1]
 
-    def waited(collective):  # the fake graph's replay of a captured collective, counted
-        run = real_waited(collective)
-        name = collective.overloadpacket.__name__
-
-        def counted(*args, **kwargs):
-            replayed[name] += 1
-            return run(*args, **kwargs)
-
-        counted.collective = name
-        return counted
-
-    def collectives(graph):
-        return dict(collections.Counter(op.func.collective for op in graph.ops
-                                        if hasattr(op.func, "collective")))
-
     with mock.patch.object(train_mod, "build_job", build_job), \
-            mock.patch.object(graph_safe_standins, "_waited", waited), gpu_standins():
+            mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
+            gpu_standins():
         train_mod.main()
     (job,) = jobs
-    layers = [dict(fwd_captured=r.fwd_graph.captured, bwd_captured=r.bwd_graph.captured,
-                   fwd_replays=r.fwd_graph.replays, bwd_replays=r.bwd_graph.replays,
-                   fwd_collectives=collectives(r.fwd_graph), bwd_collectives=collectives(r.bwd_graph))
-              for r in graph_runners(job.model)]
+    layers = layer_graphs(job.model)
     steps = job.cfg.training.steps
     packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
                 for s in range(1, steps + 1)]

@@ -60,7 +60,7 @@ def _train(overrides, replayed):
     from tests.support import graph_safe_standins
     from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
-    from tests.support.megatron_graphs import graph_runners
+    from tests.support.cp_graphs import counting_replays, layer_graphs
 
     real_check, real_waited, real_capturing = (graphs_config._check_capture, graph_safe_standins._waited,
                                                standins._capturing)
@@ -69,37 +69,19 @@ def _train(overrides, replayed):
     def check_capture(graphs, offload, attention_backend):  # all but the TE RNG tracker clause
         return real_check(graphs, offload, "sdpa" if attention_backend == "te" else attention_backend)
 
-    def waited(collective):  # the fake graph's replay of a captured collective, counted
-        run_ = real_waited(collective)
-        name = collective.overloadpacket.__name__
-
-        def counted(*args, **kwargs):
-            replayed[name] += 1
-            return run_(*args, **kwargs)
-
-        counted.collective = name
-        return counted
-
     def capturing():
         answer = real_capturing()
         captured_calls[0] += answer
         return answer
 
-    def collectives(graph):
-        return dict(collections.Counter(op.func.collective for op in graph.ops
-                                        if hasattr(op.func, "collective")))
-
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
     get_cuda_rng_tracker().reset()
     with mock.patch.object(graphs_config, "_check_capture", check_capture), \
-            mock.patch.object(graph_safe_standins, "_waited", waited), \
+            mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
             mock.patch.object(standins, "_capturing", capturing), gpu_standins():
         summary, job = run(compose_job(overrides), return_job=True, announce=False)
         calls = len(standins.TEDotProductAttentionStandIn.calls)
-    layers = [dict(fwd_captured=r.fwd_graph.captured, bwd_captured=r.bwd_graph.captured,
-                   fwd_replays=r.fwd_graph.replays, bwd_replays=r.bwd_graph.replays,
-                   fwd_collectives=collectives(r.fwd_graph), bwd_collectives=collectives(r.bwd_graph))
-              for r in graph_runners(job.model)]
+    layers = layer_graphs(job.model)
     packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
                 for s in range(1, job.cfg.training.steps + 1)]
     records = [[r.step, r.loss, r.grad_norm, r.tokens] for r in summary.records]
