@@ -271,7 +271,10 @@ class LocalSlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: a requeued job waits this long before it starts again (default
+            # 120 s, slurm.conf(5) AuthInfo); 20 s keeps the preemption tests' requeues short
+            # while leaving a loaded machine time to launch each step with its credential
+            f"AuthInfo=socket={self.munge_socket},cred_expire=20",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool/%n",
             f"SlurmctldPidFile={r}/run/slurmctld.pid",
