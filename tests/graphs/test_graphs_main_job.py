@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from tests.support.hydra_compose import compose_job
+from tests.support.cuda_as_cpu import device_capability_standin, device_name_standin
 
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.fp8 import FP8Config
@@ -179,7 +180,7 @@ def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name_standin("stand-in GPU"))
     parse_job_config(cfg(["training.device=cuda", "fastpath.cuda_graphs=true",
                           "cuda_graphs.use_te_rng_tracker=false", "cuda_graphs.warmup_steps=0"]))
     assert seen and seen[0] == "expandable_segments:True"
@@ -201,10 +202,10 @@ def test_moe_graphs_need_grouped_mms_sync_free_path(monkeypatch, dtype, capabili
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", device_capability_standin(capability))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(total_memory=80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name_standin("stand-in GPU"))
     overrides = ["model=tiny_moe", "training.device=cuda", f"training.dtype={dtype}",
                  "fastpath.cuda_graphs=true", "cuda_graphs.use_te_rng_tracker=false",
                  "fastpath.attention_backend=sdpa"]

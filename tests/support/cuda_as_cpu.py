@@ -14,7 +14,12 @@ What it does while active:
   ``Tensor.to('cuda')`` on the CPU, and answers ``Tensor.type()`` with the CUDA type name
   (``torch.cuda.FloatTensor``) so Megatron's type asserts hold;
 * ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
-  few other ``torch.cuda`` entry points are patched for the block's duration;
+  few other ``torch.cuda`` entry points are patched for the block's duration, one stand-in GPU
+  (index 0); ``Stream`` / ``current_stream`` / ``default_stream`` / ``stream`` / ``set_stream`` /
+  ``synchronize`` / ``current_device`` / ``set_device`` take and check their arguments as torch
+  2.13's own code does (a cpu device, an index past the device count, a non-stream raise the
+  real error; the torch source line is cited on each stand-in), and ``torch.cuda.stream(s)``
+  selects ``s`` as ``current_stream()`` for the block, as on a GPU;
 * a TorchFunctionMode is not active inside an ``autograd.Function.backward`` (Megatron's
   sequence-parallel linear allocates its reduce-scatter output there on
   ``torch.cuda.current_device()``), so ``torch.empty`` / ``torch.zeros`` are also wrapped to
@@ -34,11 +39,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
+import threading
 import time
 from typing import Iterator
 from unittest import mock
 
 import torch
+from torch.cuda._utils import _get_device_index as _real_get_device_index
 from torch.overrides import TorchFunctionMode
 
 # (file relative to megatron/core, line, text expected on that line)
@@ -114,20 +122,138 @@ class CudaAsCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Devices, streams and the torch.cuda entry points: each stand-in asserts what torch 2.13's own
+# implementation asserts or raises for the arguments it takes (file:line below are torch 2.13's,
+# .venv/lib/python3.11/site-packages/torch/...; C++ functions named where the check is there).
+# The stand-in GPU is one device (index 0): torch.cuda.device_count() as patched (1).
+# ---------------------------------------------------------------------------------------------
+_NO_INDEX = "Expected a torch.device with a specified index or an integer"
+CURRENT_DEVICE = 0
+
+
+def device_index(device, optional: bool = False) -> int:
+    """``torch.cuda._utils._get_device_index`` (cuda/_utils.py:557-586 -> _utils.py:869-913), the
+    real function, with the current device answered by the stand-in: an int is returned as it
+    is (negative too); a str becomes a ``torch.device``; a device that is not ``cuda`` raises
+    ``ValueError("Expected a cuda device, but got: cpu")`` (cuda/_utils.py:581-582); ``None``
+    or ``torch.device('cuda')`` (no index) is the current device when ``optional``, else
+    ``ValueError("Expected a torch.device with a specified index or an integer, but got:...")``
+    (_utils.py:898-912); with ``optional`` any other object is the current device too
+    (_utils.py:898-908)."""
+    try:
+        return _real_get_device_index(device, optional=False)
+    except ValueError as e:
+        if optional and str(e).startswith(_NO_INDEX):
+            return _current_device()
+        raise
+
+
+def _device_count() -> int:
+    return torch.cuda.device_count()
+
+
+def _exchange_device(idx: int) -> None:
+    """``torch.cuda.device(idx).__enter__`` -> ``torch._C._cuda_exchangeDevice`` (cuda/__init__.py
+    :654-655): a negative index is a no-op; else c10::cuda::ExchangeDevice -> cudaSetDevice,
+    which fails on an index past the device count ('CUDA error: invalid device ordinal',
+    raised as torch.AcceleratorError, a RuntimeError)."""
+    if idx >= _device_count():
+        raise torch.AcceleratorError("CUDA error: invalid device ordinal")
+
+
+def _current_device() -> int:
+    """``torch.cuda.current_device()`` (cuda/__init__.py:1203-1206): no argument; the index of
+    the selected device (the stand-in GPU's only one, 0)."""
+    return CURRENT_DEVICE
+
+
+def _set_device(device) -> None:
+    """``torch.cuda.set_device(device)`` (cuda/__init__.py:677-689): ``_get_device_index(device)``
+    WITHOUT ``optional`` -- ``None`` and ``torch.device('cuda')`` (no index) raise ValueError, a
+    cpu device raises ValueError; a negative index is a no-op; else
+    ``torch._C._cuda_setDevice`` -> c10::cuda::set_device -> cudaSetDevice: an index past the
+    device count raises 'CUDA error: invalid device ordinal'. The stand-in GPU stays device 0."""
+    idx = device_index(device)
+    if idx >= 0:
+        _exchange_device(idx)
+
+
+def _synchronize(device=None) -> None:
+    """``torch.cuda.synchronize(device=None)`` (cuda/__init__.py:1209-1219): ``with
+    torch.cuda.device(device)`` -- ``_get_device_index(device, optional=True)`` (:651: a cpu
+    device raises ValueError), exchange to it (:655: past the device count raises) -- then
+    ``_cuda_synchronize``. Counted in :data:`CALLS` (a device-wide wait no sync sentinel
+    reports)."""
+    _exchange_device(device_index(device, optional=True))
+    CALLS["torch.cuda.synchronize"] += 1
+
+
+def _check_gpu(idx: int) -> int:
+    """c10/cuda/CUDAStream.cpp ``getCurrentCUDAStream`` / ``getDefaultCUDAStream``: -1 is the
+    current device; else ``check_gpu``: TORCH_CHECK(0 <= index < num_gpus, "Device index value
+    {i} is out of index range [0, {n})") -> RuntimeError."""
+    if idx == -1:
+        return _current_device()
+    n = _device_count()
+    if not 0 <= idx < n:
+        raise RuntimeError(f"Device index value {idx} is out of index range [0, {n})")
+    return idx
+
+
+_STREAM_KWARGS = ("stream_id", "device_index", "device_type", "stream_ptr")
+
+
 class _FakeStream:
-    """Stand-in for ``torch.cuda.Stream``: work on the CPU is already ordered."""
+    """Stand-in for ``torch.cuda.Stream``: work on the CPU is already ordered, so no method
+    waits; each takes and checks what the real one does (torch 2.13 cuda/streams.py):
 
-    def __init__(self, *args, **kwargs):
-        pass
+    * ``Stream(device=None, priority=0, **kwargs)`` (streams.py:37-46): ``device`` other than
+      None goes through ``with torch.cuda.device(device)`` (a cpu device raises ValueError,
+      an index past the device count raises 'invalid device ordinal'; negative / None: the
+      current device); ``priority`` and the keywords are parsed by THCPStream_pynew
+      (torch/csrc/cuda/Stream.cpp, PyArg_ParseTupleAndKeywords "|iLLLK" over priority,
+      stream_id, device_index, device_type, stream_ptr): a non-int priority raises TypeError,
+      any other keyword raises TypeError;
+    * ``wait_event(event)`` is ``event.wait(self)`` (streams.py:63): an object without ``wait``
+      (a Stream, a tensor) raises AttributeError;
+    * ``wait_stream(stream)`` is ``self.wait_event(stream.record_event())`` (streams.py:77): an
+      Event or anything without ``record_event`` raises AttributeError;
+    * ``record_event(event=None)`` (streams.py:89-92): a new Event when None, ``event.record(self)``,
+      returns the event;
+    * ``query()`` / ``synchronize()`` take no argument (streams.py:94, 102); ``device`` /
+      ``device_index`` / ``device_type`` / ``stream_id`` as the base class exposes them;
+      a context manager (torch.Stream.__enter__ selects it: :func:`_stream_context`)."""
 
-    def wait_stream(self, other):
-        pass
+    _next_id = 0
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        bad = [k for k in kwargs if k not in _STREAM_KWARGS]
+        if bad:
+            raise TypeError(f"{bad[0]!r} is an invalid keyword argument for this function")
+        priority = operator.index(priority)  # PyArg "i": TypeError for a float, a str, None
+        idx = device_index(device, optional=True) if device is not None else -1
+        _exchange_device(idx)
+        if "device_index" in kwargs:
+            idx = int(kwargs["device_index"])
+        self.device_index = idx if idx >= 0 else _current_device()
+        self.device = torch.device("cuda", self.device_index)
+        self.device_type = 1  # c10::DeviceType::CUDA
+        self.priority = priority
+        _FakeStream._next_id += 1
+        self.stream_id = kwargs.get("stream_id", _FakeStream._next_id)
+
+    def wait_stream(self, stream):
+        self.wait_event(stream.record_event())
 
     def wait_event(self, event):
-        pass
+        event.wait(self)
 
     def record_event(self, event=None):
-        return event if event is not None else _FakeEvent()
+        if event is None:
+            event = _FakeEvent()
+        event.record(self)
+        return event
 
     def synchronize(self):
         pass
@@ -136,19 +262,26 @@ class _FakeStream:
         return True
 
     def __enter__(self):
+        self._ctx = _stream_context(self)
+        self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
         return False
+
+    def __repr__(self):
+        return f"<stand-in torch.cuda.Stream device={self.device} stream_id={self.stream_id}>"
 
 
 class _FakeEvent:
     """Stand-in for ``torch.cuda.Event``. ``elapsed_time`` keeps the real contract (torch
     ``cuda/streams.py`` -> ``cudaEventElapsedTime``): both events created with
     ``enable_timing=True`` and both recorded, else it raises as CUDA does; the time is the
-    host's between the two ``record`` calls (on the CPU the work ran in between)."""
+    host's between the two ``record`` calls (on the CPU the work ran in between). ``record`` /
+    ``wait`` take a stream or None (the current stream, streams.py:206-207, 220-221)."""
 
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
         self.enable_timing = enable_timing
         self.recorded_at = None
 
@@ -172,15 +305,114 @@ class _FakeEvent:
         pass
 
 
-_STREAM = _FakeStream()
+_STREAM = _FakeStream.__new__(_FakeStream)  # the default stream of the stand-in GPU
+_STREAM.device_index, _STREAM.device, _STREAM.device_type = 0, torch.device("cuda", 0), 1
+_STREAM.priority, _STREAM.stream_id = 0, 0
+
+
+class _CurrentStream(threading.local):
+    stream = _STREAM
+
+
+_CURRENT = _CurrentStream()
+
+
+def _current_stream(device=None):
+    """``torch.cuda.current_stream(device=None)`` (cuda/__init__.py:1235-1250):
+    ``_get_device_index(device, optional=True)`` (a cpu device raises ValueError), then
+    ``_cuda_getCurrentStream`` -> c10 ``getCurrentCUDAStream``: -1 is the current device, an
+    index outside [0, device_count) raises "Device index value ... is out of index range". The
+    stream selected by ``torch.cuda.stream`` / ``set_stream`` on this thread, else the default
+    stream."""
+    _check_gpu(device_index(device, optional=True))
+    return _CURRENT.stream
+
+
+def _default_stream(device=None):
+    """``torch.cuda.default_stream(device=None)`` (cuda/__init__.py:1253-1268): as
+    ``current_stream``'s device rules; the one default stream."""
+    _check_gpu(device_index(device, optional=True))
+    return _STREAM
+
+
+def _set_stream(stream) -> None:
+    """``torch.cuda.set_stream(stream)`` (cuda/__init__.py:842-858): None is a no-op (:851);
+    else it reads ``stream.stream_id`` / ``device_index`` / ``device_type`` (:854-857:
+    AttributeError for anything that is not a stream) and selects it."""
+    if stream is None:
+        return
+    stream.stream_id, stream.device_index, stream.device_type  # noqa: B018 (what set_stream reads)
+    _CURRENT.stream = stream
+
+
+class _stream_context:
+    """``torch.cuda.stream(stream)`` -> ``StreamContext`` (cuda/__init__.py:756-824): None is a
+    no-op context (:789-790); else on entry the current stream is kept and ``set_stream(stream)``
+    selects it (:791-798: a stream of another device is selected on that device inside
+    ``torch.cuda.device(stream.device)`` -- with one stand-in device no such stream can be
+    made, Stream(device=1) raises), restored on exit (:800-811). A non-stream raises
+    AttributeError at entry, as ``set_stream`` reads its ``stream_id``."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.prev = None
+
+    def __enter__(self):
+        if self.stream is None:
+            return None
+        self.prev = _current_stream(None)
+        if self.prev.device != self.stream.device:
+            _exchange_device(device_index(self.stream.device, optional=True))
+        _set_stream(self.stream)
+        return None
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            _set_stream(self.prev)
+        return False
+
+
+def _device_properties_index(device) -> int:
+    """``torch.cuda.get_device_properties(device)`` (cuda/__init__.py:725-741), which
+    ``get_device_capability`` (:707-722) and ``get_device_name`` (:692-705) call:
+    ``_get_device_index(device, optional=True)`` (a cpu device raises ValueError), then
+    ``AssertionError("Invalid device id")`` for an index < 0 or >= device_count() -- whatever
+    their docstrings say of negative indices being a no-op."""
+    idx = device_index(device, optional=True)
+    if idx < 0 or idx >= _device_count():
+        raise AssertionError("Invalid device id")
+    return idx
+
+
+def device_capability_standin(capability=(9, 0)):
+    """A ``torch.cuda.get_device_capability(device=None)`` answering ``capability`` (a
+    ``(major, minor)`` tuple of ints, as ``prop.major, prop.minor``) after checking ``device`` as
+    :func:`_device_properties_index` does."""
+    major, minor = capability
+    assert isinstance(major, int) and isinstance(minor, int), capability
+
+    def get_device_capability(device=None):
+        _device_properties_index(device)
+        return (major, minor)
+
+    return get_device_capability
+
+
+def device_name_standin(name="stand-in GPU"):
+    """A ``torch.cuda.get_device_name(device=None)`` answering ``name`` (a str, as
+    ``get_device_properties(device).name``) after checking ``device`` as
+    :func:`_device_properties_index` does."""
+
+    def get_device_name(device=None):
+        _device_properties_index(device)
+        return name
+
+    return get_device_name
+
 
 # Explicit device-wide waits the code under test asked for (a host sync on a GPU that neither
 # SyncSentinel nor CUDA's sync debug mode reports): counted here while the mode is active.
 CALLS: collections.Counter = collections.Counter()
-
-
-def _synchronize(*args, **kwargs):
-    CALLS["torch.cuda.synchronize"] += 1
 
 
 def _on_cpu(factory):
@@ -212,16 +444,17 @@ def cuda_as_cpu() -> Iterator[None]:
 
     patches = [
         mock.patch("torch.cuda.is_available", lambda: True),
-        mock.patch("torch.cuda.current_device", lambda: 0),
+        mock.patch("torch.cuda.current_device", _current_device),
         mock.patch("torch.cuda.device_count", lambda: 1),
         mock.patch("torch.cuda.synchronize", _synchronize),
-        mock.patch("torch.cuda.current_stream", lambda *a, **k: _STREAM),
-        mock.patch("torch.cuda.default_stream", lambda *a, **k: _STREAM),
-        mock.patch("torch.cuda.set_device", lambda *a, **k: None),
+        mock.patch("torch.cuda.current_stream", _current_stream),
+        mock.patch("torch.cuda.default_stream", _default_stream),
+        mock.patch("torch.cuda.set_stream", _set_stream),
+        mock.patch("torch.cuda.set_device", _set_device),
         mock.patch("torch.cuda.empty_cache", lambda: None),
         mock.patch("torch.cuda.Stream", _FakeStream),
         mock.patch("torch.cuda.Event", _FakeEvent),
-        mock.patch("torch.cuda.stream", lambda s=None: contextlib.nullcontext()),
+        mock.patch("torch.cuda.stream", _stream_context),
         mock.patch("torch.empty", _on_cpu(torch.empty)),
         mock.patch("torch.zeros", _on_cpu(torch.zeros)),
         mock.patch("torch.cuda.get_rng_state", lambda device="cuda": torch.get_rng_state()),
@@ -232,7 +465,9 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("megatron.core.tensor_parallel.random._set_cuda_rng_state",
                    _cpu_unless_graph_safe(random_mod._set_cuda_rng_state, torch.set_rng_state)),
     ]
+    prev_stream = _CURRENT.stream
     with contextlib.ExitStack() as stack:
+        stack.callback(setattr, _CURRENT, "stream", prev_stream)
         for p in patches:
             stack.enter_context(p)
         stack.enter_context(CudaAsCpuMode())

@@ -50,7 +50,8 @@ Random ops replay with the CPU generator (tests use dropout 0).
 
 ``torch.cuda`` entry points it patches (besides :func:`cuda_as_cpu.cuda_as_cpu`'s):
 ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``is_current_stream_capturing``,
-``memory_stats``, ``get_device_capability``, ``set_stream``, ``default_generators``;
+``memory_stats``, ``get_device_capability`` (both checking their device argument as torch
+2.13 does, see each), ``default_generators`` (``set_stream`` is ``cuda_as_cpu``'s);
 ``torch.optim``'s ``_get_capturable_supported_devices`` (``cpu`` added, so a ``capturable=True``
 optimizer's step can be captured on the stand-in CUDA tensors); and Megatron's
 ``tensor_parallel.random._lazy_init`` / ``_lazy_call`` (bound at import from ``torch.cuda``) so
@@ -63,6 +64,7 @@ Megatron-Core 0.16.1 sites this covers (checked by ``tests/graphs/test_fake_cuda
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 from dataclasses import dataclass
@@ -74,7 +76,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.support.cuda_as_cpu import cuda_as_cpu
+from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin
 from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
 
 # (file relative to megatron/core, line, text expected on that line)
@@ -401,8 +403,35 @@ def _optimizer_device_patches() -> list:
             if name.startswith("torch.optim.") and hasattr(mod, "_get_capturable_supported_devices")]
 
 
-def _memory_stats(*_, **__):
-    return {"allocated_bytes.all.current": 0, "reserved_bytes.all.current": 0}
+# The keys of torch.cuda.memory_stats() as torch 2.13 documents them (cuda/memory.py:237-305): the
+# core statistics per pool and metric, the event counters, the oversize and requested-bytes
+# statistics (``reserved_bytes_by_private_pools.*`` appears only with private pools: left out).
+_CORE_STATS = ("allocated", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
+               "inactive_split", "inactive_split_bytes", "requested_bytes")
+_METRICS = ("current", "peak", "allocated", "freed")
+MEMORY_STATS_KEYS = frozenset(
+    [f"{s}.{pool}.{m}" for s in _CORE_STATS for pool in ("all", "large_pool", "small_pool")
+     for m in _METRICS]
+    + [f"{s}.{m}" for s in ("oversize_allocations", "oversize_segments") for m in _METRICS]
+    + ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+       "num_device_free", "num_oom_rejections", "max_split_size"])
+
+
+def _memory_stats(device=None):
+    """``torch.cuda.memory_stats(device=None)`` (cuda/memory.py:231-349): the device through
+    ``_get_device_index(device, optional=True)`` (memory.py:356: a cpu device raises ValueError),
+    then ``torch._C._cuda_memoryStats`` -> CUDACachingAllocator ``getDeviceStats``, whose
+    device check raises RuntimeError("Invalid device argument {i}: did you call init?") for an
+    index outside [0, device_count); the flattened stats as a ``collections.OrderedDict``
+    sorted by key (memory.py:346-349), every documented key (:data:`MEMORY_STATS_KEYS`) 0. CUDA
+    counts as initialised here (memory.py:354-355 returns ``{}`` before any of this when it is
+    not)."""
+    from tests.support.cuda_as_cpu import device_index
+
+    idx = device_index(device, optional=True)
+    if not 0 <= idx < torch.cuda.device_count():
+        raise RuntimeError(f"Invalid device argument {idx}: did you call init?")
+    return collections.OrderedDict((k, 0) for k in sorted(MEMORY_STATS_KEYS))
 
 
 @contextlib.contextmanager
@@ -417,8 +446,7 @@ def fake_cuda_graphs() -> Iterator[None]:
         mock.patch("torch.cuda.graph_pool_handle", _PoolHandle),
         mock.patch("torch.cuda.is_current_stream_capturing", lambda: bool(_capturing)),
         mock.patch("torch.cuda.memory_stats", _memory_stats),
-        mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)),
-        mock.patch("torch.cuda.set_stream", lambda *a, **k: None),
+        mock.patch("torch.cuda.get_device_capability", device_capability_standin((9, 0))),
         mock.patch("torch.cuda.default_generators", gens),
         mock.patch.object(mrandom, "_lazy_init", lambda: None),
         mock.patch.object(mrandom, "_lazy_call", lambda cb, **k: cb()),

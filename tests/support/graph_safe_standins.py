@@ -133,6 +133,57 @@ class FakeCUDAGraphReplayingCollectives(FakeCUDAGraph):
             super()._record(func, args, kwargs, out)
 
 
+class NvtxRanges:
+    """``torch.cuda.nvtx.range_push`` / ``range_pop`` (torch 2.13 cuda/nvtx.py:27-38:
+    ``_nvtx.rangePushA(msg)`` / ``_nvtx.rangePop()``, pybind11 bindings of nvtxRangePushA /
+    nvtxRangePop, torch/csrc/cuda/shared/nvtx.cpp) with a tool attached that tracks the
+    ranges (a profiler: without one NVTX returns NVTX_NO_PUSH_POP_TRACKING, -2, from both):
+
+    * ``range_push(msg)``: ``msg`` is the ``const char*`` argument -- pybind11 takes a str (or
+      bytes, or None as NULL); anything else raises TypeError ("rangePushA(): incompatible
+      function arguments"); returns the zero-based depth of the range started (nvtx.py:29);
+    * ``range_pop()``: no argument (nvtx.py:37); returns the zero-based depth of the range
+      ended (nvtx.py:38), a negative value when there is none to end (NVTX: "if an error
+      occurs, a negative value is returned") -- counted in ``underflows``;
+    * the open ranges are ``stack``; :meth:`assert_balanced` raises unless every push was
+      popped and no pop underflowed (``gpu_standins`` calls it when its block exits without an
+      exception: an unbalanced push / pop over a step fails the test). A CPU build of torch
+      raises 'NVTX functions not installed' from both (nvtx.py:13-16)."""
+
+    def __init__(self):
+        self.stack: list = []
+        self.pushed = 0
+        self.underflows = 0
+
+        def range_push(msg):
+            if not (msg is None or isinstance(msg, (str, bytes))):
+                raise TypeError(
+                    "rangePushA(): incompatible function arguments. The following argument types "
+                    f"are supported:\n    1. (arg0: str) -> int\n\nInvoked with: {msg!r}")
+            self.stack.append(msg)
+            self.pushed += 1
+            return len(self.stack) - 1
+
+        def range_pop():
+            if not self.stack:
+                self.underflows += 1
+                return -1
+            self.stack.pop()
+            return len(self.stack)
+
+        self.range_push, self.range_pop = range_push, range_pop
+
+    def assert_balanced(self) -> None:
+        if self.stack or self.underflows:
+            raise AssertionError(
+                f"unbalanced torch.cuda.nvtx ranges: {len(self.stack)} pushed and never popped "
+                f"({self.stack!r}), {self.underflows} pop(s) with no range open")
+
+
+# The NVTX stand-in of the latest gpu_standins() block (its ranges stay readable after it).
+NVTX = NvtxRanges()
+
+
 def _require_with_te_standins(real_require):
     """``core_attention.require`` with Transformer Engine answered by the stand-ins (its
     attention and fused RoPE only: TE's linears, FP8 and RNG tracker stay missing)."""
@@ -154,20 +205,23 @@ def gpu_standins() -> Iterator[None]:
       Megatron graph state, restored on exit;
     * collectives captured in a graph replayed with it (:class:`FakeCUDAGraphReplayingCollectives`);
     * the fake CUDA generator as a ``torch.Generator`` (:class:`FakeCudaTorchGenerator`);
-    * ``torch.cuda.nvtx`` ranges as no-ops (the offload manager marks its copies with them;
-      a CPU build of torch raises "NVTX functions not installed");
+    * ``torch.cuda.nvtx`` ranges recorded by a fresh :class:`NvtxRanges` (:data:`NVTX`: the
+      offload manager marks its copies with them; a CPU build of torch raises "NVTX functions
+      not installed"), checked balanced when the block exits without an exception;
     * flash-attn: this module's graph-safe varlen stand-in in ``sys.modules``;
     * Transformer Engine's attention: ``gpu_standins.TEDotProductAttentionStandIn`` and its
       fused RoPE, through ``core_attention``'s seams (TE's linears, FP8 and RNG tracker are
       not stood in: what needs them stays refused as missing);
     * the environment variables a graph plan sets (``apply_env``) are restored on exit.
     """
+    global NVTX
     from megatron_fastpath import _optional
     from megatron_fastpath.attention import core_attention
     from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
     from tests.support.megatron_graphs import graph_session
 
     TEDotProductAttentionStandIn.calls = []
+    NVTX = nvtx = NvtxRanges()
     patches = [
         mock.patch.dict(os.environ),
         mock.patch.object(core_attention, "_te_dot_product_attention_cls",
@@ -188,11 +242,12 @@ def gpu_standins() -> Iterator[None]:
         stack.enter_context(graph_session())
         for p in (mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraphReplayingCollectives),
                   mock.patch("torch.cuda.default_generators", (FakeCudaTorchGenerator(),)),
-                  mock.patch("torch.cuda.nvtx.range_push", lambda *a, **k: 0),
-                  mock.patch("torch.cuda.nvtx.range_pop", lambda *a, **k: 0)):
+                  mock.patch("torch.cuda.nvtx.range_push", nvtx.range_push),
+                  mock.patch("torch.cuda.nvtx.range_pop", nvtx.range_pop)):
             stack.enter_context(p)
         yield
+        nvtx.assert_balanced()  # not reached when the block raised
 
 
-__all__ = ["FakeCUDAGraphReplayingCollectives", "FakeCudaTorchGenerator", "flash_attn_varlen_func",
-           "gpu_standins", "graph_safe_flash_attn_module"]
+__all__ = ["FakeCUDAGraphReplayingCollectives", "FakeCudaTorchGenerator", "NvtxRanges",
+           "flash_attn_varlen_func", "gpu_standins", "graph_safe_flash_attn_module"]
