@@ -278,18 +278,39 @@ REGISTRY: tuple[Entry, ...] = (
     Entry(
         "torch.cuda.Stream",
         (f"{_SUPPORT}.cuda_as_cpu._FakeStream",),
-        "asserts nothing: every method is a no-op (work on a CPU is already ordered)",
-        "",
+        "Stream(device=None, priority=0, **kwargs): device through torch.cuda.device (a cpu "
+        "device raises ValueError 'Expected a cuda device, but got: cpu', an index past the "
+        "device count raises AcceleratorError 'invalid device ordinal'), a non-int priority or "
+        "an unknown keyword raises TypeError; wait_event(event) is event.wait(self) and "
+        "wait_stream(stream) is self.wait_event(stream.record_event()) (a stream given as the "
+        "event, an event given as the stream: AttributeError, as real torch's own methods on a "
+        "stand-in stream, compared by the test); record_event(event=None) records a new Event "
+        "when None and returns it; query / synchronize take no argument and do not wait (work "
+        "on a CPU is already ordered); a context manager selecting the stream",
+        "torch 2.13 torch/cuda/streams.py:37-46 (__new__), :63 (wait_event), :77 (wait_stream), "
+        ":89-92 (record_event); torch/cuda/__init__.py:650-655 (device); torch/csrc/cuda/"
+        "Stream.cpp THCPStream_pynew (keywords, 'i' priority); c10 cudaSetDevice",
     ),
     Entry(
         "torch.cuda.current_stream",
-        (f"{_SUPPORT}.cuda_as_cpu.cuda_as_cpu",),
-        "asserts nothing: returns the one _FakeStream",
+        (f"{_SUPPORT}.cuda_as_cpu._current_stream",),
+        "current_stream(device=None): the device through _get_device_index(optional=True) (a "
+        "cpu device raises ValueError); -1 is the current device, any other index outside "
+        "[0, device_count) raises RuntimeError 'Device index value i is out of index range "
+        "[0, n)'; returns the stream torch.cuda.stream / set_stream selected on this thread, "
+        "else the default stream",
+        "torch 2.13 torch/cuda/__init__.py:1235-1250; torch/cuda/_utils.py:557-586; "
+        "c10/cuda/CUDAStream.cpp getCurrentCUDAStream / check_gpu",
     ),
     Entry(
         "torch.cuda.stream",
-        (f"{_SUPPORT}.cuda_as_cpu.cuda_as_cpu",),
-        "asserts nothing: a nullcontext",
+        (f"{_SUPPORT}.cuda_as_cpu._stream_context",),
+        "torch.cuda.stream(stream): None is a no-op context; a stream is selected as "
+        "current_stream() for the block and the previous one restored on exit; a non-stream "
+        "(an Event, a tensor) raises at entry (AttributeError reading stream_id, or ValueError "
+        "for a cpu device); a stream of another device is selected on that device (not "
+        "reachable: one stand-in device, Stream(device=1) raises)",
+        "torch 2.13 torch/cuda/__init__.py:756-824 (StreamContext), :842-858 (set_stream)",
     ),
     Entry(
         "torch.cuda.Event",
@@ -302,18 +323,30 @@ REGISTRY: tuple[Entry, ...] = (
     Entry(
         "torch.cuda.synchronize",
         (f"{_SUPPORT}.cuda_as_cpu._synchronize",),
-        "asserts nothing: counts the call in cuda_as_cpu.CALLS (a device-wide wait no sync "
-        "sentinel reports)",
+        "synchronize(device=None): the device through torch.cuda.device (a cpu device raises "
+        "ValueError, an index past the device count raises AcceleratorError 'invalid device "
+        "ordinal', negative: the current device); counts the call in cuda_as_cpu.CALLS (a "
+        "device-wide wait no sync sentinel reports)",
+        "torch 2.13 torch/cuda/__init__.py:1209-1219, :650-655",
     ),
     Entry(
         "torch.cuda.current_device",
-        (f"{_SUPPORT}.cuda_as_cpu.cuda_as_cpu",),
-        "asserts nothing: returns 0",
+        (f"{_SUPPORT}.cuda_as_cpu._current_device",),
+        "current_device() takes no argument (TypeError otherwise) and returns the selected "
+        "index, 0 (the stand-in GPU, device_count() 1); None / torch.device('cuda') arguments "
+        "of the other stand-ins resolve to it",
+        "torch 2.13 torch/cuda/__init__.py:1203-1206; torch/_utils.py:898-908",
     ),
     Entry(
         "torch.cuda.set_device",
-        (f"{_SUPPORT}.cuda_as_cpu.cuda_as_cpu",),
-        "asserts nothing: a no-op",
+        (f"{_SUPPORT}.cuda_as_cpu._set_device",),
+        "set_device(device): _get_device_index WITHOUT optional -- None and torch.device('cuda') "
+        "(no index) raise ValueError 'Expected a torch.device with a specified index or an "
+        "integer', a cpu device raises ValueError (errors compared with real torch, which "
+        "parses before touching CUDA); negative is a no-op; an index past the device count "
+        "raises AcceleratorError 'invalid device ordinal'",
+        "torch 2.13 torch/cuda/__init__.py:677-689; torch/_utils.py:869-913; "
+        "c10::cuda::set_device -> cudaSetDevice",
     ),
     Entry(
         "torch.cuda.CUDAGraph",
@@ -343,13 +376,26 @@ REGISTRY: tuple[Entry, ...] = (
     Entry(
         "torch.cuda.memory_stats",
         (f"{_SUPPORT}.fake_cuda_graph._memory_stats",),
-        "asserts nothing: allocated / reserved bytes 0",
+        "memory_stats(device=None): the device through _get_device_index(optional=True) (a cpu "
+        "device raises ValueError), an index outside [0, device_count) raises RuntimeError "
+        "'Invalid device argument i: did you call init?'; returns an OrderedDict sorted by key "
+        "of every key torch documents (allocated_bytes.all.current, ..., compared with "
+        "memory_stats' docstring by the test), all 0; the test asserts every key the package "
+        "(offload/device.py) and Megatron's graph builder read is one of them",
+        "torch 2.13 torch/cuda/memory.py:231-357; CUDACachingAllocator getDeviceStats device "
+        "check",
     ),
     Entry(
         "torch.cuda.get_device_capability",
-        (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",
+        (f"{_SUPPORT}.cuda_as_cpu.device_capability_standin",
+         f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",
          "tests.graphs.test_graphs_main_job.test_moe_graphs_need_grouped_mms_sync_free_path"),
-        "asserts nothing: answers (9, 0), or the capability a test parametrises",
+        "get_device_capability(device=None): as get_device_properties, the device through "
+        "_get_device_index(optional=True) (a cpu device raises ValueError) and AssertionError "
+        "'Invalid device id' for an index < 0 or >= device_count(); answers (9, 0) "
+        "(fake_cuda_graphs) or the capability a test parametrises "
+        "(cuda_as_cpu.device_capability_standin)",
+        "torch 2.13 torch/cuda/__init__.py:707-722, :725-741",
     ),
     Entry(
         "torch.cuda.get_device_properties",
@@ -360,8 +406,12 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "torch.cuda.get_device_name",
-        (_ALLOC_ENV_TEST,),
-        "asserts nothing: 'stand-in GPU'",
+        (f"{_SUPPORT}.cuda_as_cpu.device_name_standin", _ALLOC_ENV_TEST),
+        "get_device_name(device=None): as get_device_properties(device).name, the device "
+        "through _get_device_index(optional=True) (a cpu device raises ValueError) and "
+        "AssertionError 'Invalid device id' for an index < 0 or >= device_count(); answers "
+        "'stand-in GPU'",
+        "torch 2.13 torch/cuda/__init__.py:692-705, :725-741",
     ),
     Entry(
         "torch.cuda.mem_get_info",
@@ -374,13 +424,24 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "torch.cuda.nvtx.range_push",
-        (f"{_SUPPORT}.graph_safe_standins.gpu_standins",),
-        "asserts nothing: a no-op (a CPU build of torch raises 'NVTX functions not installed')",
+        (f"{_SUPPORT}.graph_safe_standins.NvtxRanges", f"{_SUPPORT}.graph_safe_standins.gpu_standins"),
+        "range_push(msg): msg a str (pybind11's const char*: bytes / None too), else TypeError "
+        "'rangePushA(): incompatible function arguments'; returns the zero-based depth of the "
+        "range started (as with a tracking tool attached; without one NVTX returns -2); "
+        "gpu_standins raises when its block ends with a range still open (a CPU build of "
+        "torch raises 'NVTX functions not installed')",
+        "torch 2.13 torch/cuda/nvtx.py:27-34, :13-16; torch/csrc/cuda/shared/nvtx.cpp "
+        "(rangePushA = nvtxRangePushA); NVTX's NVTX_NO_PUSH_POP_TRACKING",
     ),
     Entry(
         "torch.cuda.nvtx.range_pop",
-        (f"{_SUPPORT}.graph_safe_standins.gpu_standins",),
-        "asserts nothing: a no-op",
+        (f"{_SUPPORT}.graph_safe_standins.NvtxRanges", f"{_SUPPORT}.graph_safe_standins.gpu_standins"),
+        "range_pop() takes no argument; returns the zero-based depth of the range ended, a "
+        "negative value when none is open (NVTX's error return), counted as an underflow: "
+        "gpu_standins raises when its block ends after one (unbalanced push / pop over a step "
+        "fails the test)",
+        "torch 2.13 torch/cuda/nvtx.py:37-38; torch/csrc/cuda/shared/nvtx.cpp "
+        "(rangePop = nvtxRangePop)",
     ),
     Entry(
         "torch.cuda.get_rng_state_all",
