@@ -6,14 +6,12 @@ RSS for what it generated."""
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.subproc import child_env
+from tests.support.benchmark_run import run_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data" / "arith_chat.jsonl"
@@ -183,12 +181,7 @@ def test_shipped_data_bins_equal_the_committed_first_fit(tok_dir):
 @pytest.mark.integration
 def test_benchmark_reports_rates_bins_and_peak_rss(tmp_path):
     out = tmp_path / "d.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_stream.py"), "--sizes", "20000",
-                           "--repeats", "1", "--old-size", "0", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600,
-                          env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_benchmark("data_stream", out, "--sizes", "20000", "--repeats", "1", "--old-size", "0", timeout=600)
     (gen,) = result["generation"]
     assert gen["records"] == 20000 and gen["malformed"] == 2
     rows = result["results"]

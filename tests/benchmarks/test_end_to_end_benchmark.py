@@ -3,19 +3,12 @@ the attention scores each computes, and the loss of ours equal to stock Megatron
 spec, packed with a block-causal mask and padded, same weights) -- a reference nobody here
 wrote. No time is asserted (the machine may be busy)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.support.subproc import child_env
+from tests.support.benchmark_run import run_benchmark
 
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_lengths_fill_the_pack_exactly():
@@ -29,11 +22,7 @@ def test_lengths_fill_the_pack_exactly():
 
 def test_t512_rows_agree_with_stock_megatron(tmp_path):
     out = tmp_path / "e.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--tokens", "512",
-                           "--reps", "1", "--json", str(out)], capture_output=True, text=True,
-                          timeout=900, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["results"]
+    rows = run_benchmark("end_to_end", out, "--tokens", "512", "--reps", "1", timeout=900)["results"]
     assert [(r["tokens"], r["mix"]) for r in rows] == [(512, "sft"), (512, "long_tail")]
     for r in rows:
         assert r["scores_packed_mask"] == 512 * 512

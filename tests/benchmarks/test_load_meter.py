@@ -6,7 +6,6 @@ other processes' load cannot break (our own and a child's CPU time are lower bou
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
