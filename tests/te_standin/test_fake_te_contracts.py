@@ -1,0 +1,63 @@
+"""The fake Transformer Engine (``tests/support/fake_te``) asserts what TE 2.10 asserts for the
+calls Megatron-Core 0.16.1 makes, and computes what TE computes: each check of
+``contracts_worker.py`` (run once, in a child process: TE must stay absent from this one) is
+one test here."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.fake_te.activate import te_env
+from tests.support.main_job import REPO
+
+CHECK_NAMES = [
+    "megatron_sees_te_2_10",
+    "unknown_keyword_raises_type_error",
+    "te_2_10_keywords_accepted",
+    "parallel_mode_checked",
+    "tp_size_divides_features",
+    "tp_group_must_be_set_before_forward",
+    "normalization_checked",
+    "norm_shape_arguments_checked",
+    "gemm_shape_checked",
+    "dtypes_must_match_outside_autocast",
+    "linear_math_and_return_bias",
+    "layernorm_linear_returns_and_norms",
+    "te_norm_modules_math",
+    "fuse_wgrad_accumulation_into_main_grad",
+    "extra_state_without_fp8_is_empty",
+    "fp8_recipes_assert_as_te",
+    "megatron_builds_every_recipe",
+    "fp8_dims_asserted",
+    "fp8_sequence_parallel_needs_amax_reduction",
+    "fp8_tensorwise_numerics",
+    "fp8_block_recipes_numerics",
+    "fp8_delayed_scaling_state_and_extra_state",
+    "compat_restore_goes_through_te_methods",
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = subprocess.run([sys.executable, "-m", "tests.te_standin.contracts_worker"], cwd=REPO,
+                          env=te_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_check_listed(results):
+    assert sorted(results) == sorted(CHECK_NAMES)
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_contract(results, name):
+    assert results[name] == "ok", results[name]
+
+
+def test_fake_te_stays_out_of_this_process():
+    assert "transformer_engine" not in sys.modules
+    from tests.support.fake_te.activate import FAKE_TE_ROOT
+
+    assert FAKE_TE_ROOT not in sys.path and "transformer_engine" not in sys.modules

@@ -1,0 +1,78 @@
+"""The main job with ``fastpath.linear_impl=te`` on the fake Transformer Engine
+(``tests/support/fake_te``), on the GPU path inside the GPU stand-ins (``job_worker.py``, a
+child process or torchrun): it trains, and checkpoint save + resume is exact (straight 4 steps
+== 3 steps + save + resume + step 4: losses, learning rates and the final state bit for bit, as
+``tests/train/test_feature_matrix.py run_combination`` checks); TP=2 with sequence parallelism
+matches TP=1."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.fake_te.activate import te_env
+from tests.support.main_job import main_job_cmd
+
+pytestmark = pytest.mark.integration
+
+STEPS, STOP = 4, 3
+BASE = [f"training.steps={STEPS}", "training.micro_batches=2", "training.warmup_steps=1",
+        "data.num_samples=64", "data.max_tokens=64", "data.max_len=24", "data.max_seqs=8",
+        "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
+        "training.device=cuda", "training.skip_memory_check=true", "cluster.backend=gloo",
+        "fastpath.linear_impl=te", "fastpath.attention_backend=sdpa",
+        # TE's RNG tracker is not what these tests are about: Megatron's graph-safe one
+        "cuda_graphs.use_te_rng_tracker=false"]
+TE_CLASSES = {"TELayerNormColumnParallelLinear", "TERowParallelLinear"}
+
+
+def job(tmp_path, name, overrides, nproc=1) -> list:
+    """The job_worker's outputs, one per rank."""
+    out = tmp_path / name
+    cmd = main_job_cmd([str(out), *BASE, *overrides, f"hydra.run.dir={tmp_path}/hydra-{name}"],
+                       nproc=nproc, entry=["-m", "tests.te_standin.job_worker"])
+    proc = subprocess.run(cmd, cwd=tmp_path, env=te_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(nproc)]
+
+
+def records(run) -> list:
+    return [(r["step"], r["loss"], r["lr"]) for r in run["summary"]["records"]]
+
+
+def assert_exact_resume(tmp_path, overrides) -> dict:
+    (straight,) = job(tmp_path, "straight", overrides)
+    assert TE_CLASSES <= set(straight["types"])
+    assert len(records(straight)) == STEPS
+    ckpt = [f"checkpoint.dir={tmp_path}/ckpt"]
+    (first,) = job(tmp_path, "first", overrides + ckpt + [f"training.stop_at_step={STOP}"])
+    assert first["summary"]["stopped"] == "stop_at_step"
+    assert [s["step"] for s in first["summary"]["checkpoint_saves"]] == [STOP]
+    assert records(first) == records(straight)[:STOP]
+    (resumed,) = job(tmp_path, "resumed", overrides + ckpt)
+    assert resumed["summary"]["resumed_from"] == f"{tmp_path}/ckpt/step_{STOP:08d}"
+    assert records(resumed) == records(straight), "resumed run differs from the straight run"
+    assert resumed["state"].keys() == straight["state"].keys()
+    for k, v in straight["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+    return straight
+
+
+def test_te_linears_bf16_train_and_resume_exactly(tmp_path):
+    straight = assert_exact_resume(tmp_path, ["training.dtype=bfloat16"])
+    losses = [r[1] for r in records(straight)]
+    assert losses[-1] < losses[0]
+
+
+def test_te_tp2_sequence_parallel_matches_tp1(tmp_path):
+    fp32 = ["training.dtype=float32"]
+    (one,) = job(tmp_path, "tp1", fp32)
+    two = job(tmp_path, "tp2", fp32 + ["parallel.tensor_model_parallel_size=2",
+                                       "parallel.sequence_parallel=true"], nproc=2)
+    assert TE_CLASSES <= set(two[0]["types"])
+    assert records(two[0]) == records(two[1])
+    for (s1, l1, lr1), (s2, l2, lr2) in zip(records(one), records(two[0]), strict=True):
+        assert (s1, lr1) == (s2, lr2)
+        assert l2 == pytest.approx(l1, rel=1e-5), (s1, l1, l2)
