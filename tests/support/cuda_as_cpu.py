@@ -262,12 +262,13 @@ class _FakeStream:
         return True
 
     def __enter__(self):
-        self._ctx = _stream_context(self)
-        self._ctx.__enter__()
+        ctx = _stream_context(self)
+        ctx.__enter__()
+        self.__dict__.setdefault("_contexts", []).append(ctx)  # nested ``with s:`` blocks
         return self
 
     def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+        self._contexts.pop().__exit__(*exc)
         return False
 
     def __repr__(self):

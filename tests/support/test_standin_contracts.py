@@ -259,6 +259,9 @@ def test_current_stream_and_stream_context():
         assert torch.cuda.current_stream() is default
         with s:  # torch.Stream's own context manager
             assert torch.cuda.current_stream() is s
+            with torch.cuda.stream(default), s:
+                assert torch.cuda.current_stream() is s
+            assert torch.cuda.current_stream() is s
         assert torch.cuda.current_stream() is default
         with pytest.raises(AttributeError):
             with torch.cuda.stream(torch.cuda.Event()):
