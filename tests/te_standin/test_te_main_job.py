@@ -76,3 +76,35 @@ def test_te_tp2_sequence_parallel_matches_tp1(tmp_path):
     for (s1, l1, lr1), (s2, l2, lr2) in zip(records(one), records(two[0]), strict=True):
         assert (s1, lr1) == (s2, lr2)
         assert l2 == pytest.approx(l1, rel=1e-5), (s1, l1, l2)
+
+
+# ------------------------------------------------------------------------------------ FP8
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
+def test_fp8_recipe_trains_and_resumes_exactly(tmp_path, recipe):
+    """fastpath.fp8=true: Megatron opens the fake's fp8_autocast with its recipe
+    (``fp8_utils.get_fp8_recipe``), the TE linears quantise; delayed scaling's amax histories and
+    scales are restored on resume (the package's fp8 state and TE's ``_extra_state``)."""
+    cls = {"delayed": "TEDelayedScaling", "tensorwise": "Float8CurrentScaling",
+           "mxfp8": "MXFP8BlockScaling", "blockwise": "Float8BlockScaling"}[recipe]
+    straight = assert_exact_resume(tmp_path, ["training.dtype=bfloat16", "fastpath.fp8=true",
+                                              f"fp8.recipe={recipe}"])
+    meta = straight["fp8_meta"]
+    assert len(meta) == 4 * 2 and {m["recipe"] for m in meta.values()} == {cls}  # 4 linears a layer
+    if recipe == "delayed":  # scales moved off their initial 1 (amax seen at the autocast exits)
+        assert all(m["scale_fwd"][:2].ne(1).all() for m in meta.values())
+        assert any(k.endswith("_extra_state/amax_history_fwd") for k in straight["state"])
+
+
+def test_fp8_delayed_tp2_sequence_parallel(tmp_path):
+    """Delayed scaling under TP=2 + SP: amaxes max-reduced over the amax group Megatron hands the
+    autocast, so both ranks hold the same scales; losses agree across ranks and stay close to
+    TP=1 (FP8 + bf16: not bit-equal)."""
+    fp8 = ["training.dtype=bfloat16", "fastpath.fp8=true", "fp8.recipe=delayed"]
+    (one,) = job(tmp_path, "tp1", fp8)
+    two = job(tmp_path, "tp2", fp8 + ["parallel.tensor_model_parallel_size=2",
+                                      "parallel.sequence_parallel=true"], nproc=2)
+    assert records(two[0]) == records(two[1])
+    for name, m in two[0]["fp8_meta"].items():
+        assert torch.equal(m["scale_fwd"], two[1]["fp8_meta"][name]["scale_fwd"]), name
+    for (s1, l1, _), (s2, l2, _) in zip(records(one), records(two[0]), strict=True):
+        assert l2 == pytest.approx(l1, rel=2e-3), (s1, l1, l2)
