@@ -108,3 +108,18 @@ def test_fp8_delayed_tp2_sequence_parallel(tmp_path):
         assert torch.equal(m["scale_fwd"], two[1]["fp8_meta"][name]["scale_fwd"]), name
     for (s1, l1, _), (s2, l2, _) in zip(records(one), records(two[0]), strict=True):
         assert l2 == pytest.approx(l1, rel=2e-3), (s1, l1, l2)
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.parametrize("fp8", [[], ["fastpath.fp8=true", "fp8.recipe=delayed"]],
+                         ids=["bf16", "fp8-delayed"])
+def test_cuda_graphs_with_te_replay_equals_eager(tmp_path, fp8):
+    """fastpath.cuda_graphs=true with TE present: Megatron's cuda_graphs.py takes its TE paths
+    (HAVE_TE_GRAPHS: capture flags, weak references, FP8 meta save / restore around capture) and
+    the TE RNG tracker (cuda_graphs.use_te_rng_tracker, the default); the replayed steps give the
+    eager run's losses bit for bit."""
+    common = ["training.dtype=bfloat16", *fp8]
+    (eager,) = job(tmp_path, "eager", common)
+    (graphs,) = job(tmp_path, "graphs", common + ["fastpath.cuda_graphs=true",
+                                                  "cuda_graphs.use_te_rng_tracker=true"])
+    assert records(graphs) == records(eager)

@@ -2,7 +2,7 @@
 FP8 autocast and state, the RNG tracker. See ``transformer_engine/__init__.py``."""
 
 from transformer_engine.pytorch import distributed, quantization, tensor  # noqa: F401
-from transformer_engine.pytorch import fp8, ops, router  # noqa: F401
+from transformer_engine.pytorch import fp8, graph, ops, router, utils  # noqa: F401
 from transformer_engine.pytorch.attention import DotProductAttention  # noqa: F401
 from transformer_engine.pytorch.module import (  # noqa: F401
     GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm,

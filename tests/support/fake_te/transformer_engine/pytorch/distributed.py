@@ -93,10 +93,40 @@ def checkpoint(function, *args, **kwargs):
         "te_checkpoint, activation recompute under FP8) is not stood in")
 
 
+def graph_safe_rng_available() -> bool:
+    # distributed.py:83-90
+    return (hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+            and hasattr(torch.Generator, "graphsafe_set_state")
+            and hasattr(torch.Generator, "graphsafe_get_state")
+            and hasattr(torch.Generator, "clone_state"))
+
+
+def _default_generator():
+    return torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+def _get_cuda_rng_state(clone: bool = False):
+    """distributed.py:93-115: the default CUDA generator's state -- with graph-safe RNG a
+    generator object (``clone_state`` / ``graphsafe_get_state``), else a byte tensor."""
+    gen = _default_generator()
+    if graph_safe_rng_available():
+        return gen.clone_state() if clone else gen.graphsafe_get_state()
+    return gen.get_state()
+
+
+def _set_cuda_rng_state(new_state) -> None:
+    # distributed.py:118-142
+    gen = _default_generator()
+    if graph_safe_rng_available():
+        gen.graphsafe_set_state(new_state)
+    else:
+        gen.set_state(new_state)
+
+
 class CudaRNGStatesTracker:
-    """distributed.py:776-885 without graph-safe generators (``graph_safe_rng_available()``
-    False): states are ``torch.cuda.get_rng_state()`` tensors (the CPU generator's under the
-    CUDA-as-CPU mode)."""
+    """distributed.py:776-885: named CUDA RNG states; with graph-safe RNG (torch >= 2.4) each a
+    cloned generator forked by ``graphsafe_set_state`` (under the stand-ins: the fake CUDA
+    generator, ``tests/support/graph_safe_standins.FakeCudaTorchGenerator``)."""
 
     def __init__(self):
         self.states_ = {}
@@ -119,10 +149,15 @@ class CudaRNGStatesTracker:
         self.seeds_.add(seed)
         if name in self.states_:
             raise RuntimeError(f"cuda rng state {name} already exists")
-        orig = torch.cuda.get_rng_state()
-        torch.cuda.manual_seed(seed)
-        self.states_[name] = torch.cuda.get_rng_state()
-        torch.cuda.set_rng_state(orig)
+        if graph_safe_rng_available():  # distributed.py:841-846
+            new_state = _get_cuda_rng_state(clone=True)
+            new_state.manual_seed(seed)
+            self.states_[name] = new_state
+        else:  # distributed.py:847-856
+            orig = _get_cuda_rng_state()
+            torch.cuda.manual_seed(seed)
+            self.states_[name] = _get_cuda_rng_state(clone=True)
+            _set_cuda_rng_state(orig)
         set_all_rng_states(self.states_)
 
     @contextlib.contextmanager
@@ -130,10 +165,11 @@ class CudaRNGStatesTracker:
         # distributed.py:869-885
         if name not in self.states_:
             raise KeyError(f"cuda rng state {name} is not added")
-        orig = torch.cuda.get_rng_state()
-        torch.cuda.set_rng_state(self.states_[name])
+        orig = _get_cuda_rng_state()
+        _set_cuda_rng_state(self.states_[name])
         try:
             yield
         finally:
-            self.states_[name] = torch.cuda.get_rng_state()
-            torch.cuda.set_rng_state(orig)
+            if not graph_safe_rng_available():  # a graph-safe state advanced in place
+                self.states_[name] = _get_cuda_rng_state()
+            _set_cuda_rng_state(orig)

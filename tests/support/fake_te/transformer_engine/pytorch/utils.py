@@ -31,3 +31,24 @@ def assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
 
 def cast_if_needed(tensor, dtype):
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+def make_weak_ref(x):
+    """utils.py:759-790: a CUDA tensor becomes a new leaf tensor over the same memory, without
+    autograd history (TE: ``torch.as_tensor`` of a ``_WeakRefTensor``; a CPU tensor is returned
+    as is). Under the CUDA-as-CPU mode the "CUDA" tensors are CPU tensors, so the CUDA branch is
+    modelled for every tensor: ``x.detach()`` (same storage, a leaf; unlike TE it keeps the
+    memory alive -- no effect on values)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, tuple):
+        return tuple(make_weak_ref(i) for i in x)
+    if isinstance(x, list):
+        return [make_weak_ref(i) for i in x]
+    if isinstance(x, dict):
+        return {k: make_weak_ref(v) for k, v in x.items()}
+    if isinstance(x, (int, float, bool)):
+        return x
+    if x is None:
+        return None
+    raise TypeError(f"Invalid type {type(x)} to make weak ref")
