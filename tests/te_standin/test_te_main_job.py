@@ -17,22 +17,22 @@ from tests.support.main_job import main_job_cmd
 pytestmark = pytest.mark.integration
 
 STEPS, STOP = 4, 3
+GPU = ["training.device=cuda", "training.skip_memory_check=true", "cluster.backend=gloo",
+       "fastpath.linear_impl=te", "fastpath.attention_backend=sdpa",
+       # TE's RNG tracker is not what these tests are about: Megatron's graph-safe one
+       "cuda_graphs.use_te_rng_tracker=false"]
 BASE = [f"training.steps={STEPS}", "training.micro_batches=2", "training.warmup_steps=1",
         "data.num_samples=64", "data.max_tokens=64", "data.max_len=24", "data.max_seqs=8",
-        "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
-        "training.device=cuda", "training.skip_memory_check=true", "cluster.backend=gloo",
-        "fastpath.linear_impl=te", "fastpath.attention_backend=sdpa",
-        # TE's RNG tracker is not what these tests are about: Megatron's graph-safe one
-        "cuda_graphs.use_te_rng_tracker=false"]
+        "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", *GPU]
 TE_CLASSES = {"TELayerNormColumnParallelLinear", "TERowParallelLinear"}
 
 
-def job(tmp_path, name, overrides, nproc=1) -> list:
+def job(tmp_path, name, overrides, nproc=1, base=BASE) -> list:
     """The job_worker's outputs, one per rank."""
     out = tmp_path / name
-    cmd = main_job_cmd([str(out), *BASE, *overrides, f"hydra.run.dir={tmp_path}/hydra-{name}"],
+    cmd = main_job_cmd([str(out), *base, *overrides, f"hydra.run.dir={tmp_path}/hydra-{name}"],
                        nproc=nproc, entry=["-m", "tests.te_standin.job_worker"])
-    proc = subprocess.run(cmd, cwd=tmp_path, env=te_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=tmp_path, env=te_env(WANDB_MODE="offline"), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(nproc)]
@@ -123,3 +123,24 @@ def test_cuda_graphs_with_te_replay_equals_eager(tmp_path, fp8):
     (graphs,) = job(tmp_path, "graphs", common + ["fastpath.cuda_graphs=true",
                                                   "cuda_graphs.use_te_rng_tracker=true"])
     assert records(graphs) == records(eager)
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoint
+def test_hf_checkpoint_lora_te_layout_equals_local(tmp_path):
+    """model=hf with LoRA: the checkpoint's norms land in TE's fused layer_norm_weight
+    (hf/convert.py), the adapters read TE's LayerNormLinear normalised input
+    (return_layernorm_output, compat/te.py); losses and the evaluation equal the local linears'
+    bit for bit in bf16."""
+    import make_tiny_hf_llama
+
+    ckpt = str(tmp_path / "tiny-llama")
+    make_tiny_hf_llama.main(ckpt)
+    common = ["training.dtype=bfloat16", "training.steps=3", "data.eval_every=0",
+              "metrics.tensorboard=false", "metrics.wandb=off", "model=hf", f"model.path={ckpt}",
+              "data=jsonl", f"data.path={make_tiny_hf_llama.__file__.rsplit('/', 1)[0]}/data/arith_chat.jsonl",
+              "fastpath.lora=true"]
+    (local,) = job(tmp_path, "local", common + ["fastpath.linear_impl=local"], base=GPU)
+    (te,) = job(tmp_path, "te", common, base=GPU)
+    assert TE_CLASSES <= set(te["types"]) and not TE_CLASSES & set(local["types"])
+    assert records(te) == records(local)
+    assert te["summary"]["eval_loss"] == local["summary"]["eval_loss"]
