@@ -413,6 +413,32 @@ def compat_restore_goes_through_te_methods():
     assert all(torch.equal(got[k], state[k]) for k in state)
 
 
+@check
+def fp8_recompute_state_reenters_the_recipe():
+    """compat/te_quantized.FP8RecomputeState (the offload layer's recompute): captured inside
+    an FP8 autocast it re-enters the same recipe and group in TE's recompute phase
+    (distributed.py:228-263)."""
+    from megatron_fastpath.compat.te_quantized import FP8RecomputeState
+    from transformer_engine.pytorch import distributed as te_dist
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    t, r = te(), recipe()
+    assert not FP8RecomputeState().enabled  # outside any autocast
+    rec = r.Float8CurrentScaling()
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        state = FP8RecomputeState()
+        with state.forward_context():
+            assert not te_dist.in_fp8_activation_recompute_phase()
+            assert te_dist.is_fp8_activation_recompute_enabled()
+    assert state.enabled and state.recipe is rec and not FP8GlobalStateManager.is_fp8_enabled()
+    with state.recompute_context():
+        assert FP8GlobalStateManager.is_fp8_enabled()
+        assert FP8GlobalStateManager.get_fp8_recipe() is rec
+        assert te_dist.in_fp8_activation_recompute_phase()
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert not te_dist.in_fp8_activation_recompute_phase()
+
+
 if __name__ == "__main__":
     results = {}
     for name, fn in CHECKS.items():
