@@ -96,7 +96,7 @@ def tp_size_divides_features():
 
 @check
 def tp_group_must_be_set_before_forward():
-    # base.py:1049-1050
+    # base.py:1051-1052
     lin = te().Linear(32, 16, device="cpu", parallel_mode="row", tp_size=2)
     with pytest.raises(AssertionError, match="TP group not initialized"):
         lin(torch.randn(4, 16))
@@ -111,14 +111,14 @@ def normalization_checked():
 
 @check
 def norm_shape_arguments_checked():
-    # module/layernorm.py:70-89
+    # module/layernorm.py:71-91
     with pytest.raises(RuntimeError, match="Both `normalized_shape` and `hidden_size`"):
         te().LayerNorm(16, hidden_size=16, device="cpu")
     with pytest.raises(RuntimeError, match="Neither `normalized_shape` nor `hidden_size`"):
         te().RMSNorm(device="cpu")
     with pytest.raises(RuntimeError, match="Both `dtype` and `params_dtype`"):
         te().RMSNorm(16, params_dtype=torch.float32, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="are not compatible"):  # ops/basic/layer_norm.py:188-193
+    with pytest.raises(ValueError, match="are not compatible"):  # ops/basic/layer_norm.py:189-194
         te().LayerNorm(16, device="cpu")(torch.randn(2, 8))
 
 
@@ -133,7 +133,7 @@ def gemm_shape_checked():
 
 @check
 def dtypes_must_match_outside_autocast():
-    # base.py:931-937
+    # base.py:938-944
     lin = te().Linear(16, 8, device="cpu", params_dtype=torch.bfloat16)
     with pytest.raises(AssertionError, match="Data types for parameters must match"):
         lin(torch.randn(4, 16))
@@ -218,7 +218,7 @@ def te_norm_modules_math():
 
 @check
 def fuse_wgrad_accumulation_into_main_grad():
-    # linear.py:944-963: wgrad added to weight.main_grad; a dummy grad when Megatron's DDP marks
+    # linear.py:944-966: wgrad added to weight.main_grad; a dummy grad when Megatron's DDP marks
     # the parameter (grad_added_to_main_grad)
     t = te()
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def fp8_dims_asserted():
 
 @check
 def fp8_sequence_parallel_needs_amax_reduction():
-    # base.py:1058-1062
+    # base.py:1060-1064
     t, r = te(), recipe()
     lin = t.Linear(32, 32, device="cpu", parallel_mode="row", tp_size=2, sequence_parallel=True)
     lin.set_tensor_parallel_group(None)

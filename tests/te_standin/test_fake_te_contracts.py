@@ -62,3 +62,20 @@ def test_fake_te_stays_out_of_this_process():
     from tests.support.fake_te.activate import FAKE_TE_ROOT
 
     assert FAKE_TE_ROOT not in sys.path and "transformer_engine" not in sys.modules
+
+
+def test_fake_te_importable_by_its_test_name_without_becoming_te():
+    """The fake imports itself relatively, so the stand-in registry can import its classes as
+    ``tests.support.fake_te.transformer_engine...`` in this process: no ``transformer_engine``
+    module appears and Megatron's HAVE_TE stays False."""
+    import megatron.core.extensions.transformer_engine as mte
+
+    from tests.support.fake_te.transformer_engine.common import recipe
+    from tests.support.fake_te.transformer_engine.pytorch import (
+        LayerNorm, LayerNormLinear, Linear, RMSNorm, distributed, quantization,
+    )
+
+    assert all(callable(c) for c in (LayerNorm, LayerNormLinear, Linear, RMSNorm))
+    assert recipe.DelayedScaling().delayed() and quantization.FP8GlobalStateManager
+    assert distributed.activation_recompute_forward
+    assert "transformer_engine" not in sys.modules and mte.HAVE_TE is False

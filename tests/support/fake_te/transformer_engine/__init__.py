@@ -13,4 +13,4 @@ catches) or raises ``NotImplementedError`` naming the fake.
 
 __version__ = "2.10.0"
 
-from transformer_engine import common, pytorch  # noqa: E402,F401
+from . import common, pytorch  # noqa: E402,F401

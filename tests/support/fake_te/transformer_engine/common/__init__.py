@@ -1,1 +1,1 @@
-from transformer_engine.common import recipe  # noqa: F401
+from . import recipe  # noqa: F401

@@ -1,12 +1,12 @@
 """Fake ``transformer_engine.pytorch`` (TE v2.10): the modules Megatron's TE spec builds, the
 FP8 autocast and state, the RNG tracker. See ``transformer_engine/__init__.py``."""
 
-from transformer_engine.pytorch import distributed, quantization, tensor  # noqa: F401
-from transformer_engine.pytorch import fp8, graph, ops, router, utils  # noqa: F401
-from transformer_engine.pytorch.attention import DotProductAttention  # noqa: F401
-from transformer_engine.pytorch.module import (  # noqa: F401
+from . import distributed, quantization, tensor  # noqa: F401
+from . import fp8, graph, ops, router, utils  # noqa: F401
+from .attention import DotProductAttention  # noqa: F401
+from .module import (  # noqa: F401
     GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm,
 )
-from transformer_engine.pytorch.quantization import (  # noqa: F401
+from .quantization import (  # noqa: F401
     autocast, fp8_autocast, fp8_model_init, quantized_model_init,
 )

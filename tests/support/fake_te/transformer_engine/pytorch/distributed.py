@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+from .quantization import FP8GlobalStateManager
 
 _FP8_ACTIVATION_RECOMPUTE_ENABLED = False
 _FP8_ACTIVATION_RECOMPUTE_PHASE = False

@@ -9,7 +9,7 @@ from typing import Any, Iterable, List, Optional
 
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling
+from ..common.recipe import DelayedScaling
 
 _IS_GRAPH_CAPTURING = False
 
@@ -32,7 +32,7 @@ def is_graph_capturing() -> bool:
 
 def save_fp8_tensors(modules: Iterable[torch.nn.Module], recipe) -> Optional[List[Any]]:
     """graph.py:859-883: each TE module's (scale, amax_history) copies, delayed scaling only."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from .module.base import TransformerEngineBaseModule
 
     if not isinstance(recipe, DelayedScaling):
         return None
@@ -42,7 +42,7 @@ def save_fp8_tensors(modules: Iterable[torch.nn.Module], recipe) -> Optional[Lis
 
 def restore_fp8_tensors(modules: Iterable[torch.nn.Module], fp8_tensors) -> None:
     """graph.py:886-906."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from .module.base import TransformerEngineBaseModule
 
     if fp8_tensors is None:
         return

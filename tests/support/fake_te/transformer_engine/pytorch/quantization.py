@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from transformer_engine.common.recipe import (
+from ..common.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,

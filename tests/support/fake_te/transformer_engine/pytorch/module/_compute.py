@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager, quantize
-from transformer_engine.pytorch.utils import assert_dim_for_fp8_exec
+from ..quantization import FP8GlobalStateManager, quantize
+from ..utils import assert_dim_for_fp8_exec
 
 
 def _mappings():
@@ -22,9 +22,9 @@ def _mappings():
 
 def column_input(module, x: torch.Tensor) -> torch.Tensor:
     """A column-parallel GEMM's input: all-gathered along dim 0 under sequence parallelism
-    (backward: reduce-scatter; linear.py:200-220 gather_along_first_dim, backward
-    reduce_scatter of dgrad), else used as is with its gradient all-reduced over the TP group
-    (linear.py backward: allreduce of dgrad when parallel_mode == "column")."""
+    (backward: reduce-scatter; linear.py:211-216 gather_along_first_dim, 745-750
+    reduce_scatter_along_first_dim of dgrad), else used as is with its gradient all-reduced over
+    the TP group (linear.py:752-756 allreduce of dgrad)."""
     if module.tp_size <= 1 or module.parallel_mode != "column":
         return x
     if module.sequence_parallel:
@@ -35,7 +35,7 @@ def column_input(module, x: torch.Tensor) -> torch.Tensor:
 
 def row_output(module, out: torch.Tensor) -> torch.Tensor:
     """A row-parallel GEMM's output: reduce-scattered along dim 0 under sequence parallelism,
-    else all-reduced (linear.py forward: reduce_scatter_along_first_dim / allreduce)."""
+    else all-reduced (linear.py:355-364 reduce_scatter_along_first_dim / allreduce)."""
     if module.tp_size <= 1 or module.parallel_mode != "row":
         return out
     if module.sequence_parallel:
@@ -46,7 +46,7 @@ def row_output(module, out: torch.Tensor) -> torch.Tensor:
 class _WgradIntoMainGrad(torch.autograd.Function):
     """``fuse_wgrad_accumulation``: the weight gradient is added to ``weight.main_grad``;
     with Megatron's DDP (``grad_added_to_main_grad`` present) TE marks it and returns a dummy
-    gradient, else none (linear.py:944-963)."""
+    gradient, else none (linear.py:944-966)."""
 
     @staticmethod
     def forward(ctx, weight):
@@ -69,7 +69,7 @@ class _FP8Gemm(torch.autograd.Function):
     """y = Q(x) Q(w)^T + b in float32, cast to x's dtype; backward dgrad = Q_b(g) Q(w),
     wgrad = Q_b(g)^T Q(x) (Q: the recipe's quantise-dequantise, Q_b with the backward format).
     The first FP8 module of the autocast updates the backward delayed-scaling state at the end
-    of its backward (linear.py:965-969, ``reduce_and_update_bwd_fp8_tensors``)."""
+    of its backward (linear.py:969-971, ``reduce_and_update_bwd_fp8_tensors``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, meta, update_bwd):

@@ -4,7 +4,7 @@ tensor-parallel group, ``prepare_forward``'s checks, FP8 metadata (``init_fp8_me
 ``init_fp8_meta_tensors`` / ``reset_fp8_meta_tensors``) and the pickled ``_extra_state``.
 
 Not modelled: ``assert torch.cuda.is_available()`` (base.py:606) and ``assert inp.is_cuda``
-(base.py:1047) -- the fake runs on a CPU by design (the CUDA-as-CPU mode keeps "cuda" tensors
+(base.py:1049) -- the fake runs on a CPU by design (the CUDA-as-CPU mode keeps "cuda" tensors
 on the CPU); userbuffers, debug, FSDP, FP8 primary weights.
 """
 
@@ -17,9 +17,9 @@ from typing import Callable, Optional
 
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling
-from transformer_engine.pytorch import distributed as te_dist
-from transformer_engine.pytorch.quantization import (
+from ...common.recipe import DelayedScaling
+from .. import distributed as te_dist
+from ..quantization import (
     DelayedScalingRecipeState,
     FP8GlobalStateManager,
     make_recipe_state,
@@ -180,7 +180,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     # ------------------------------------------------------------------------------ forward
     def set_activation_dtype(self, inp: torch.Tensor) -> None:
-        # base.py:920-944
+        # base.py:925-944
         if torch.is_autocast_enabled():
             self.activation_dtype = torch.get_autocast_dtype("cuda")
             return
@@ -201,12 +201,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if self.fp8 and te_dist.in_fp8_activation_recompute_phase():
             pass  # a recomputed forward: the forward's metadata stands
         else:
-            if self.tp_size > 1:  # base.py:1049-1050
+            if self.tp_size > 1:  # base.py:1051-1052
                 assert getattr(self, "tp_group_initialized", False), "TP group not initialized."
             self.set_activation_dtype(inp)
             self.init_fp8_metadata(num_gemms=num_gemms)
             if self.fp8 and self.fp8_meta["recipe"].delayed():
-                if self.sequence_parallel:  # base.py:1058-1062
+                if self.sequence_parallel:  # base.py:1060-1064
                     assert self.fp8_meta["recipe"].reduce_amax, (
                         "Amax reduction across tensor parallel group is "
                         "necessary when using sequence parallelism with FP8.")

@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from transformer_engine.pytorch.module._norm import normalize
+from ._norm import normalize
 
 
 class _Norm(torch.nn.Module):
@@ -22,7 +22,7 @@ class _Norm(torch.nn.Module):
     def __init__(self, normalized_shape: Union[Iterable[int], int, None] = None, eps: float = 1e-5,
                  sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
                  zero_centered_gamma: bool = False, hidden_size: Optional[int] = None, **kwargs):
-        # layernorm.py:70-92 / rmsnorm.py:74-96
+        # module/layernorm.py:59-104 / module/rmsnorm.py:63-108 (same checks)
         if normalized_shape is None:
             if hidden_size is None:
                 raise RuntimeError(
@@ -58,7 +58,7 @@ class _Norm(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, defer_init: Optional[bool] = None) -> None:
-        # ops/basic/layer_norm.py:146-170; layernorm.py:131-135 (sequence_parallel attribute)
+        # ops/basic/layer_norm.py:140-170; module/layernorm.py:132-135 (sequence_parallel attribute)
         with torch.no_grad():
             self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             if self.bias is not None:
@@ -71,7 +71,7 @@ class _Norm(torch.nn.Module):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         wd = tuple(self.weight.shape)
         idims = tuple(inp.shape)
-        # ops/basic/layer_norm.py:188-193
+        # ops/basic/layer_norm.py:189-194
         if len(idims) < len(wd) or idims[-len(wd):] != wd:
             raise ValueError(f"Input tensor (shape={idims}) "
                              f"and weight tensor (shape={wd}) are not compatible")

@@ -7,12 +7,12 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from transformer_engine.pytorch.module import _compute
-from transformer_engine.pytorch.module._norm import normalize
-from transformer_engine.pytorch.module.base import TransformerEngineBaseModule, init_method_constant
-from transformer_engine.pytorch.module.linear import check_tp_and_ub, register_linear_params
-from transformer_engine.pytorch.distributed import set_tensor_model_parallel_attributes
-from transformer_engine.pytorch.utils import cast_if_needed
+from . import _compute
+from ._norm import normalize
+from .base import TransformerEngineBaseModule, init_method_constant
+from .linear import check_tp_and_ub, register_linear_params
+from ..distributed import set_tensor_model_parallel_attributes
+from ..utils import cast_if_needed
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
@@ -143,6 +143,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         return out
 
 
-from transformer_engine.pytorch.module.linear import Linear as _Linear  # noqa: E402
+from .linear import Linear as _Linear  # noqa: E402
 
 LayerNormLinear._get_weight_and_bias_tensors = _Linear._get_weight_and_bias_tensors

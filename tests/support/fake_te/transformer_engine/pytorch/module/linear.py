@@ -6,14 +6,14 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from transformer_engine.pytorch.constants import GemmParallelModes
-from transformer_engine.pytorch.distributed import (
+from ..constants import GemmParallelModes
+from ..distributed import (
     get_distributed_world_size,
     set_tensor_model_parallel_attributes,
 )
-from transformer_engine.pytorch.module import _compute
-from transformer_engine.pytorch.module.base import TransformerEngineBaseModule, init_method_constant
-from transformer_engine.pytorch.utils import cast_if_needed, divide
+from . import _compute
+from .base import TransformerEngineBaseModule, init_method_constant
+from ..utils import cast_if_needed, divide
 
 
 def check_tp_and_ub(module, *, tp_group, tp_size, parallel_mode, sequence_parallel, ub_name,

@@ -1,1 +1,1 @@
-from transformer_engine.pytorch.module.layernorm import RMSNorm  # noqa: F401
+from .layernorm import RMSNorm  # noqa: F401
