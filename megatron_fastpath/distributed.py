@@ -75,6 +75,7 @@ def init_distributed(
             == pipeline_model_parallel_size
             and parallel_state.get_expert_model_parallel_world_size()
             == expert_model_parallel_size
+            and parallel_state.get_context_parallel_world_size() == context_parallel_size
         ):
             return
         parallel_state.destroy_model_parallel()
