@@ -144,3 +144,15 @@ def test_hf_checkpoint_lora_te_layout_equals_local(tmp_path):
     assert TE_CLASSES <= set(te["types"]) and not TE_CLASSES & set(local["types"])
     assert records(te) == records(local)
     assert te["summary"]["eval_loss"] == local["summary"]["eval_loss"]
+
+
+def test_te_standin_main_entry_reexecs_with_the_fake(tmp_path):
+    """``python -m tests.support.te_standin_main`` started without the fake on PYTHONPATH (the
+    plain child environment) re-executes itself with it and runs the main job on TE linears."""
+    from tests.support.main_job import job_env, run_main_job
+
+    base = [o for o in BASE if not o.startswith("training.steps=")]
+    run = run_main_job([*base, "training.steps=2", "training.dtype=bfloat16"], tmp_path,
+                       env=job_env(), entry=["-m", "tests.support.te_standin_main"])
+    assert len(run.summary["records"]) == 2
+    assert "linear_fc1.layer_norm_weight" in run.output  # the TE layout's fused norm parameter
