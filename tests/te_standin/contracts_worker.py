@@ -439,6 +439,51 @@ def fp8_recompute_state_reenters_the_recipe():
     assert not te_dist.in_fp8_activation_recompute_phase()
 
 
+@check
+def megatron_te_wrappers_build_and_compute():
+    """Megatron's TEColumnParallelLinear / TERowParallelLinear / TELayerNormColumnParallelLinear
+    / TENorm on the fake (world 1): (out, bias) returns, TE's parameter names in their sharded
+    state dicts, the math; gather_output / input_is_parallel=False refused by Megatron."""
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear, TELayerNormColumnParallelLinear, TENorm, TERowParallelLinear)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.distributed import init_distributed
+
+    init_distributed(backend="gloo")
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2,
+                            use_cpu_initialization=True, add_bias_linear=True,
+                            normalization="RMSNorm")
+    init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+    col = TEColumnParallelLinear(32, 48, config=cfg, init_method=init, gather_output=False,
+                                 bias=True, skip_bias_add=True, is_expert=False)
+    row = TERowParallelLinear(48, 32, config=cfg, init_method=init, bias=True,
+                              input_is_parallel=True, skip_bias_add=False, is_expert=False)
+    lnl = TELayerNormColumnParallelLinear(32, 48, config=cfg, init_method=init,
+                                          gather_output=False, bias=False, skip_bias_add=False,
+                                          is_expert=False)
+    norm = TENorm(cfg, 32, eps=1e-5)
+    x = torch.randn(8, 2, 32)
+    with torch.no_grad():
+        col.bias.normal_()
+        row.bias.normal_()
+    out, b = col(x)
+    torch.testing.assert_close(out, x @ col.weight.t())
+    assert torch.equal(b, col.bias)  # skip_bias_add: returned
+    out, b = row(out)
+    assert b is None
+    out2, _ = lnl(x)
+    torch.testing.assert_close(out2, norm(x) @ lnl.weight.t(), rtol=1e-5, atol=1e-6)
+    keys = set(lnl.sharded_state_dict(prefix="l.", metadata={"dp_cp_group": None}).keys())
+    assert {"l.weight", "l.layer_norm_weight", "l._extra_state"} <= keys, keys
+    with pytest.raises(ValueError, match="gather_output = True"):
+        TEColumnParallelLinear(32, 48, config=cfg, init_method=init, gather_output=True,
+                               bias=False, skip_bias_add=False, is_expert=False)
+    with pytest.raises(ValueError, match="input_is_parallel = False"):
+        TERowParallelLinear(48, 32, config=cfg, init_method=init, bias=False,
+                            input_is_parallel=False, skip_bias_add=False, is_expert=False)
+
+
 if __name__ == "__main__":
     results = {}
     for name, fn in CHECKS.items():
