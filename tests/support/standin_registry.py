@@ -120,9 +120,10 @@ class IndirectEntry(Entry):
 
 
 _TE_RNG_CAPTURE = ("graphs/config.py _check_capture refuses te attention with graphs on "
-                   "training.device=cuda unless cuda_graphs.use_te_rng_tracker=true, which needs "
-                   "TE itself: the capture-time assert of the tracker class is never reached "
-                   "under the stand-ins")
+                   "training.device=cuda unless cuda_graphs.use_te_rng_tracker=true; the fake "
+                   "Transformer Engine builds that tracker (tests/support/fake_te), but this "
+                   "attention stand-in reads cu_seqlens on the host without CP, so te attention "
+                   "is not captured under it yet")
 
 REGISTRY: tuple[Entry, ...] = (
     # ------------------------------------------------------------------ Transformer Engine
@@ -174,24 +175,33 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec",
-        None,
-        "",
-        reason="TE linears and norms (TELayerNormColumnParallelLinear, TERowParallelLinear, "
-               "TENorm, ...): no CPU stand-in; linear_impl='te' is refused on CPU by the missing "
-               "package (layer_spec.py: require('transformer_engine.pytorch')), and so are FP8 "
-               "and every combination that needs them (tests/train/test_feature_matrix.py runs "
-               "fastpath.linear_impl=local). LoRA's use of TELayerNormColumnParallelLinear is "
-               "stood in separately (INDIRECT)",
+        ("tests.support.fake_te.transformer_engine.pytorch.Linear",
+         "tests.support.fake_te.transformer_engine.pytorch.LayerNormLinear",
+         "tests.support.fake_te.transformer_engine.pytorch.LayerNorm",
+         "tests.support.fake_te.transformer_engine.pytorch.RMSNorm"),
+        "the fake Transformer Engine 2.10 (tests/support/fake_te, importable only in child "
+        "processes through PYTHONPATH: tests/support/fake_te/activate.py) under Megatron's own "
+        "TE wrappers: TE 2.10's constructor keywords (any other: TypeError); parallel_mode in "
+        "(None, column, row); tp_size divides the features; SP only with tp_size > 1; "
+        "normalization LayerNorm | RMSNorm; GEMM width; dtypes match outside autocast; TP group "
+        "set before forward; FP8 GEMM dims (leading % 8, last % 16), MXFP8 dims % 32, SP + "
+        "delayed needs reduce_amax; CPU math (norms in fp32, zero-centred 1 + gamma; column: SP "
+        "all-gather / copy, row: SP reduce-scatter / all-reduce, through Megatron's mappings); "
+        "TE's parameter names and TP attributes; fuse_wgrad_accumulation into main_grad; "
+        "return_bias / return_layernorm_output(_gathered); pickled _extra_state (tests/te_standin)",
+        "transformer_engine/pytorch/module/{linear,layernorm_linear,base,layernorm,rmsnorm}.py, "
+        "ops/basic/layer_norm.py, utils.py (TE v2.10; each assert cites its line)",
     ),
     Entry(
         "megatron.core.fp8_utils.get_fp8_recipe",
-        None,
-        "",
-        reason="builds the run's TE recipe when resuming FP8 state (train/checkpointing.py); "
-               "reached only with fastpath.fp8=true, which is refused on CPU by the missing "
-               "package (fp8/config.py plan_fp8: require('transformer_engine.pytorch')). The "
-               "restore it feeds is tested with recipe objects that only answer delayed() / "
-               "amax_history_len (tests/checkpoint/test_fp8_state.py DelayedRecipe)",
+        ("tests.support.fake_te.transformer_engine.common.recipe.DelayedScaling",
+         "tests.support.fake_te.transformer_engine.common.recipe.Float8CurrentScaling",
+         "tests.support.fake_te.transformer_engine.common.recipe.MXFP8BlockScaling",
+         "tests.support.fake_te.transformer_engine.common.recipe.Float8BlockScaling"),
+        "pydantic dataclasses with TE 2.10's fields and defaults, unknown keywords ignored "
+        "(Megatron's TEDelayedScaling passes three); no pure E5M2; block dims 1 | 2, never "
+        "2D x 2D; split accumulators",
+        "transformer_engine/common/recipe/__init__.py (TE v2.10)",
     ),
     Entry(
         "megatron.core.fp8_utils.get_fp8_align_size",
@@ -204,33 +214,31 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "transformer_engine.pytorch.fp8.FP8GlobalStateManager",
-        None,
-        "",
-        reason="is_fp8_enabled / get_fp8_recipe / get_fp8_group read by the offload's FP8 "
-               "recompute state (compat/te_quantized.py FP8RecomputeState) only when the forward "
-               "ran under TE's FP8 autocast; without TE optional_import returns None and the "
-               "state stays disabled -- no test stands in for an enabled FP8 forward",
+        ("tests.support.fake_te.transformer_engine.pytorch.quantization.FP8GlobalStateManager",),
+        "autocast state (enabled, recipe, group), is_first_fp8_module once per outermost "
+        "autocast, delayed amaxes max-reduced over the group and scales updated at the outermost "
+        "exit (forward) and in the first module's backward",
+        "transformer_engine/pytorch/quantization.py:224-660 (TE v2.10)",
     ),
     Entry(
         "transformer_engine.pytorch.distributed.activation_recompute_forward",
-        None,
-        "",
-        reason="entered only when FP8RecomputeState is enabled (FP8 on, TE present); "
-               "no CPU stand-in",
+        ("tests.support.fake_te.transformer_engine.pytorch.distributed.activation_recompute_forward",),
+        "sets the FP8 recompute enabled / phase flags and carries the first-module flag to the "
+        "recompute",
+        "transformer_engine/pytorch/distributed.py:228-273 (TE v2.10)",
     ),
     Entry(
         "transformer_engine.pytorch.fp8_autocast",
-        None,
-        "",
-        reason="FP8 recompute under the forward's recipe (compat/te_quantized.py, TE < 2.8 "
-               "name); only with FP8 on, no CPU stand-in",
+        ("tests.support.fake_te.transformer_engine.pytorch.quantization.fp8_autocast",),
+        "TE 2.10's keywords; enters FP8GlobalStateManager's autocast; the linears inside quantise",
+        "transformer_engine/pytorch/quantization.py:756-787 (TE v2.10)",
     ),
     Entry(
         "transformer_engine.pytorch.autocast",
-        None,
-        "",
-        reason="FP8 recompute under the forward's recipe (compat/te_quantized.py, TE >= 2.8 "
-               "name); only with FP8 on, no CPU stand-in",
+        ("tests.support.fake_te.transformer_engine.pytorch.quantization.autocast",),
+        "recipe / amax_reduction_group keywords; state restored on exit, forward update at the "
+        "outer exit",
+        "transformer_engine/pytorch/quantization.py:790-852 (TE v2.10)",
     ),
     Entry(
         "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam",
