@@ -7,7 +7,7 @@ CudaGraphManager captures and replays every layer on the CPU.
 What is checked:
 
 * each layer is captured once (forward and backward graph) and replayed by every later
-  microbatch (the runners' counts, as ``test_feature_matrix._check_graphs``);
+  microbatch (the runners' counts, as ``tests/support/matrix_runs.check_graphs``);
 * the CP all-gather of K/V is inside the captured region: each layer's forward graph holds
   the 2 ``allgather_`` collectives (keys, values) and its backward graph the 2 ``allreduce_``
   of their gradients (``attention/context_parallel.py``), and the fake graph re-issues them at

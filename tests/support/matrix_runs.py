@@ -1,0 +1,153 @@
+"""Test-only: one combination of the feature matrix (tests/train/test_feature_matrix.py)
+trained straight and across a checkpoint, in this process: a worker process
+(tests/support/matrix_worker.py; every rank of a ``torchrun`` launch for a world of 2), or the
+pytest process under the ``mcore_parallel`` fixture.
+
+The job is built from the plain config tree the matrix classified (``config_tree``: Hydra's
+composition of the overrides, which the matrix checks against Hydra itself), so a run composes
+nothing; the two runs of a combination set ``checkpoint.dir`` (and the first
+``checkpoint.interval``) on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+STEPS, STOP = 4, 3
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Yields ``settle``, to call after every run: it collects what the run left and moves the
+    objects alive out of the collector's sight (``gc.freeze``; unfrozen on exit). Megatron's
+    graph capture runs ``gc.collect()`` (3 a graphed run), which otherwise walks the whole heap of
+    a process holding torch and Megatron, ~0.3 s each. Speed only."""
+    def settle():
+        gc.collect()
+        gc.freeze()
+
+    settle()
+    try:
+        yield settle
+    finally:
+        gc.unfreeze()
+
+
+def train(tree: dict):
+    """(summary, job) of the main job on ``tree`` (a copy), inside the GPU stand-ins; Megatron's
+    process-wide aux-loss scale and RNG tracker start as in a fresh process."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_fastpath.train import run
+    from tests.support.graph_safe_standins import gpu_standins
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
+    get_cuda_rng_tracker().reset()
+    with gpu_standins():
+        return run(copy.deepcopy(tree), return_job=True, announce=False)
+
+
+def with_keys(tree: dict, **keys) -> dict:
+    """``tree`` with ``group__leaf=value`` set (the groups copied, ``tree`` unchanged)."""
+    out = dict(tree)
+    for key, value in keys.items():
+        group, leaf = key.split("__")
+        assert leaf in out[group], f"{group}.{leaf} is not a key of the config"
+        out[group] = dict(out[group], **{leaf: value})
+    return out
+
+
+def records(summary) -> list:
+    return [(r.step, r.loss, r.lr) for r in summary.records]
+
+
+def params(job) -> dict:
+    """This rank's parameters (its shards with a parallel size of 2)."""
+    return {k: v.detach().clone() for k, v in job.model.state_dict().items() if torch.is_tensor(v)}
+
+
+def check_graphs(job, feature: dict) -> None:
+    """Graphs as the combination asks: none, Megatron's full-iteration pair (captured at step
+    2, replayed in steps 2-4) or per-layer runners on this rank's layers, captured at the end
+    of step 1 and replayed by every microbatch after it."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from tests.support.megatron_graphs import graph_runners
+
+    runners = graph_runners(job.model)
+    if not feature["graphs"]:
+        assert runners == [], "graph runners without cuda_graphs"
+        return
+    if feature["graph_scope"] == "full_iteration":
+        from megatron_fastpath.compat.graphs import full_cuda_graph_captured
+
+        assert runners == [], "per-layer graph runners inside a full-iteration step"
+        fwd_bwd, opt = full_cuda_graph_captured(), job.step.graphs.opt_graph
+        assert fwd_bwd.replays == opt.replays == STEPS - 1
+        return
+    # Megatron's CudaGraphManager: without pipelining one runner a layer, replayed by every
+    # microbatch; with it (reuse_cudagraphs off) one a layer and microbatch, replayed once a step
+    layers = sum(isinstance(m, TransformerLayer) for m in job.model.modules())
+    micro = job.cfg.training.micro_batches
+    per_layer = 1 if job.cfg.parallel.pipeline_model_parallel_size == 1 else micro
+    assert layers and len(runners) == layers * per_layer, \
+        f"{len(runners)} graph runners for {layers} layers x {per_layer}"
+    for r in runners:
+        assert r.fwd_graph.captured and r.bwd_graph.captured
+        assert r.fwd_graph.replays == r.bwd_graph.replays == (STEPS - 1) * micro // per_layer, \
+            (r.fwd_graph.replays, r.bwd_graph.replays)
+
+
+def check_experts(job, feature: dict) -> None:
+    from megatron_fastpath.moe.experts import expert_class
+
+    if feature["experts"] is None:
+        return
+    built = {type(m) for n, m in job.model.named_modules() if n.endswith(".experts")}
+    assert built == {expert_class(feature["experts"])}, built
+
+
+def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[list] = None) -> str:
+    """The straight run: ``STEPS`` steps with checkpoints on, saving at step ``STOP``
+    (``checkpoint.interval``; an async save is written while step ``STOP + 1`` trains) and at
+    the end. The resumed run: the step-``STOP`` checkpoint alone in a fresh directory (copied;
+    the straight run's latest is its last step), resumed and trained to the end. The losses and
+    learning rates of every step and this rank's final parameters must be bit-identical.
+    ``feature``: the combination's ``graphs`` / ``graph_scope`` / ``experts`` (None: a dense
+    model), checked on the straight run. ``stage`` (a list) gets the part in progress appended:
+    ``straight``, ``resume``, ``compare``. Returns what was checked; raises on any difference."""
+    stage = [] if stage is None else stage
+    ckpt_dir = Path(ckpt_dir)
+    saved, resume_dir = ckpt_dir / "straight", ckpt_dir / "resume"
+    stage.append("straight")
+    straight, job_s = train(with_keys(tree, checkpoint__dir=str(saved), checkpoint__interval=STOP))
+    assert len(records(straight)) == STEPS, records(straight)
+    assert [s["step"] for s in straight.checkpoint_saves] == [STOP, STEPS], straight.checkpoint_saves
+    check_graphs(job_s, feature)
+    check_experts(job_s, feature)
+    p_straight = params(job_s)
+    del job_s
+    stage.append("resume")
+    step_dir = f"step_{STOP:08d}"
+    dist = torch.distributed.is_initialized()
+    if not dist or torch.distributed.get_rank() == 0:  # one copy; the ranks share the directory
+        shutil.copytree(saved / step_dir, resume_dir / step_dir)
+    if dist:
+        torch.distributed.barrier()
+    resumed, job_r = train(with_keys(tree, checkpoint__dir=str(resume_dir)))
+    stage.append("compare")
+    assert resumed.resumed_from == f"{resume_dir}/{step_dir}", resumed.resumed_from
+    assert records(resumed) == records(straight), "resumed run differs from the straight run"
+    p_resumed = params(job_r)
+    assert p_straight.keys() == p_resumed.keys()
+    differ = [k for k in p_straight if not torch.equal(p_straight[k], p_resumed[k])]
+    assert not differ, f"final parameters differ: {differ}"
+    return f"straight {STEPS} (saving at {STOP}) == resumed at {STOP} + {STEPS - STOP}"
