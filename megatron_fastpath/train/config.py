@@ -364,6 +364,23 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
     )
 
 
+def _check_cuda_only(device, backend: str, linear_impl: str, fp8: bool) -> None:
+    """Transformer Engine's modules and flash-attn's kernels run on CUDA only: with the packages
+    installed, a CPU job reached its first forward ("TransformerEngine needs CUDA.", TE 2.10
+    module/base.py) instead of stopping here."""
+    if device.type == "cuda":
+        return
+    asked = [what for what, on in ((f"fastpath.attention_backend={backend}", backend in ("te", "flash")),
+                                   ("fastpath.linear_impl=te", linear_impl == "te"),
+                                   ("fastpath.fp8=true", fp8)) if on]
+    if asked:
+        raise ValueError(
+            f"{' with '.join(asked)} on training.device={device.type}: Transformer Engine's "
+            "modules (its attention, linears and FP8) and flash-attn's kernels run on CUDA only; "
+            "on a CPU use fastpath.attention_backend=sdpa, fastpath.linear_impl=local and "
+            "fastpath.fp8=false, or set training.device=cuda")
+
+
 def _refuse(reasons: list) -> None:
     if reasons:  # the main job reports one line: the first reason
         raise ValueError(reasons[0])
@@ -416,6 +433,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     _refuse(rules.refusals(facts))  # the rules that read the resolved backend (context parallelism)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
+    _check_cuda_only(device, backend, linear_impl, features["fp8"] is not None)
     if par.sequence_parallel and linear_impl != "te":
         raise ValueError(
             "parallel.sequence_parallel needs Transformer Engine's norms and linears "

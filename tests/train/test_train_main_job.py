@@ -166,3 +166,28 @@ def test_moe_with_tensor_parallelism_refused_at_parse():
         with pytest.raises(ValueError, match="an MoE model with parallel.tensor_model_parallel_size=2"):
             parse_job_config(cfg(FAST + [f"model={model}", "parallel=tp2_pp2", "training.device=cpu",
                                          "parallel.pipeline_model_parallel_size=1"]))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["fastpath.attention_backend=te"], "fastpath.attention_backend=te with fastpath.linear_impl=te"),
+    (["fastpath.attention_backend=flash"], "fastpath.attention_backend=flash on"),
+    (["fastpath.linear_impl=te"], "fastpath.linear_impl=te on"),
+    (["fastpath.linear_impl=te", "fastpath.fp8=true"], "fastpath.linear_impl=te with fastpath.fp8=true on"),
+    (["fastpath.fp8=true"], "fastpath.fp8=true on"),
+])
+def test_cuda_only_packages_on_a_cpu_refused_at_parse(monkeypatch, overrides, named):
+    """With Transformer Engine / flash-attn installed, a job on training.device=cpu using them
+    was accepted and failed at its first forward (TE: 'TransformerEngine needs CUDA.'); found by
+    running the main job on the fake Transformer Engine (tests/te_standin)."""
+    from megatron_fastpath import _optional
+    from megatron_fastpath.attention import core_attention
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    monkeypatch.setattr(_optional, "have", lambda name: True)  # TE and flash-attn installed
+    monkeypatch.setattr(_optional, "require", lambda *a, **k: None)
+    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="run on CUDA only") as err:
+        parse_job_config(compose_job(["training.device=cpu", "training.dtype=bfloat16", *overrides]))
+    assert str(err.value).startswith(named)
+    assert "fastpath.attention_backend=sdpa" in str(err.value)
