@@ -161,9 +161,9 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
     # the graphs are checked against the stand-in, whose mask is built on the device:
     # tests/train/test_context_parallel_te_graphs.py). Sequence parallelism is accepted with CP
     # under the conditions it has without CP (train/config.py _check_parallel: TP >= 2, CUDA,
-    # TE's linears, and data.max_tokens splitting over CP x TP): it needs TE's linears, which
-    # have no CPU stand-in, so neither SP nor SP with CP runs on a CPU here. Everything else is
-    # refused until it is written and tested.
+    # TE's linears, and data.max_tokens splitting over CP x TP): TE's linears run on a CPU only
+    # on the test-only fake Transformer Engine (tests/te_standin: SP at TP=2, not yet with CP).
+    # Everything else is refused until it is written and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
         return None
     cp = f"{f.names.context_parallel}={f.context_parallel_size}"

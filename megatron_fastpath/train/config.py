@@ -323,8 +323,8 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
             # tokens (the cache's local share, every piece split into 2 x CP chunks), and SP
             # splits that share over the TP ranks -- so max_tokens must split over 2 x CP (the
             # cache's check) and over CP x TP. Accepted on the conditions SP has without CP
-            # (TP >= 2, CUDA, TE's linears); like SP alone it cannot run on a CPU here (TE's
-            # linears have no CPU stand-in).
+            # (TP >= 2, CUDA, TE's linears); not run on a CPU yet (SP alone runs on the test-only
+            # fake Transformer Engine, tests/te_standin).
             need = math.lcm(2 * cp, cp * tp)
             if max_tokens % need:
                 raise ValueError(

@@ -362,7 +362,8 @@ def cpu_limit(settings: dict, backend: str, linear_impl: str, is_moe: bool) -> O
     attention, not TE's linears or GroupedLinear; FlexAttention has no CPU backward)."""
     if linear_impl == "te":
         why = "FP8" if settings["linear_impl"] == "te" else "the 'te' attention backend's default"
-        return f"{why}: Transformer Engine linears (`linear_impl=te`) have no CPU stand-in"
+        return (f"{why}: Transformer Engine linears (`linear_impl=te`) run only on the fake TE "
+                "in a child process (tests/te_standin), not in this in-process matrix")
     if is_moe and settings["moe_expert_backend"] == "te_grouped_linear":
         return "the te_grouped_linear experts: Transformer Engine's GroupedLinear has no CPU stand-in"
     if backend == "flex":

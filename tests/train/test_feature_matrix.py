@@ -73,10 +73,12 @@ FIXED = {
     "training.skip_memory_check=true": "the memory check reads the GPU's properties; the "
                                        "stand-in has none",
     "cluster.backend=gloo": "no NCCL on a CPU",
-    "fastpath.linear_impl=local": "Transformer Engine's linears have no CPU stand-in (auto "
+    "fastpath.linear_impl=local": "Transformer Engine's linears run only on the fake TE in "
+                                  "child processes (tests/te_standin), not in these runs (auto "
                                   "picks them for the te attention backend)",
-    "cuda_graphs.use_te_rng_tracker=false": "Transformer Engine's RNG tracker has no CPU "
-                                            "stand-in; Megatron's graph-safe tracker instead",
+    "cuda_graphs.use_te_rng_tracker=false": "Transformer Engine's RNG tracker is the fake TE's "
+                                            "(tests/te_standin), not in these runs; Megatron's "
+                                            "graph-safe tracker instead",
     "lora.dropout=0.0": "a graph without TE's RNG tracker refuses dropout",
     "offload.min_offload_bytes=0": "the tiny layers' inputs are offloaded too",
 }

@@ -7,9 +7,10 @@ Parsed inside the GPU stand-ins (``tests/support/graph_safe_standins.gpu_standin
 CPU), with Transformer Engine reported as installed FOR PLANNING ONLY: ``_optional.require``
 answers ``transformer_engine*`` (``_require_with_te_standins``) so the checks that ask for TE's
 linears, FP8 and RNG tracker pass. Nothing here runs a step: sequence parallelism needs TE's
-norms and linears (``fastpath.linear_impl=te``), which have no CPU stand-in, so SP -- with CP
-or without -- cannot run on a CPU; what runs here of this layout is CP=2 with TP and the te
-backend (``test_context_parallel_te.py``, ``test_context_parallel_te_graphs.py``).
+norms and linears (``fastpath.linear_impl=te``), which run on a CPU only on the fake Transformer
+Engine in child processes (tests/te_standin: SP at TP=2, FP8, not with CP); what runs of this
+layout is CP=2 with TP and the te backend (``test_context_parallel_te.py``,
+``test_context_parallel_te_graphs.py``) and SP at TP=2 on the fake TE.
 """
 
 from __future__ import annotations
