@@ -25,10 +25,11 @@ the framework config -- through their shared decision layer ``integrations/core.
   combination gets ``core.plan``; its settings must make a ``FastpathSettings``, and the layer
   spec's build-time check (``resolve_backend`` on the training GPU with the model dtype) runs
   on it: what it refuses is listed as accepted by the hook but refused at build.
-* **Runner** (:func:`run_combination`, integration tier): a pairwise cover of the accepted
-  world-1 combinations a CPU can run, over the axes that change the built model
-  (:data:`BUILT`), builds the model the hooked config builds (``FastpathLayerSpec`` of the
-  plan's settings, the plan's position embedding) inside the GPU stand-ins and runs one
+* **Runner** (:func:`run_combination`, integration tier): every accepted world-1 combination a
+  CPU can run, once per distinct build (:func:`build_inputs`: the axes that change the built
+  model, :data:`BUILT`, the hook's plan and the model config -- all the runner reads), builds
+  the model the hooked config builds (``FastpathLayerSpec`` of the plan's settings, the plan's
+  position embedding) inside the GPU stand-ins and runs one
   forward + backward through ``packed_seq.runtime.forward``: finite loss and gradients, the
   attention backend and experts the classifier predicted, and -- in fp32 with the packed cache
   and dropless (or no) experts -- per-token losses equal to the same weights with Megatron's
@@ -672,24 +673,28 @@ def runnable() -> list:
     return [c for c, v in classified().items() if v.status == RUN]
 
 
+def build_inputs(combo: Combo) -> tuple:
+    """Everything :func:`run_combination` reads of a combination: the :data:`BUILT` axes, the
+    hook's plan (settings, graph warm-up, position embedding) and the framework's model config.
+    Two combinations with the same inputs build the same model and run the same batch through
+    it, so one run checks both."""
+    verdict = classified()[combo]
+    facts, _ = facts_and_request(combo)
+    plan = verdict.plan
+    config = tuple(sorted((k, repr(v)) for k, v in vars(facts.model).items() if not k.startswith("_")))
+    return (tuple(combo[a] for a in BUILT), tuple(sorted((k, repr(v)) for k, v in plan.settings.items())),
+            plan.graph_warmup_steps, plan.position_embedding_type, config)
+
+
 @functools.lru_cache(maxsize=None)
-def selected() -> tuple:
-    """A pairwise (all-pairs) cover of the runnable combinations over the axes that change the
-    built model (:data:`BUILT`), greedy, deterministic: each pair of values of two such axes
-    that occur together in a runnable combination occurs together in a selected one."""
-    idx = [Combo.index()[a] for a in BUILT]
-
-    def pairs(c):
-        return set(itertools.combinations([(i, c.values[i]) for i in idx], 2))
-
-    combos, todo, chosen = runnable(), set(), []
-    for c in combos:
-        todo |= pairs(c)
-    while todo:
-        best = max(combos, key=lambda c: len(pairs(c) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
-    return tuple(c for c in combos if c in chosen)
+def selected() -> dict:
+    """{one runnable combination: the runnable combinations with its build inputs}: every
+    runnable combination is run, once per distinct :func:`build_inputs` (the first of each, in
+    matrix order)."""
+    groups = collections.defaultdict(list)
+    for c in runnable():
+        groups[build_inputs(c)].append(c)
+    return {members[0]: tuple(members) for members in groups.values()}
 
 
 # ----------------------------------------------------------------------------------- listing
@@ -734,7 +739,7 @@ def render() -> str:
               "## Counts", "", "| | combinations |", "| --- | --- |",
               f"| product of the axes | {len(verdicts)} |"]
     lines += [f"| {status} | {counts[status]} |" for status in STATUSES]
-    lines += [f"| run by the integration test | {len(selected())} |", ""]
+    lines += [f"| run by the integration test (one run per distinct build) | {len(selected())} |", ""]
     lines += ["## Refused by the hook", "",
               "By the first reason (a combination may have several: the next table counts every "
               "reason).", "", "| first reason | combinations |", "| --- | --- |"]
@@ -753,16 +758,18 @@ def render() -> str:
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| why | combinations |", "| --- | --- |"]
         lines += [f"| {cell(why)} | {n} |" for why, n in sorted(groups.items())]
     lines += ["", "## Run (world 1)", "",
-              f"{counts[RUN]} accepted combinations run on this CPU; the integration test runs a pairwise",
-              f"cover over the axes that change the built model ({', '.join(BUILT)}): the model the hooked",
+              f"{counts[RUN]} accepted combinations run on this CPU, all of them: the integration test",
+              f"runs each distinct build ({len(selected())}: what the runner reads of a combination -- the",
+              f"axes {', '.join(BUILT)}, the hook's plan and the framework's model config -- is equal",
+              "within a group, so one run checks the group): the model the hooked",
               "config builds (`FastpathLayerSpec` of the plan), inside the GPU stand-ins, one forward +",
               "backward through `packed_seq.runtime.forward`: finite loss and gradients; in fp32 with the",
               "packed cache and dropless (or no) experts, per-token losses equal to the same weights with",
               "Megatron's attention and RoPE, one sequence at a time. Graphs: the frameworks capture after",
-              "the first step, which runs eagerly; capture (with TE's RNG tracker, which has no CPU",
-              "stand-in) is the main job's matrix. LoRA: applied by the framework's PEFT, not here.", "",
-              "| combination |", "| --- |"]
-    lines += [f"| {c.label} |" for c in selected()]
+              "the first step, which runs eagerly; capture is the main job's matrix (TE's RNG tracker",
+              "runs on the fake TE only, tests/te_standin). LoRA: applied by the framework's PEFT, not here.", "",
+              "| run | combinations it stands for |", "| --- | --- |"]
+    lines += [f"| {c.label} | {len(members)} |" for c, members in selected().items()]
     return "\n".join(lines) + "\n"
 
 
@@ -925,8 +932,8 @@ def test_listing_is_up_to_date():
 
 @pytest.mark.integration
 def test_hook_feature_matrix_runs(mcore_parallel, capsys):
-    """Integration tier: each selected runnable combination, built as the hooked config builds
-    it, one forward + backward inside the GPU stand-ins."""
+    """Integration tier: every runnable combination (one per distinct build), built as the hooked
+    config builds it, one forward + backward inside the GPU stand-ins."""
     from megatron_fastpath.integrations import clear_caches
     from tests.support.graph_safe_standins import gpu_standins
 
