@@ -6,6 +6,7 @@ apart -- which a checkpoint (one replica saved) then turns into a resume that is
 import json
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -46,6 +47,7 @@ def _worker(rank, world, port, result_path):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.integration  # two processes
 def test_grad_norm_is_global_and_equals_megatrons(tmp_path):
     path = str(tmp_path / "r")
     mp.spawn(_worker, args=(2, free_port(), path), nprocs=2, join=True)

@@ -34,6 +34,7 @@ def test_covered_sites_still_exist():
     assert not moved, "megatron-core moved the CUDA sites this mode covers:\n" + "\n".join(moved)
 
 
+@pytest.mark.integration  # a child process imports the package
 def test_package_never_imports_the_mode():
     code = (
         "import sys, megatron_fastpath, megatron_fastpath.train, megatron_fastpath.compat\n"
