@@ -10,8 +10,7 @@ import torch
 from . import _compute
 from ._norm import normalize
 from .base import TransformerEngineBaseModule, init_method_constant
-from .linear import check_tp_and_ub, register_linear_params
-from ..distributed import set_tensor_model_parallel_attributes
+from .linear import check_tp_and_ub, register_linear_params, set_linear_tp_attributes
 from ..utils import cast_if_needed
 
 
@@ -102,15 +101,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             setattr(self.layer_norm_weight, "sequence_parallel", self.sequence_parallel)
             if self.normalization != "RMSNorm":
                 setattr(self.layer_norm_bias, "sequence_parallel", self.sequence_parallel)
-            for w in self.weight_names:
-                set_tensor_model_parallel_attributes(getattr(self, w), True,
-                                                     1 if self.parallel_mode == "row" else 0, 1)
-            if self.use_bias:
-                for b in self.bias_names:
-                    if self.parallel_mode == "row":
-                        setattr(getattr(self, b), "sequence_parallel", self.sequence_parallel)
-                    elif self.parallel_mode == "column":
-                        set_tensor_model_parallel_attributes(getattr(self, b), True, 0, 1)
+            set_linear_tp_attributes(self)
 
     _get_weight_and_bias_tensors = None  # set below (same as Linear's)
 

@@ -95,6 +95,22 @@ def register_linear_params(module, out_features, parameters_split, init_method,
             setattr(module, bname, torch.Tensor().to(dtype=params_dtype, device=device))
 
 
+def set_linear_tp_attributes(module) -> None:
+    """The tensor-parallel marks TE sets on a linear's weights and biases after init
+    (linear.py:1325-1345, layernorm_linear.py:1437-1465): weights split along the output
+    (column) or input (row) dimension; a row bias carries ``sequence_parallel``, a column bias
+    is split with the weight."""
+    for w in module.weight_names:
+        set_tensor_model_parallel_attributes(getattr(module, w), True,
+                                             1 if module.parallel_mode == "row" else 0, 1)
+    if module.use_bias:
+        for b in module.bias_names:
+            if module.parallel_mode == "row":
+                setattr(getattr(module, b), "sequence_parallel", module.sequence_parallel)
+            elif module.parallel_mode == "column":
+                set_tensor_model_parallel_attributes(getattr(module, b), True, 0, 1)
+
+
 class Linear(TransformerEngineBaseModule):
     """y = x W^T + b with TE's constructor (every keyword of TE 2.10, no other), TE's
     parameter names (``weight``, ``bias``; ``parameters_split`` names) and TE's
@@ -160,15 +176,7 @@ class Linear(TransformerEngineBaseModule):
     def reset_parameters(self, defer_init=False):
         super().reset_parameters(defer_init=defer_init)
         if not defer_init:  # linear.py:1325-1345
-            for w in self.weight_names:
-                set_tensor_model_parallel_attributes(getattr(self, w), True,
-                                                     1 if self.parallel_mode == "row" else 0, 1)
-            if self.use_bias:
-                for b in self.bias_names:
-                    if self.parallel_mode == "row":
-                        setattr(getattr(self, b), "sequence_parallel", self.sequence_parallel)
-                    elif self.parallel_mode == "column":
-                        set_tensor_model_parallel_attributes(getattr(self, b), True, 0, 1)
+            set_linear_tp_attributes(self)
 
     def _get_weight_and_bias_tensors(self):
         ws = [getattr(self, n) for n in self.weight_names]
