@@ -667,25 +667,32 @@ class PackedSeqCache:
     def _build_real_mask(self, slot: _Slot) -> None:
         pass
 
+    def _zeros_T1D(self, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros((self.config.local_tokens, 1, dim), dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _fill_cos_sin(rope, inv_freq, position_ids_T, cos_T1D, sin_T1D) -> None:
+        """cos / sin of ``rope``'s angles at the packed positions into the static buffers."""
+        emb_TD = rope.angles_TD(position_ids_T, inv_freq)
+        cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
+        sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+
     def _allocate_rope_cos_sin(self, slot: _Slot, dtype: torch.dtype) -> None:
-        t, d = self.config.local_tokens, self.config.rope.dim
-        slot.params.rope_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
-        slot.params.rope_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+        slot.params.rope_cos_T1D = self._zeros_T1D(self.config.rope.dim, dtype)
+        slot.params.rope_sin_T1D = self._zeros_T1D(self.config.rope.dim, dtype)
 
     def _build_rope_cos_sin(self, slot: _Slot) -> None:
-        emb_TD = self.config.rope.angles_TD(slot.params.position_ids_T, self._inv_freq)
-        slot.params.rope_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
-        slot.params.rope_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+        p = slot.params
+        self._fill_cos_sin(self.config.rope, self._inv_freq, p.position_ids_T, p.rope_cos_T1D, p.rope_sin_T1D)
 
     def _allocate_rope_cos_sin_local(self, slot: _Slot, dtype: torch.dtype) -> None:
-        t, d = self.config.local_tokens, self.config.rope_local.dim
-        slot.params.rope_local_cos_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
-        slot.params.rope_local_sin_T1D = torch.zeros((t, 1, d), dtype=dtype, device=self.device)
+        slot.params.rope_local_cos_T1D = self._zeros_T1D(self.config.rope_local.dim, dtype)
+        slot.params.rope_local_sin_T1D = self._zeros_T1D(self.config.rope_local.dim, dtype)
 
     def _build_rope_cos_sin_local(self, slot: _Slot) -> None:
-        emb_TD = self.config.rope_local.angles_TD(slot.params.position_ids_T, self._inv_freq_local)
-        slot.params.rope_local_cos_T1D.copy_(torch.cos(emb_TD).unsqueeze(1))
-        slot.params.rope_local_sin_T1D.copy_(torch.sin(emb_TD).unsqueeze(1))
+        p = slot.params
+        self._fill_cos_sin(self.config.rope_local, self._inv_freq_local, p.position_ids_T,
+                           p.rope_local_cos_T1D, p.rope_local_sin_T1D)
 
     def _allocate_rope_freqs(self, slot: _Slot, dtype: torch.dtype) -> None:
         t, d = self.config.local_tokens, self.config.rope.dim
