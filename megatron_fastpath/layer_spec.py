@@ -19,7 +19,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_fastpath import compat  # noqa: F401  (refuses megatron-core < 0.16.1 at import)
-from megatron_fastpath.attention.core_attention import resolve_backend
+from megatron_fastpath.attention.core_attention import PackedCoreAttention, resolve_backend
 
 __all__ = ["get_fastpath_layer_spec", "megatron_base_spec"]
 
@@ -64,7 +64,6 @@ def get_fastpath_layer_spec(
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_fastpath.attention.core_attention import PackedCoreAttention
     from megatron_fastpath.attention.self_attention import CachedRopeSelfAttention
 
     if normalization not in ("RMSNorm", "LayerNorm"):
@@ -123,13 +122,9 @@ def get_fastpath_layer_spec(
 
 
 def _check_gemma(gemma, backend: str, linear_impl: str, num_experts) -> None:
-    """Refuse what Gemma 2's layer cannot be built on, before any model exists."""
-    if gemma.attention_softcap is not None and backend == "te":
-        raise ValueError(
-            f"attention logit soft-capping (Gemma 2's attn_logit_softcapping="
-            f"{gemma.attention_softcap}) with the 'te' attention backend: Transformer Engine "
-            "2.9-2.11's DotProductAttention has no logit soft-capping; use attention_backend="
-            "flash (flash-attn's softcap), sdpa or flex")
+    """Refuse what Gemma 2's layer cannot be built on, before any model exists (the soft-cap
+    with its backend: the attention's own check, run here before any layer is built)."""
+    PackedCoreAttention._checked_softcap(gemma.attention_softcap, backend)
     if linear_impl != "local":
         raise ValueError(
             "Gemma's layer with linear_impl='te': Transformer Engine's linear_qkv / linear_fc1 "
