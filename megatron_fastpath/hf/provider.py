@@ -87,7 +87,8 @@ class HFModel(ModelProvider):
         return ModelSource(self.key, spec.model_config(), spec.rope_config(),
                            tie_embeddings=spec.tie_embeddings, tokenizer_path=spec.path,
                            handle=HFJobConfig(spec.path, spec),
-                           sliding_window=spec.sliding_window, window_layers=spec.window_layers)
+                           sliding_window=spec.sliding_window, window_layers=spec.window_layers,
+                           rope_local=spec.rope_config_local(), gemma=spec.gemma_options())
 
     def transformer_overrides(self, source: ModelSource, device) -> dict:
         """The checkpoint's fields (norm eps, QKV bias, router) and, on GPU, parameters allocated

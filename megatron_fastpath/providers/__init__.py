@@ -50,7 +50,9 @@ class ModelSource:
     embedding. tokenizer_path: the tokenizer a data provider uses by default (None: none).
     handle: the provider's own parsed state, handed back to it (HF: ``HFJobConfig``).
     sliding_window / window_layers: the attention window of the layers (0-based) it applies
-    to, None / (): none (a Hugging Face checkpoint's sliding window)."""
+    to, None / (): none (a Hugging Face checkpoint's sliding window). rope_local: the cache's
+    second ``RopeConfig`` (Gemma 3's sliding layers), None: none. gemma: the layer / model
+    options of a Gemma checkpoint (``gemma.GemmaOptions``), None for every other model."""
 
     provider: str
     config: Any
@@ -60,6 +62,8 @@ class ModelSource:
     handle: Any = None
     sliding_window: Optional[int] = None
     window_layers: tuple = ()
+    rope_local: Any = None
+    gemma: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

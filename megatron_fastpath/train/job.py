@@ -124,25 +124,12 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     return PackedSeqCache(
         PackedSeqConfig(max_tokens=cfg.data.max_tokens, max_seqs=cfg.data.max_seqs,
                         max_seqlen=bound, num_slots=in_flight, rope=cfg.model_source.rope,
-                        rope_local=_rope_local(cfg.model_source),
+                        rope_local=cfg.model_source.rope_local,
                         sdpa_layout=cfg.fastpath.sdpa_layout,
                         context_parallel_size=ps.get_context_parallel_world_size(),
                         context_parallel_rank=ps.get_context_parallel_rank()),
         device=cfg.device,
     )
-
-
-def _rope_local(source):
-    """A Hugging Face Gemma 3 checkpoint's second RoPE (its sliding layers' base), else None."""
-    spec = getattr(source.handle, "spec", None)
-    return spec.rope_config_local() if hasattr(spec, "rope_config_local") else None
-
-
-def _gemma_options(source):
-    """A Hugging Face Gemma 2 checkpoint's layer / model options (its spec rides in the
-    source's handle), None for every other model."""
-    spec = getattr(source.handle, "spec", None)
-    return spec.gemma_options() if hasattr(spec, "gemma_options") else None
 
 
 def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]:
@@ -155,7 +142,7 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
                                tie_embeddings=source.tie_embeddings,
                                sliding_window=source.sliding_window,
                                window_layers=source.window_layers or None,
-                               gemma=_gemma_options(source))
+                               gemma=source.gemma)
     model_provider(source.provider).load_weights(model, source, log=lambda m: print(m, flush=True))
     total = trainable = sum(p.numel() for p in model.parameters())
     if cfg.lora is not None:
