@@ -15,7 +15,14 @@
   constructor and ``forward`` signature (checked against the installed source by the tests);
   it forwards the base ``PackedSeqParams`` fields as TE's ``DotProductAttention`` receives them
   and decides ``pad_between_seqs`` with TE 2.10's own expression (``torch.equal`` on the
-  device tensors: a host sync when ``cu_seqlens_*_padded`` are given).
+  device tensors: a host sync when ``cu_seqlens_*_padded`` are given and not one view of one
+  storage; the cache gives none). Reads the RNG tracker as TE does (Megatron's getter if its
+  tracker is initialized, none with sequence parallelism) and asserts, as TE 2.10's forward does
+  while TE's capture flag is set, that it is TE's ``CudaRNGStatesTracker`` and that torch has
+  graph-safe RNG (at any CP size, with or without dropout). Without context parallelism it
+  computes on the device only (``_te_thd_attention``: the row mask of ``graph_safe_standins``
+  from ``cu_seqlens`` by ``searchsorted``, one masked SDPA, TE's ``window_size``), so a CUDA
+  graph captures forward and backward and replays any packing.
   With context parallelism (``config.context_parallel_size`` > 1) it also takes the CP
   arguments Megatron's constructor hands TE (group, global ranks, stream, comm type), asserts
   TE 2.9-2.11's THD + CP contract at every call (each assertion cites the TE source line it
@@ -151,8 +158,9 @@ TE_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 class TEDotProductAttentionStandIn(torch.nn.Module):
-    """Megatron 0.16.1 ``TEDotProductAttention`` signature over the varlen reference; with CP,
-    TE 2.9-2.11's THD + CP contract asserted and attention computed over all-gathered K/V.
+    """Megatron 0.16.1 ``TEDotProductAttention`` signature over device-only packed attention
+    (capturable; equal to the varlen reference); with CP, TE 2.9-2.11's THD + CP contract
+    asserted and attention computed over all-gathered K/V.
 
     Line numbers below are of the TE tags v2.9 / v2.10 / v2.11 (transformer_engine/pytorch/
     attention/dot_product_attention/: dpa = dot_product_attention.py, be = backends.py,
@@ -183,6 +191,17 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
                 f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type=padding_causal; got {config.window_size}"
             self.window_size = (left, right)
         self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # the RNG tracker, read as TE reads it: Megatron's constructor hands TE
+        # get_rng_state_tracker=get_cuda_rng_tracker if get_cuda_rng_tracker().is_initialized()
+        # else None, and sequence_parallel=config.sequence_parallel (mcore L1323-1327); TE's
+        # __init__ keeps none with sequence parallelism or no getter, else calls the getter once
+        # (dpa v2.10 L382-388: self.rng_states_tracker = get_rng_state_tracker())
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        getter = get_cuda_rng_tracker if get_cuda_rng_tracker().is_initialized() else None
+        self.rng_states_tracker = None
+        if not (config.sequence_parallel or getter is None):
+            self.rng_states_tracker = getter()
         self.kept = [f.name for f in dataclasses.fields(PackedSeqParams)
                      if f.name not in ("cp_group", "local_cp_size")]
         # TE DotProductAttention.__init__ defaults (dpa v2.10 L333-336): no CP, "p2p"
@@ -222,6 +241,14 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
 
         kw = {k: getattr(packed_seq_params, k) for k in self.kept}
         assert kw["qkv_format"] == "thd" and attention_mask is None
+        # TE DotProductAttention.forward's first check (dpa v2.10 L1009-1016), at any CP size and
+        # dropout: while TE's capture flag is set, a tracker must be TE's CudaRNGStatesTracker
+        # (Megatron's TECudaRNGStatesTracker subclasses it) and torch must have graph-safe RNG
+        if self.rng_states_tracker is not None and _te_graph_capturing():
+            assert isinstance(self.rng_states_tracker, _te_cuda_rng_states_tracker_cls()), \
+                "Unsupported RNG states tracker."
+            assert _graph_safe_rng_available(), \
+                "Upgrade PyTorch version to get RNG manipulation support for cuda graph capture."
         # Megatron's forward (mcore L1347-1353): params carrying a cp_group reset TE's group
         assert getattr(packed_seq_params, "cp_group", None) is None, "the cache passes no cp_group"
         # ... and its THD mask conversion (mcore L1397-1404): causal -> padding_causal
@@ -245,18 +272,83 @@ class TEDotProductAttentionStandIn(torch.nn.Module):
             out = _te_thd_cp_attention(self, query, key, value, attn_mask_type.name, kw,
                                        pad_between_seqs, scale)
             return out.reshape(out.shape[0], -1)
-        out = _FlashVarlen.apply(query, key, value, kw["cu_seqlens_q"], kw["max_seqlen_q"], scale,
-                                 self.window_size)
+        out = _te_thd_attention(query, key, value, kw, scale, self.window_size)
         return out.reshape(out.shape[0], -1)
 
 
 def _cuda_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` as CUDA answers it: true without reading the device for two identical
-    views of one storage (the fast path of ``cuda_equal``), else a comparison read back."""
+    """``torch.equal`` as CUDA answers it (aten/src/ATen/native/cuda/Equal.cpp ``cuda_equal``),
+    in its order: different sizes -> false and no elements -> true, both without reading the
+    device; true for two identical views of one storage (its alias fast path); else
+    ``eq(a, b).all().item()``, a comparison read back (a host sync)."""
+    if a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
     if (a.is_alias_of(b) and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
-            and a.shape == b.shape and a.stride() == b.stride()):
+            and a.stride() == b.stride()):
         return True
     return torch.equal(a, b)
+
+
+def _te_graph_capturing() -> bool:
+    """TE's ``is_graph_capturing()`` (graph.py v2.10 L52-54: its ``_IS_GRAPH_CAPTURING``, set by
+    ``make_graphed_callables`` and by ``set_capture_start``). Megatron's local capture
+    (``cuda_graph_impl="local"``) calls ``te_set_capture_start()`` along with its own flag
+    whenever the captured layers hold a TE module (mcore 0.16.1 transformer/cuda_graphs.py
+    L363-369, L396-398, L467-469), and TE's ``DotProductAttention`` is one (dpa v2.10 L154,
+    ``class DotProductAttention(TransformerEngineBaseModule)``): so for the layer this stand-in
+    sits in, TE's flag is Megatron's (``cuda_graphs.is_graph_capturing()``), or TE's own where
+    (the fake) TE is imported. A bare ``torch.cuda.graph`` capture sets neither, as on a GPU."""
+    import sys
+
+    from megatron.core.transformer import cuda_graphs
+
+    if cuda_graphs.is_graph_capturing():
+        return True
+    te_graph = sys.modules.get("transformer_engine.pytorch.graph")
+    return te_graph is not None and te_graph.is_graph_capturing()
+
+
+def _te_cuda_rng_states_tracker_cls():
+    """TE's ``CudaRNGStatesTracker`` (distributed.py v2.10 L776; dpa v2.10 L41-46 imports it),
+    or, without TE importable, a class no tracker is an instance of (Megatron then builds its
+    own tracker: ``TECudaRNGStatesTracker`` needs TE, random.py ``initialize_rng_tracker``)."""
+    try:
+        from transformer_engine.pytorch.distributed import CudaRNGStatesTracker
+    except ImportError:
+        return type("NoTransformerEngineTracker", (), {})
+    return CudaRNGStatesTracker
+
+
+def _graph_safe_rng_available() -> bool:
+    """TE's ``graph_safe_rng_available()`` (distributed.py v2.10 L83-90), its expression."""
+    return (hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+            and hasattr(torch.Generator, "graphsafe_set_state")
+            and hasattr(torch.Generator, "graphsafe_get_state")
+            and hasattr(torch.Generator, "clone_state"))
+
+
+def _te_thd_attention(q, k, v, kw, scale, window):
+    """TE's THD self-attention at CP = 1, on the device only: each row's sequence from
+    ``cu_seqlens_q`` (``searchsorted``), one masked SDPA over the packed rows
+    (``graph_safe_standins.flash_attn_varlen_func``), autograd through it -- no host read in
+    forward or backward, so a CUDA graph captures it and replays any packing held in the same
+    cu_seqlens buffer, as TE's fused / flash THD kernels read cu_seqlens on the device. Keys of
+    query i: its own sequence's within TE's ``window_size`` (dpa v2.10 docstring: [i + s_k - s_q
+    - window_size[0], i + s_k - s_q + window_size[1]], s_k = s_q here; (-1, 0): causal). GQA by
+    head repetition. Rows outside every sequence: NaN (uninitialised; the cache closes the
+    tail at T, so there are none). The stand-in's own check that no sequence exceeds
+    ``max_seqlen_q`` (a host read; TE checks no cu_seqlens value) runs on eager calls only."""
+    from tests.support.graph_safe_standins import flash_attn_varlen_func
+
+    cu, max_seqlen = kw["cu_seqlens_q"], kw["max_seqlen_q"]
+    if not _capturing() and max_seqlen is not None:
+        longest = max((cu[1:] - cu[:-1]).tolist(), default=0)
+        if longest > max_seqlen:
+            raise RuntimeError(f"sequence of {longest} tokens > max_seqlen={max_seqlen}")
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale,
+                                  causal=True, window_size=tuple(window))
 
 
 def _capturing() -> bool:

@@ -119,11 +119,12 @@ class IndirectEntry(Entry):
     where: tuple = ()
 
 
-_TE_RNG_CAPTURE = ("graphs/config.py _check_capture refuses te attention with graphs on "
-                   "training.device=cuda unless cuda_graphs.use_te_rng_tracker=true; the fake "
-                   "Transformer Engine builds that tracker (tests/support/fake_te), but this "
-                   "attention stand-in reads cu_seqlens on the host without CP, so te attention "
-                   "is not captured under it yet")
+_TE_RNG_CAPTURE = ("TE 2.10 DotProductAttention.forward's first check: while TE's capture "
+                   "flag is set (Megatron's local capture sets it for layers holding a TE "
+                   "module), a tracker read as TE reads it (Megatron's getter when its tracker "
+                   "is initialized, none with sequence parallelism) must be TE's "
+                   "CudaRNGStatesTracker ('Unsupported RNG states tracker.') and torch must "
+                   "have graph-safe RNG; without TE no tracker is TE's")
 
 REGISTRY: tuple[Entry, ...] = (
     # ------------------------------------------------------------------ Transformer Engine
@@ -144,9 +145,12 @@ REGISTRY: tuple[Entry, ...] = (
         "last sequence zeroed, as TE's THD output); computes over all-gathered K/V in TE's "
         "DualChunkSwap order with the mask built on the device (capturable: its checks of "
         "cu_seqlens values, host reads TE does not make, run on eager calls only, skipped while "
-        "capturing). Otherwise records the mask type per call "
-        "but asserts none; asserts nothing of TE's FP8 attention backends, nor the RNG tracker "
-        f"class TE asserts during capture ({_TE_RNG_CAPTURE})",
+        "capturing). Without CP computes on the device only (the row mask from cu_seqlens by "
+        "searchsorted, one masked SDPA, TE's window_size and softmax scale; its check that no "
+        "sequence exceeds max_seqlen runs on eager calls only): capturable, a replay takes any "
+        "packing in the same cu_seqlens buffer; records the mask type per call. Asserts the RNG "
+        f"tracker class TE asserts during capture ({_TE_RNG_CAPTURE}); asserts nothing of TE's "
+        "FP8 attention backends",
         "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py, "
         "DotProductAttention.forward / set_context_parallel_group, context_parallel.py "
         "attn_forward_func_with_cp / AttnFuncWithCPAndKVP2P, backends.py FusedAttention.forward, "

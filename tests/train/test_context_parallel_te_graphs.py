@@ -24,10 +24,12 @@ each process: eager, then with ``fastpath.cuda_graphs=true``. What is checked:
 * per-step losses, gradient norms and token counts equal the eager te CP=2 run's bit for bit.
 
 bf16: the te backend refuses fp32 on CUDA. ``cuda_graphs.use_te_rng_tracker`` stays false and
-the worker lifts ``graphs/config._check_capture``'s te clause (its other clauses still run):
-that clause guards TE's capture-time assert that the RNG tracker is TE's own, which needs TE's
-tracker -- not stood in (``standin_registry._TE_RNG_CAPTURE``); with every dropout 0 the
-tracker draws nothing here.
+the worker lifts ``graphs/config._check_capture``'s te clause (its other clauses still run)
+and, with it, the assert that clause guards, TE's capture-time check that the RNG tracker is
+TE's own (dpa v2.10 L1010-1013; the stand-in asserts it: ``gpu_standins.
+_te_cuda_rng_states_tracker_cls`` answers ``object``, so Megatron's tracker passes); TE's
+tracker needs TE, not importable in this process. With every dropout 0 the tracker draws
+nothing here.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def _train(overrides, replayed):
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
     get_cuda_rng_tracker().reset()
     with mock.patch.object(graphs_config, "_check_capture", check_capture), \
+            mock.patch.object(standins, "_te_cuda_rng_states_tracker_cls", lambda: object), \
             mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
             mock.patch.object(standins, "_capturing", capturing), gpu_standins():
         summary, job = run(compose_job(overrides), return_job=True, announce=False)
