@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from tests.support.hydra_compose import compose_job
+from tests.support.matrix_runs import params
 
 from megatron_fastpath.train import run
 
@@ -34,10 +35,6 @@ CASES = {
 
 def cfg(overrides):
     return compose_job(list(overrides))
-
-
-def params(job):
-    return {k: v.detach().clone() for k, v in job.model.state_dict().items() if torch.is_tensor(v)}
 
 
 def losses(path):

@@ -19,19 +19,12 @@ import torch
 
 
 def _train(overrides):
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from megatron_fastpath.train import run
-    from tests.support.graph_safe_standins import gpu_standins
     from tests.support.gpu_standins import TEDotProductAttentionStandIn
     from tests.support.hydra_compose import compose_job
+    from tests.support.main_job import train_in_standins
 
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
-    get_cuda_rng_tracker().reset()
-    with gpu_standins():
-        summary, job = run(compose_job(overrides), return_job=True, announce=False)
-        calls = list(TEDotProductAttentionStandIn.calls)
+    summary, job = train_in_standins(compose_job(overrides))
+    calls = list(TEDotProductAttentionStandIn.calls)  # recorded since the stand-ins were entered
     layers = [m for m in job.model.modules() if isinstance(m, TEDotProductAttentionStandIn)]
     records = [[r.step, r.loss, r.grad_norm, r.tokens] for r in summary.records]
     sites = sorted({str(site) for r in summary.records for site in r.sync_sites})

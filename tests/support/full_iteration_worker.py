@@ -15,17 +15,10 @@ import torch
 
 
 def _train(overrides):
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from megatron_fastpath.train import run
-    from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
+    from tests.support.main_job import train_in_standins
 
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
-    get_cuda_rng_tracker().reset()
-    with gpu_standins():
-        return run(compose_job(overrides), return_job=True, announce=False)
+    return train_in_standins(compose_job(overrides))
 
 
 def main(out: str, overrides: list) -> None:

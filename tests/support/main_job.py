@@ -2,7 +2,8 @@
 
 ``train_in_process(overrides)`` composes the config with Hydra, builds the job and trains it in
 this process (world size 1; the caller's ``mcore_parallel`` fixture has initialised
-torch.distributed). ``run_main_job(overrides, cwd)`` runs it as a user does, in a child process,
+torch.distributed); ``train_in_standins(cfg)`` runs it on the GPU path inside the GPU stand-ins,
+as a fresh process would start it. ``run_main_job(overrides, cwd)`` runs it as a user does, in a child process,
 under ``torchrun`` when ``nproc > 1``, and returns what it printed and its summary JSON.
 ``main_job_cmd`` / ``job_env`` give the command and environment to tests that drive the child
 themselves (signals, Slurm, a launcher script).
@@ -37,6 +38,42 @@ def train_in_process(overrides: Sequence[str] = (), *, header: bool = False):
     if header:
         logger.header()
     return job, train(job, logger)
+
+
+def fresh_process_state() -> None:
+    """Reset what Megatron (the MoE aux-loss scale, the CUDA RNG tracker) and Transformer Engine
+    (the FP8 delayed-scaling buffers, when the fake TE is importable) keep per process, as a
+    fresh process starts: for tests that run the main job more than once in one process."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    get_cuda_rng_tracker().reset()
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # no TE in this process
+        pass
+    else:
+        FP8GlobalStateManager.reset()
+
+
+def train_in_standins(cfg, patches: Sequence = ()):
+    """(summary, job) of the main job on ``cfg`` (a config tree or a composed DictConfig; a copy
+    is run) in this process, inside ``patches`` (context managers, entered first) and the GPU
+    stand-ins (tests/support/graph_safe_standins.py), started as a fresh process would
+    (:func:`fresh_process_state`)."""
+    import contextlib
+    import copy
+
+    from megatron_fastpath.train import run
+    from tests.support.graph_safe_standins import gpu_standins
+
+    fresh_process_state()
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(gpu_standins())
+        return run(copy.deepcopy(cfg), return_job=True, announce=False)
 
 
 def job_env(**extra: str) -> dict:

@@ -12,7 +12,6 @@ nothing; the two runs of a combination set ``checkpoint.dir`` (and the first
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import shutil
 from pathlib import Path
@@ -41,18 +40,11 @@ def frozen_heap():
 
 
 def train(tree: dict):
-    """(summary, job) of the main job on ``tree`` (a copy), inside the GPU stand-ins; Megatron's
-    process-wide aux-loss scale and RNG tracker start as in a fresh process."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    """(summary, job) of the main job on ``tree`` (a copy), inside the GPU stand-ins, started as
+    a fresh process would (``main_job.train_in_standins``)."""
+    from tests.support.main_job import train_in_standins
 
-    from megatron_fastpath.train import run
-    from tests.support.graph_safe_standins import gpu_standins
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
-    get_cuda_rng_tracker().reset()
-    with gpu_standins():
-        return run(copy.deepcopy(tree), return_job=True, announce=False)
+    return train_in_standins(tree)
 
 
 def with_keys(tree: dict, **keys) -> dict:
@@ -69,9 +61,29 @@ def records(summary) -> list:
     return [(r.step, r.loss, r.lr) for r in summary.records]
 
 
+def unpickled_extra_state(key: str, blob: torch.Tensor) -> dict:
+    """Transformer Engine's pickled ``_extra_state`` (the FP8 recipe, scales, amax history) as
+    comparable tensors -- the pickle's bytes are not stable across runs, its content is:
+    ``key/<name>`` per tensor, ``key/recipe`` the repr of the recipe and its other variables."""
+    import pickle
+
+    content = pickle.loads(blob.detach().cpu().numpy().tobytes())
+    out = {f"{key}/{name}": t for name, t in content.items() if torch.is_tensor(t)}
+    text = repr((content["recipe"], sorted(content["extra_fp8_variables"].items())))
+    out[f"{key}/recipe"] = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    return out
+
+
 def params(job) -> dict:
-    """This rank's parameters (its shards with a parallel size of 2)."""
-    return {k: v.detach().clone() for k, v in job.model.state_dict().items() if torch.is_tensor(v)}
+    """This rank's model state (its shards with a parallel size of 2): the parameters, buffers
+    and TE's FP8 ``_extra_state`` unpickled."""
+    out = {}
+    for k, v in job.model.state_dict().items():
+        if k.endswith("_extra_state") and torch.is_tensor(v) and v.numel():
+            out.update(unpickled_extra_state(k, v))
+        elif torch.is_tensor(v):
+            out[k] = v.detach().clone()
+    return out
 
 
 def check_graphs(job, feature: dict) -> None:
@@ -149,5 +161,6 @@ def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[lis
     p_resumed = params(job_r)
     assert p_straight.keys() == p_resumed.keys()
     differ = [k for k in p_straight if not torch.equal(p_straight[k], p_resumed[k])]
-    assert not differ, f"final parameters differ: {differ}"
+    kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})  # the last name: lora_A, weight, ...
+    assert not differ, f"final parameters differ ({len(differ)}), kinds {kinds}: {differ[:4]}"
     return f"straight {STEPS} (saving at {STOP}) == resumed at {STOP} + {STEPS - STOP}"

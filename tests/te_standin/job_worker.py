@@ -18,31 +18,15 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 
 
-def _unpickled_extra_state(key: str, blob: torch.Tensor) -> dict:
-    """TE's pickled ``_extra_state`` as comparable tensors (the pickle's bytes are not stable
-    across processes; its content is): ``key/<name>`` per tensor, ``key/recipe`` its repr."""
-    import pickle
-
-    content = pickle.loads(blob.detach().cpu().numpy().tobytes())
-    out = {f"{key}/{name}": t for name, t in content.items() if torch.is_tensor(t)}
-    text = repr((content["recipe"], sorted(content["extra_fp8_variables"].items())))
-    out[f"{key}/recipe"] = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    return out
-
-
 def main(out: str, overrides) -> None:
     from megatron_fastpath.train import run
     from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
+    from tests.support.matrix_runs import params
 
     with gpu_standins():
         summary, job = run(compose_job(list(overrides)), return_job=True)
-        state = {}
-        for k, v in job.model.state_dict().items():
-            if k.endswith("_extra_state") and torch.is_tensor(v) and v.numel():
-                state.update(_unpickled_extra_state(k, v))
-            elif torch.is_tensor(v):
-                state[k] = v.detach().clone()
+        state = params(job)
         types = sorted({type(m).__name__ for m in job.model.modules()})
         fp8_meta = {}
         for name, m in job.model.named_modules():

@@ -53,15 +53,11 @@ JOB = [*TE, *CUDA, *CP2, "training.dtype=bfloat16"]
 def _train(overrides, replayed):
     from unittest import mock
 
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
     from megatron_fastpath.graphs import config as graphs_config
-    from megatron_fastpath.train import run
     from tests.support import gpu_standins as standins
     from tests.support import graph_safe_standins
-    from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
+    from tests.support.main_job import train_in_standins
     from tests.support.cp_graphs import counting_replays, layer_graphs
 
     real_check, real_waited, real_capturing = (graphs_config._check_capture, graph_safe_standins._waited,
@@ -76,14 +72,12 @@ def _train(overrides, replayed):
         captured_calls[0] += answer
         return answer
 
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
-    get_cuda_rng_tracker().reset()
-    with mock.patch.object(graphs_config, "_check_capture", check_capture), \
-            mock.patch.object(standins, "_te_cuda_rng_states_tracker_cls", lambda: object), \
-            mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
-            mock.patch.object(standins, "_capturing", capturing), gpu_standins():
-        summary, job = run(compose_job(overrides), return_job=True, announce=False)
-        calls = len(standins.TEDotProductAttentionStandIn.calls)
+    summary, job = train_in_standins(compose_job(overrides), [
+        mock.patch.object(graphs_config, "_check_capture", check_capture),
+        mock.patch.object(standins, "_te_cuda_rng_states_tracker_cls", lambda: object),
+        mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)),
+        mock.patch.object(standins, "_capturing", capturing)])
+    calls = len(standins.TEDotProductAttentionStandIn.calls)  # recorded since the stand-ins were entered
     layers = layer_graphs(job.model)
     packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
                 for s in range(1, job.cfg.training.steps + 1)]

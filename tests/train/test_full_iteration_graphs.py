@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.matrix_runs import params
+
 pytestmark = pytest.mark.integration
 
 STEPS = 6
@@ -38,21 +40,10 @@ KINDS = {
 
 def _train(overrides):
     """(summary, job) of the main job in this process, inside the GPU stand-ins."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from megatron_fastpath.train import run
-    from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
+    from tests.support.main_job import train_in_standins
 
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # as a fresh process
-    get_cuda_rng_tracker().reset()
-    with gpu_standins():
-        return run(compose_job(BASE + list(overrides)), return_job=True, announce=False)
-
-
-def _params(job) -> dict:
-    return {k: v.detach().clone() for k, v in job.model.state_dict().items() if torch.is_tensor(v)}
+    return train_in_standins(compose_job(BASE + list(overrides)))
 
 
 def _assert_same_run(graphed, eager, job_g, job_e, rtol=1e-6, atol=1e-7):
@@ -60,7 +51,7 @@ def _assert_same_run(graphed, eager, job_g, job_e, rtol=1e-6, atol=1e-7):
     for g, e in zip(graphed.records, eager.records):
         assert g.lr == e.lr, (g.step, g.lr, e.lr)
         assert g.loss == pytest.approx(e.loss, rel=rtol, abs=atol), (g.step, g.loss, e.loss)
-    pg, pe = _params(job_g), _params(job_e)
+    pg, pe = params(job_g), params(job_e)
     assert pg.keys() == pe.keys()
     for k in pg:
         torch.testing.assert_close(pg[k], pe[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
@@ -138,7 +129,7 @@ def test_checkpoint_between_replays_resumes_exactly(mcore_parallel, tmp_path):
     assert resumed.resumed_from.endswith("step_00000004")
     assert [(r.step, r.loss, r.lr) for r in resumed.records] == \
         [(r.step, r.loss, r.lr) for r in straight.records]
-    a, b = _params(job_s), _params(job_r)
+    a, b = params(job_s), params(job_r)
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
