@@ -396,6 +396,47 @@ def fp8_delayed_scaling_state_and_extra_state():
 
 
 @check
+def fp8_delayed_buffer_registers_once_and_updates_every_module():
+    """TE's delayed-scaling buffer (quantization.py:350-402, 487-539): a module registers once
+    (its first forward); every later update of the buffer -- at an autocast's exit (forward) or
+    in the first module's backward -- updates every registered module, whether or not it ran
+    since (a replayed graph runs no module code: Megatron's replay calls the update itself,
+    cuda_graphs.py:648-652); no backward update while a graph is captured (linear.py:969)."""
+    from transformer_engine.pytorch import graph as te_graph
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as mgr
+
+    t, r = te(), recipe()
+    mgr.reset()
+    rec = r.DelayedScaling(amax_history_len=4)
+    a, b = t.Linear(32, 16, device="cpu", bias=False), t.Linear(32, 16, device="cpu", bias=False)
+    x = torch.randn(16, 32)
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        a(x), b(x)
+    assert [len(v) for v in mgr.global_amax_buffer.values()] == [2, 2]  # forward_ and backward_
+    hist_b = b.fp8_meta["scaling_fwd"].amax_history.clone()
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        a(x)  # b does not run: its history still rolls at the exit
+    assert [len(v) for v in mgr.global_amax_buffer.values()] == [2, 2]  # registered once
+    assert torch.equal(b.fp8_meta["scaling_fwd"].amax_history, torch.roll(hist_b, -1, 0).index_fill_(0, torch.tensor([0]), 0.0))
+    bwd = b.fp8_meta["scaling_bwd"]
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        y = a(x)  # a is the autocast's first module: its backward updates the backward buffer
+    before = bwd.amax_history.clone()
+    te_graph.set_capture_start()
+    try:
+        y.sum().backward()
+    finally:
+        te_graph.set_capture_end()
+    assert torch.equal(bwd.amax_history, before), "updated while a graph was captured"
+    bwd.amax_history[0, 0] = 2.0  # an amax b recorded (b does not run below)
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        y = a(x)
+    y.sum().backward()  # a's backward updates b too: scale = fp8 max / amax, history rolled
+    assert bwd.scale[0] == 57344.0 / 2.0 and bwd.amax_history[-1, 0] == 2.0 and bwd.amax_history[0, 0] == 0
+    mgr.reset()
+
+
+@check
 def compat_restore_goes_through_te_methods():
     from megatron_fastpath.compat.te import (te_fp8_delayed_scaling_state,
                                              te_restore_fp8_delayed_scaling_state)

@@ -35,6 +35,7 @@ CHECK_NAMES = [
     "fp8_tensorwise_numerics",
     "fp8_block_recipes_numerics",
     "fp8_delayed_scaling_state_and_extra_state",
+    "fp8_delayed_buffer_registers_once_and_updates_every_module",
     "compat_restore_goes_through_te_methods",
     "fp8_recompute_state_reenters_the_recipe",
     "megatron_te_wrappers_build_and_compute",

@@ -10,7 +10,8 @@ quantization.py:117-123) and dequantised:
   ``scale`` and ``amax_history`` [len, n] (quantization.py:1039-1078); a cast records the
   tensor's amax in ``amax_history[0]`` and uses the current ``scale``; at the exit of the
   outermost autocast (forward, quantization.py:591-601) and in the backward of the first module
-  (backward) the amaxes are max-reduced over the autocast's group and the scales updated with
+  (backward) the amaxes of every module registered in the autocast's buffer (once, at its first
+  forward: quantization.py:350-402) are max-reduced over the autocast's group and the scales updated with
   TE's rule ``scale = fp8_max / amax / 2**margin`` (kept when amax is 0 or not finite,
   quantization.py:880-904), then the history rolls (quantization.py:855-862);
 * tensorwise (``Float8CurrentScaling``): one scale from the tensor's current amax;
@@ -207,8 +208,11 @@ class FP8GlobalStateManager:
     FP8_GRAPH_CAPTURING = False
     AUTOCAST_DEPTH = 0
     skip_fp8_weight_update_tensor = None
-    # fp8_meta dicts whose delayed-scaling amaxes await the next update, per direction
-    _pending = {"forward": {}, "backward": {}}
+    # quantization.py:238-247: the delayed-scaling buffers, per key "forward_<autocast key>" /
+    # "backward_<autocast key>": here the fp8_meta dicts registered under it (TE keeps their
+    # amax / history / scale tensors), and each autocast key's (recipe, group)
+    global_amax_buffer: dict = {}
+    autocast_arguments: dict = {}
 
     @classmethod
     def reset(cls) -> None:
@@ -216,7 +220,11 @@ class FP8GlobalStateManager:
         cls.HIGH_PRECISION_INIT_VAL = cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = cls.skip_fp8_weight_update_tensor = None
         cls.AUTOCAST_DEPTH = 0
-        cls._pending = {"forward": {}, "backward": {}}
+        cls.global_amax_buffer, cls.autocast_arguments = {}, {}
+
+    @classmethod
+    def get_unique_autocast_key(cls, recipe=None, group=None) -> str:
+        return f"{str(recipe)}:{hash(group)}"  # quantization.py:541-550
 
     @classmethod
     def is_fp8_available(cls):
@@ -293,34 +301,47 @@ class FP8GlobalStateManager:
 
     @classmethod
     def add_fp8_tensors_to_global_buffer(cls, fp8_meta: dict) -> None:
-        """A delayed-scaling module's forward joins the next forward update and the backward
-        update after its backward (quantization.py:350-402)."""
+        """quantization.py:350-402: a delayed-scaling module registers ONCE (``fp8_meta`` keeps
+        "buffer_index_and_autocast_key"; its amax tensors are static), in the forward and the
+        backward buffer of its (recipe, group); every later update of that buffer updates it --
+        whether or not the module ran since (a graph replay runs no module code)."""
         if not fp8_meta["recipe"].delayed():
             return
-        cls._pending["forward"][id(fp8_meta)] = fp8_meta
-        cls._pending["backward"][id(fp8_meta)] = fp8_meta
+        index_in_buffer = "buffer_index_and_autocast_key"  # get_buffer_info, L323-330
+        if index_in_buffer in fp8_meta:
+            return
+        fp8_meta[index_in_buffer] = []
+        autocast_key = cls.get_unique_autocast_key(fp8_meta["recipe"], fp8_meta["fp8_group"])
+        for forward in (True, False):
+            if ("scaling_fwd" if forward else "scaling_bwd") not in fp8_meta:
+                continue
+            key = f"{'forward' if forward else 'backward'}_{autocast_key}"  # get_key_in_buffer
+            cls.global_amax_buffer.setdefault(key, []).append(fp8_meta)
+            fp8_meta[index_in_buffer] += [len(cls.global_amax_buffer[key]) - 1, key]
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
-        """quantization.py:487-539: max-reduce the recorded amaxes over each module's amax group
-        and update its scales and histories."""
-        pending = cls._pending["forward" if forward else "backward"]
-        metas = list(pending.values())
-        pending.clear()
-        for meta in metas:
-            state = meta["scaling_fwd" if forward else "scaling_bwd"]
-            group = meta.get("fp8_group")
-            if (group is not None and torch.distributed.is_initialized()
-                    and torch.distributed.get_world_size(group) > 1 and meta["recipe"].reduce_amax):
-                torch.distributed.all_reduce(state.amax_history[0], op=torch.distributed.ReduceOp.MAX,
-                                             group=group)
-            _amax_and_scale_update(state, meta["recipe"], get_fp8_max(meta["recipe"], forward))
+        """quantization.py:487-539: for every buffer of the direction, max-reduce the registered
+        modules' current amaxes over the autocast's group and update their scales and histories."""
+        for key, metas in cls.global_amax_buffer.items():
+            fwd, autocast_key = key.startswith("forward_"), key.split("_", 1)[1]
+            if fwd != forward or not metas:
+                continue
+            recipe, group = cls.autocast_arguments[autocast_key]
+            for meta in metas:
+                state = meta["scaling_fwd" if forward else "scaling_bwd"]
+                if (recipe.reduce_amax and torch.distributed.is_initialized()
+                        and torch.distributed.get_world_size(group=group) > 1):
+                    torch.distributed.all_reduce(state.amax_history[0], op=torch.distributed.ReduceOp.MAX,
+                                                 group=group)
+                _amax_and_scale_update(state, recipe, get_fp8_max(recipe, forward))
 
     @classmethod
     def autocast_enter(cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None,
                        _graph=False) -> None:
         # quantization.py:553-589
         fp8_recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
+        cls.autocast_arguments[cls.get_unique_autocast_key(fp8_recipe, fp8_group)] = (fp8_recipe, fp8_group)
         cls.FP8_ENABLED = enabled
         cls.FP8_CALIBRATION = calibrating
         cls.FP8_RECIPE = fp8_recipe

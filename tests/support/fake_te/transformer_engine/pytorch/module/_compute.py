@@ -69,7 +69,8 @@ class _FP8Gemm(torch.autograd.Function):
     """y = Q(x) Q(w)^T + b in float32, cast to x's dtype; backward dgrad = Q_b(g) Q(w),
     wgrad = Q_b(g)^T Q(x) (Q: the recipe's quantise-dequantise, Q_b with the backward format).
     The first FP8 module of the autocast updates the backward delayed-scaling state at the end
-    of its backward (linear.py:969-971, ``reduce_and_update_bwd_fp8_tensors``)."""
+    of its backward, except while a graph is captured (linear.py:969-971,
+    ``reduce_and_update_bwd_fp8_tensors``; Megatron's replay updates after each layer instead)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, meta, update_bwd):
@@ -90,7 +91,9 @@ class _FP8Gemm(torch.autograd.Function):
         dx = (gq @ wq).to(ctx.x_dtype)
         dw = (gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])).to(ctx.w_dtype)
         db = g.reshape(-1, g.shape[-1]).sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        if ctx.update_bwd:
+        from ..graph import is_graph_capturing
+
+        if ctx.update_bwd and not is_graph_capturing():  # linear.py:969, layernorm_linear.py:1017
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
         return dx, dw, db, None, None
 
