@@ -70,3 +70,45 @@ def plan_fp8(fp8: FP8Config, linear_impl: str) -> tuple[dict, str]:
         "expert groups padded to Megatron's FP8 alignment (16 rows; 32 for mxfp8)"
     )
     return fields, note
+
+
+def te_linear_gemms(model, tp: int) -> list:
+    """(name, in features, out features) of each Transformer Engine linear of one layer of the
+    main job's Llama-style model on one tensor-parallel rank: ``linear_qkv`` and ``linear_fc1``
+    are column-parallel (outputs split), ``linear_proj`` and ``linear_fc2`` row-parallel (inputs
+    split); SwiGLU's fc1 holds both halves. An MoE model's experts are not TE linears in the
+    main job (its grouped_mm experts): its layers have the attention ones only."""
+    head = model.kv_channels or model.hidden_size // model.num_attention_heads
+    q, kv = model.num_attention_heads * head, model.num_query_groups * head
+    gemms = [("linear_qkv", model.hidden_size, (q + 2 * kv) // tp), ("linear_proj", q // tp, model.hidden_size)]
+    if model.num_experts is None:
+        gemms += [("linear_fc1", model.hidden_size, 2 * model.ffn_hidden_size // tp),
+                  ("linear_fc2", model.ffn_hidden_size // tp, model.hidden_size)]
+    return gemms
+
+
+def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int):
+    """Why Transformer Engine 2.10 would refuse an FP8 GEMM of these shapes at the first
+    forward (None: it would not). ``tokens``: a microbatch's tokens on one rank (the packed
+    length over the context-parallel size: the leading dimension of every linear's input).
+
+    * every recipe: an FP8 linear asserts that its input [tokens, in] and weight [out, in] have
+      leading dims divisible by 8 and a last dim divisible by 16 (pytorch/utils.py:439-447,
+      called by module/linear.py:177 and layernorm_linear.py);
+    * mxfp8: input, weight and output gradient are quantised in blocks of 32 along both dims
+      (tensor/mxfp8_tensor.py:112-118: "Tensor dims must be divisible by 32")."""
+    fix = ("choose model sizes whose per-rank split is divisible (model.hidden_size, "
+           "model.num_attention_heads x kv_channels, model.ffn_hidden_size over "
+           "parallel.tensor_model_parallel_size; data.max_tokens over parallel.context_parallel_size)")
+    for name, n_in, n_out in gemms:
+        if tokens % 8 or n_in % 16 or n_out % 8:
+            return (f"fp8 (fastpath.fp8=true): Transformer Engine's FP8 GEMMs need leading dims "
+                    f"divisible by 8 and last dims by 16 (TE pytorch/utils.py:439-447), but "
+                    f"{name} on a rank is {tokens} tokens x {n_in} -> {n_out}: {fix}, or "
+                    f"fastpath.fp8=false")
+        if recipe == "mxfp8" and (tokens % 32 or n_in % 32 or n_out % 32):
+            return (f"fp8.recipe=mxfp8 quantises every TE linear's input, weight and gradient in "
+                    f"blocks of 32 along both dims (TE tensor/mxfp8_tensor.py:112-118), but "
+                    f"{name} on a rank is {tokens} tokens x {n_in} -> {n_out}: {fix}, or another "
+                    f"fp8.recipe")
+    return None
