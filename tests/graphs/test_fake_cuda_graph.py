@@ -423,3 +423,58 @@ def test_collective_output_written_in_capture_is_restored_then_replayed(mcore_pa
         x.add_(10)
         g.replay()
         assert torch.equal(out, torch.arange(4.0) + 10)
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter_tensor", "all_gather_into_tensor",
+                                        "all_reduce"])
+def test_collective_replay_writes_the_replayed_result(mcore_parallel, collective):
+    """A replayed collective leaves its output holding the replay's result, as a replayed NCCL
+    kernel does. gloo's reduce-scatter reduces into a buffer of its own and copies the result
+    into the output inside ``Work.wait()``, through the dispatcher (``aten.split`` +
+    ``aten.copy_``): ops of the collective, not of the graph -- recorded, the replay of that
+    ``copy_`` wrote the capture's result over the replayed one (TP=2 + sequence parallelism:
+    every reduce-scattered row-parallel output stuck at the capture's values)."""
+    import torch.distributed as dist
+
+    from tests.support.graph_safe_standins import FakeCUDAGraphReplayingCollectives
+
+    def run(x):
+        y = x * 2  # created inside the capture, as a GEMM's output is
+        if collective == "all_reduce":
+            dist.all_reduce(y)
+            return y + 0
+        out = torch.empty(4)
+        getattr(dist, collective)(out, y)
+        return out + 0
+
+    with fake_cuda_graphs():
+        x = torch.zeros(4)
+        g = FakeCUDAGraphReplayingCollectives()
+        with torch.cuda.graph(g):
+            z = run(x)
+        assert not any(op.func is torch.ops.aten.copy_.default for op in g.ops)
+        for step in (1.0, 2.0):
+            x.copy_(torch.arange(4.0) + step)
+            g.replay()
+            assert torch.equal(z, (torch.arange(4.0) + step) * 2), (collective, step, z)
+
+
+def test_capture_end_leaves_a_collective_output_saved_for_backward_at_its_version(mcore_parallel):
+    """``capture_end`` waits for the captured collectives (gloo may still be writing); a second
+    ``wait()`` of gloo's reduce-scatter copies its result into the output again. That copy must
+    not bump the version counter: autograd saved the output in the capture (LoRA's B saves its
+    reduce-scattered input), and a backward capture over it raised "modified by an inplace
+    operation" (TP=2 + SP + LoRA + per-layer graphs)."""
+    import torch.distributed as dist
+
+    with fake_cuda_graphs():
+        x, w = torch.zeros(4), torch.ones(4, requires_grad=True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = torch.empty(4)
+            dist.reduce_scatter_tensor(out, x * 2)
+            loss = (out * w).sum()  # saves out
+            version = out._version
+        assert out._version == version
+        (grad,) = torch.autograd.grad(loss, w)
+        assert torch.equal(grad, out)

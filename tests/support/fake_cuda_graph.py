@@ -36,6 +36,13 @@ What a GPU graph does, and so what this does:
   ``cudaStreamCaptureStatusInvalidated`` aborts a real capture. Reads of tensors that live on
   the host on a real GPU too (Megatron's RNG tracker compares CPU RNG states) are allowed by
   call site: ``HOST_SIDE_FILES``;
+* the ops a collective's ``Work.wait()`` issues through the dispatcher are the collective's,
+  not the graph's: not recorded (gloo's reduce-scatter reduces into a buffer of its own and
+  copies the result into the output in ``wait()`` -- ``aten.split`` + ``aten.copy_``; NCCL's
+  kernel writes the output itself). A replayed ``copy_`` from the capture's buffer wrote the
+  capture's result over the output (``graph_safe_standins.FakeCUDAGraphReplayingCollectives``
+  re-issues and waits for the collective, which makes those copies itself); their writes to
+  pre-capture storages are still undone at ``capture_end``;
 * replay writes bypass autograd's version counters (``_AutoDispatchBelowADInplaceOrView``), as
   a graph's kernels do.
 
@@ -48,6 +55,7 @@ attribute set, ``.grad`` assigned when it was ``None``). Writes a capture
 makes outside the aten dispatcher (e.g. a storage-level copy) are not seen, so not undone.
 Random ops replay with the CPU generator (tests use dropout 0).
 
+``torch.distributed``'s ``Work.wait`` is wrapped to mark the ops it issues (above).
 ``torch.cuda`` entry points it patches (besides :func:`cuda_as_cpu.cuda_as_cpu`'s):
 ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``is_current_stream_capturing``,
 ``memory_stats``, ``get_device_capability`` (both checking their device argument as torch
@@ -67,6 +75,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 from unittest import mock
@@ -162,6 +171,36 @@ def _host_side_caller() -> bool:
     return False
 
 
+_collective_wait = threading.local()  # .depth: Work.wait() calls under way on this thread
+
+
+def _in_collective_wait() -> bool:
+    return getattr(_collective_wait, "depth", 0) > 0
+
+
+def _marking_wait(real_wait):
+    """``Work.wait`` marking the ops it issues as the collective's own (not recorded)."""
+
+    def wait(self, *args, **kwargs):
+        _collective_wait.depth = getattr(_collective_wait, "depth", 0) + 1
+        try:
+            return real_wait(self, *args, **kwargs)
+        finally:
+            _collective_wait.depth -= 1
+
+    return wait
+
+
+def _work_wait_patches() -> list:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    from torch.distributed.distributed_c10d import Work
+
+    return [mock.patch.object(Work, "wait", _marking_wait(Work.wait))]
+
+
 class _RecordOps(TorchDispatchMode):
     supports_higher_order_operators = False
 
@@ -179,6 +218,8 @@ class _RecordOps(TorchDispatchMode):
             )
         self.graph._save_before_write(func, args, kwargs)
         out = func(*args, **kwargs)
+        if _in_collective_wait():  # the collective's own copy (gloo), replayed with it
+            return out
         if func.namespace == "c10d" and self.graph.restore_pre_capture_state:
             self.graph._works += [w for w in tree_flatten(out)[0]
                                   if hasattr(w, "wait") and not isinstance(w, torch.Tensor)]
@@ -273,10 +314,15 @@ class FakeCUDAGraph:
         Tensors created inside the capture keep what the capture computed."""
         saved, self._saved, self._created = self._saved, {}, set()
         works, self._works = self._works, []
-        if not self._aborted:  # a collective (gloo) may still be writing its output
-            for work in works:
-                work.wait()
         with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            # a collective (gloo) may still be writing its output. A second wait re-runs what
+            # gloo does in wait() (its reduce-scatter copies its result into the output again):
+            # below autograd, so that copy leaves the version counter of an output autograd
+            # saved in the capture as it was (a LoRA B's reduce-scattered input: "modified by an
+            # inplace operation" in the backward capture)
+            if not self._aborted:
+                for work in works:
+                    work.wait()
             for view, content in saved.values():
                 view.copy_(content)
 
@@ -451,6 +497,7 @@ def fake_cuda_graphs() -> Iterator[None]:
         mock.patch.object(mrandom, "_lazy_init", lambda: None),
         mock.patch.object(mrandom, "_lazy_call", lambda cb, **k: cb()),
         *_optimizer_device_patches(),
+        *_work_wait_patches(),
     ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_as_cpu())
