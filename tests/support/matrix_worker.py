@@ -3,7 +3,10 @@ combinations one after the other in this process, each straight and across a che
 (tests/support/matrix_runs.py ``straight_vs_resumed``), under ``torchrun`` for the combinations
 that need a world of 2::
 
-    torchrun --nproc_per_node=2 -m tests.support.matrix_worker <spec.json> <out> <tmp dir>
+    torchrun --nproc_per_node=2 -m tests.support.matrix_worker <spec.json> <out> <tmp dir> [--te]
+
+``--te``: the Transformer Engine world -- the fake TE (tests/support/fake_te) is made importable
+before Megatron is (``activate``; the launcher passes ``te_env()``).
 
 ``spec.json``: ``[{"label", "tree", "feature"}]`` (the config tree the matrix classified, and
 what ``straight_vs_resumed`` checks of it). After every combination each rank rewrites
@@ -43,4 +46,8 @@ def main(spec: str, out: str, tmp: str) -> None:
 
 
 if __name__ == "__main__":
+    if "--te" in sys.argv[4:]:
+        from tests.support.fake_te.activate import activate
+
+        activate()  # before Megatron is imported: its HAVE_TE is decided at import time
     main(*sys.argv[1:4])

@@ -8,6 +8,12 @@ features the config accepts, parsed the way the main job parses it and, where ac
   boolean feature switches and the parallel sizes (every ``*_size`` field of
   ``ParallelConfig``) -- so a new option joins the matrix by itself. Axes that do not apply
   (the expert backend of a dense model, the FP8 settings with FP8 off) collapse to ``-``.
+* **Two worlds** (the ``transformer_engine`` axis): this machine without Transformer Engine,
+  and a GPU user's with it -- the fake TE 2.10 (``tests/support/fake_te``), importable only in
+  child processes. The TE world adds the ``linear`` (``fastpath.linear_impl``) and ``te_rng``
+  (``cuda_graphs.use_te_rng_tracker``) axes; a child process classifies it
+  (``python -m tests.train.test_feature_matrix --classify-te``) and its verdicts are committed
+  (``feature_matrix_te.json``, checked current by :func:`test_te_world_verdicts_are_current`).
 * **Classifier** (:func:`classify`): each combination is parsed by ``parse_job_config`` on
   ``training.device=cuda`` under the GPU stand-ins (``tests/support/graph_safe_standins.py``:
   CUDA-as-CPU mode, fake CUDA graph, flash-attn / TE attention stand-ins). A refusal must be
@@ -27,7 +33,9 @@ features the config accepts, parsed the way the main job parses it and, where ac
   :func:`test_config_tree_is_hydras_composition`), not from Hydra. (It used to be three runs:
   4 straight, 3 with ``training.stop_at_step`` and a save, the resume; the straight run saving
   at step 3 checks the same resume with 5 steps instead of 8.)
-* **Runs** (integration tier): EVERY accepted combination a CPU can train runs, in worker
+* **Runs** (integration tier): every accepted world-1 combination of both worlds and every
+  world-2 one without TE runs -- of the TE world's world-2 ones a pairwise cover per layout
+  (:data:`TE_WORLD2_NOT_RUN`) --, in worker
   processes that train their combinations one after the other (tests/support/matrix_worker.py)
   -- the world-1 ones (status ``RUN``) dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
@@ -73,13 +81,12 @@ FIXED = {
     "training.skip_memory_check=true": "the memory check reads the GPU's properties; the "
                                        "stand-in has none",
     "cluster.backend=gloo": "no NCCL on a CPU",
-    "fastpath.linear_impl=local": "Transformer Engine's linears run only on the fake TE in "
-                                  "child processes (tests/te_standin), not in these runs (auto "
-                                  "picks them for the te attention backend)",
-    "cuda_graphs.use_te_rng_tracker=false": "Transformer Engine's RNG tracker is the fake TE's "
-                                            "(tests/te_standin), not in these runs; Megatron's "
-                                            "graph-safe tracker instead",
-    "lora.dropout=0.0": "a graph without TE's RNG tracker refuses dropout",
+    "fastpath.linear_impl=local": "without Transformer Engine (its `auto` picks TE's linears "
+                                  "for the te attention backend); with it the `linear` axis sets it",
+    "cuda_graphs.use_te_rng_tracker=false": "without Transformer Engine Megatron's graph-safe "
+                                            "tracker; with it the `te_rng` axis sets it",
+    "lora.dropout=0.0": "a graph without TE's RNG tracker refuses dropout (and with it the "
+                        "fake CUDA generator's graph-safe state is not a real one's)",
     "offload.min_offload_bytes=0": "the tiny layers' inputs are offloaded too",
 }
 BASE = SIZES + list(FIXED)
@@ -99,6 +106,18 @@ class Axis:
     overrides: Callable[[object], Optional[list]]
     applies: Callable[[dict], bool] = lambda c: True
     why_not: str = ""
+
+
+ABSENT = "absent"  # the transformer_engine axis without Transformer Engine
+
+
+def fake_te_version() -> str:
+    """The fake Transformer Engine's ``__version__`` (read from its source: the pytest process
+    never imports it)."""
+    from tests.support.fake_te.activate import FAKE_TE_ROOT
+
+    text = Path(FAKE_TE_ROOT, "transformer_engine", "__init__.py").read_text(encoding="utf-8")
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
 
 
 def _bool_axis(name: str, key: str, applies=lambda c: True) -> Axis:
@@ -182,7 +201,11 @@ def axes() -> tuple:
     from megatron_fastpath.train.config import DTYPES
 
     moe = lambda c: _is_moe(c["model"])  # noqa: E731
+    te = lambda c: c["transformer_engine"] != ABSENT  # noqa: E731
     return (
+        Axis("transformer_engine", (ABSENT, fake_te_version()),
+             "the process: without Transformer Engine, or with the fake TE (`tests/support/fake_te`, "
+             "its `__version__`) importable", lambda v: []),
         Axis("model", _tiny_models(), "`configs/model/tiny_*.yaml`", lambda v: [f"model={v}"]),
         Axis("experts", EXPERT_BACKENDS, "`moe.config.EXPERT_BACKENDS`", _expert_overrides, moe,
              why_not=f"the main job has no expert-backend setting: it builds "
@@ -192,6 +215,9 @@ def axes() -> tuple:
              moe),
         Axis("attention", ("auto",) + tuple(BACKENDS), "`core_attention.BACKENDS` + auto",
              lambda v: [f"fastpath.attention_backend={v}"]),
+        # auto resolves to one of these (te with the te attention backend, else local)
+        Axis("linear", ("local", "te"), "`fastpath.linear_impl` (its `auto` resolves to one of these)",
+             lambda v: [f"fastpath.linear_impl={v}"], te),
         Axis("dtype", tuple(DTYPES), "`train.config.DTYPES`", lambda v: [f"training.dtype={v}"]),
         _bool_axis("lora", "fastpath.lora"),
         Axis("fp8", ("off",) + _fp8_recipes(), "off + `FP8Config.recipe`",
@@ -207,6 +233,7 @@ def axes() -> tuple:
              "`cuda_graphs.warmup_steps` (the default, 0)",
              lambda v: [f"cuda_graphs.warmup_steps={v}"],
              lambda c: c["graphs"] and c["graph_scope"] == "layers"),
+        _bool_axis("te_rng", "cuda_graphs.use_te_rng_tracker", lambda c: te(c) and c["graphs"]),
         _bool_axis("offload", "fastpath.offload"),
         Axis("layout", _layouts(), "`ParallelConfig.*_size`: all 1, or one of them 2",
              lambda v: [] if v == "1" else [f"parallel.{v}"]),
@@ -240,17 +267,21 @@ class Combo(Combination):
     @property
     def label(self) -> str:
         c = dict(self.items())
-        parts = [c["model"].replace("tiny_", "")]
+        parts = [] if c["transformer_engine"] == ABSENT else [f"TE{c['transformer_engine']}"]
+        parts.append(c["model"].replace("tiny_", ""))
         if c["experts"] is not NA:
-            parts[0] += f"/{c['experts']}/{c['dispatch']}"
-        parts += [c["attention"], {"float32": "fp32", "bfloat16": "bf16"}.get(c["dtype"], c["dtype"])]
+            parts[-1] += f"/{c['experts']}/{c['dispatch']}"
+        parts.append(c["attention"])
+        if c["linear"] is not NA:
+            parts.append(f"{c['linear']}-linears")
+        parts.append({"float32": "fp32", "bfloat16": "bf16"}.get(c["dtype"], c["dtype"]))
         if c["lora"]:
             parts.append("lora")
         if c["fp8"] != "off":
-            parts.append(f"fp8:{c['fp8']}" + ("+attn" if c["fp8_attention"] else ""))
+            parts.append(f"fp8:{c['fp8']}" + ("+attn" if c["fp8_attention"] is True else ""))
         if c["graphs"]:
-            parts.append(f"graphs(w{c['graph_warmup']})" if c["graph_scope"] == "layers"
-                         else "graphs(full)")
+            parts.append((f"graphs(w{c['graph_warmup']}" if c["graph_scope"] == "layers"
+                          else "graphs(full") + (",te-rng)" if c["te_rng"] is True else ")"))
         if c["offload"]:
             parts.append("offload")
         parts.append(layout_label(c["layout"]) + ("+SP" if c["sequence_parallel"] is True else ""))
@@ -366,13 +397,84 @@ def _refused(message: str, facts) -> Verdict:
                    problem=None if clear else f"refusal names no setting or package: {message!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def classified() -> dict:
-    """{Combo: Verdict} for the whole product (a few ms a combination)."""
+def te_present() -> bool:
+    """This process imports a ``transformer_engine`` (the fake: only child processes do)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def classify_world(te: bool) -> dict:
+    """{Combo: Verdict} of the combinations of one ``transformer_engine`` world, classified in
+    this process, which must be that world (a few ms a combination)."""
     from megatron_fastpath import settings
 
+    assert te_present() == te, "classify the TE world in a process with the fake TE (te_env)"
     with parsing(), mock.patch.object(settings, "typing", _CachedTyping()):
-        return {c: classify(c) for c in combinations()}
+        return {c: classify(c) for c in combinations() if (c["transformer_engine"] != ABSENT) == te}
+
+
+# The TE world's verdicts, classified by a child process with the fake TE importable
+# (``python -m tests.train.test_feature_matrix --classify-te``; the pytest process never
+# imports TE), committed
+# run-length encoded: test_te_world_verdicts_are_current re-classifies and compares.
+TE_VERDICTS = REPO / "tests" / "train" / "feature_matrix_te.json"
+
+
+def encode_verdicts(verdicts: dict) -> dict:
+    """{"verdicts": [[status, reason, rule, refusing, problem]], "runs": [[verdict index,
+    count]]} over the TE world's combinations in product order."""
+    table, runs = [], []
+    for c in (c for c in combinations() if c["transformer_engine"] != ABSENT):
+        v = verdicts[c]
+        row = [v.status, v.reason, v.rule, list(v.refusing), v.problem]
+        if row not in table:
+            table.append(row)
+        i = table.index(row)
+        if runs and runs[-1][0] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return {"fake_te_version": fake_te_version(), "verdicts": table, "runs": runs}
+
+
+def decode_verdicts(data: dict) -> dict:
+    te_combos = [c for c in combinations() if c["transformer_engine"] != ABSENT]
+    assert data["fake_te_version"] == fake_te_version(), "TE world verdicts of another fake TE"
+    assert sum(n for _, n in data["runs"]) == len(te_combos), \
+        "the TE world's verdicts are of another product: regenerate them (write())"
+    out, it = {}, iter(te_combos)
+    for i, n in data["runs"]:
+        status, reason, rule, refusing, problem = data["verdicts"][i]
+        v = Verdict(status, reason, rule=rule, refusing=tuple(refusing), problem=problem)
+        for _ in range(n):
+            out[next(it)] = v
+    return out
+
+
+def classify_te_world_in_child(tmp: Path) -> dict:
+    """The TE world's encoded verdicts, classified now by a child process with the fake TE."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.fake_te.activate import te_env
+
+    out = Path(tmp) / "te_verdicts.json"
+    subprocess.run([sys.executable, "-m", "tests.train.test_feature_matrix", "--classify-te", str(out)],
+                   env=te_env(), cwd=tmp, check=True, timeout=1200)
+    return json.loads(out.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def classified() -> dict:
+    """{Combo: Verdict} for the whole product, in product order: the world without
+    Transformer Engine classified here, the TE world's verdicts read from TE_VERDICTS."""
+    import json
+
+    live = classify_world(False)
+    live.update(decode_verdicts(json.loads(TE_VERDICTS.read_text(encoding="utf-8"))))
+    return {c: live[c] for c in combinations()}
 
 
 def parsing():
@@ -382,36 +484,78 @@ def parsing():
 
 
 # ----------------------------------------------------------------------------------- shards
-W1_SHARDS = 4  # in-process world-1 tests; the runnable combinations dealt round-robin
-W2_PARTS = 2  # torchrun launches per layout of 2; its combinations dealt round-robin
+WORLDS = ("absent", "te")  # the transformer_engine axis: without TE, with the fake TE
+W1_SHARDS = {"absent": 4, "te": 8}  # world-1 tests per world; its runnable combinations dealt round-robin
+W2_PARTS = {"absent": 2, "te": 1}  # torchrun launches per layout of 2; its combinations dealt round-robin
 
 
-def runnable() -> list:
-    return [c for c, v in classified().items() if v.status == RUN]
+def world_of(combo: Combo) -> str:
+    return "absent" if combo["transformer_engine"] == ABSENT else "te"
+
+
+def runnable(world: str = "absent") -> list:
+    return [c for c, v in classified().items() if v.status == RUN and world_of(c) == world]
 
 
 def world2_layouts() -> tuple:
     return _layouts()[1:]
 
 
-def world1_id(index: int) -> str:
-    return f"test_world_of_one_runs[{index}]"
+def world1_id(world: str, index: int) -> str:
+    return f"test_world_of_one_runs[{'te-' if world == 'te' else ''}{index}]"
 
 
-def world2_id(layout: str, part: int) -> str:
-    return f"test_world_of_two_runs[{layout_label(layout)}-{part}]"
+def world2_id(world: str, layout: str, part: int) -> str:
+    return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{layout_label(layout)}-{part}]"
+
+
+def pairwise_cover(combos: list) -> list:
+    """A subset of ``combos`` (greedy, deterministic) in which every pair of axis values that
+    occurs together in some combination of ``combos`` occurs together in one of the subset."""
+    def pairs(c):
+        items = list(c.items())
+        return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
+
+    todo = set().union(*(pairs(c) for c in combos)) if combos else set()
+    chosen, left = [], list(combos)
+    while todo:
+        best = max(left, key=lambda c: len(pairs(c) & todo))  # the first of the best: deterministic
+        chosen.append(best)
+        left.remove(best)
+        todo -= pairs(best)
+    return sorted(chosen, key=combos.index)
+
+
+@functools.lru_cache(maxsize=None)
+def world2_accepted(world: str, layout: str) -> list:
+    return [c for c, v in classified().items()
+            if v.status == WORLD2 and c["layout"] == layout and world_of(c) == world]
 
 
 @functools.lru_cache(maxsize=None)
 def shards() -> dict:
-    """{integration test id: the combinations it runs}: every runnable combination in one of
-    the W1_SHARDS world-1 tests, every accepted world-2 one in one of the W2_PARTS launches of
-    its layout."""
-    out = {world1_id(i): runnable()[i::W1_SHARDS] for i in range(W1_SHARDS)}
-    for layout in world2_layouts():
-        mates = [c for c, v in classified().items() if v.status == WORLD2 and c["layout"] == layout]
-        out.update({world2_id(layout, p): mates[p::W2_PARTS] for p in range(W2_PARTS)})
+    """{integration test id: the combinations it runs}: every runnable (world-1) combination of
+    both worlds in one of its world's W1_SHARDS tests; every accepted world-2 combination
+    without TE in one of the W2_PARTS launches of its layout; of the TE world's world-2
+    combinations a pairwise cover per layout (:data:`TE_WORLD2_NOT_RUN` says why not all)."""
+    out = {}
+    for world in WORLDS:
+        out.update({world1_id(world, i): runnable(world)[i::W1_SHARDS[world]]
+                    for i in range(W1_SHARDS[world])})
+        for layout in world2_layouts():
+            mates = world2_accepted(world, layout)
+            if world == "te":
+                mates = pairwise_cover(mates)
+            out.update({world2_id(world, layout, p): mates[p::W2_PARTS[world]]
+                        for p in range(W2_PARTS[world])})
     return out
+
+
+TE_WORLD2_NOT_RUN = (
+    "the TE world's accepted world-2 combinations are too many to train in CI time ({total}: "
+    "~2 s of both cores each, ~{minutes} min); a pairwise cover of each layout's ({run}) runs -- "
+    "every pair of axis values that occurs together in an accepted combination of the layout "
+    "occurs together in one that runs")
 
 
 @functools.lru_cache(maxsize=None)
@@ -432,6 +576,8 @@ class KnownBug:
     error: type
     match: str  # re.search in the message
     what: str
+    # the combinations of the bug that may also pass (the bug does not always show there)
+    sometimes: Callable[[Combo], bool] = lambda c: False
 
     def matches(self, stage: str, error_type: str, message: str) -> bool:
         return (stage == self.stage and error_type == self.error.__name__
@@ -443,18 +589,40 @@ class KnownBug:
 # Float16Module does.
 KNOWN_BUGS: tuple = (
     KnownBug(
-        "fp32-lora-tp2-graph-replay",
+        "fp32-lora-graph-replay",
         lambda c: (c["lora"] is True and c["graphs"] is True and c["graph_scope"] == "layers"
-                   and c["dtype"] == "float32" and c["layout"] == "tensor_model_parallel_size=2"),
-        "compare", AssertionError, r"final parameters differ: \[.*lora_",
-        "fp32 LoRA with per-layer graphs at TP 2: the straight run replays step 4, the resumed run's "
-        "step 4 is the first step of a graphed run (eager, captured at its end); their LoRA "
-        "gradients differ in the last bits (step-4 grad norm 0.16349713801035787 replayed vs "
+                   and c["dtype"] == "float32" and c["fp8"] == "off"
+                   and (c["layout"] == "tensor_model_parallel_size=2" or c["linear"] == "te")),
+        "compare", AssertionError, r"final parameters differ \(\d+\), kinds \['lora_A', 'lora_B'\]",
+        "fp32 LoRA with per-layer graphs at TP 2, or with Transformer Engine's linears (the fake's) "
+        "at any TP: the straight run replays step 4, the resumed run's step 4 is the first step of "
+        "a graphed run (eager, captured at its end); their LoRA gradients differ in the last bits "
+        "(local linears at TP 2: step-4 grad norm 0.16349713801035787 replayed vs "
         "0.163497126617833; LoRA weights up to 1.5e-8 apart after the update; losses and learning "
         "rates equal, the checkpoint restores the state exactly). A run with graphs off differs "
-        "from the replay already at step 2 (grad norm 0.17225740979732473 vs 0.1722573881710241). "
-        "bf16, TP 1, fp32 without LoRA and full-iteration graphs are bit-identical; why eager and "
-        "replayed LoRA gradients differ at TP 2 is not found yet"),
+        "from the replay already at step 2. bf16, TP 1 with local linears, fp32 without LoRA, FP8 "
+        "(whose quantisation hides it) and full-iteration graphs are bit-identical; why eager and "
+        "replayed LoRA gradients differ is not found yet (not the sync check: the same with "
+        "training.sync_check=every and off)"),
+    KnownBug(
+        "fp8-delayed-layer-graphs-first-step",
+        lambda c: c["fp8"] == "delayed" and c["graphs"] is True and c["graph_scope"] == "layers",
+        "compare", AssertionError,
+        r"final parameters differ \(\d+\), kinds \[('(_extra_state/(amax_history_(bwd|fwd)|scale_bwd)"
+        r"|lora_[AB])'(, )?)+\]",
+        "FP8 delayed scaling with per-layer graphs (the fake TE): the resumed run's step 4, the "
+        "first step of a graphed run (eager, layers recorded for capture), and the straight run's "
+        "replayed step 4 update TE's delayed-scaling state on different schedules -- in a replay "
+        "Megatron calls TE's backward update after every layer's backward graph "
+        "(cuda_graphs.py:648-652), eagerly TE updates once, in the first FP8 module's backward "
+        "(linear.py:969) -- so the amax histories end rolled differently (the resumed run holds "
+        "its last backward amaxes unreduced). Without LoRA every weight and scale is equal (only "
+        "the histories differ); with LoRA the backward scales and so the adapters differ. Losses "
+        "and learning rates are equal; the checkpoint restores the FP8 state exactly "
+        "(tests/te_standin, graphs off). Whether a GPU shows it is not known: the fake TE keeps "
+        "TE 2.10's buffer rules (quantization.py:350-539), not its kernels. At PP 2 (a runner "
+        "per layer and microbatch) some combinations do not show it.",
+        sometimes=lambda c: c["layout"] == "pipeline_model_parallel_size=2"),
 )
 
 
@@ -482,7 +650,7 @@ def run_combination(combo: Combo, tmp_path: Path) -> str:
         if bug is None or not bug.matches(stage[-1], type(exc).__name__, str(exc)):
             raise
         return f"fails at {bug.stage} ({bug.name}, a known bug)"
-    assert bug is None, f"{bug.name} no longer fails: drop it from KNOWN_BUGS"
+    assert bug is None or bug.sometimes(combo), f"{bug.name} no longer fails: drop it from KNOWN_BUGS"
     return what
 
 
@@ -525,13 +693,17 @@ MEASURED: tuple = (
     "combination 3 runs composed by Hydra: 4 straight, 3 + save, resume + 1): 53 s for the 18",
     "world-1 combinations then run in process, ~37 s per world-2 combination (3 `torchrun`",
     "launches).",
+    "",
+    "The TE world (same day, measured while other jobs shared the machine): the 8",
+    "`test_world_of_one_runs[te-i]` took 100-141 s each (136-137 combinations; 909 s in all),",
+    "the 4 `test_world_of_two_runs[te-<layout>-0]` 218 s in all (21-25 combinations each), and",
+    "classifying the TE world in a child process (`test_te_world_verdicts_are_current`) 44-70 s.",
 )
 
 
 def render() -> str:
     """docs/feature-matrix.md, generated (test_listing_is_up_to_date keeps the file equal)."""
     verdicts = classified()
-    counts = collections.Counter(v.status for v in verdicts.values())
     lines = [
         "# Feature matrix",
         "",
@@ -559,19 +731,41 @@ def render() -> str:
         "",
         "## Counts",
         "",
-        "| | combinations |",
-        "| --- | --- |",
-        f"| product of the axes | {len(verdicts)} |",
-    ]
-    lines += [f"| {status} | {counts[status]} |" for status in (NOT_SELECTABLE, REFUSED, NO_CPU, RUN, WORLD2)]
-    lines += [
-        f"| run by the integration tests | {len(shard_of())} |",
+        "The `transformer_engine` axis is the process: `absent` is this machine (no TE; the",
+        "main job refuses what needs it), the other the fake TE (`tests/support/fake_te`:",
+        "Megatron's TE wrappers on a stand-in that keeps TE 2.10's contracts) -- a GPU user's",
+        "machine. The TE world is classified by a child process with the fake importable",
+        "(`python -m tests.train.test_feature_matrix --classify-te`; the pytest process never imports TE) and its",
+        "verdicts committed, run-length encoded, in `tests/train/feature_matrix_te.json`",
+        "(`test_te_world_verdicts_are_current` re-classifies and compares).",
         "",
-        f"**Runs.** The {counts[RUN]} world-1 combinations are dealt round-robin to {W1_SHARDS}",
-        "tests (`test_world_of_one_runs[i]`, each 2 worker processes at once), the",
-        f"{counts[WORLD2]} world-2 ones, per layout, to {W2_PARTS} `torchrun` launches",
-        "(`test_world_of_two_runs[<layout>-<part>]`); a test lists every combination it ran and",
-        "fails listing every one that failed. A run builds the job from the config tree the",
+        "| | without TE | with the fake TE | all |",
+        "| --- | --- | --- | --- |",
+    ]
+    by_world = {w: collections.Counter(v.status for c, v in verdicts.items() if world_of(c) == w)
+                for w in WORLDS}
+    run_by = collections.Counter(world_of(c) for c in shard_of())
+
+    def row(name, a, b):
+        return f"| {name} | {a} | {b} | {a + b} |"
+
+    lines.append(row("product of the axes", sum(by_world["absent"].values()), sum(by_world["te"].values())))
+    lines += [row(status, by_world["absent"][status], by_world["te"][status])
+              for status in (NOT_SELECTABLE, REFUSED, NO_CPU, RUN, WORLD2)]
+    lines.append(row("run by the integration tests", run_by["absent"], run_by["te"]))
+    te_w2 = by_world["te"][WORLD2]
+    te_w2_run = sum(1 for c in shard_of() if world_of(c) == "te" and c["layout"] != "1")
+    lines += [
+        "",
+        f"**Runs.** The world-1 combinations are dealt round-robin to {W1_SHARDS['absent']}",
+        f"tests without TE (`test_world_of_one_runs[i]`) and {W1_SHARDS['te']} with it",
+        "(`test_world_of_one_runs[te-i]`), each 2 worker processes at once; the world-2 ones",
+        f"without TE, per layout, to {W2_PARTS['absent']} `torchrun` launches",
+        "(`test_world_of_two_runs[<layout>-<part>]`). Not every TE-world world-2 combination runs:",
+        TE_WORLD2_NOT_RUN.format(total=te_w2, minutes=round(te_w2 * 2 / 60), run=te_w2_run) + ",",
+        "one launch per layout (`test_world_of_two_runs[te-<layout>-0]`). A test lists every",
+        "combination it ran and fails listing every one that failed. A run builds the job from",
+        "the config tree the",
         "matrix classified (`config_tree`, checked equal to Hydra's composition by",
         "`test_config_tree_is_hydras_composition`), so no run composes with Hydra.",
         *MEASURED,
@@ -595,8 +789,15 @@ def render() -> str:
                   "| --- | --- | --- |"]
         for reason, combos in sorted(groups.items()):
             lines.append(f"| {cell(reason)} | {len(combos)} | {cell(_group_description(combos))} |")
+    lines += ["", "## Accepted, not run", "",
+              "The TE world's accepted world-2 combinations outside the pairwise cover of their "
+              "layout (see Runs).", "", "| layout | accepted | run (the cover) | not run |",
+              "| --- | --- | --- | --- |"]
+    for layout in world2_layouts():
+        every, run = world2_accepted("te", layout), [c for c in shards()[world2_id("te", layout, 0)]]
+        lines.append(f"| {layout_label(layout)} | {len(every)} | {len(run)} | {len(every) - len(run)} |")
     lines += ["", "## Run", "",
-              "Every runnable and world-2 combination and the integration test that runs it. Known "
+              "Every combination run and the integration test that runs it. Known "
               "bugs: the expected failure is checked instead.", "",
               "| combination | run by | known bug |", "| --- | --- | --- |"]
     for c, test in shard_of().items():
@@ -612,6 +813,16 @@ def render() -> str:
 
 
 def write() -> None:
+    """Regenerate the TE world's verdicts (classified by a child process with the fake TE)
+    and docs/feature-matrix.md."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        data = classify_te_world_in_child(Path(d))
+    TE_VERDICTS.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
+    for cached in (classified, shards, shard_of, world2_accepted, _values):
+        cached.cache_clear()
     DOC.write_text(render(), encoding="utf-8")
 
 
@@ -650,6 +861,19 @@ def test_matrix_reaches_every_rule_and_every_fact():
             assert len(values) >= 2, f"RunFacts.{f.name} never varies in the matrix: add an axis"
 
 
+@pytest.mark.integration
+def test_te_world_verdicts_are_current(tmp_path):
+    """The TE world's committed verdicts are what a child process with the fake TE classifies
+    now (the classifier checks each refusal against the rules there, as
+    test_classification_follows_the_rules reads)."""
+    import json
+
+    fresh = classify_te_world_in_child(tmp_path)
+    assert fresh == json.loads(TE_VERDICTS.read_text(encoding="utf-8")), (
+        "tests/train/feature_matrix_te.json is stale: regenerate it with "
+        "`python -c \"from tests.train.test_feature_matrix import write; write()\"`")
+
+
 def test_listing_is_up_to_date():
     """Unit tier: docs/feature-matrix.md is what render() generates."""
     assert DOC.read_text(encoding="utf-8") == render(), (
@@ -682,8 +906,21 @@ def test_every_accepted_combination_has_a_run():
     """Unit tier: every runnable and every accepted world-2 combination is in exactly one
     integration test's shard."""
     runs = [c for combos in shards().values() for c in combos]
-    wanted = [c for c, v in classified().items() if v.status in (RUN, WORLD2)]
+    covers = {c for layout in world2_layouts() for c in pairwise_cover(world2_accepted("te", layout))}
+    wanted = [c for c, v in classified().items()
+              if v.status == RUN or (v.status == WORLD2 and (world_of(c) == "absent" or c in covers))]
     assert sorted(runs, key=wanted.index) == wanted
+
+
+def test_te_world2_runs_cover_every_pair():
+    """Unit tier: per layout, every pair of axis values occurring together in an accepted
+    TE-world world-2 combination occurs together in a run one; and the cover is needed (no
+    run combination can be dropped: it alone covers some pair)."""
+    for layout in world2_layouts():
+        every, run = world2_accepted("te", layout), shards()[world2_id("te", layout, 0)]
+        pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
+        assert set().union(*map(pairs, every)) == set().union(*map(pairs, run)), layout
+        assert set(run) <= set(every) and len(run) < len(every)
 
 
 def _report(name: str, lines: list, failures: list, capsys) -> None:
@@ -732,8 +969,8 @@ def test_cpu_limited_combinations_fail_as_stated(mcore_parallel):
     from tests.support.matrix_runs import train
 
     reasons = {}
-    for c, v in classified().items():
-        if v.status == NO_CPU and c["layout"] == "1":
+    for c, v in classified().items():  # this process has no TE: the world without it
+        if v.status == NO_CPU and c["layout"] == "1" and world_of(c) == "absent":
             reasons.setdefault(v.reason, c)
     assert reasons
     for reason, combo in reasons.items():
@@ -748,20 +985,27 @@ TIMEOUT = 1800  # s, one launch (~15-35 combinations, ~2-3 s each on an idle mac
 
 def _start(combos: list, d: Path, nproc: int):
     """A launch of tests/support/matrix_worker.py training ``combos`` (under torchrun when
-    ``nproc`` > 1), its output in ``d``; returns (process, results prefix, log)."""
+    ``nproc`` > 1; with the fake TE importable for the TE world's), its output in ``d``;
+    returns (process, results prefix, log)."""
     import json
     import subprocess
 
+    from tests.support.fake_te.activate import te_env
     from tests.support.main_job import job_env, main_job_cmd
+
+    te = {c["transformer_engine"] != ABSENT for c in combos}
+    assert len(te) == 1, "a launch trains the combinations of one transformer_engine world"
+    te = te.pop()
 
     d.mkdir(parents=True)
     spec, out, log = d / "spec.json", d / "results", d / "log.txt"
     spec.write_text(json.dumps([{"label": c.label, "tree": config_tree(c), "feature": feature(c)}
                                 for c in combos]))
-    cmd = main_job_cmd([str(spec), str(out), str(d)], nproc=nproc,
+    cmd = main_job_cmd([str(spec), str(out), str(d)] + (["--te"] if te else []), nproc=nproc,
                        entry=["-m", "tests.support.matrix_worker"])
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=d, env=job_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=d, env=te_env() if te else job_env(), stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
     return proc, out, log
 
 
@@ -788,7 +1032,9 @@ def _finish(combos: list, proc, out: Path, log: Path, nproc: int) -> tuple:
             failures.append(f"{combo.label}: no result from rank(s) "
                             f"{[k for k, g in enumerate(got) if g is None]} (the launch ended){tail}")
         elif all(g["ok"] for g in got):
-            if bug is not None:
+            if bug is not None and bug.sometimes(combo):
+                lines.append(f"run  {combo.label}  {got[0]['what']} ({bug.name} does not show here)")
+            elif bug is not None:
                 failures.append(f"{combo.label}: {bug.name} no longer fails: drop it from KNOWN_BUGS")
             else:
                 lines.append(f"run  {combo.label}  {got[0]['what']}" + (" (both ranks)" if nproc > 1 else ""))
@@ -805,12 +1051,14 @@ def _finish(combos: list, proc, out: Path, log: Path, nproc: int) -> tuple:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("index", range(W1_SHARDS))
-def test_world_of_one_runs(tmp_path, capsys, index):
-    """Integration tier: a shard of the runnable (world-1) combinations in 2 processes at once
-    (the machine's 2 cores), each training its half one after the other
+@pytest.mark.parametrize("world,index", [pytest.param(w, i, id=f"{'te-' if w == 'te' else ''}{i}")
+                                         for w in WORLDS for i in range(W1_SHARDS[w])])
+def test_world_of_one_runs(tmp_path, capsys, world, index):
+    """Integration tier: a shard of the runnable (world-1) combinations of one
+    ``transformer_engine`` world in 2 processes at once (the machine's 2 cores; with the fake
+    TE importable for the TE world), each training its half one after the other
     (tests/support/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
-    combos = shards()[world1_id(index)]
+    combos = shards()[world1_id(world, index)]
     halves = [combos[0::2], combos[1::2]]
     started = [_start(half, tmp_path / f"p{k}", 1) for k, half in enumerate(halves)]
     lines, failures = [], []
@@ -818,22 +1066,34 @@ def test_world_of_one_runs(tmp_path, capsys, index):
         got = _finish(half, *launch, 1)
         lines += got[0]
         failures += got[1]
-    _report(world1_id(index), lines, failures, capsys)
+    _report(world1_id(world, index), lines, failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout,part", [pytest.param(layout, part, id=f"{layout_label(layout)}-{part}")
-                                         for layout in world2_layouts() for part in range(W2_PARTS)])
-def test_world_of_two_runs(tmp_path, capsys, layout, part):
-    """Integration tier: a shard of the accepted world-2 combinations of one layout, in ONE
+@pytest.mark.parametrize("world,layout,part", [
+    pytest.param(w, layout, part, id=f"{'te-' if w == 'te' else ''}{layout_label(layout)}-{part}")
+    for w in WORLDS for layout in world2_layouts() for part in range(W2_PARTS[w])])
+def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
+    """Integration tier: a shard of the world-2 combinations of one layout and world, in ONE
     ``torchrun`` launch of 2 processes (gloo, each inside the GPU stand-ins) that trains them one
     after the other (tests/support/matrix_worker.py): straight vs resumed, the losses and
     learning rates on both ranks and each rank's final parameters equal."""
-    combos = shards()[world2_id(layout, part)]
+    combos = shards()[world2_id(world, layout, part)]
     assert combos
     lines, failures = _finish(combos, *_start(combos, tmp_path / "launch", 2), 2)
-    _report(world2_id(layout, part), lines, failures, capsys)
+    _report(world2_id(world, layout, part), lines, failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
+
+
+if __name__ == "__main__":  # the TE world's classifier: python -m tests.train.test_feature_matrix --classify-te OUT
+    import json
+    import sys
+
+    from tests.support.fake_te.activate import activate
+
+    assert sys.argv[1] == "--classify-te", sys.argv
+    activate()  # before Megatron is imported (this module imports it lazily): HAVE_TE at import
+    Path(sys.argv[2]).write_text(json.dumps(encode_verdicts(classify_world(True))), encoding="utf-8")
