@@ -411,7 +411,7 @@ def classify_world(te: bool) -> dict:
 
     assert te_present() == te, "classify the TE world in a process with the fake TE (te_env)"
     with parsing(), mock.patch.object(settings, "typing", _CachedTyping()):
-        return {c: classify(c) for c in combinations() if (c["transformer_engine"] != ABSENT) == te}
+        return {c: classify(c) for c in combinations() if (world_of(c) == "te") == te}
 
 
 # The TE world's verdicts, classified by a child process with the fake TE importable
@@ -421,11 +421,16 @@ def classify_world(te: bool) -> dict:
 TE_VERDICTS = REPO / "tests" / "train" / "feature_matrix_te.json"
 
 
+def _te_world() -> list:
+    """The TE world's combinations, in product order."""
+    return [c for c in combinations() if world_of(c) == "te"]
+
+
 def encode_verdicts(verdicts: dict) -> dict:
     """{"verdicts": [[status, reason, rule, refusing, problem]], "runs": [[verdict index,
     count]]} over the TE world's combinations in product order."""
     table, runs = [], []
-    for c in (c for c in combinations() if c["transformer_engine"] != ABSENT):
+    for c in _te_world():
         v = verdicts[c]
         row = [v.status, v.reason, v.rule, list(v.refusing), v.problem]
         if row not in table:
@@ -439,7 +444,7 @@ def encode_verdicts(verdicts: dict) -> dict:
 
 
 def decode_verdicts(data: dict) -> dict:
-    te_combos = [c for c in combinations() if c["transformer_engine"] != ABSENT]
+    te_combos = _te_world()
     assert data["fake_te_version"] == fake_te_version(), "TE world verdicts of another fake TE"
     assert sum(n for _, n in data["runs"]) == len(te_combos), \
         "the TE world's verdicts are of another product: regenerate them (write())"
@@ -993,9 +998,9 @@ def _start(combos: list, d: Path, nproc: int):
     from tests.support.fake_te.activate import te_env
     from tests.support.main_job import job_env, main_job_cmd
 
-    te = {c["transformer_engine"] != ABSENT for c in combos}
-    assert len(te) == 1, "a launch trains the combinations of one transformer_engine world"
-    te = te.pop()
+    worlds = {world_of(c) for c in combos}
+    assert len(worlds) == 1, "a launch trains the combinations of one transformer_engine world"
+    te = worlds.pop() == "te"
 
     d.mkdir(parents=True)
     spec, out, log = d / "spec.json", d / "results", d / "log.txt"
