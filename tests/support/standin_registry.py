@@ -168,14 +168,25 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "transformer_engine.pytorch.GroupedLinear",
-        ("tests.moe.test_moe_te_experts.GroupedLinearStandIn",),
-        "TE 2.x constructor signature, in order (checked against a list copied from TE by "
-        "test_stand_in_signature_is_te_grouped_linear, not against TE's source); forward asserts "
-        "host m_splits (a list of ints) and len(m_splits) == num_gemms ('Number of splits should "
-        "match number of GEMMs.'); weight{i} [out, in]; init_method runs inside the given RNG "
-        "tracker's fork(rng_tracker_name)",
-        "transformer_engine.pytorch.GroupedLinear (TE 2.x, the stand-in's docstring); "
-        "transformer_engine/pytorch/module/base.py, reset_parameters",
+        ("tests.support.fake_te.transformer_engine.pytorch.GroupedLinear",
+         "tests.moe.test_moe_te_experts.GroupedLinearStandIn"),
+        "the fake TE 2.10 GroupedLinear (child processes, tests/te_standin; also the base of "
+        "Megatron's TEGroupedLinear): TE 2.10's constructor keywords (any other, name included: "
+        "TypeError); no userbuffers, no bias with TP > 1, parallel_mode, tp_size divides; "
+        "weight{i} [out, in] / bias{i} initialised inside the RNG tracker's "
+        "fork(rng_tracker_name), TE's TP attributes; forward asserts len(m_splits) == num_gemms "
+        "('Number of splits should match number of GEMMs.'), the input width, host splits "
+        "(torch.split / split_quantize: a tensor is a TypeError); per-group fp32 math, backward "
+        "dgrad / wgrad / bias grads, fuse_wgrad_accumulation into main_grad (overwritten on the "
+        "first microbatch); FP8 per recipe through the fake's quantisation, one fp8 meta of "
+        "num_gemms * 3 / * 2 (delayed scaling registered and updated), pickled _extra_state; "
+        "TE's C++ FP8 shape checks as on Hopper (per-tensor scaling: k % 16 of every non-empty "
+        "GEMM, so each split's rows in the wgrad; MXFP8: splits and weights % 32; block "
+        "scaling: also outer dims % 8). The in-process stand-in (tests/moe) keeps the "
+        "constructor signature, host list m_splits and the per-group forward",
+        "transformer_engine/pytorch/module/grouped_linear.py, module/base.py, csrc/extensions/"
+        "cast.cpp:697-740, csrc/quantizer.cpp:1114-1116, common/gemm/cublaslt_gemm.cu:102-343 "
+        "(TE v2.10; each assert cites its line)",
     ),
     Entry(
         "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec",

@@ -525,6 +525,424 @@ def megatron_te_wrappers_build_and_compute():
                             input_is_parallel=False, skip_bias_add=False, is_expert=False)
 
 
+# --------------------------------------------------------------------------- GroupedLinear
+def _gl_ref(x, ws, bs, m_splits):
+    """Per-group reference with torch ops (autograd through it)."""
+    outs, start = [], 0
+    for i, m in enumerate(m_splits):
+        y = x[start:start + m] @ ws[i].t()
+        outs.append(y + bs[i] if bs is not None else y)
+        start += m
+    return torch.cat(outs)
+
+
+def _gl(n=3, fin=32, fout=16, **kw):
+    kw.setdefault("device", "cpu")
+    return te().GroupedLinear(n, fin, fout, **kw)
+
+
+@check
+def grouped_linear_keywords():
+    # grouped_linear.py:559-581: TE 2.10's keywords, no other (no ``name``, which Linear has)
+    t = te()
+    g = t.GroupedLinear(2, 16, 32, sequence_parallel=False, fuse_wgrad_accumulation=False,
+                        tp_group=None, tp_size=1, get_rng_state_tracker=None,
+                        rng_tracker_name="expert-parallel-rng", init_method=None, bias=True,
+                        return_bias=False, params_dtype=torch.float32, parallel_mode=None,
+                        device="cpu", ub_overlap_rs=False, ub_overlap_ag=False, ub_name=None,
+                        delay_wgrad_compute=False, save_original_input=False)
+    assert [n for n, _ in g.named_parameters()] == ["weight0", "bias0", "weight1", "bias1"]
+    assert tuple(g.weight1.shape) == (32, 16) and tuple(g.bias0.shape) == (32,)
+    assert torch.all(g.bias0 == 0)  # init_method_constant(0.0) (grouped_linear.py:665)
+    for bad in ({"name": "x"}, {"not_a_te_keyword": 1}, {"normalization": "RMSNorm"}):
+        with pytest.raises(TypeError):
+            _gl(**bad)
+    nb = _gl(bias=False)
+    assert [n for n, _ in nb.named_parameters()] == ["weight0", "weight1", "weight2"]
+    assert nb.bias0.numel() == 0 and not isinstance(nb.bias0, torch.nn.Parameter)
+    with pytest.raises(AssertionError, match="GroupedLinear doesn't support Userbuffer overlap"):
+        _gl(ub_overlap_ag=True)
+    with pytest.raises(ValueError, match="doesn't support bias when TP > 1"):
+        _gl(tp_size=2, parallel_mode="column")
+    with pytest.raises(AssertionError, match="parallel_mode diagonal not supported"):
+        _gl(parallel_mode="diagonal")
+    with pytest.raises(AssertionError, match="16 is not divisible by 3"):
+        _gl(fout=16, tp_size=3, bias=False, parallel_mode="column")
+    col = _gl(fin=32, fout=64, tp_size=2, bias=False, parallel_mode="column", sequence_parallel=True)
+    assert tuple(col.weight0.shape) == (32, 32) and col.sequence_parallel
+    assert (col.weight2.partition_dim, col.weight2.tensor_model_parallel) == (0, True)
+    row = _gl(fin=32, fout=64, tp_size=2, bias=False, parallel_mode="row")
+    assert tuple(row.weight0.shape) == (64, 16) and row.weight1.partition_dim == 1
+    with pytest.raises(AssertionError, match="TP group not initialized"):  # base.py:1051-1052
+        row(torch.randn(4, 16), [4, 0, 0])
+    cb = _gl(parallel_mode="column")  # a column bias is split with the weight
+    assert cb.bias1.partition_dim == 0 and not hasattr(_gl().bias0, "partition_dim")
+    with pytest.raises(NotImplementedError):
+        _gl(delay_wgrad_compute=True)
+
+
+@check
+def grouped_linear_init_inside_rng_fork():
+    """base.py:1221-1251: each weight{i}'s init_method runs inside
+    get_rng_state_tracker().fork(rng_tracker_name); biases zero, outside any fork."""
+    import contextlib
+
+    forks = []
+
+    class Tracker:
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            forks.append(name)
+            state = torch.get_rng_state()
+            torch.manual_seed(1234)
+            try:
+                yield
+            finally:
+                torch.set_rng_state(state)
+
+    seen = []
+
+    def init(w):
+        seen.append(tuple(w.shape))
+        torch.nn.init.normal_(w)
+
+    torch.manual_seed(0)
+    g = _gl(n=2, get_rng_state_tracker=Tracker, rng_tracker_name="expert-parallel-rng",
+            init_method=init)
+    assert forks == ["expert-parallel-rng"] * 2 and seen == [(16, 32)] * 2
+    torch.manual_seed(1234)
+    torch.testing.assert_close(g.weight0, torch.randn(16, 32), rtol=0, atol=0)
+    assert torch.equal(g.weight0, g.weight1)  # each fork starts from the tracker's state
+    torch.manual_seed(0)
+    free = _gl(n=2, init_method=init)  # no tracker: the default generator
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 32), torch.randn(16, 32)
+    assert torch.equal(free.weight0, a) and torch.equal(free.weight1, b)
+
+
+@check
+def grouped_linear_m_splits_asserted():
+    t, r = te(), recipe()
+    g = _gl(n=3, fin=32, fout=16, bias=False)
+    x = torch.randn(48, 32)
+    with pytest.raises(AssertionError, match="Number of splits should match number of GEMMs."):
+        g(x, [16, 32])  # grouped_linear.py:753
+    with pytest.raises(TypeError):  # a device tensor of sizes: torch.split refuses it
+        g(x, torch.tensor([16, 0, 32]))
+    with pytest.raises(RuntimeError, match="split_with_sizes"):  # sizes must sum to the rows
+        g(x, [16, 0, 16])
+    with pytest.raises(ValueError, match="is not compatible with weight tensor"):  # 131-135
+        g(torch.randn(48, 24), [16, 0, 32])
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.Float8CurrentScaling()):
+        with pytest.raises(TypeError):  # split_quantize's std::vector<int>
+            g(x, torch.tensor([16, 0, 32]))
+        with pytest.raises(RuntimeError, match="Attempted to split tensor with shape"):
+            g(x, [16, 16, 32])  # cast.cpp:729-733
+        with pytest.raises(RuntimeError, match="Attempted to split tensor with shape"):
+            g(x, [64, -16, 0])
+        y = g(x, [16, 0, 16])  # split_quantize allows splits summing below the rows
+        assert tuple(y.shape) == (32, 16)
+
+
+@check
+def grouped_linear_math_forward_backward():
+    """fp32, no FP8: out, dgrad, wgrad and bias grads equal a per-group torch reference; an
+    empty group gets zero gradients; a 3-D input keeps its middle dims (grouped_linear.py:286);
+    return_bias returns one bias per GEMM (816-817)."""
+    torch.manual_seed(0)
+    m_splits = [5, 0, 7, 4]
+    g = _gl(n=4, fin=12, fout=8)
+    with torch.no_grad():
+        for i in range(4):
+            getattr(g, f"bias{i}").normal_()
+    ws = [getattr(g, f"weight{i}") for i in range(4)]
+    bs = [getattr(g, f"bias{i}") for i in range(4)]
+    x = torch.randn(16, 12, requires_grad=True)
+    y = g(x, m_splits)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    got = [x.grad.clone()] + [w.grad.clone() for w in ws] + [b.grad.clone() for b in bs]
+    wr = [w.detach().clone().requires_grad_() for w in ws]
+    br = [b.detach().clone().requires_grad_() for b in bs]
+    xr = x.detach().clone().requires_grad_()
+    yr = _gl_ref(xr, wr, br, m_splits)
+    yr.backward(gy)
+    torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
+    want = [xr.grad] + [w.grad for w in wr] + [b.grad for b in br]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(ws[1].grad) == 0 and torch.count_nonzero(bs[1].grad) == 0
+    x3 = torch.randn(8, 2, 12)
+    torch.testing.assert_close(g(x3, [6, 2, 8, 0]).reshape(16, 8),
+                               _gl_ref(x3.reshape(16, 12), ws, bs, [6, 2, 8, 0]).detach())
+    rb = _gl(n=2, fin=12, fout=8, return_bias=True)
+    _, biases = rb(torch.randn(6, 12), [2, 4])
+    assert isinstance(biases, list) and len(biases) == 2 and torch.equal(biases[1], rb.bias1)
+    xb = torch.randn(6, 12)
+    out, _ = rb(xb, [2, 4])  # the bias is returned, not added
+    torch.testing.assert_close(out, _gl_ref(xb, [rb.weight0, rb.weight1], None, [2, 4]))
+
+
+@check
+def grouped_linear_fp8_alignment_as_te():
+    """TE's C++ checks (no Python dims assert in GroupedLinear): per-tensor scaling needs
+    k % 16 of every non-empty GEMM (cublaslt_gemm.cu:157-158) -- in features in the forward,
+    the group's rows in the wgrad (so an unaligned split fails in the backward); MXFP8 every
+    split's rows and the width % 32 (quantizer.cpp:1114-1116); block scaling also the outer
+    dims % 8 (cublaslt_gemm.cu:205-210, 291-297). Without FP8 nothing is required."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as mgr
+
+    t, r = te(), recipe()
+    mgr.reset()
+    torch.manual_seed(0)
+    g24 = _gl(n=2, fin=24, fout=16, bias=False)
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.DelayedScaling()):
+        with pytest.raises(RuntimeError, match="Leading dimension requirement on A for FP8 GEMM"):
+            g24(torch.randn(32, 24), [16, 16])
+    for rec in (r.DelayedScaling(), r.Float8CurrentScaling()):
+        # a module per recipe: the fake's delayed-scaling buffer keeps a module's fp8_meta (TE
+        # keeps its tensors), so one module switched from delayed to another recipe breaks it
+        g = _gl(n=3, fin=32, fout=16, bias=False)
+        x = torch.randn(40, 32, requires_grad=True)
+        with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+            y = g(x, [8, 0, 32])  # forward: no row requirement
+        with pytest.raises(RuntimeError, match="Leading dimension requirement on A for FP8 GEMM"):
+            y.sum().backward()  # wgrad: k = 8 rows
+        with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+            g(x[:32].detach().requires_grad_(), [16, 0, 16]).sum().backward()  # aligned + empty
+    g = _gl(n=3, fin=32, fout=16, bias=False)
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.MXFP8BlockScaling()):
+        with pytest.raises(RuntimeError, match="MXFP8 requires tensor dims that are divisible by 32"):
+            g(torch.randn(48, 32), [16, 0, 32])
+        with pytest.raises(RuntimeError, match=r"divisible by 32 \(got shape=\[16, 32\]\)"):
+            g(torch.randn(64, 32), [32, 0, 32])  # the weights' casts: out features 16
+        _gl(n=3, fin=32, fout=32, bias=False)(torch.randn(64, 32, requires_grad=True),
+                                              [32, 0, 32]).sum().backward()
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.Float8BlockScaling()):
+        with pytest.raises(RuntimeError, match="Outer dimension requirement on B for NVTE_BLOCK"):
+            g(torch.randn(36, 32), [4, 0, 32])
+        y = g(torch.randn(40, 32, requires_grad=True), [8, 0, 32])
+    with pytest.raises(RuntimeError, match="Leading dimension requirement on NVTE_BLOCK_SCALING"):
+        y.sum().backward()
+    g(torch.randn(40, 32, requires_grad=True), [8, 0, 32]).sum().backward()  # no FP8: any split
+    mgr.reset()
+
+
+@check
+def grouped_linear_fp8_numerics_and_delayed_state():
+    """One fp8 meta for the module, num_gemms * 3 forward / * 2 backward (base.py:731), GEMM i
+    on indices 3i (input), 3i + 1 (weight), 2i (output gradient) (grouped_linear.py:604-608,
+    768-785, 894-898); registered once in the autocast's buffer; scales updated at the exit
+    (forward) and in the first module's backward; _extra_state round-trips."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as mgr
+
+    t, r = te(), recipe()
+    mgr.reset()
+    torch.manual_seed(0)
+    m_splits = [16, 0, 32]
+    g = _gl(n=3, fin=32, fout=16, bias=False)
+    ws = [getattr(g, f"weight{i}").detach() for i in range(3)]
+    x = torch.randn(48, 32, requires_grad=True)
+    rec = r.DelayedScaling(amax_history_len=4, fp8_format=r.Format.HYBRID, margin=0)
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        y = g(x, m_splits)  # first step: every scale 1
+    fwd, bwd = g.fp8_meta["scaling_fwd"], g.fp8_meta["scaling_bwd"]
+    assert g.fp8_meta["num_gemms"] == 3
+    assert fwd.scale.shape == (9,) and fwd.amax_history.shape == (4, 9) and bwd.scale.shape == (6,)
+    one = torch.tensor(1.0)
+    xs = [x.detach()[:16], x.detach()[16:16], x.detach()[16:]]
+    def q(v):
+        return _ref_qdq(v, one, torch.float8_e4m3fn, 448.0)
+
+    ref = torch.cat([q(xs[0]) @ q(ws[0]).t(), q(xs[2]) @ q(ws[2]).t()])
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    for i in (0, 2):  # exit: scale = 448 / amax, per GEMM
+        torch.testing.assert_close(fwd.scale[3 * i], 448.0 / xs[i].abs().amax())
+        torch.testing.assert_close(fwd.scale[3 * i + 1], 448.0 / ws[i].abs().amax())
+        assert fwd.scale[3 * i + 2] == 1.0  # the output is not cast
+    assert fwd.scale[3] == 1.0  # the empty group's input: no amax
+    torch.testing.assert_close(fwd.scale[4], 448.0 / ws[1].abs().amax())  # its weight is cast
+    gy = torch.randn_like(y)
+    y.backward(gy)  # the first module's backward
+    for i in (0, 2):
+        gi = gy[:16] if i == 0 else gy[16:]
+        torch.testing.assert_close(bwd.scale[2 * i], 57344.0 / gi.abs().amax())
+    assert bwd.scale[2] == 1.0 and bwd.scale[1] == 1.0
+    keys = [k for k in mgr.global_amax_buffer]
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        g(x, m_splits)
+    assert [len(mgr.global_amax_buffer[k]) for k in keys] == [1, 1]  # registered once
+    state = g.state_dict()
+    assert state["_extra_state"].numel() > 0
+    g2 = _gl(n=3, fin=32, fout=16, bias=False)
+    g2.load_state_dict(state)
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert torch.equal(g2.fp8_meta[key].scale, g.fp8_meta[key].scale)
+        assert torch.equal(g2.fp8_meta[key].amax_history, g.fp8_meta[key].amax_history)
+    with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+        assert torch.equal(g2(x, m_splits), g(x, m_splits))
+    mgr.reset()
+    # tensorwise (current scaling): each group's own scales; gradients in e5m2
+    torch.manual_seed(1)
+    xh = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    gb = _gl(n=3, fin=32, fout=16, bias=False, params_dtype=torch.bfloat16)
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.Float8CurrentScaling()):
+        yb = gb(xh, m_splits)
+    parts, start = [], 0
+    for i, m in enumerate(m_splits):
+        if m:
+            xi, wi = xh.detach()[start:start + m].float(), getattr(gb, f"weight{i}").detach().float()
+            parts.append((_ref_qdq(xi, 448.0 / xi.abs().amax(), torch.float8_e4m3fn, 448.0)
+                          @ _ref_qdq(wi, 448.0 / wi.abs().amax(), torch.float8_e4m3fn, 448.0).t()
+                          ).to(torch.bfloat16))
+        start += m
+    assert torch.equal(yb, torch.cat(parts))
+    hp = gb(xh, m_splits)
+    err = ((yb.float() - hp.float()).abs().max() / hp.float().abs().max()).item()
+    assert 1e-3 < err < 0.1, err
+
+
+@check
+def grouped_linear_fuse_wgrad_into_main_grad():
+    """grouped_linear.py:349-354, 394-478: the wgrad GEMM writes into weight.main_grad,
+    accumulating unless is_first_microbatch is True or weight0.overwrite_main_grad; with
+    Megatron's DDP mark (grad_added_to_main_grad) it is set and a dummy gradient returned;
+    main_grad is read in the backward (no main_grad: AttributeError)."""
+    torch.manual_seed(0)
+    m_splits = [3, 0, 5]
+    x = torch.randn(8, 16)
+    gy = torch.randn(8, 8)
+    g = _gl(n=3, fin=16, fout=8, bias=False, fuse_wgrad_accumulation=True)
+    ws = [getattr(g, f"weight{i}") for i in range(3)]
+    ref = [torch.zeros(8, 16), torch.zeros(8, 16), torch.zeros(8, 16)]
+    ref[0], ref[2] = gy[:3].t() @ x[:3], gy[3:].t() @ x[3:]
+    for w in ws:
+        w.main_grad = torch.ones(8, 16)
+        w.grad_added_to_main_grad = False
+    g(x, m_splits).backward(gy)
+    for w, rf in zip(ws, ref):
+        torch.testing.assert_close(w.main_grad, 1 + rf)
+        assert w.grad_added_to_main_grad is True and torch.count_nonzero(w.grad) == 0
+    g(x, m_splits, is_first_microbatch=True).backward(gy)  # overwritten
+    for w, rf in zip(ws, ref):
+        torch.testing.assert_close(w.main_grad, rf)
+    g(x, m_splits, is_first_microbatch=False).backward(gy)  # accumulated
+    for w, rf in zip(ws, ref):
+        torch.testing.assert_close(w.main_grad, 2 * rf)
+    ws[0].overwrite_main_grad = True
+    g(x, m_splits).backward(gy)
+    for w, rf in zip(ws, ref):
+        torch.testing.assert_close(w.main_grad, rf)
+    plain = _gl(n=3, fin=16, fout=8, bias=False, fuse_wgrad_accumulation=True)
+    for i in range(3):
+        getattr(plain, f"weight{i}").main_grad = torch.zeros(8, 16)
+    plain(x, m_splits).backward(gy)  # no DDP mark: no gradient returned
+    assert all(getattr(plain, f"weight{i}").grad is None for i in range(3))
+    with pytest.raises(AttributeError, match="main_grad"):
+        _gl(n=3, fin=16, fout=8, bias=False, fuse_wgrad_accumulation=True)(x, m_splits).backward(gy)
+
+
+@check
+def grouped_linear_recipe_refusals():
+    # grouped_linear.py:688-692 and 100-101
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as mgr
+
+    t, r = te(), recipe()
+    mgr.reset()
+    g = _gl(n=2, fin=32, fout=32, bias=False, tp_size=2, parallel_mode="column")
+    g.set_tensor_parallel_group(None)
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.Float8CurrentScaling()):
+        with pytest.raises(AssertionError, match="doesn't support TP > 1 with Float8 current"):
+            g(torch.randn(32, 32), [16, 16])
+    s = _gl(n=2, fin=32, fout=16, save_original_input=True)
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.DelayedScaling()):
+        with pytest.raises(ValueError, match="DelayedScaling recipe is not supported with save_orig"):
+            s(torch.randn(32, 32), [16, 16])
+    s = _gl(n=2, fin=32, fout=16, save_original_input=True)  # see grouped_linear_fp8_alignment
+    with t.fp8_autocast(enabled=True, fp8_recipe=r.Float8CurrentScaling()):
+        s(torch.randn(32, 32), [16, 16])  # only delayed scaling is refused
+    mgr.reset()
+
+
+@check
+def megatron_te_grouped_linear_builds_and_computes():
+    """Megatron's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (is_expert, world
+    1) build on the fake with the keywords they pass, return (out, None) and compute per group."""
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelGroupedLinear, TERowParallelGroupedLinear)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.distributed import init_distributed
+
+    init_distributed(backend="gloo")
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2,
+                            use_cpu_initialization=True, add_bias_linear=False,
+                            num_moe_experts=3, moe_ffn_hidden_size=48)
+    init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+    fc1 = TEColumnParallelGroupedLinear(3, 32, 48, config=cfg, init_method=init, bias=False,
+                                        skip_bias_add=False, is_expert=True)
+    fc2 = TERowParallelGroupedLinear(3, 48, 32, config=cfg, init_method=init, bias=False,
+                                     skip_bias_add=False, is_expert=True)
+    assert [n for n, _ in fc1.named_parameters()] == ["weight0", "weight1", "weight2"]
+    assert tuple(fc1.weight0.shape) == (48, 32) and tuple(fc2.weight2.shape) == (32, 48)
+    assert fc1.rng_tracker_name == "expert-parallel-rng"
+    x = torch.randn(10, 32)
+    h, b = fc1(x, [4, 0, 6])
+    assert b is None
+    torch.testing.assert_close(h, _gl_ref(x, [fc1.weight0, fc1.weight1, fc1.weight2], None,
+                                          [4, 0, 6]))
+    y, _ = fc2(h, [4, 0, 6])
+    assert tuple(y.shape) == (10, 32)
+
+
+@check
+def package_te_experts_match_grouped_mm_experts():
+    """megatron_fastpath's TEGroupedSwiGLUExperts on the fake GroupedLinear (built on "cuda" in
+    the CUDA-as-CPU mode) equals its GroupedSwiGLUExperts (torch._grouped_mm) with the same
+    weights in fp32: outputs, input and weight gradients, with and without permuted probs."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.moe.experts import GroupedSwiGLUExperts, TEGroupedSwiGLUExperts
+    from tests.support.cuda_as_cpu import cuda_as_cpu
+
+    H, FF, E = 16, 32, 4
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=FF,
+                            moe_ffn_hidden_size=FF, num_moe_experts=E, moe_router_topk=2,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            use_cpu_initialization=True)
+    torch.manual_seed(0)
+    with cuda_as_cpu():
+        te_ex = TEGroupedSwiGLUExperts(E, cfg)
+        ref = GroupedSwiGLUExperts(E, cfg)
+        assert type(te_ex.linear_fc1).__module__.startswith("transformer_engine.pytorch")
+        with torch.no_grad():
+            for i in range(E):
+                getattr(te_ex.linear_fc1, f"weight{i}").copy_(ref.weight1[i].t())
+                getattr(te_ex.linear_fc2, f"weight{i}").copy_(ref.weight2[i].t())
+        sizes = [5, 0, 7, 4]
+        for probs in (None, torch.rand(sum(sizes))):
+            x = torch.randn(sum(sizes), H)
+            gy = torch.randn(sum(sizes), H)
+            outs = []
+            for ex in (te_ex, ref):
+                ex.zero_grad(set_to_none=True)
+                xi = x.clone().requires_grad_()
+                y, bias = ex(xi, torch.tensor(sizes), probs)
+                assert bias is None
+                y.backward(gy)
+                outs.append((y.detach(), xi.grad))
+            (y_te, dx_te), (y_ref, dx_ref) = outs
+            torch.testing.assert_close(y_te, y_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(dx_te, dx_ref, rtol=1e-5, atol=1e-6)
+            for i in range(E):
+                torch.testing.assert_close(getattr(te_ex.linear_fc1, f"weight{i}").grad,
+                                           ref.weight1.grad[i].t(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(getattr(te_ex.linear_fc2, f"weight{i}").grad,
+                                           ref.weight2.grad[i].t(), rtol=1e-5, atol=1e-6)
+            assert torch.count_nonzero(te_ex.linear_fc1.weight1.grad) == 0  # the empty expert
+
+
 if __name__ == "__main__":
     results = {}
     for name, fn in CHECKS.items():

@@ -39,6 +39,16 @@ CHECK_NAMES = [
     "compat_restore_goes_through_te_methods",
     "fp8_recompute_state_reenters_the_recipe",
     "megatron_te_wrappers_build_and_compute",
+    "grouped_linear_keywords",
+    "grouped_linear_init_inside_rng_fork",
+    "grouped_linear_m_splits_asserted",
+    "grouped_linear_math_forward_backward",
+    "grouped_linear_fp8_alignment_as_te",
+    "grouped_linear_fp8_numerics_and_delayed_state",
+    "grouped_linear_fuse_wgrad_into_main_grad",
+    "grouped_linear_recipe_refusals",
+    "megatron_te_grouped_linear_builds_and_computes",
+    "package_te_experts_match_grouped_mm_experts",
 ]
 
 
