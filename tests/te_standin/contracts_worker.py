@@ -943,6 +943,64 @@ def package_te_experts_match_grouped_mm_experts():
             assert torch.count_nonzero(te_ex.linear_fc1.weight1.grad) == 0  # the empty expert
 
 
+@check
+def package_te_experts_fp8_need_the_dispatch_padding():
+    """The package's FP8 dispatch padding (MoEDispatchConfig.from_transformer_config: Megatron's
+    get_fp8_align_size, 16 / 32 for MXFP8) makes every split of TEGroupedSwiGLUExperts what TE's
+    FP8 GEMMs need: forward + backward run under delayed scaling and MXFP8. Unpadded splits
+    (13, 20, 15 rows) fail as TE fails: MXFP8 in the forward's cast, delayed scaling in the
+    backward's wgrad GEMM."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fastpath.moe.config import MoEDispatchConfig
+    from megatron_fastpath.moe.dispatch import build_dispatch_plan, combine_tokens, permute_tokens
+    from megatron_fastpath.moe.experts import TEGroupedSwiGLUExperts
+    from tests.support.cuda_as_cpu import cuda_as_cpu
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as mgr
+
+    t, r = te(), recipe()
+    H, FF, E, T = 32, 32, 4, 24
+    counts = [13, 0, 20, 15]  # 48 = T * k pairs
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].view(T, 2)
+    for name, rec, align in (("delayed", r.DelayedScaling(), 16), ("mxfp8", r.MXFP8BlockScaling(), 32)):
+        mgr.reset()
+        cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                                ffn_hidden_size=FF, moe_ffn_hidden_size=FF, num_moe_experts=E,
+                                moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
+                                add_bias_linear=False, use_cpu_initialization=True, fp8="hybrid"
+                                if name == "delayed" else "e4m3", fp8_recipe=name)
+        dcfg = MoEDispatchConfig.from_transformer_config(cfg)
+        assert dcfg.pad_multiple == align
+        torch.manual_seed(0)
+        with cuda_as_cpu():
+            ex = TEGroupedSwiGLUExperts(E, cfg)
+        x = torch.randn(T, H, requires_grad=True)
+        plan = build_dispatch_plan(ids, dcfg)
+        sizes = plan.group_sizes_E.tolist()
+        assert all(s % align == 0 for s in sizes) and sum(sizes) == plan.num_rows, sizes
+        with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+            y_R, _ = ex(permute_tokens(x, plan), plan.group_sizes_E)
+        combine_tokens(y_R, plan).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        unpadded = build_dispatch_plan(ids, dataclasses.replace(dcfg, pad_multiple=1))
+        assert unpadded.group_sizes_E.tolist() == counts
+        xu = permute_tokens(x.detach(), unpadded).requires_grad_()
+        if name == "mxfp8":
+            with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+                with pytest.raises(RuntimeError, match="MXFP8 requires tensor dims that are divisible"):
+                    ex(xu, unpadded.group_sizes_E)
+        else:
+            with t.fp8_autocast(enabled=True, fp8_recipe=rec):
+                y_R, _ = ex(xu, unpadded.group_sizes_E)
+            with pytest.raises(RuntimeError, match="Leading dimension requirement on A for FP8"):
+                y_R.sum().backward()
+    mgr.reset()
+
+
 if __name__ == "__main__":
     results = {}
     for name, fn in CHECKS.items():

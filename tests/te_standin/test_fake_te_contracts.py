@@ -49,6 +49,7 @@ CHECK_NAMES = [
     "grouped_linear_recipe_refusals",
     "megatron_te_grouped_linear_builds_and_computes",
     "package_te_experts_match_grouped_mm_experts",
+    "package_te_experts_fp8_need_the_dispatch_padding",
 ]
 
 
