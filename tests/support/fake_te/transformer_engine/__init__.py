@@ -6,8 +6,8 @@ other tests assume TE is absent): ``tests/support/fake_te/activate.py`` puts it 
 ``tests/te_standin``). Written from TE v2.10's source (the asserts cite
 ``transformer_engine/...:line`` at tag v2.10); no TE code is copied. What it provides is what
 Megatron-Core 0.16.1 imports unconditionally once ``import transformer_engine`` succeeds, plus
-the modules of the TE GPT layer spec (Linear, LayerNormLinear, LayerNorm, RMSNorm) with real CPU
-math and the FP8 recipes / autocast. Everything else is absent (an ``ImportError`` Megatron
+the modules of the TE GPT layer spec (Linear, LayerNormLinear, LayerNorm, RMSNorm,
+DotProductAttention) with real CPU math and the FP8 recipes / autocast. Everything else is absent (an ``ImportError`` Megatron
 catches) or raises ``NotImplementedError`` naming the fake.
 """
 

@@ -29,6 +29,26 @@ def assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
         )
 
 
+# The fake's GPU: a Hopper (sm90), as the rest of the fake answers (quantization.py
+# get_default_fp8_recipe; the fake CUDA graph's device_capability_standin((9, 0))), with a recent
+# cuDNN. TE reads both for its attention backend selection (attention/dot_product_attention/
+# utils.py:351-352, get_attention_backend).
+FAKE_DEVICE_COMPUTE_CAPABILITY = (9, 0)
+FAKE_CUDNN_VERSION = (9, 15, 0)
+
+
+def get_device_compute_capability():
+    """pytorch/utils.py:67-69: the current GPU's (major, minor) -- the fake's sm90."""
+    return FAKE_DEVICE_COMPUTE_CAPABILITY
+
+
+def get_cudnn_version():
+    """pytorch/utils.py:500-508: the runtime cuDNN (major, minor, patch) -- 9.15.0 here (on sm90
+    every cuDNN >= 9.7 other than 9.10.0 gives TE 2.10's attention backend selection the same
+    answers for the inputs the fake DotProductAttention serves)."""
+    return FAKE_CUDNN_VERSION
+
+
 def cast_if_needed(tensor, dtype):
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
