@@ -567,6 +567,32 @@ INDIRECT: tuple[IndirectEntry, ...] = (
         "megatron/core/tensor_parallel/random.py, _set_cuda_rng_state(graph_safe=True)",
         where=("checkpoint/rng.py", "capture_rng", ("get_states",)),
     ),
+    IndirectEntry(
+        "transformer_engine.pytorch.DotProductAttention (the base of Megatron's "
+        "TEDotProductAttention, built by Megatron's TE layer spec: linear_impl='te' with "
+        "packed_cache=False)",
+        ("tests.support.fake_te.transformer_engine.pytorch.DotProductAttention",),
+        "the fake TE 2.10's DotProductAttention (child processes only): TE 2.10's constructor "
+        "keywords (any other: TypeError) and checks (mask type, window, attention_type, GQA "
+        "divisibility); a TransformerEngineBaseModule with TE's init_fp8_metadata / "
+        "set_meta_tensor (9 forward / 6 backward FP8 slots, pickled _extra_state); forward "
+        "asserts TE's dtype / shape / head-dim / GQA / mask-type / qkv_format / padding-mask / "
+        "bias-shape checks and, while TE's capture flag is set, TE's CudaRNGStatesTracker and "
+        "graph-safe RNG; backend selection as TE on sm90 / cuDNN 9.15 without flash-attn (FP8 "
+        "attention only on FusedAttention's FP8 sub-backend: delayed scaling, bf16/fp16, "
+        "sbhd/bshd, no bias, d=128 for training; otherwise TE's 'No dot product attention "
+        "backend' ValueError; MXFP8 / block recipes with fp8_dpa assert); device-only fp32 "
+        "math (causal top-left / bottom-right, window, padding, arbitrary, GQA, pre/post-scale "
+        "bias, dropout in the tracker's fork), FP8 emulated as TE's FP8EmulationFunc; THD, CP, "
+        "KV cache, ALiBi, non-vanilla softmax raise NotImplementedError (tests/te_standin/"
+        "test_fake_te_attention.py)",
+        "transformer_engine/pytorch/attention/dot_product_attention/{dot_product_attention,"
+        "utils,backends}.py, common/fused_attn/fused_attn.cpp nvte_get_fused_attn_backend "
+        "(TE v2.10; each check cites its line); megatron/core/extensions/transformer_engine.py "
+        "TEDotProductAttention (Megatron-Core 0.16.1)",
+        where=("layer_spec.py", "megatron_base_spec",
+               ("get_gpt_layer_with_transformer_engine_spec",)),
+    ),
 )
 
 # Every module of megatron_fastpath/compat/: what it wraps, and where its GPU calls are listed.
