@@ -395,7 +395,10 @@ class fake_graph:
 
 
 class FakeCudaGenerator:
-    """A CUDA generator's graph-safe API over a CPU ``torch.Generator`` (state only)."""
+    """A CUDA generator's graph-safe API over a CPU ``torch.Generator`` (state only), with
+    torch's sharing of states (``graph_safe_standins.FakeCudaTorchGenerator`` says how:
+    ``graphsafe_get_state`` hands out a new generator on the same state, ``graphsafe_set_state``
+    points this one at another's state, no copy)."""
 
     def __init__(self, seed: int = 0):
         self.gen = torch.Generator()
@@ -423,11 +426,14 @@ class FakeCudaGenerator:
         return g
 
     def graphsafe_get_state(self):
-        return self
+        g = FakeCudaGenerator()
+        g.gen = self.gen  # the same state object (CUDAGeneratorImpl::graphsafe_get_state)
+        return g
 
     def graphsafe_set_state(self, other):
-        if other is not self:
-            self.gen.set_state(other.gen.get_state())
+        if not isinstance(other, FakeCudaGenerator):
+            raise RuntimeError("Expected a CUDA Generator")
+        self.gen = other.gen  # state_ = cuda_gen->state_ (CUDAGeneratorImpl::graphsafe_set_state)
 
 
 def _capturable_devices_with_cpu(real):

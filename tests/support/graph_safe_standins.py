@@ -87,22 +87,65 @@ def graph_safe_flash_attn_module() -> types.ModuleType:
 
 class FakeCudaTorchGenerator(torch.Generator):
     """A CUDA generator's graph-safe API (``clone_state``, ``graphsafe_get_state`` /
-    ``graphsafe_set_state``) on a CPU ``torch.Generator`` -- an instance of ``torch.Generator``,
-    as a real CUDA generator and every state Megatron's graph-safe RNG tracker clones from it
-    are (the package's checkpoint RNG capture, ``checkpoint/rng.py``, relies on it;
-    ``fake_cuda_graph.FakeCudaGenerator`` is a plain object)."""
+    ``graphsafe_set_state``) over a CPU state -- an instance of ``torch.Generator``, as a real
+    CUDA generator and every state Megatron's graph-safe RNG tracker clones from it are (the
+    package's checkpoint RNG capture, ``checkpoint/rng.py``, relies on it;
+    ``fake_cuda_graph.FakeCudaGenerator`` is a plain object).
 
-    def clone_state(self):
-        g = FakeCudaTorchGenerator()
-        g.set_state(self.get_state())
-        return g
+    As torch 2.13's ``CUDAGeneratorImpl`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp), a
+    generator points at a state object (``state_``) that several generators may share:
 
-    def graphsafe_get_state(self):
+    * ``graphsafe_get_state()`` returns a *new* generator pointing at the current state
+      (``make_intrusive<CUDAGeneratorImpl>(device().index(), state_)``): a handle, not a copy --
+      what later advances the generator advances the handle's state too;
+    * ``graphsafe_set_state(gen)`` makes this generator point at ``gen``'s state (``state_ =
+      cuda_gen->state_``; anything but a CUDA generator: "Expected a CUDA Generator") -- no copy:
+      Megatron's graph-safe ``fork()`` switches the default generator to the tracker's named
+      state and back this way, and the named state advances meanwhile;
+    * ``clone_state()`` returns a generator with a copy of the state;
+    * ``get_state`` / ``set_state`` / ``manual_seed`` / ``seed`` / ``initial_seed`` act on the
+      state the generator points at (so a handle's ``set_state`` is seen by every generator
+      pointing at that state: the checkpoint restore sets the tracker's states in place).
+
+    Not modelled: drawing (``torch.rand(generator=...)`` uses the object's own CPU state): in
+    the CUDA-as-CPU mode the "CUDA" ops draw from the CPU generator, not from this one."""
+
+    def __new__(cls, state: "torch.Generator | None" = None):
+        return super().__new__(cls)  # torch.Generator.__new__ takes a device, not a state
+
+    def __init__(self, state: "torch.Generator | None" = None):
+        super().__init__()
+        self._state = torch.Generator() if state is None else state  # the shared state object
+
+    def get_state(self):
+        return self._state.get_state()
+
+    def set_state(self, new_state):
+        self._state.set_state(new_state)
         return self
 
+    def manual_seed(self, seed):
+        self._state.manual_seed(seed)
+        return self
+
+    def seed(self):
+        return self._state.seed()
+
+    def initial_seed(self):
+        return self._state.initial_seed()
+
+    def clone_state(self):
+        copy = torch.Generator()
+        copy.set_state(self._state.get_state())
+        return FakeCudaTorchGenerator(copy)
+
+    def graphsafe_get_state(self):
+        return FakeCudaTorchGenerator(self._state)
+
     def graphsafe_set_state(self, other):
-        if other is not self:
-            self.set_state(other.get_state())
+        if not isinstance(other, FakeCudaTorchGenerator):
+            raise RuntimeError("Expected a CUDA Generator")
+        self._state = other._state
 
 
 def _waited(collective):

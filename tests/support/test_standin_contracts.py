@@ -323,3 +323,41 @@ def test_cuda_offload_device_calls_keep_the_contracts():
         dev.mark("compute_end", "layer0")
         start, end = dev.timestamp(off, ("a",)), dev.timestamp(off, ("b",))
         assert dev.elapsed_s(start, end) >= 0
+
+
+# ------------------------------------------------------------- graph-safe CUDA generators
+@pytest.mark.parametrize("session", ["gpu_standins", "fake_cuda_graphs"])
+def test_graph_safe_generators_share_states_as_torch_does(session):
+    """The fake CUDA generators share states as torch 2.13's ``CUDAGeneratorImpl`` does
+    (``graphsafe_get_state``: a new generator on the same state; ``graphsafe_set_state``: point
+    at another's state, no copy), through Megatron's own graph-safe tracker: inside ``fork`` the
+    default generator is the named state (what advances it advances the named state), after it
+    the default generator is back on its own state, unchanged. (Before, ``graphsafe_get_state``
+    returned the generator itself and ``graphsafe_set_state`` copied: after the first fork the
+    tracker's named state *was* the default generator.)"""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    with (gpu_standins() if session == "gpu_standins" else fake_cuda_graphs()):
+        default = torch.cuda.default_generators[0]
+        default.manual_seed(11)
+        before = default.get_state()
+        tracker = CudaRNGStatesTracker(use_cudagraphable_rng=True)
+        tracker.add("model-parallel-rng", 123)
+        named = tracker.get_states()["model-parallel-rng"]
+        assert named is not default and named.initial_seed() == 123
+        assert torch.equal(default.get_state(), before)  # add() clones; the default is untouched
+        for step in range(2):
+            with tracker.fork("model-parallel-rng"):
+                assert default.initial_seed() == 123 + step  # the generator is on the named state
+                default.manual_seed(124 + step)  # an advance of the named state
+            assert torch.equal(default.get_state(), before), step  # back on its own state
+            state = tracker.get_states()["model-parallel-rng"]
+            assert state is not default and state.initial_seed() == 124 + step
+        handle = default.graphsafe_get_state()  # a handle on the default's state, not a copy
+        handle.manual_seed(5)
+        assert default.initial_seed() == 5
+        clone = default.clone_state()  # a copy
+        clone.manual_seed(6)
+        assert default.initial_seed() == 5
+        with pytest.raises(RuntimeError, match="Expected a CUDA Generator"):
+            default.graphsafe_set_state(torch.Generator())
