@@ -35,6 +35,10 @@ class Names:
     capacity_factor: str  # the MoE capacity factor setting (static-shape dispatch)
     fp8_attention: str  # the FP8 dot-product attention flag
     bf16: str  # how to train in bf16
+    fp8_on: str  # how FP8 is on
+    fp8_off: str  # how to turn FP8 off
+    fp8_recipe: str  # the FP8 recipe setting
+    model_sizes: str  # the sizes that make a layer's per-rank GEMM shapes
 
 
 NAMES = {
@@ -52,6 +56,11 @@ NAMES = {
         capacity_factor="TransformerConfig.moe_expert_capacity_factor",
         fp8_attention="TransformerConfig.fp8_dot_product_attention",
         bf16="TransformerConfig.bf16 / params_dtype=torch.bfloat16",
+        fp8_on="TransformerConfig.fp8",
+        fp8_off="TransformerConfig.fp8=None",
+        fp8_recipe="TransformerConfig.fp8_recipe",
+        model_sizes=("hidden_size, num_attention_heads x kv_channels, ffn_hidden_size over "
+                     "tensor_model_parallel_size; the packed length over context_parallel_size"),
     ),
     "main": Names(
         config="the job config",
@@ -66,6 +75,12 @@ NAMES = {
         capacity_factor="fastpath.moe_capacity_factor",
         fp8_attention="fp8.dot_product_attention",
         bf16="training.dtype=bfloat16",
+        fp8_on="fastpath.fp8=true",
+        fp8_off="fastpath.fp8=false",
+        fp8_recipe="fp8.recipe",
+        model_sizes=("model.hidden_size, model.num_attention_heads x kv_channels, "
+                     "model.ffn_hidden_size over parallel.tensor_model_parallel_size; "
+                     "data.max_tokens over parallel.context_parallel_size"),
     ),
     "nemo": Names(
         config="the recipe",
@@ -83,6 +98,12 @@ NAMES = {
         capacity_factor="model.config.moe_expert_capacity_factor",
         fp8_attention="model.config.fp8_dot_product_attention",
         bf16="a bf16 precision plugin (trainer.plugins)",
+        fp8_on="FP8 in the precision plugin or fp8=",
+        fp8_off="fp8=False",
+        fp8_recipe="the precision plugin's fp8_recipe",
+        model_sizes=("model.config hidden_size, num_attention_heads x kv_channels, "
+                     "ffn_hidden_size / moe_ffn_hidden_size over the tensor-parallel size; the "
+                     "packed sequence size over the context-parallel size"),
     ),
     "bridge": Names(
         config="the Bridge config",
@@ -100,6 +121,12 @@ NAMES = {
         capacity_factor="cfg.model.moe_expert_capacity_factor",
         fp8_attention="cfg.model.fp8_dot_product_attention",
         bf16="a bf16 mixed-precision config (cfg.mixed_precision)",
+        fp8_on="FP8 in cfg.mixed_precision or fp8=",
+        fp8_off="fp8=False",
+        fp8_recipe="cfg.mixed_precision.fp8_recipe",
+        model_sizes=("cfg.model hidden_size, num_attention_heads x kv_channels, "
+                     "ffn_hidden_size / moe_ffn_hidden_size over tensor_model_parallel_size; the "
+                     "packed sequence size over context_parallel_size"),
     ),
 }
 
@@ -121,6 +148,11 @@ class RunFacts:
     pipeline_parallel_size / sequence_parallel / offload: the layout and activation offload
         (known to the main job; the CP rule reads them).
     full_iteration: the whole step is captured (the main job's ``cuda_graphs.scope``).
+    head_dim: the attention head width (kv_channels); None when not known.
+    fp8_recipe: FP8's recipe when FP8 is on (None: off); fp8_gemms: (name, in, out) of each of a
+        layer's Transformer Engine FP8 GEMMs on one tensor-parallel rank
+        (``fp8.config.te_linear_gemms``); fp8_tokens: their inputs' leading dim on one rank
+        (None: not known).
     """
 
     names: Names
@@ -141,6 +173,10 @@ class RunFacts:
     sequence_parallel: bool = False
     offload: bool = False
     full_iteration: bool = False
+    head_dim: Optional[int] = None
+    fp8_recipe: Optional[str] = None
+    fp8_gemms: tuple = ()
+    fp8_tokens: Optional[int] = None
 
 
 # The attention backends that run context parallelism with the packed cache (what
@@ -207,6 +243,47 @@ def _fp8_thd_attention(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _fp8_attention_inputs(f: RunFacts) -> Optional[str]:
+    # Without the packed cache the framework's own attention is TE's DotProductAttention on
+    # [s, b, h, d] (sbhd) inputs. TE 2.10 trains FP8 attention on cuDNN's fused FP8 backend only
+    # (dot_product_attention/utils.py:468-480 turn flash-attn and the unfused backend off for
+    # FP8), for bf16 / fp16 inputs (utils.py:444-465) on sm90+ with, in training, head_dim 128 on
+    # sm90 and head_dim <= 128, % 16, on sm100+ (common/fused_attn/fused_attn.cpp:230-258); else
+    # "No dot product attention backend is available" at the first forward.
+    if f.packed_cache or not f.fp8_attention:
+        return None
+    import torch
+
+    fix = f"keep {f.names.fp8_attention}=false (the linears still run in FP8)"
+    if f.dtype is not None and f.dtype not in (torch.bfloat16, torch.float16):
+        return (f"{f.names.fp8_attention}=true with {f.dtype} parameters: Transformer Engine "
+                f"2.10's FP8 attention takes bf16 / fp16 inputs only; train in bf16 or {fix}")
+    cap, d = f.capability, f.head_dim
+    if cap is not None and cap < (9, 0):
+        return (f"{f.names.fp8_attention}=true on a GPU of compute capability {cap[0]}.{cap[1]}: "
+                f"Transformer Engine 2.10's FP8 attention (cuDNN) needs sm90 or newer; {fix}")
+    if d is None:
+        return None
+    if cap is not None and cap < (10, 0) and d != 128:
+        return (f"{f.names.fp8_attention}=true with head_dim {d} on sm{cap[0]}{cap[1]}: cuDNN's FP8 "
+                "attention trains head_dim 128 only there (Transformer Engine 2.10, "
+                f"fused_attn.cpp:246-249); {fix}")
+    if d > 128 or d % 16:
+        return (f"{f.names.fp8_attention}=true with head_dim {d}: cuDNN's FP8 attention trains "
+                "head_dims divisible by 16 up to 128 (128 only on sm90; Transformer Engine 2.10, "
+                f"fused_attn.cpp:246-251); {fix}")
+    return None
+
+
+def _fp8_gemm_shapes(f: RunFacts) -> Optional[str]:
+    # TE asserts its FP8 GEMM shapes at the first forward (fp8.config.fp8_gemm_shape_problem)
+    if f.fp8_recipe is None or f.fp8_tokens is None:
+        return None
+    from megatron_fastpath.fp8.config import fp8_gemm_shape_problem
+
+    return fp8_gemm_shape_problem(f.fp8_recipe, list(f.fp8_gemms), f.fp8_tokens, f.names)
+
+
 def _dropless_ep_in_graphs(f: RunFacts) -> Optional[str]:
     if f.graphs_requested and f.moe_dropless_ep:
         return ("dropless expert parallelism reads split sizes back to the host (one sync per "
@@ -263,6 +340,8 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _context_parallel,
     _full_iteration_graphs,
     _fp8_thd_attention,
+    _fp8_attention_inputs,
+    _fp8_gemm_shapes,
     _dropless_ep_in_graphs,
     _lora_graph_warmup,
     _grouped_mm_in_graphs,

@@ -17,6 +17,8 @@ from megatron_fastpath.integrations import core
 BREAKS = {
     "_context_parallel": dict(context_parallel_size=2, attention_backend="flash"),
     "_fp8_thd_attention": dict(fp8_attention=True),
+    "_fp8_attention_inputs": dict(packed_cache=False, fp8_attention=True, dtype=torch.float32),
+    "_fp8_gemm_shapes": dict(fp8_recipe="delayed", fp8_gemms=(("linear_qkv", 24, 64),), fp8_tokens=64),
     "_dropless_ep_in_graphs": dict(graphs_requested=True, is_moe=True, moe_dropless_ep=True),
     "_lora_graph_warmup": dict(graphs_requested=True, graphs_captured=True, lora=True,
                                graph_warmup_steps=3),
@@ -30,6 +32,8 @@ BREAKS = {
 PHRASES = {
     "_context_parallel": "context parallelism with the packed cache is not served yet",
     "_fp8_thd_attention": "no FP8 attention backend for packed (THD) sequences",
+    "_fp8_attention_inputs": "FP8 attention takes bf16 / fp16 inputs only",
+    "_fp8_gemm_shapes": "Transformer Engine's FP8 GEMMs need leading dims",
     "_dropless_ep_in_graphs": "which aborts graph capture",
     "_lora_graph_warmup": "inputs argument to grad() cannot be empty",
     "_grouped_mm_in_graphs": "sync-free path",
@@ -64,9 +68,12 @@ def test_rule_messages_exist_once_in_the_package():
                     if phrase.split(" (")[0][:30] in strings:
                         found[phrase].append(rel)
     assert {p: f for p, f in found.items()} == {
-        **{p: ["rules.py"] for p in PHRASES.values() if p != PHRASES["_grouped_mm_in_graphs"]},
+        **{p: ["rules.py"] for p in PHRASES.values()
+           if p not in (PHRASES["_grouped_mm_in_graphs"], PHRASES["_fp8_gemm_shapes"])},
         # the grouped_mm reason itself is the experts' own (moe/experts.py), wrapped by the rule
         PHRASES["_grouped_mm_in_graphs"]: [os.path.join("moe", "experts.py")],
+        # the GEMM shapes' reason is fp8/config.py's (TE's assert per recipe), returned by the rule
+        PHRASES["_fp8_gemm_shapes"]: [os.path.join("fp8", "config.py")],
     }
 
 
@@ -179,3 +186,54 @@ def test_packed_core_attention_refuses_cp_with_the_rule():
     with pytest.raises(ValueError) as info:
         PackedCoreAttention(config, 1, None, cache=None)
     assert str(info.value) == want
+
+
+@pytest.mark.parametrize("capability, head_dim, refused", [
+    (None, 128, False), (None, 64, False), (None, 8, True), (None, 256, True), (None, None, False),
+    ((8, 9), 128, True), ((8, 0), 128, True),
+    ((9, 0), 128, False), ((9, 0), 64, True), ((9, 0), 256, True),
+    ((10, 0), 128, False), ((10, 0), 64, False), ((10, 0), 80, False), ((10, 0), 72, True),
+    ((10, 0), 256, True), ((12, 0), 96, False),
+])
+def test_fp8_attention_without_the_cache_takes_what_cudnn_trains(capability, head_dim, refused):
+    """TE 2.10's FP8 attention on Megatron's own sbhd attention (no packed cache): bf16 / fp16,
+    sm90+, head_dim 128 on sm90, <= 128 and % 16 on sm100+ (fused_attn.cpp:230-258); an
+    unknown GPU refuses only what no GPU trains."""
+    facts = dict(names=rules.NAMES["bridge"], packed_cache=False, fp8_attention=True,
+                 dtype=torch.bfloat16, capability=capability, head_dim=head_dim)
+    assert bool(rules.refusals(rules.RunFacts(**facts))) == refused
+    assert rules.refusals(rules.RunFacts(**dict(facts, fp8_attention=False))) == []
+    # the packed cache's THD attention is the other rule's, whatever the shape
+    assert [r for r in rules.refusals(rules.RunFacts(**dict(facts, packed_cache=True)))
+            if "THD" not in r] == []
+
+
+def test_hooks_read_the_head_dim_of_the_model_config():
+    assert core.run_facts(_hook_facts(model=dict(fp8_dot_product_attention=True)),
+                          core.HookRequest(fp8="hybrid")).head_dim == _hook_facts().model.hidden_size // \
+        _hook_facts().model.num_attention_heads
+    assert core.run_facts(_hook_facts(model=dict(kv_channels=128)), core.HookRequest()).head_dim == 128
+
+
+def test_hooks_refuse_the_fp8_gemm_shapes_te_refuses():
+    """The FP8 GEMM shapes TE asserts at the first forward, refused by the hooks too (before,
+    the main job only): per TP rank (an 8-wide linear_proj split at TP 4 of a 32-wide model),
+    MXFP8's blocks of 32 (16 packed tokens per CP rank), and the te_grouped_linear experts' own
+    GEMMs (a 24-wide expert FFN), each with the hook's spelling."""
+    fp8_model = dict(fp8_dot_product_attention=False)
+    ok = core.refusals(_hook_facts(model=fp8_model), core.HookRequest(fp8="hybrid", moe_expert_backend="grouped_mm"))
+    assert ok == [], ok
+    tp8 = _hook_facts(model=dict(tensor_model_parallel_size=8, num_moe_experts=None, ffn_hidden_size=128,
+                                 num_attention_heads=2, num_query_groups=2, kv_channels=32))
+    reasons = core.refusals(tp8, core.HookRequest(fp8="hybrid"))
+    assert [r for r in reasons if "linear_proj on a rank is 64 tokens x 8 -> 64" in r and "fp8=False" in r], reasons
+    mx = core.refusals(_hook_facts(packed_size=32, context_parallel_size=1),
+                       core.HookRequest(fp8="hybrid", fp8_recipe="mxfp8", moe_expert_backend="grouped_mm"))
+    assert mx == [], mx
+    mx = core.run_facts(_hook_facts(packed_size=32, context_parallel_size=2),
+                        core.HookRequest(fp8="hybrid", fp8_recipe="mxfp8"))
+    assert "16 tokens" in rules._fp8_gemm_shapes(mx) and "fp8_recipe" in rules._fp8_gemm_shapes(mx)
+    experts = core.run_facts(_hook_facts(model=dict(moe_ffn_hidden_size=24)),
+                             core.HookRequest(fp8="hybrid", moe_expert_backend="te_grouped_linear"))
+    assert "experts.linear_fc1" in rules._fp8_gemm_shapes(experts)
+    assert core.run_facts(_hook_facts(), core.HookRequest(fp8=False)).fp8_recipe is None

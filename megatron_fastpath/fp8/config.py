@@ -87,28 +87,57 @@ def te_linear_gemms(model, tp: int) -> list:
     return gemms
 
 
-def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int):
+def te_gemms_of_config(config, tp: int, te_experts: bool) -> list:
+    """:func:`te_linear_gemms` of a framework's Megatron ``TransformerConfig`` (the hooks): its
+    kv_channels, query groups and gated fc1; with ``te_experts`` (the te_grouped_linear MoE
+    experts, TE's GroupedLinear) each expert's fc1 / fc2 too, named ``experts.*`` (their
+    rows are the dispatcher's padded groups, aligned to the recipe)."""
+    heads = config.num_attention_heads
+    head = config.kv_channels or config.hidden_size // heads
+    q, kv = heads * head, (config.num_query_groups or heads) * head
+    fc1 = 2 if config.gated_linear_unit else 1
+    gemms = [("linear_qkv", config.hidden_size, (q + 2 * kv) // tp), ("linear_proj", q // tp, config.hidden_size)]
+    if not config.num_moe_experts:
+        gemms += [("linear_fc1", config.hidden_size, fc1 * config.ffn_hidden_size // tp),
+                  ("linear_fc2", config.ffn_hidden_size // tp, config.hidden_size)]
+    elif te_experts:
+        ffn = config.moe_ffn_hidden_size
+        gemms += [("experts.linear_fc1", config.hidden_size, fc1 * ffn), ("experts.linear_fc2", ffn, config.hidden_size)]
+    return gemms
+
+
+def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int, names=None):
     """Why Transformer Engine 2.10 would refuse an FP8 GEMM of these shapes at the first
     forward (None: it would not). ``tokens``: a microbatch's tokens on one rank (the packed
     length over the context-parallel size: the leading dimension of every linear's input).
+    ``names``: the entry point's spelling (``rules.Names``; the main job's by default).
 
     * every recipe: an FP8 linear asserts that its input [tokens, in] and weight [out, in] have
       leading dims divisible by 8 and a last dim divisible by 16 (pytorch/utils.py:439-447,
       called by module/linear.py:177 and layernorm_linear.py);
+    * MoE experts on TE's GroupedLinear (``experts.*``): their rows are the dispatcher's padded
+      groups; cuBLASLt needs the inner dim of each FP8 GEMM divisible by 16, i.e. in features
+      (forward) and out features (dgrad) (common/gemm/cublaslt_gemm.cu:155-159, 246-250);
     * mxfp8: input, weight and output gradient are quantised in blocks of 32 along both dims
-      (tensor/mxfp8_tensor.py:112-118: "Tensor dims must be divisible by 32")."""
-    fix = ("choose model sizes whose per-rank split is divisible (model.hidden_size, "
-           "model.num_attention_heads x kv_channels, model.ffn_hidden_size over "
-           "parallel.tensor_model_parallel_size; data.max_tokens over parallel.context_parallel_size)")
+      (tensor/mxfp8_tensor.py:112-118: "Tensor dims must be divisible by 32";
+      csrc/quantizer.cpp:1114-1116 for GroupedLinear)."""
+    if names is None:
+        from megatron_fastpath.rules import NAMES
+
+        names = NAMES["main"]
+    fix = f"choose model sizes whose per-rank split is divisible ({names.model_sizes})"
     for name, n_in, n_out in gemms:
-        if tokens % 8 or n_in % 16 or n_out % 8:
-            return (f"fp8 (fastpath.fp8=true): Transformer Engine's FP8 GEMMs need leading dims "
-                    f"divisible by 8 and last dims by 16 (TE pytorch/utils.py:439-447), but "
-                    f"{name} on a rank is {tokens} tokens x {n_in} -> {n_out}: {fix}, or "
-                    f"fastpath.fp8=false")
-        if recipe == "mxfp8" and (tokens % 32 or n_in % 32 or n_out % 32):
-            return (f"fp8.recipe=mxfp8 quantises every TE linear's input, weight and gradient in "
+        experts = name.startswith("experts.")
+        rows = 32 if experts else tokens  # the dispatcher pads expert groups (16, or 32 for mxfp8)
+        if rows % 8 or n_in % 16 or n_out % (16 if experts else 8):
+            return (f"fp8 ({names.fp8_on}): Transformer Engine's FP8 GEMMs need leading dims "
+                    f"divisible by 8 and last dims by 16 (TE pytorch/utils.py:439-447"
+                    f"{'; GroupedLinear: cublaslt_gemm.cu:155-159' if experts else ''}), but "
+                    f"{name} on a rank is {rows} {'rows' if experts else 'tokens'} x {n_in} -> "
+                    f"{n_out}: {fix}, or {names.fp8_off}")
+        if recipe == "mxfp8" and (rows % 32 or n_in % 32 or n_out % 32):
+            return (f"{names.fp8_recipe}=mxfp8 quantises every TE linear's input, weight and gradient in "
                     f"blocks of 32 along both dims (TE tensor/mxfp8_tensor.py:112-118), but "
-                    f"{name} on a rank is {tokens} tokens x {n_in} -> {n_out}: {fix}, or another "
-                    f"fp8.recipe")
+                    f"{name} on a rank is {rows} {'rows' if experts else 'tokens'} x {n_in} -> "
+                    f"{n_out}: {fix}, or another {names.fp8_recipe}")
     return None

@@ -213,7 +213,36 @@ def run_facts(facts: ModelFacts, request: HookRequest) -> rules.RunFacts:
         # no GPU here to ask (a submit host): the hooks plan on the training machine
         capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
         fp8_attention=_fp8_on(facts, request) and bool(facts.get("fp8_dot_product_attention", False)),
+        head_dim=_head_dim(facts),
+        **_fp8_gemm_facts(facts, request),
     )
+
+
+def _fp8_gemm_facts(facts: ModelFacts, request: HookRequest) -> dict:
+    """The FP8 GEMM shapes the rules check (``rules._fp8_gemm_shapes``): FP8's recipe (the
+    request's, else the config's, else Megatron's default), each TE GEMM of a layer on one
+    tensor-parallel rank and the packed tokens on one context-parallel rank (unknown without
+    packed sequences: then not checked)."""
+    if not _fp8_on(facts, request):
+        return {}
+    from megatron_fastpath.fp8.config import te_gemms_of_config
+
+    tp = int(facts.get("tensor_model_parallel_size") or 1)
+    te_experts = facts.is_moe and _expert_backend(facts, request) == "te_grouped_linear"
+    return dict(
+        fp8_recipe=request.fp8_recipe or facts.get("fp8_recipe") or "delayed",
+        fp8_gemms=tuple(te_gemms_of_config(facts.model, tp, te_experts)),
+        fp8_tokens=facts.packed_size // facts.context_parallel_size if facts.packed_size else None,
+    )
+
+
+def _head_dim(facts: ModelFacts) -> Optional[int]:
+    """The attention head width of the framework's model config (kv_channels, else hidden /
+    heads, as Megatron's TransformerConfig derives it); None when the config has neither."""
+    kv, hidden, heads = (facts.get(k) for k in ("kv_channels", "hidden_size", "num_attention_heads"))
+    if kv:
+        return int(kv)
+    return int(hidden) // int(heads) if hidden and heads else None
 
 
 def _model_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:

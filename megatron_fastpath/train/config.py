@@ -455,13 +455,13 @@ def parse_job_config(cfg: Any) -> JobConfig:
         offload=features["offload"] is not None, attention_backend=backend,
     )
     if features["fp8"] is not None:  # TE asserts its GEMM shapes at the first forward
-        from megatron_fastpath.fp8.config import fp8_gemm_shape_problem, te_linear_gemms
+        from megatron_fastpath.fp8.config import te_linear_gemms
 
-        problem = fp8_gemm_shape_problem(features["fp8"].recipe,
-                                         te_linear_gemms(model, par.tensor_model_parallel_size),
-                                         data.max_tokens // par.context_parallel_size)
-        if problem:
-            raise ValueError(problem)
+        facts = dataclasses.replace(
+            facts, fp8_recipe=features["fp8"].recipe,
+            fp8_gemms=tuple(te_linear_gemms(model, par.tensor_model_parallel_size)),
+            fp8_tokens=data.max_tokens // par.context_parallel_size)
+        _refuse(rules.refusals(facts))  # the rules that read the FP8 GEMM shapes
     if plan.full_iteration and train.optimizer_step == "megatron":
         raise ValueError(
             "cuda_graphs.scope=full_iteration captures the optimizer step as a graph: Megatron's "

@@ -239,7 +239,7 @@ def lone_value(combo: Combo) -> Optional[tuple]:
 
 # ------------------------------------------------------------------- facts of a combination
 @functools.lru_cache(maxsize=None)
-def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup):
+def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup, ep: int = 1):
     """The model config the framework holds (a Megatron TransformerConfig with GPTModel's
     rotary fields, as NeMo's GPTConfig / Bridge's GPTModelProvider carry them)."""
     from megatron_fastpath.model import ModelConfig, build_transformer_config
@@ -254,7 +254,7 @@ def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool,
     if warmup is not NA:
         extra.update(cuda_graph_warmup_steps=warmup)
     config = build_transformer_config(shape, params_dtype=getattr(torch, dtype),
-                                      tensor_model_parallel_size=tp,
+                                      tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                       fp8_dot_product_attention=fp8_attention is True, **extra)
     config.position_embedding_type = "rope"
     return config
@@ -271,7 +271,7 @@ def facts_and_request(combo: Combo, names=None):
     if sizes["virtual_pipeline_size"] == 2:
         sizes["pipeline_size"] = 2
     model = model_config(c["model"], c["dispatch"], c["dtype"], sizes["tensor_model_parallel_size"],
-                         c["fp8_attention"], c["graph_warmup"])
+                         c["fp8_attention"], c["graph_warmup"], sizes["expert_parallel_size"])
     peft = None if c["peft"] is None else core.PeftFacts(
         c["peft"], c["peft"] == "LoRA", _lora_requests()[1])
     facts = core.ModelFacts(
@@ -352,24 +352,50 @@ def message_kind(reason: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------- classifier
-REFUSED, BUILD, WORLD2, NO_CPU, RUN = (
+REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE = (
     "refused by the hook", "accepted by the hook, refused when the model is built",
-    "accepted: needs 2 processes", "accepted: cannot run on a CPU", "run (world 1)")
-STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN)
+    "accepted: needs 2 processes, not run", "accepted: cannot run on a CPU", "run (world 1)",
+    "run (world 1) on the fake Transformer Engine, in a child process",
+    "run (world 2), in a 2-process child",
+    "run (world 2) on the fake Transformer Engine, in a 2-process child")
+STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE)
+RUN_STATUSES = {RUN: "w1", RUN_TE: "w1-te", RUN2: "w2", RUN2_TE: "w2-te"}  # and their keys
+# the layouts of 2 processes the runner runs: the same packed batch on both ranks, one forward +
+# backward (the others need what the framework does around the model, see world2_limit)
+RUN_LAYOUTS = ("tensor_model_parallel_size=2", "expert_parallel_size=2")
 
 
-def cpu_limit(settings: dict, backend: str, linear_impl: str, is_moe: bool) -> Optional[str]:
-    """Why an accepted plan cannot train on this CPU (the stand-ins cover flash-attn and TE's
-    attention, not TE's linears or GroupedLinear; FlexAttention has no CPU backward)."""
-    if linear_impl == "te":
-        why = "FP8" if settings["linear_impl"] == "te" else "the 'te' attention backend's default"
-        return (f"{why}: Transformer Engine linears (`linear_impl=te`) run only on the fake TE "
-                "in a child process (tests/te_standin), not in this in-process matrix")
-    if is_moe and settings["moe_expert_backend"] == "te_grouped_linear":
-        return "the te_grouped_linear experts: Transformer Engine's GroupedLinear has no CPU stand-in"
+def world2_limit(combo: Combo) -> Optional[str]:
+    """Why an accepted combination of 2 processes is not run here (None: it is)."""
+    layout = combo["layout"]
+    if layout in RUN_LAYOUTS:
+        return None
+    if layout == "context_parallel_size=2":
+        return ("`context_parallel_size=2`: each rank holds its share of every packed sequence, "
+                "split by the framework's batch step (not the hooks'); the runner feeds whole "
+                "sequences (the main job's matrix runs CP 2 end to end)")
+    return (f"`{layout}`: Megatron's pipeline schedule, which the framework's training step "
+            "drives, not the hooks (the main job's matrix runs PP 2 end to end)")
+
+
+def cpu_limit(backend: str) -> Optional[str]:
+    """Why an accepted plan cannot train on this CPU (FlexAttention has no CPU backward)."""
     if backend == "flex":
         return "attention `flex`: torch FlexAttention has no backward on CPU"
     return None
+
+
+def te_need(settings: dict, linear_impl: str, is_moe: bool) -> Optional[str]:
+    """What of Transformer Engine beyond its attention (which the in-process stand-ins cover)
+    an accepted plan builds: those combinations run in a child process that imports the fake
+    TE 2.10 (``tests/support/fake_te``; the pytest process never imports TE)."""
+    needs = []
+    if linear_impl == "te":
+        why = "FP8" if settings["linear_impl"] == "te" else "the 'te' attention backend's default"
+        needs.append(f"{why}: Transformer Engine linears (`linear_impl=te`)")
+    if is_moe and settings["moe_expert_backend"] == "te_grouped_linear":
+        needs.append("the te_grouped_linear experts (Transformer Engine's GroupedLinear)")
+    return "; ".join(needs) or None
 
 
 def build_checks(combo: Combo, settings: dict) -> tuple:
@@ -379,19 +405,35 @@ def build_checks(combo: Combo, settings: dict) -> tuple:
     raises what the build raises."""
     if not settings["packed_cache"]:
         return "megatron", settings["linear_impl"] or "local"
-    out = _resolved(settings["attention_backend"], combo["dtype"])
+    out = _resolved(settings["attention_backend"], combo["dtype"], te_installed(combo, settings))
     if isinstance(out, Exception):
         raise out
     return out, settings["linear_impl"] or ("te" if out == "te" else "local")
 
 
+def te_installed(combo: Combo, settings: dict) -> bool:
+    """Whether the GPU machine of the combination has Transformer Engine installed: where the
+    plan builds TE's linears (FP8) or its GroupedLinear, it must; elsewhere the matrix's machine
+    has flash-attn and not TE (so ``auto`` resolves there as without TE; the same combinations
+    on a machine with TE are the ones where ``auto`` picks te and so builds TE linears)."""
+    return settings["linear_impl"] == "te" or (
+        combo["model"] == "moe" and settings["moe_expert_backend"] == "te_grouped_linear")
+
+
 @functools.lru_cache(maxsize=None)
-def _resolved(backend: str, dtype: str):
-    """The backend resolve_backend picks inside the GPU stand-ins, or the ValueError it raises."""
+def _resolved(backend: str, dtype: str, te: bool = False):
+    """The backend resolve_backend picks inside the GPU stand-ins, or the ValueError it raises
+    (``te``: Transformer Engine installed, as ``_optional.have`` sees it; else not)."""
+    from megatron_fastpath import _optional
     from megatron_fastpath.attention.core_attention import resolve_backend
     from tests.support.graph_safe_standins import gpu_standins
 
-    with gpu_standins():
+    real = _optional.have
+
+    def have(name: str) -> bool:
+        return te if name.split(".")[0] == "transformer_engine" else real(name)
+
+    with gpu_standins(), mock.patch.object(_optional, "have", have):
         try:
             return resolve_backend(backend, torch.device("cuda"), T, None, getattr(torch, dtype))
         except ValueError as exc:
@@ -405,7 +447,7 @@ class Verdict:
     kinds: tuple = ()  # the kind of each reason: a hook_messages() key or a rules.RULES name
     facts: object = None  # the RunFacts the hook hands the rules
     plan: object = None
-    why: str = ""  # WORLD2 / NO_CPU: why it is not run here
+    why: str = ""  # WORLD2 / NO_CPU: why it is not run here; RUN_TE / RUN2_TE: what of TE it builds
     problem: Optional[str] = None  # the contract is broken (a test failure)
 
 
@@ -447,13 +489,16 @@ def classify(combo: Combo) -> Verdict:
         backend, linear_impl = build_checks(combo, plan.settings)
     except ValueError as exc:
         return Verdict(BUILD, facts=run, plan=plan, why=str(exc), problem=problem)
-    if world_size(combo) > 1:
-        return Verdict(WORLD2, facts=run, plan=plan, problem=problem,
-                       why=f"`{combo['layout']}`: a world of 2 processes")
-    limit = cpu_limit(plan.settings, backend, linear_impl, combo["model"] == "moe")
+    two = world_size(combo) > 1
+    limit = world2_limit(combo) if two else None
+    if limit:
+        return Verdict(WORLD2, facts=run, plan=plan, problem=problem, why=limit)
+    limit = cpu_limit(backend)
     if limit:
         return Verdict(NO_CPU, facts=run, plan=plan, why=limit, problem=problem)
-    return Verdict(RUN, facts=run, plan=plan, problem=problem)
+    te = te_need(plan.settings, linear_impl, combo["model"] == "moe")
+    status = {(False, False): RUN, (False, True): RUN_TE, (True, False): RUN2, (True, True): RUN2_TE}[two, bool(te)]
+    return Verdict(status, facts=run, plan=plan, why=te or "", problem=problem)
 
 
 def _gpu():
@@ -481,8 +526,9 @@ REQUEST_AXES = {"attention_backend": "attention", "packed_cache": "packed_cache"
                 "cuda_graphs": "cuda_graphs", "fp8": "fp8", "lora": "lora",
                 "moe_expert_backend": "experts"}
 NOT_CROSSED = {
-    "fp8_recipe": "passed through to the framework's precision config; core.py reads it nowhere "
-                  "(checked: no refusal or plan changes with it)",
+    "fp8_recipe": "passed through to the framework's precision config; read by the FP8 GEMM-shape "
+                  "rule only (MXFP8's blocks of 32: refused at TP 2 / CP 2, 16 wide on a rank), "
+                  "checked on a sample: no other refusal and no plan changes with it",
     "max_seqs": "a bound, not a feature: checked at the packed size, 0 and one above",
     "max_seqlen": "a bound, not a feature: checked at the packed size, 0 and one above",
 }
@@ -518,6 +564,9 @@ UNREACHABLE_MESSAGES = ("MoEDispatchConfig: num_experts", "MoEDispatchConfig: to
                         "MoEDispatchConfig: TransformerConfig.num_moe_experts is None")
 # rules the hooks cannot break, and why (none: every shared rule fires in the matrix)
 UNREACHABLE_RULES: dict = {
+    "_fp8_gemm_shapes": "with the config's recipe (Megatron's default, delayed) the matrix's model and "
+                        "packed length are aligned on every rank (tests/test_rules.py checks the rule "
+                        "from the hooks)",
     "_full_iteration_graphs": "a full-iteration capture is the main job's cuda_graphs.scope; the "
                               "hooks never set RunFacts.full_iteration",
 }
@@ -529,6 +578,13 @@ NOT_SET_BY_HOOKS = {
     "sequence_parallel": "read by the CP rule for the main job only",
     "offload": "the hooks have no activation offload",
     "full_iteration": "the hooks capture per-layer graphs only (the main job's cuda_graphs.scope)",
+}
+
+
+# RunFacts fields the hooks set from the model's shape, which the matrix keeps fixed
+FIXED_BY_THE_MODEL = {
+    "head_dim": "one model shape (head_dim 8): tests/test_rules.py checks the FP8-attention rule "
+                "per head_dim and GPU",
 }
 
 
@@ -597,13 +653,23 @@ def run_combination(combo: Combo) -> str:
     from tests.support.packed_reference import reference_layer_spec
 
     verdict = classified()[combo]
-    assert verdict.status == RUN, verdict
+    assert verdict.status in RUN_STATUSES, verdict
+    uses_te = verdict.status in (RUN_TE, RUN2_TE)
+    if uses_te:  # a child of test_hook_feature_matrix_child_runs with the fake TE
+        import transformer_engine
+
+        from tests.support.fake_te.activate import FAKE_TE_ROOT
+
+        assert transformer_engine.__file__.startswith(FAKE_TE_ROOT), transformer_engine.__file__
+    assert torch.distributed.get_world_size() == world_size(combo), combo.label
     facts, _ = facts_and_request(combo)
     config = _copy_config(facts.model)
     plan = verdict.plan
     settings = FastpathSettings(**plan.settings)
     if plan.graph_warmup_steps is not None:
         config.cuda_graph_warmup_steps = plan.graph_warmup_steps
+    fp8 = fp8_format(combo, plan)
+    config.fp8 = fp8  # what the framework's precision config writes (plan.set_fp8 / fp8_on)
     pe = plan.position_embedding_type or config.position_embedding_type
     dtype = getattr(torch, combo["dtype"])
     clear_caches()
@@ -642,7 +708,14 @@ def run_combination(combo: Combo) -> str:
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
         [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
     checked = "finite loss and gradients"
-    reference = (settings.packed_cache and dtype == torch.float32
+    te_modules = _te_modules(model)
+    assert bool(te_modules) == uses_te, (verdict.status, sorted(te_modules))
+    if te_modules:  # TE's modules ran, under FP8 exactly when the framework turns it on
+        in_fp8 = {name: m.fp8 for name, m in te_modules.items()}
+        assert set(in_fp8.values()) == {fp8 is not None}, (fp8, in_fp8)
+        checked += f"; {len(te_modules)} TE modules" + (f" in FP8 ({fp8}, {config.fp8_recipe})" if fp8 else "")
+    reference = (settings.packed_cache and dtype == torch.float32 and fp8 is None
+                 and not any(m.__class__.__name__ != "GroupedLinear" for m in te_modules.values())
                  and (combo["model"] == "dense" or combo["dispatch"] == "dropless"))
     if not reference:
         return checked + ("" if settings.packed_cache else " (Megatron's attention; no packed reference)")
@@ -664,13 +737,34 @@ def run_combination(combo: Combo) -> str:
     return checked + "; per-token losses == Megatron's attention, one sequence at a time"
 
 
+def fp8_format(combo: Combo, plan) -> Optional[str]:
+    """The FP8 format the framework's model config holds when the hooked model is built: the
+    plan's (``set_fp8``), else the config's own (``fp8_on``: the matrix's config holds the
+    first of ``core.FP8_FORMATS``), else none."""
+    from megatron_fastpath.integrations import core
+
+    if plan.set_fp8:
+        return plan.fp8
+    return core.FP8_FORMATS[0] if combo["fp8_on"] is True else None
+
+
+def _te_modules(model) -> dict:
+    """{name: module} of the model's Transformer Engine modules (none without TE imported)."""
+    import sys
+
+    base = getattr(sys.modules.get("transformer_engine.pytorch.module.base"), "TransformerEngineBaseModule", None)
+    if base is None:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, base)}
+
+
 # the axes that change the model the runner builds (the others change refusals or settings the
 # CPU run does not read: graphs are captured after the first step, LoRA is the framework's PEFT)
-BUILT = ("model", "dispatch", "dtype", "packed_cache", "attention", "experts", "data")
+BUILT = ("model", "dispatch", "dtype", "packed_cache", "attention", "experts", "data", "layout")
 
 
-def runnable() -> list:
-    return [c for c, v in classified().items() if v.status == RUN]
+def runnable(status: str = RUN) -> list:
+    return [c for c, v in classified().items() if v.status == status]
 
 
 def build_inputs(combo: Combo) -> tuple:
@@ -687,12 +781,13 @@ def build_inputs(combo: Combo) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def selected() -> dict:
+def selected(status: str = RUN) -> dict:
     """{one runnable combination: the runnable combinations with its build inputs}: every
-    runnable combination is run, once per distinct :func:`build_inputs` (the first of each, in
+    runnable combination (of ``status``: :data:`RUN` in this process, :data:`RUN_TE` in the
+    fake TE's child) is run, once per distinct :func:`build_inputs` (the first of each, in
     matrix order)."""
     groups = collections.defaultdict(list)
-    for c in runnable():
+    for c in runnable(status):
         groups[build_inputs(c)].append(c)
     return {members[0]: tuple(members) for members in groups.values()}
 
@@ -739,7 +834,9 @@ def render() -> str:
               "## Counts", "", "| | combinations |", "| --- | --- |",
               f"| product of the axes | {len(verdicts)} |"]
     lines += [f"| {status} | {counts[status]} |" for status in STATUSES]
-    lines += [f"| run by the integration test (one run per distinct build) | {len(selected())} |", ""]
+    lines += [f"| {status}: distinct builds, each run once by the integration tier | {len(selected(status))} |"
+              for status in RUN_STATUSES]
+    lines += [""]
     lines += ["## Refused by the hook", "",
               "By the first reason (a combination may have several: the next table counts every "
               "reason).", "", "| first reason | combinations |", "| --- | --- |"]
@@ -770,6 +867,31 @@ def render() -> str:
               "runs on the fake TE only, tests/te_standin). LoRA: applied by the framework's PEFT, not here.", "",
               "| run | combinations it stands for |", "| --- | --- |"]
     lines += [f"| {c.label} | {len(members)} |" for c, members in selected().items()]
+    lines += ["", "## Run in child processes", "",
+              "What this process cannot run runs in a child (`test_hook_feature_matrix_child_runs`: "
+              "`python -m tests.integrations.test_hook_feature_matrix run KEY LABELS OUT`, under "
+              "torchrun for 2 processes), each distinct build once, as above; the child classifies "
+              "each combination it runs itself and must agree:", "",
+              "* **on the fake Transformer Engine** -- combinations that build TE modules beyond its "
+              "attention (TE linears: FP8, or the 'te' attention backend's default; the "
+              "te_grouped_linear experts) run in a process that imports the fake TE 2.10 "
+              "(`tests/support/fake_te`; the pytest process never imports TE). The machine of such a "
+              "combination has TE installed (`auto` resolves with TE there); the framework's FP8 is "
+              "in the model config (`fp8`: the plan's, or the config's own; Megatron's default "
+              "recipe). Checked besides: every TE module ran, in FP8 exactly when FP8 is on. The "
+              "per-token reference applies where the linears are Megatron's and FP8 is off;",
+              "* **of 2 processes** -- " + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS) + ": the "
+              "same packed batch on both ranks, Megatron's model-parallel state of that layout, the "
+              "framework's model config with it; both ranks must pass. The other layouts of 2 "
+              "processes are listed above with why not.", "",
+              "| status | layout | distinct builds | combinations |", "| --- | --- | --- | --- |"]
+    for status, layout in child_launches():
+        builds = _of_layout(status, layout)
+        lines.append(f"| {status} | {layout} | {len(builds)} | {sum(len(selected(status)[c]) for c in builds)} |")
+    lines += ["", "Of the fake TE's world-1 runs, each distinct build:", "",
+              "| run | needs | combinations it stands for |", "| --- | --- | --- |"]
+    lines += [f"| {c.label} | {cell(classified()[c].why)} | {len(members)} |"
+              for c, members in selected(RUN_TE).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -810,6 +932,8 @@ def test_matrix_reaches_every_rule_and_every_fact():
         values = {getattr(x, f.name) for x in facts}
         if f.name in NOT_SET_BY_HOOKS:
             assert values == {getattr(defaults, f.name)}, (f.name, values)
+        elif f.name in FIXED_BY_THE_MODEL:
+            assert len(values) == 1 and None not in values, (f.name, values)
         else:
             assert len(values) >= 2, f"RunFacts.{f.name} never varies in the matrix: add an axis"
 
@@ -823,11 +947,15 @@ def test_every_request_field_is_an_axis_or_said_why():
 
 
 def test_not_crossed_fields_do_what_the_listing_says():
-    """fp8_recipe changes no refusal and no plan; max_seqs / max_seqlen are accepted up to the
-    packed size and refused with their bound above it and at 0."""
+    """fp8_recipe changes no plan, and no refusal but the FP8 GEMM-shape rule's for MXFP8 at
+    TP 2 / CP 2 (a 16-wide split or 16 packed tokens on a rank: blocks of 32); max_seqs / max_seqlen are accepted up to
+    the packed size and refused with their bound above it and at 0."""
+    from megatron_fastpath import rules
     from megatron_fastpath.integrations import core
     from megatron_fastpath.integrations._runtime import FastpathSettings
 
+    mxfp8_split = 0
+    HALVED = ("tensor_model_parallel_size=2", "context_parallel_size=2")  # 32 -> 16 on a rank
     with _gpu():
         sample = [c for i, c in enumerate(combinations()) if i % 97 == 0]
         for c in sample:
@@ -836,9 +964,16 @@ def test_not_crossed_fields_do_what_the_listing_says():
             want = core.refusals(facts, request)
             for recipe in ("delayed", "tensorwise", "mxfp8", "blockwise"):
                 r = dataclasses.replace(request, fp8_recipe=recipe)
-                assert core.refusals(facts, r) == want
-                if not want:
+                got = core.refusals(facts, r)
+                extra = [x for x in got if x not in want]
+                assert [x for x in want if x not in got] == [], (c.label, recipe)
+                if extra:  # only MXFP8's blocks of 32, broken by a 16-wide split on a TP / CP rank
+                    assert recipe == "mxfp8" and c["layout"] in HALVED, (c.label, extra)
+                    assert extra == [rules._fp8_gemm_shapes(core.run_facts(facts, r))], extra
+                    mxfp8_split += 1
+                elif not want:
                     assert core.plan(facts, r) == core.plan(facts, request)
+        assert mxfp8_split, "the sample reaches no MXFP8 refusal of a 16-wide split"
         facts, request = facts_and_request(first_runnable())
         for field in ("max_seqs", "max_seqlen"):
             plan = core.plan(facts, dataclasses.replace(request, **{field: T}))
@@ -954,3 +1089,102 @@ def test_hook_feature_matrix_runs(mcore_parallel, capsys):
         for f in failures:
             print(f"  FAIL {f}")
     assert failures == []
+
+
+def child_launches() -> list:
+    """(status, layout) of each child launch: the fake TE's world-1 combinations, and each
+    run layout of 2 processes with and without the fake TE."""
+    out = [(RUN_TE, "1")] + [(status, layout) for status in (RUN2, RUN2_TE) for layout in RUN_LAYOUTS]
+    return [(status, layout) for status, layout in out if _of_layout(status, layout)]
+
+
+def _of_layout(status: str, layout: str) -> list:
+    return [c for c in selected(status) if c["layout"] == layout]
+
+
+def _launch_id(status: str, layout: str) -> str:
+    return RUN_STATUSES[status] + ("" if layout == "1" else "-" + layout.split("_")[0])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("status,layout", [pytest.param(s, lay, id=_launch_id(s, lay)) for s, lay in (
+    (RUN_TE, "1"), *((s, lay) for s in (RUN2, RUN2_TE) for lay in RUN_LAYOUTS))])
+def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
+    """Integration tier: the runnable combinations this process cannot run -- those that build
+    Transformer Engine modules beyond its attention (the fake TE 2.10 is imported in a child
+    only) and those of 2 processes (torchrun) -- one per distinct build, run as
+    :func:`test_hook_feature_matrix_runs` runs the others, in a child process. The child
+    classifies each combination it is handed itself: the status must be this process's."""
+    import json
+    import subprocess
+
+    from tests.support.fake_te.activate import te_env
+    from tests.support.main_job import job_env, main_job_cmd
+
+    assert (status, layout) in child_launches(), "a launch with nothing to run"
+    want = _of_layout(status, layout)
+    nproc = 2 if layout != "1" else 1
+    out, spec = tmp_path / "runs", tmp_path / "labels.json"
+    spec.write_text(json.dumps([c.label for c in want]))
+    cmd = main_job_cmd(["run", RUN_STATUSES[status], str(spec), str(out)], nproc=nproc,
+                       entry=["-m", "tests.integrations.test_hook_feature_matrix"])
+    proc = subprocess.run(cmd, cwd=tmp_path, env=te_env() if status in (RUN_TE, RUN2_TE) else job_env(),
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    failures, lines = [], []
+    for rank in range(nproc):
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert [r["label"] for r in got["runs"]] == [c.label for c in want], rank
+        failures += [f"rank {rank}: {r['label']}: {r['error']}" for r in got["runs"] if not r["ok"]]
+        if rank == 0:
+            lines = [f"  {'run ' if r['ok'] else 'FAIL'} {r['label']}  {r.get('what', r.get('error'))}"
+                     for r in got["runs"]]
+    with capsys.disabled():
+        print(f"\nhook feature matrix runs ({status}, {layout}):", *lines, sep="\n")
+    assert failures == []
+
+
+def _run_child(key: str, spec: str, out: str) -> None:
+    """A child of :func:`test_hook_feature_matrix_child_runs`: run the combinations ``spec``
+    (a JSON list of labels, of one layout) names, each of which must have status ``key`` (a
+    :data:`RUN_STATUSES` value) here too; write the results to ``out.rank{rank}.json``."""
+    import json
+
+    from megatron_fastpath.distributed import init_distributed
+    from megatron_fastpath.integrations import clear_caches
+    from tests.support.graph_safe_standins import gpu_standins
+
+    status = next(s for s, k in RUN_STATUSES.items() if k == key)
+    by_label = {c.label: c for c in combinations()}
+    combos = [by_label[label] for label in json.loads(Path(spec).read_text())]
+    layouts = {c["layout"] for c in combos}
+    assert len(layouts) == 1, layouts
+    layout = layouts.pop()
+    sizes = {} if layout == "1" else {"tensor_model_parallel_size=2": dict(tensor_model_parallel_size=2),
+                                      "expert_parallel_size=2": dict(expert_model_parallel_size=2)}[layout]
+    init_distributed(backend="gloo", **sizes)
+    runs = []
+    for combo in combos:
+        try:
+            verdict = classified()[combo]
+            assert verdict.status == status, f"{verdict.status} here ({verdict.why})"
+            with gpu_standins():
+                runs.append({"label": combo.label, "ok": True, "what": run_combination(combo)})
+        except Exception as exc:  # noqa: BLE001 -- reported; the parent test fails
+            runs.append({"label": combo.label, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+        finally:
+            clear_caches()
+    rank = torch.distributed.get_rank()
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":  # python -m tests.integrations.test_hook_feature_matrix run KEY SPEC OUT
+    import sys
+
+    # (a positional first word: torchrun takes an abbreviated "--run" for its own --run-path)
+    assert sys.argv[1] == "run" and sys.argv[2] in RUN_STATUSES.values(), sys.argv
+    if sys.argv[2].endswith("-te"):
+        from tests.support.fake_te.activate import activate
+
+        activate()  # before Megatron is imported (this module imports it lazily): HAVE_TE at import
+    _run_child(*sys.argv[2:5])

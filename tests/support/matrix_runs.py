@@ -39,14 +39,6 @@ def frozen_heap():
         gc.unfreeze()
 
 
-def train(tree: dict):
-    """(summary, job) of the main job on ``tree`` (a copy), inside the GPU stand-ins, started as
-    a fresh process would (``main_job.train_in_standins``)."""
-    from tests.support.main_job import train_in_standins
-
-    return train_in_standins(tree)
-
-
 def with_keys(tree: dict, **keys) -> dict:
     """``tree`` with ``group__leaf=value`` set (the groups copied, ``tree`` unchanged)."""
     out = dict(tree)
@@ -136,11 +128,13 @@ def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[lis
     ``feature``: the combination's ``graphs`` / ``graph_scope`` / ``experts`` (None: a dense
     model), checked on the straight run. ``stage`` (a list) gets the part in progress appended:
     ``straight``, ``resume``, ``compare``. Returns what was checked; raises on any difference."""
+    from tests.support.main_job import train_in_standins
+
     stage = [] if stage is None else stage
     ckpt_dir = Path(ckpt_dir)
     saved, resume_dir = ckpt_dir / "straight", ckpt_dir / "resume"
     stage.append("straight")
-    straight, job_s = train(with_keys(tree, checkpoint__dir=str(saved), checkpoint__interval=STOP))
+    straight, job_s = train_in_standins(with_keys(tree, checkpoint__dir=str(saved), checkpoint__interval=STOP))
     assert len(records(straight)) == STEPS, records(straight)
     assert [s["step"] for s in straight.checkpoint_saves] == [STOP, STEPS], straight.checkpoint_saves
     check_graphs(job_s, feature)
@@ -154,7 +148,7 @@ def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[lis
         shutil.copytree(saved / step_dir, resume_dir / step_dir)
     if dist:
         torch.distributed.barrier()
-    resumed, job_r = train(with_keys(tree, checkpoint__dir=str(resume_dir)))
+    resumed, job_r = train_in_standins(with_keys(tree, checkpoint__dir=str(resume_dir)))
     stage.append("compare")
     assert resumed.resumed_from == f"{resume_dir}/{step_dir}", resumed.resumed_from
     assert records(resumed) == records(straight), "resumed run differs from the straight run"
