@@ -258,7 +258,18 @@ def _fp8_attention_inputs(f: RunFacts) -> Optional[str]:
     if f.dtype is not None and f.dtype not in (torch.bfloat16, torch.float16):
         return (f"{f.names.fp8_attention}=true with {f.dtype} parameters: Transformer Engine "
                 f"2.10's FP8 attention takes bf16 / fp16 inputs only; train in bf16 or {fix}")
+    if f.fp8_recipe in ("mxfp8", "blockwise"):
+        # Megatron-Core 0.16.1's get_fp8_recipe builds these without fp8_dpa (fp8_utils.py:565-571):
+        # the flag would be silently ignored and attention run in bf16 / fp16
+        return (f"{f.names.fp8_attention}=true with {f.names.fp8_recipe}={f.fp8_recipe}: "
+                "Megatron-Core 0.16.1 builds that recipe without FP8 attention (fp8_dpa), so "
+                f"attention would silently run in high precision; use the delayed recipe or {fix}")
     cap, d = f.capability, f.head_dim
+    if f.fp8_recipe == "tensorwise" and cap is not None and cap < (10, 0):
+        return (f"{f.names.fp8_attention}=true with {f.names.fp8_recipe}=tensorwise on "
+                f"sm{cap[0]}{cap[1]}: Transformer Engine 2.10 runs FP8 attention with current "
+                "scaling on sm100+ only (dot_product_attention/utils.py:484-487); use the delayed "
+                f"recipe or {fix}")
     if cap is not None and cap < (9, 0):
         return (f"{f.names.fp8_attention}=true on a GPU of compute capability {cap[0]}.{cap[1]}: "
                 f"Transformer Engine 2.10's FP8 attention (cuDNN) needs sm90 or newer; {fix}")

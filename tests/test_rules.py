@@ -237,3 +237,20 @@ def test_hooks_refuse_the_fp8_gemm_shapes_te_refuses():
                              core.HookRequest(fp8="hybrid", moe_expert_backend="te_grouped_linear"))
     assert "experts.linear_fc1" in rules._fp8_gemm_shapes(experts)
     assert core.run_facts(_hook_facts(), core.HookRequest(fp8=False)).fp8_recipe is None
+
+
+@pytest.mark.parametrize("recipe, capability, refused", [
+    ("delayed", (9, 0), False), ("delayed", None, False), ("tensorwise", (10, 0), False),
+    ("tensorwise", (9, 0), True), ("tensorwise", None, False),
+    ("mxfp8", (10, 0), True), ("blockwise", (9, 0), True), ("mxfp8", None, True),
+])
+def test_fp8_attention_recipes_te_and_megatron_run(recipe, capability, refused):
+    """FP8 attention per recipe: current scaling (tensorwise) needs sm100+ in TE 2.10
+    (dot_product_attention/utils.py:484-487); Megatron 0.16.1 builds mxfp8 / blockwise without
+    fp8_dpa (fp8_utils.py:565-571): refused, not silently high precision."""
+    facts = rules.RunFacts(names=rules.NAMES["nemo"], packed_cache=False, fp8_attention=True,
+                           dtype=torch.bfloat16, capability=capability, head_dim=128, fp8_recipe=recipe)
+    reasons = rules.refusals(facts)
+    assert bool(reasons) == refused, reasons
+    if refused:
+        assert "the precision plugin's fp8_recipe=" in reasons[0], reasons

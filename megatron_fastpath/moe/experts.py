@@ -277,7 +277,9 @@ class TEGroupedSwiGLUExperts(MegatronModule):
     TE's ``GroupedLinear.forward(x, m_splits)`` takes a Python list of group sizes, so this
     backend reads ``tokens_per_expert`` to the host once per forward: exactly
     ``HOST_SYNCS_PER_FORWARD = 1`` counted sync per layer (the backward reuses the list). With
-    FP8, use ``pad_multiple=16`` so every split is aligned. Weights are TE's per-expert
+    FP8 every split must be aligned: the dispatcher pads the groups to Megatron's
+    ``get_fp8_align_size`` (16 rows; 32 for mxfp8: ``moe.config``), and the rules refuse expert
+    widths TE's FP8 GEMMs cannot take (``rules._fp8_gemm_shapes``). Weights are TE's per-expert
     ``weight{i}`` of shape [out, in].
     """
 

@@ -527,8 +527,9 @@ REQUEST_AXES = {"attention_backend": "attention", "packed_cache": "packed_cache"
                 "moe_expert_backend": "experts"}
 NOT_CROSSED = {
     "fp8_recipe": "passed through to the framework's precision config; read by the FP8 GEMM-shape "
-                  "rule only (MXFP8's blocks of 32: refused at TP 2 / CP 2, 16 wide on a rank), "
-                  "checked on a sample: no other refusal and no plan changes with it",
+                  "and FP8-attention rules only (MXFP8's blocks of 32: refused at TP 2 / CP 2, 16 wide "
+                  "on a rank; the recipes FP8 attention runs with), checked on a sample: no other "
+                  "refusal and no plan changes with it",
     "max_seqs": "a bound, not a feature: checked at the packed size, 0 and one above",
     "max_seqlen": "a bound, not a feature: checked at the packed size, 0 and one above",
 }
@@ -947,8 +948,9 @@ def test_every_request_field_is_an_axis_or_said_why():
 
 
 def test_not_crossed_fields_do_what_the_listing_says():
-    """fp8_recipe changes no plan, and no refusal but the FP8 GEMM-shape rule's for MXFP8 at
-    TP 2 / CP 2 (a 16-wide split or 16 packed tokens on a rank: blocks of 32); max_seqs / max_seqlen are accepted up to
+    """fp8_recipe changes no plan, and no refusal but those of the two rules that read it: the
+    FP8 GEMM shapes (MXFP8 at TP 2 / CP 2: a 16-wide split or 16 packed tokens on a rank,
+    blocks of 32) and FP8 attention (recipes it does not run with); max_seqs / max_seqlen are accepted up to
     the packed size and refused with their bound above it and at 0."""
     from megatron_fastpath import rules
     from megatron_fastpath.integrations import core
@@ -965,12 +967,13 @@ def test_not_crossed_fields_do_what_the_listing_says():
             for recipe in ("delayed", "tensorwise", "mxfp8", "blockwise"):
                 r = dataclasses.replace(request, fp8_recipe=recipe)
                 got = core.refusals(facts, r)
-                extra = [x for x in got if x not in want]
-                assert [x for x in want if x not in got] == [], (c.label, recipe)
-                if extra:  # only MXFP8's blocks of 32, broken by a 16-wide split on a TP / CP rank
-                    assert recipe == "mxfp8" and c["layout"] in HALVED, (c.label, extra)
-                    assert extra == [rules._fp8_gemm_shapes(core.run_facts(facts, r))], extra
-                    mxfp8_split += 1
+                if got != want:  # only the rules that read the recipe
+                    assert _without_recipe_rules(got, facts, r) == _without_recipe_rules(want, facts, request), (
+                        c.label, recipe, got, want)
+                    gemms = rules._fp8_gemm_shapes(core.run_facts(facts, r))
+                    if gemms in got:  # MXFP8's blocks of 32, broken by a 16-wide split on a TP / CP rank
+                        assert recipe == "mxfp8" and c["layout"] in HALVED, (c.label, gemms)
+                        mxfp8_split += 1
                 elif not want:
                     assert core.plan(facts, r) == core.plan(facts, request)
         assert mxfp8_split, "the sample reaches no MXFP8 refusal of a 16-wide split"
@@ -981,6 +984,17 @@ def test_not_crossed_fields_do_what_the_listing_says():
             for bad in (0, T + 1):
                 reasons = core.refusals(facts, dataclasses.replace(request, **{field: bad}))
                 assert reasons == [f"{field}={bad} must be in [1, packed_sequence_size={T}]"], reasons
+
+
+def _without_recipe_rules(reasons: list, facts, request) -> list:
+    """``reasons`` without those of the rules that read the FP8 recipe (GEMM shapes, FP8
+    attention), for the run ``facts`` / ``request`` describe."""
+    from megatron_fastpath import rules
+    from megatron_fastpath.integrations import core
+
+    run = core.run_facts(facts, request)
+    drop = {rule(run) for rule in (rules._fp8_gemm_shapes, rules._fp8_attention_inputs)}
+    return [r for r in reasons if r not in drop]
 
 
 @functools.lru_cache(maxsize=None)
