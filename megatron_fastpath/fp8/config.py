@@ -93,15 +93,15 @@ def te_gemms_of_config(config, tp: int, te_experts: bool) -> list:
     experts, TE's GroupedLinear) each expert's fc1 / fc2 too, named ``experts.*`` (their
     rows are the dispatcher's padded groups, aligned to the recipe)."""
     heads = config.num_attention_heads
-    head = config.kv_channels or config.hidden_size // heads
-    q, kv = heads * head, (config.num_query_groups or heads) * head
-    fc1 = 2 if config.gated_linear_unit else 1
+    head = getattr(config, "kv_channels", None) or config.hidden_size // heads
+    q, kv = heads * head, (getattr(config, "num_query_groups", None) or heads) * head
+    fc1 = 2 if getattr(config, "gated_linear_unit", False) else 1
     gemms = [("linear_qkv", config.hidden_size, (q + 2 * kv) // tp), ("linear_proj", q // tp, config.hidden_size)]
     if not config.num_moe_experts:
         gemms += [("linear_fc1", config.hidden_size, fc1 * config.ffn_hidden_size // tp),
                   ("linear_fc2", config.ffn_hidden_size // tp, config.hidden_size)]
     elif te_experts:
-        ffn = config.moe_ffn_hidden_size
+        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size  # Megatron's default for experts
         gemms += [("experts.linear_fc1", config.hidden_size, fc1 * ffn), ("experts.linear_fc2", ffn, config.hidden_size)]
     return gemms
 

@@ -331,6 +331,17 @@ def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[
         reasons.append(
             f"packed sequences need {names.micro_batch_size}=1; got {facts.micro_batch_size}"
         )
+    if not request.packed_cache and facts.context_parallel_size > 1 and not _fp8_on(facts, request):
+        # without the cache the layer spec keeps Megatron's attention; its linears are TE's only
+        # with FP8 (plan: linear_impl), else Megatron's local DotProductAttention, which asserts
+        # CP == 1 at build (megatron/core/transformer/dot_product_attention.py:57-59)
+        reasons.append(
+            f"{names.context_parallel}={facts.context_parallel_size} with packed_cache=False "
+            "and FP8 off: the layer spec keeps Megatron's attention with local linears, whose "
+            "DotProductAttention runs no context parallelism (it asserts context_parallel_size "
+            f"== 1 at build); turn FP8 on (Transformer Engine's attention runs CP) or set "
+            f"{names.context_parallel}=1"
+        )
     if request.max_seqs is not None and facts.packed and not 0 < request.max_seqs <= facts.packed_size:
         reasons.append(
             f"max_seqs={request.max_seqs} must be in [1, packed_sequence_size={facts.packed_size}]"

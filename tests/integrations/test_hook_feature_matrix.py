@@ -371,9 +371,10 @@ def world2_limit(combo: Combo) -> Optional[str]:
     if layout in RUN_LAYOUTS:
         return None
     if layout == "context_parallel_size=2":
-        return ("`context_parallel_size=2`: each rank holds its share of every packed sequence, "
-                "split by the framework's batch step (not the hooks'); the runner feeds whole "
-                "sequences (the main job's matrix runs CP 2 end to end)")
+        return ("`context_parallel_size=2` (without the packed cache, which the hooks refuse with CP): "
+                "Megatron's own Transformer Engine attention runs the CP ring over the framework's "
+                "CP split of the batch; the fake TE's DotProductAttention has no CP (the main job's "
+                "matrix runs CP 2 end to end, with the cache)")
     return (f"`{layout}`: Megatron's pipeline schedule, which the framework's training step "
             "drives, not the hooks (the main job's matrix runs PP 2 end to end)")
 
