@@ -184,6 +184,14 @@ class LoRALinear(torch.nn.Module):
         return mappings.reduce_from_tensor_model_parallel_region(h, group=group)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        if x.is_contiguous():
+            # canonical strides, no copy: a contiguous [S, 1, H] may carry any stride on its
+            # size-1 dim (Megatron's embedding: transpose(0, 1).contiguous() is a no-op at
+            # micro-batch 1). aten::matmul with the frozen base weight folds to one mm only for
+            # canonical strides (should_fold), else S batched 1-row GEMMs (bmm) that round
+            # differently -- while a CUDA graph's static input is always canonical, so an eager
+            # step and a replayed one differed in the last bits (fp32, TP 2 / TE linears)
+            x = x.view(x.shape)
         out = self.base(x, *args, **kwargs)
         if self._fused_layernorm:
             output, bias, adapter_in = te_compat.split_layernorm_linear_output(out)

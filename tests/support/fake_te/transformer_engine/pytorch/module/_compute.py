@@ -106,4 +106,9 @@ def gemm(module, x: torch.Tensor, weight: torch.Tensor, bias):
         assert_dim_for_fp8_exec(x, weight)  # linear.py:177, layernorm_linear.py:161
         update_bwd = FP8GlobalStateManager.is_first_fp8_module()
         return _FP8Gemm.apply(x, weight, bias, module.fp8_meta, update_bwd)
-    return F.linear(x, weight, bias)
+    # one 2-D GEMM over the flattened leading dims, as TE runs it (layernorm_linear.py:158
+    # inp.view((-1, in_features)); linear.py hands general_gemm the input as is, one GEMM): not
+    # F.linear on the N-D input, whose aten::matmul picks mm or a batched bmm by the input's
+    # strides when the weight is frozen (LoRA), rounding differently
+    out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
