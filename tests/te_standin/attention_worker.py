@@ -13,12 +13,12 @@ from tests.support.fake_te.activate import activate
 activate()  # before Megatron is imported
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
-import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from tests.te_standin.contracts_worker import recipe, run_checks, te  # noqa: E402
 
 CHECKS = {}
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
@@ -29,16 +29,6 @@ def check(fn):
     return fn
 
 
-def te():
-    import transformer_engine.pytorch as tep
-
-    return tep
-
-
-def recipe():
-    from transformer_engine.common import recipe as r
-
-    return r
 
 
 def reference(q, k, v, fmt="sbhd", causal=True, scale=None, mask=None):
@@ -583,11 +573,4 @@ def megatron_te_spec_moe_gpt_bf16_under_fp8_attention():
 
 
 if __name__ == "__main__":
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except BaseException:  # noqa: BLE001 -- reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    run_checks(CHECKS)

@@ -1001,12 +1001,18 @@ def package_te_experts_fp8_need_the_dispatch_padding():
     mgr.reset()
 
 
-if __name__ == "__main__":
+def run_checks(checks: dict) -> None:
+    """Run each check; print ``{name: "ok" | the traceback}`` as JSON (the parent reads the
+    last line). Shared with ``attention_worker``."""
     results = {}
-    for name, fn in CHECKS.items():
+    for name, fn in checks.items():
         try:
             fn()
             results[name] = "ok"
         except BaseException:  # noqa: BLE001 -- reported to the parent test
             results[name] = traceback.format_exc()
     print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    run_checks(CHECKS)

@@ -5,14 +5,11 @@ as TE does on the fake's sm90 -- FP8 attention included -- and computes what TE 
 check of ``attention_worker.py`` (run once, in a child process: TE must stay absent from this
 one) is one test here."""
 
-import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.support.fake_te.activate import te_env
-from tests.support.main_job import REPO
+from tests.support.fake_te.activate import run_check_worker
 
 CHECK_NAMES = [
     "keywords_of_te_2_10_accepted_others_rejected",
@@ -34,10 +31,7 @@ CHECK_NAMES = [
 
 @pytest.fixture(scope="module")
 def results():
-    proc = subprocess.run([sys.executable, "-m", "tests.te_standin.attention_worker"], cwd=REPO,
-                          env=te_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_check_worker("tests.te_standin.attention_worker")
 
 
 @pytest.mark.integration  # a child process (the fake TE never enters this one)

@@ -47,3 +47,17 @@ def activate() -> None:
     if not transformer_engine.__file__.startswith(FAKE_TE_ROOT):
         raise RuntimeError(f"transformer_engine resolves to {transformer_engine.__file__}, not "
                            f"the fake under {FAKE_TE_ROOT}")
+
+
+def run_check_worker(module: str, timeout: float = 600) -> dict:
+    """``python -m module`` with the fake TE importable (a ``tests/te_standin`` check worker):
+    its ``{check name: "ok" | the failure}``, the JSON of its last output line."""
+    import json
+    import subprocess
+
+    from tests.support.main_job import REPO
+
+    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=te_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

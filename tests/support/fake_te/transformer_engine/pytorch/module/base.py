@@ -99,6 +99,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def set_nccl_overlap_warning_if_tp(self) -> None:
         pass
 
+    def init_tp_size(self, tp_group, tp_size: int) -> None:
+        """The tensor-parallel size and group every TE module's constructor sets alike
+        (linear.py:1119-1125, grouped_linear.py:610-617, dot_product_attention.py:353-359):
+        ``tp_size`` without a group (and the group None at size 1), else the group's size."""
+        from ..distributed import get_distributed_world_size
+
+        if tp_group is None:
+            self.tp_size = tp_size
+            if tp_size == 1:
+                self.set_tensor_parallel_group(tp_group)
+        else:
+            self.tp_size = get_distributed_world_size(tp_group)
+            self.set_tensor_parallel_group(tp_group)
+
     # --------------------------------------------------------------------------------- FP8
     def set_meta_tensor(self, fwd: bool, recipe) -> None:
         """base.py:706-740: a delayed-scaling state already made is kept (only its history length

@@ -43,7 +43,7 @@ import torch
 
 from ...common.recipe import Float8BlockScaling, MXFP8BlockScaling
 from ..constants import GemmParallelModes
-from ..distributed import get_distributed_world_size, set_tensor_model_parallel_attributes
+from ..distributed import set_tensor_model_parallel_attributes
 from ..quantization import MXFP8_BLOCK_SCALING_SIZE, FP8GlobalStateManager, quantize
 from ..utils import cast_if_needed, divide
 from .base import TransformerEngineBaseModule, init_method_constant
@@ -336,13 +336,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self._offsets = dict(_OFFSETS)
         self._num_fp8_tensors_per_gemm = dict(_PER_GEMM)
 
-        if tp_group is None:  # grouped_linear.py:610-617
-            self.tp_size = tp_size
-            if tp_size == 1:
-                self.set_tensor_parallel_group(tp_group)
-        else:
-            self.tp_size = get_distributed_world_size(tp_group)
-            self.set_tensor_parallel_group(tp_group)
+        self.init_tp_size(tp_group, tp_size)  # grouped_linear.py:610-617
         self.set_nccl_overlap_warning_if_tp()
         if self.tp_size > 1 and bias:  # grouped_linear.py:619-623
             raise ValueError(

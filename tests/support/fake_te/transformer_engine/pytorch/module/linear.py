@@ -7,10 +7,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 
 from ..constants import GemmParallelModes
-from ..distributed import (
-    get_distributed_world_size,
-    set_tensor_model_parallel_attributes,
-)
+from ..distributed import set_tensor_model_parallel_attributes
 from . import _compute
 from .base import TransformerEngineBaseModule, init_method_constant
 from ..utils import cast_if_needed, divide
@@ -19,13 +16,7 @@ from ..utils import cast_if_needed, divide
 def check_tp_and_ub(module, *, tp_group, tp_size, parallel_mode, sequence_parallel, ub_name,
                     ub_flags, symmetric_ar_type) -> None:
     """What Linear / LayerNormLinear's constructors check and set alike."""
-    if tp_group is None:  # linear.py:1119-1125
-        module.tp_size = tp_size
-        if tp_size == 1:
-            module.set_tensor_parallel_group(tp_group)
-    else:
-        module.tp_size = get_distributed_world_size(tp_group)
-        module.set_tensor_parallel_group(tp_group)
+    module.init_tp_size(tp_group, tp_size)  # linear.py:1119-1125
     module.parallel_mode = parallel_mode
     # linear.py:1129-1131
     assert module.parallel_mode in GemmParallelModes, f"parallel_mode {parallel_mode} not supported"
