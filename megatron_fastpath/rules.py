@@ -151,7 +151,7 @@ class RunFacts:
     head_dim: the attention head width (kv_channels); None when not known.
     fp8_recipe: FP8's recipe when FP8 is on (None: off); fp8_gemms: (name, in, out) of each of a
         layer's Transformer Engine FP8 GEMMs on one tensor-parallel rank
-        (``fp8.config.te_linear_gemms``); fp8_tokens: their inputs' leading dim on one rank
+        (``fp8.config.layer_gemms``); fp8_tokens: their inputs' leading dim on one rank
         (None: not known).
     """
 

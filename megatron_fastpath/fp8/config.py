@@ -8,6 +8,7 @@ on packed sequences, ...) are :mod:`megatron_fastpath.rules`'.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 __all__ = ["FP8Config", "plan_fp8"]
 
@@ -72,38 +73,43 @@ def plan_fp8(fp8: FP8Config, linear_impl: str) -> tuple[dict, str]:
     return fields, note
 
 
-def te_linear_gemms(model, tp: int) -> list:
-    """(name, in features, out features) of each Transformer Engine linear of one layer of the
-    main job's Llama-style model on one tensor-parallel rank: ``linear_qkv`` and ``linear_fc1``
-    are column-parallel (outputs split), ``linear_proj`` and ``linear_fc2`` row-parallel (inputs
-    split); SwiGLU's fc1 holds both halves. An MoE model's experts are not TE linears in the
-    main job (its grouped_mm experts): its layers have the attention ones only."""
-    head = model.kv_channels or model.hidden_size // model.num_attention_heads
-    q, kv = model.num_attention_heads * head, model.num_query_groups * head
-    gemms = [("linear_qkv", model.hidden_size, (q + 2 * kv) // tp), ("linear_proj", q // tp, model.hidden_size)]
-    if model.num_experts is None:
-        gemms += [("linear_fc1", model.hidden_size, 2 * model.ffn_hidden_size // tp),
-                  ("linear_fc2", model.ffn_hidden_size // tp, model.hidden_size)]
+def layer_gemms(hidden: int, heads: int, groups: int, head: int, ffn: int, gated: bool, tp: int,
+                moe: bool, expert_ffn: Optional[int] = None) -> list:
+    """(name, in features, out features) of each Transformer Engine GEMM of one layer on one
+    tensor-parallel rank: ``linear_qkv`` and ``linear_fc1`` are column-parallel (outputs split),
+    ``linear_proj`` and ``linear_fc2`` row-parallel (inputs split); a gated fc1 holds both
+    halves. An MoE layer has no dense fc1 / fc2; with ``expert_ffn`` (the te_grouped_linear
+    experts, TE's GroupedLinear) each expert's fc1 / fc2, named ``experts.*`` (their rows are
+    the dispatcher's padded groups, aligned to the recipe)."""
+    fc1 = 2 if gated else 1
+    q, kv = heads * head, groups * head
+    gemms = [("linear_qkv", hidden, (q + 2 * kv) // tp), ("linear_proj", q // tp, hidden)]
+    if not moe:
+        gemms += [("linear_fc1", hidden, fc1 * ffn // tp), ("linear_fc2", ffn // tp, hidden)]
+    elif expert_ffn is not None:
+        gemms += [("experts.linear_fc1", hidden, fc1 * expert_ffn), ("experts.linear_fc2", expert_ffn, hidden)]
     return gemms
+
+
+def te_linear_gemms(model, tp: int) -> list:
+    """:func:`layer_gemms` of the main job's Llama-style model (SwiGLU). An MoE model's experts
+    are not TE linears in the main job (its grouped_mm experts): its layers have the attention
+    ones only."""
+    return layer_gemms(model.hidden_size, model.num_attention_heads, model.num_query_groups,
+                       model.kv_channels or model.hidden_size // model.num_attention_heads,
+                       model.ffn_hidden_size, True, tp, model.num_experts is not None)
 
 
 def te_gemms_of_config(config, tp: int, te_experts: bool) -> list:
-    """:func:`te_linear_gemms` of a framework's Megatron ``TransformerConfig`` (the hooks): its
-    kv_channels, query groups and gated fc1; with ``te_experts`` (the te_grouped_linear MoE
-    experts, TE's GroupedLinear) each expert's fc1 / fc2 too, named ``experts.*`` (their
-    rows are the dispatcher's padded groups, aligned to the recipe)."""
+    """:func:`layer_gemms` of a framework's Megatron ``TransformerConfig`` (the hooks): its
+    kv_channels, query groups and gated fc1; with ``te_experts`` the experts' GEMMs too
+    (``moe_ffn_hidden_size``, else Megatron's default, ``ffn_hidden_size``)."""
     heads = config.num_attention_heads
-    head = getattr(config, "kv_channels", None) or config.hidden_size // heads
-    q, kv = heads * head, (getattr(config, "num_query_groups", None) or heads) * head
-    fc1 = 2 if getattr(config, "gated_linear_unit", False) else 1
-    gemms = [("linear_qkv", config.hidden_size, (q + 2 * kv) // tp), ("linear_proj", q // tp, config.hidden_size)]
-    if not config.num_moe_experts:
-        gemms += [("linear_fc1", config.hidden_size, fc1 * config.ffn_hidden_size // tp),
-                  ("linear_fc2", config.ffn_hidden_size // tp, config.hidden_size)]
-    elif te_experts:
-        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size  # Megatron's default for experts
-        gemms += [("experts.linear_fc1", config.hidden_size, fc1 * ffn), ("experts.linear_fc2", ffn, config.hidden_size)]
-    return gemms
+    moe = bool(config.num_moe_experts)
+    return layer_gemms(config.hidden_size, heads, getattr(config, "num_query_groups", None) or heads,
+                       getattr(config, "kv_channels", None) or config.hidden_size // heads,
+                       config.ffn_hidden_size, getattr(config, "gated_linear_unit", False), tp, moe,
+                       (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe and te_experts else None)
 
 
 def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int, names=None):

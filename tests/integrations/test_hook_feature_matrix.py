@@ -1106,11 +1106,14 @@ def test_hook_feature_matrix_runs(mcore_parallel, capsys):
     assert failures == []
 
 
+# (status, layout) of each child launch: the fake TE's world-1 combinations, and each run
+# layout of 2 processes with and without the fake TE
+LAUNCHES = ((RUN_TE, "1"), *((status, layout) for status in (RUN2, RUN2_TE) for layout in RUN_LAYOUTS))
+
+
 def child_launches() -> list:
-    """(status, layout) of each child launch: the fake TE's world-1 combinations, and each
-    run layout of 2 processes with and without the fake TE."""
-    out = [(RUN_TE, "1")] + [(status, layout) for status in (RUN2, RUN2_TE) for layout in RUN_LAYOUTS]
-    return [(status, layout) for status, layout in out if _of_layout(status, layout)]
+    """The :data:`LAUNCHES` with something to run."""
+    return [(status, layout) for status, layout in LAUNCHES if _of_layout(status, layout)]
 
 
 def _of_layout(status: str, layout: str) -> list:
@@ -1122,8 +1125,7 @@ def _launch_id(status: str, layout: str) -> str:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("status,layout", [pytest.param(s, lay, id=_launch_id(s, lay)) for s, lay in (
-    (RUN_TE, "1"), *((s, lay) for s in (RUN2, RUN2_TE) for lay in RUN_LAYOUTS))])
+@pytest.mark.parametrize("status,layout", [pytest.param(s, lay, id=_launch_id(s, lay)) for s, lay in LAUNCHES])
 def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
     """Integration tier: the runnable combinations this process cannot run -- those that build
     Transformer Engine modules beyond its attention (the fake TE 2.10 is imported in a child
