@@ -394,46 +394,67 @@ class fake_graph:
         return False
 
 
-class FakeCudaGenerator:
-    """A CUDA generator's graph-safe API over a CPU ``torch.Generator`` (state only), with
-    torch's sharing of states (``graph_safe_standins.FakeCudaTorchGenerator`` says how:
-    ``graphsafe_get_state`` hands out a new generator on the same state, ``graphsafe_set_state``
-    points this one at another's state, no copy)."""
+class FakeCudaGenerator(torch.Generator):
+    """A CUDA generator's graph-safe API (``clone_state``, ``graphsafe_get_state`` /
+    ``graphsafe_set_state``) over a CPU state -- an instance of ``torch.Generator``, as a real
+    CUDA generator and every state Megatron's graph-safe RNG tracker clones from it are (the
+    package's checkpoint RNG capture, ``checkpoint/rng.py``, relies on it). One class for
+    :func:`fake_cuda_graphs` (seeded 0) and ``graph_safe_standins.gpu_standins``.
 
-    def __init__(self, seed: int = 0):
-        self.gen = torch.Generator()
-        self.gen.manual_seed(seed)
+    As torch 2.13's ``CUDAGeneratorImpl`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp), a
+    generator points at a state object (``state_``) that several generators may share:
+
+    * ``graphsafe_get_state()`` returns a *new* generator pointing at the current state
+      (``make_intrusive<CUDAGeneratorImpl>(device().index(), state_)``): a handle, not a copy --
+      what later advances the generator advances the handle's state too;
+    * ``graphsafe_set_state(gen)`` makes this generator point at ``gen``'s state (``state_ =
+      cuda_gen->state_``; anything but a CUDA generator: "Expected a CUDA Generator") -- no copy:
+      Megatron's graph-safe ``fork()`` switches the default generator to the tracker's named
+      state and back this way, and the named state advances meanwhile;
+    * ``clone_state()`` returns a generator with a copy of the state;
+    * ``get_state`` / ``set_state`` / ``manual_seed`` / ``seed`` / ``initial_seed`` act on the
+      state the generator points at (so a handle's ``set_state`` is seen by every generator
+      pointing at that state: the checkpoint restore sets the tracker's states in place).
+
+    Not modelled: drawing (``torch.rand(generator=...)`` uses the object's own CPU state): in
+    the CUDA-as-CPU mode the "CUDA" ops draw from the CPU generator, not from this one."""
+
+    def __new__(cls, state: "torch.Generator | None" = None):
+        return super().__new__(cls)  # torch.Generator.__new__ takes a device, not a state
+
+    def __init__(self, state: "torch.Generator | None" = None):
+        super().__init__()
+        self._state = torch.Generator() if state is None else state  # the shared state object
+
+    def get_state(self):
+        return self._state.get_state()
+
+    def set_state(self, new_state):
+        self._state.set_state(new_state)
+        return self
 
     def manual_seed(self, seed):
-        self.gen.manual_seed(int(seed))
+        self._state.manual_seed(seed)
         return self
 
     def seed(self):
-        return self.gen.seed()
+        return self._state.seed()
 
     def initial_seed(self):
-        return self.gen.initial_seed()
-
-    def get_state(self):
-        return self.gen.get_state()
-
-    def set_state(self, state):
-        self.gen.set_state(state)
+        return self._state.initial_seed()
 
     def clone_state(self):
-        g = FakeCudaGenerator()
-        g.gen.set_state(self.gen.get_state())
-        return g
+        copy = torch.Generator()
+        copy.set_state(self._state.get_state())
+        return FakeCudaGenerator(copy)
 
     def graphsafe_get_state(self):
-        g = FakeCudaGenerator()
-        g.gen = self.gen  # the same state object (CUDAGeneratorImpl::graphsafe_get_state)
-        return g
+        return FakeCudaGenerator(self._state)
 
     def graphsafe_set_state(self, other):
         if not isinstance(other, FakeCudaGenerator):
             raise RuntimeError("Expected a CUDA Generator")
-        self.gen = other.gen  # state_ = cuda_gen->state_ (CUDAGeneratorImpl::graphsafe_set_state)
+        self._state = other._state
 
 
 def _capturable_devices_with_cpu(real):
@@ -491,7 +512,7 @@ def fake_cuda_graphs() -> Iterator[None]:
     """``cuda_as_cpu()`` plus the CUDA-graph stand-in, for the block's duration."""
     import megatron.core.tensor_parallel.random as mrandom
 
-    gens = (FakeCudaGenerator(),)
+    gens = (FakeCudaGenerator().manual_seed(0),)
     patches = [
         mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraph),
         mock.patch("torch.cuda.graph", fake_graph),

@@ -12,7 +12,6 @@ CUDA graphs captured -- :func:`gpu_standins` installs them all -- and the two it
   head repetition, output rows outside every sequence uninitialised -- NaN here). Not
   modelled: the ``max_seqlen`` bound (a host check), dropout. ``window_size=(left, right)`` as
   flash-attn 2.8 (query i attends keys i - left .. i + right of its sequence, -1: unbounded).
-* :class:`FakeCudaTorchGenerator`, the fake CUDA generator as a ``torch.Generator``.
 * :class:`FakeCUDAGraphReplayingCollectives`, the fake CUDA graph replaying captured collectives.
 """
 
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from tests.support.fake_cuda_graph import FakeCUDAGraph, _Op
+from tests.support.fake_cuda_graph import FakeCUDAGraph, FakeCudaGenerator, _Op
 
 
 def _row_mask(cu_seqlens: torch.Tensor, T: int,
@@ -83,69 +82,6 @@ def graph_safe_flash_attn_module() -> types.ModuleType:
     mod.__version__ = "2.8.3"
     mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # importlib.util.find_spec reads it
     return mod
-
-
-class FakeCudaTorchGenerator(torch.Generator):
-    """A CUDA generator's graph-safe API (``clone_state``, ``graphsafe_get_state`` /
-    ``graphsafe_set_state``) over a CPU state -- an instance of ``torch.Generator``, as a real
-    CUDA generator and every state Megatron's graph-safe RNG tracker clones from it are (the
-    package's checkpoint RNG capture, ``checkpoint/rng.py``, relies on it;
-    ``fake_cuda_graph.FakeCudaGenerator`` is a plain object).
-
-    As torch 2.13's ``CUDAGeneratorImpl`` (aten/src/ATen/cuda/CUDAGeneratorImpl.cpp), a
-    generator points at a state object (``state_``) that several generators may share:
-
-    * ``graphsafe_get_state()`` returns a *new* generator pointing at the current state
-      (``make_intrusive<CUDAGeneratorImpl>(device().index(), state_)``): a handle, not a copy --
-      what later advances the generator advances the handle's state too;
-    * ``graphsafe_set_state(gen)`` makes this generator point at ``gen``'s state (``state_ =
-      cuda_gen->state_``; anything but a CUDA generator: "Expected a CUDA Generator") -- no copy:
-      Megatron's graph-safe ``fork()`` switches the default generator to the tracker's named
-      state and back this way, and the named state advances meanwhile;
-    * ``clone_state()`` returns a generator with a copy of the state;
-    * ``get_state`` / ``set_state`` / ``manual_seed`` / ``seed`` / ``initial_seed`` act on the
-      state the generator points at (so a handle's ``set_state`` is seen by every generator
-      pointing at that state: the checkpoint restore sets the tracker's states in place).
-
-    Not modelled: drawing (``torch.rand(generator=...)`` uses the object's own CPU state): in
-    the CUDA-as-CPU mode the "CUDA" ops draw from the CPU generator, not from this one."""
-
-    def __new__(cls, state: "torch.Generator | None" = None):
-        return super().__new__(cls)  # torch.Generator.__new__ takes a device, not a state
-
-    def __init__(self, state: "torch.Generator | None" = None):
-        super().__init__()
-        self._state = torch.Generator() if state is None else state  # the shared state object
-
-    def get_state(self):
-        return self._state.get_state()
-
-    def set_state(self, new_state):
-        self._state.set_state(new_state)
-        return self
-
-    def manual_seed(self, seed):
-        self._state.manual_seed(seed)
-        return self
-
-    def seed(self):
-        return self._state.seed()
-
-    def initial_seed(self):
-        return self._state.initial_seed()
-
-    def clone_state(self):
-        copy = torch.Generator()
-        copy.set_state(self._state.get_state())
-        return FakeCudaTorchGenerator(copy)
-
-    def graphsafe_get_state(self):
-        return FakeCudaTorchGenerator(self._state)
-
-    def graphsafe_set_state(self, other):
-        if not isinstance(other, FakeCudaTorchGenerator):
-            raise RuntimeError("Expected a CUDA Generator")
-        self._state = other._state
 
 
 def _waited(collective):
@@ -247,7 +183,7 @@ def gpu_standins() -> Iterator[None]:
       graph (capture records, replay re-runs; a host read during capture raises) and a clean
       Megatron graph state, restored on exit;
     * collectives captured in a graph replayed with it (:class:`FakeCUDAGraphReplayingCollectives`);
-    * the fake CUDA generator as a ``torch.Generator`` (:class:`FakeCudaTorchGenerator`);
+    * the fake CUDA generator, a ``torch.Generator`` (``fake_cuda_graph.FakeCudaGenerator``);
     * ``torch.cuda.nvtx`` ranges recorded by a fresh :class:`NvtxRanges` (:data:`NVTX`: the
       offload manager marks its copies with them; a CPU build of torch raises "NVTX functions
       not installed"), checked balanced when the block exits without an exception;
@@ -284,7 +220,7 @@ def gpu_standins() -> Iterator[None]:
         stack.callback(_optional._try_import.cache_clear)
         stack.enter_context(graph_session())
         for p in (mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraphReplayingCollectives),
-                  mock.patch("torch.cuda.default_generators", (FakeCudaTorchGenerator(),)),
+                  mock.patch("torch.cuda.default_generators", (FakeCudaGenerator(),)),
                   mock.patch("torch.cuda.nvtx.range_push", nvtx.range_push),
                   mock.patch("torch.cuda.nvtx.range_pop", nvtx.range_pop)):
             stack.enter_context(p)
@@ -292,5 +228,5 @@ def gpu_standins() -> Iterator[None]:
         nvtx.assert_balanced()  # not reached when the block raised
 
 
-__all__ = ["FakeCUDAGraphReplayingCollectives", "FakeCudaTorchGenerator", "NvtxRanges",
+__all__ = ["FakeCUDAGraphReplayingCollectives", "NvtxRanges",
            "flash_attn_varlen_func", "gpu_standins", "graph_safe_flash_attn_module"]

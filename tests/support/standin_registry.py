@@ -558,7 +558,7 @@ INDIRECT: tuple[IndirectEntry, ...] = (
     IndirectEntry(
         "TE RNG tracker states (Megatron hands TE's CudaRNGStatesTracker with use_te_rng_tracker)",
         ("tests.checkpoint.test_rng_graph_safe_tracker.GraphSafeTrackerStandIn",
-         f"{_SUPPORT}.graph_safe_standins.FakeCudaTorchGenerator"),
+         f"{_SUPPORT}.fake_cuda_graph.FakeCudaGenerator"),
         "a graph-safe tracker's states are torch.Generator objects; set_states refuses anything "
         "else (graphsafe_set_state takes a Generator); the fake CUDA generator is a "
         "torch.Generator with clone_state / graphsafe_get_state / graphsafe_set_state. TE's own "
