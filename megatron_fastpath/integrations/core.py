@@ -209,13 +209,20 @@ def run_facts(facts: ModelFacts, request: HookRequest) -> rules.RunFacts:
         is_moe=facts.is_moe,
         moe_dropless_ep=facts.is_moe and facts.expert_parallel_size > 1 and capacity is None,
         expert_backend=_expert_backend(facts, request),
-        dtype=torch.bfloat16 if facts.get("bf16") else facts.get("params_dtype") or torch.float32,
+        dtype=_model_dtype(facts),
         # no GPU here to ask (a submit host): the hooks plan on the training machine
         capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
         fp8_attention=_fp8_on(facts, request) and bool(facts.get("fp8_dot_product_attention", False)),
         head_dim=_head_dim(facts),
         **_fp8_gemm_facts(facts, request),
     )
+
+
+def _model_dtype(facts: ModelFacts):
+    """The dtype the model's layers compute in (bf16, else the config's params dtype)."""
+    import torch
+
+    return torch.bfloat16 if facts.get("bf16") else facts.get("params_dtype") or torch.float32
 
 
 def _fp8_gemm_facts(facts: ModelFacts, request: HookRequest) -> dict:
@@ -315,6 +322,8 @@ def _moe_reasons(facts: ModelFacts) -> list[str]:
 
 
 def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
+    import torch
+
     reasons, names = [], facts.names
     if facts.virtual_pipeline_size:
         reasons.append(
@@ -341,6 +350,16 @@ def _parallel_and_data_reasons(facts: ModelFacts, request: HookRequest) -> list[
             "DotProductAttention runs no context parallelism (it asserts context_parallel_size "
             f"== 1 at build); turn FP8 on (Transformer Engine's attention runs CP) or set "
             f"{names.context_parallel}=1"
+        )
+    elif not request.packed_cache and facts.context_parallel_size > 1 and _model_dtype(facts) == torch.float32:
+        # FP8 on: Megatron's TEDotProductAttention. TE 2.10 runs CP on FlashAttention and
+        # FusedAttention only, both fp16 / bf16; its fp32 backend (unfused) has no CP
+        # (attention/dot_product_attention/utils.py:762-766): "No dot product attention backend"
+        reasons.append(
+            f"{names.context_parallel}={facts.context_parallel_size} with packed_cache=False in "
+            "float32: Transformer Engine's attention has no context-parallel backend for float32 "
+            "inputs (its unfused fp32 attention runs no CP; flash / cuDNN attention take fp16 / "
+            f"bf16), so the first forward would stop; train in bf16 or set {names.context_parallel}=1"
         )
     if request.max_seqs is not None and facts.packed and not 0 < request.max_seqs <= facts.packed_size:
         reasons.append(

@@ -250,6 +250,8 @@ def _full_iteration_graph():
         (lambda: recipe(packed_sequence=False, peft_scheme=None), {"packed_cache": False},
          r"packed_cache=False on a dense model leaves nothing"),
         (_cp2, {}, r"context_parallel_size=2"),
+        (_cp2, {"packed_cache": False, "fp8": "hybrid"},
+         r"context_parallel_size=2 with packed_cache=False in float32: Transformer Engine's attention"),
         (_vpp, {}, r"virtual \(interleaved\) pipeline parallelism"),
         (_canonical_lora, {}, r"PEFT scheme CanonicalLoRA is not supported"),
         (lambda: recipe(peft_scheme=None), {"lora": ["linear_qkv"]}, r"the recipe has no PEFT"),
@@ -260,7 +262,7 @@ def _full_iteration_graph():
         (recipe, {"max_seqs": 5000}, r"max_seqs=5000 must be in \[1, packed_sequence_size=4096\]"),
         (recipe, {"attention_backend": "xformers"}, None),
     ],
-    ids=["deepseek_mla", "gemma2", "t5", "unpacked", "nothing_to_do", "cp2", "vpp",
+    ids=["deepseek_mla", "gemma2", "t5", "unpacked", "nothing_to_do", "cp2", "cp2_fp32_te_attention", "vpp",
          "canonical_lora", "lora_no_peft", "lora_target", "local_attn", "full_iter_graph",
          "fp8_format", "max_seqs", "backend"],
 )
