@@ -34,7 +34,10 @@ the framework config -- through their shared decision layer ``integrations/core.
   attention backend and experts the classifier predicted, and -- in fp32 with the packed cache
   and dropless (or no) experts -- per-token losses equal to the same weights with Megatron's
   attention and RoPE, one sequence at a time (capacity dispatch couples the sequences; bf16
-  has no tolerance that would make a per-sequence comparison meaningful).
+  has no tolerance that would make a per-sequence comparison meaningful). Layouts of 2
+  processes run in torchrun children (:func:`test_hook_feature_matrix_child_runs`); the
+  pipeline layout through Megatron's own schedule, as the framework drives the hooked model
+  (:func:`run_pipelined`).
 
 docs/hook-feature-matrix.md is generated from this module (:func:`render`,
 :func:`test_listing_is_up_to_date`).
@@ -239,9 +242,11 @@ def lone_value(combo: Combo) -> Optional[tuple]:
 
 # ------------------------------------------------------------------- facts of a combination
 @functools.lru_cache(maxsize=None)
-def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup, ep: int = 1):
+def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup, ep: int = 1,
+                 pp: int = 1):
     """The model config the framework holds (a Megatron TransformerConfig with GPTModel's
-    rotary fields, as NeMo's GPTConfig / Bridge's GPTModelProvider carry them)."""
+    rotary fields, as NeMo's GPTConfig / Bridge's GPTModelProvider carry them; with the
+    pipeline size the framework writes into it, and ``pipeline_dtype``: the model dtype)."""
     from megatron_fastpath.model import ModelConfig, build_transformer_config
 
     moe = model == "moe"
@@ -255,6 +260,7 @@ def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool,
         extra.update(cuda_graph_warmup_steps=warmup)
     config = build_transformer_config(shape, params_dtype=getattr(torch, dtype),
                                       tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                      pipeline_model_parallel_size=pp,
                                       fp8_dot_product_attention=fp8_attention is True, **extra)
     config.position_embedding_type = "rope"
     return config
@@ -271,7 +277,8 @@ def facts_and_request(combo: Combo, names=None):
     if sizes["virtual_pipeline_size"] == 2:
         sizes["pipeline_size"] = 2
     model = model_config(c["model"], c["dispatch"], c["dtype"], sizes["tensor_model_parallel_size"],
-                         c["fp8_attention"], c["graph_warmup"], sizes["expert_parallel_size"])
+                         c["fp8_attention"], c["graph_warmup"], sizes["expert_parallel_size"],
+                         sizes["pipeline_size"])
     peft = None if c["peft"] is None else core.PeftFacts(
         c["peft"], c["peft"] == "LoRA", _lora_requests()[1])
     facts = core.ModelFacts(
@@ -360,9 +367,12 @@ REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE = (
     "run (world 2) on the fake Transformer Engine, in a 2-process child")
 STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE)
 RUN_STATUSES = {RUN: "w1", RUN_TE: "w1-te", RUN2: "w2", RUN2_TE: "w2-te"}  # and their keys
-# the layouts of 2 processes the runner runs: the same packed batch on both ranks, one forward +
-# backward (the others need what the framework does around the model, see world2_limit)
-RUN_LAYOUTS = ("tensor_model_parallel_size=2", "expert_parallel_size=2")
+# the layouts of 2 processes the runner runs: TP / EP the same packed batch on both ranks, one
+# forward + backward; PP Megatron's pipeline schedule (run_pipelined). Context parallelism is
+# not run (see world2_limit); the virtual pipeline is refused by the hooks whatever the rest.
+RUN_LAYOUTS = ("tensor_model_parallel_size=2", "expert_parallel_size=2", "pipeline_size=2")
+# of them, those run through Megatron's pipeline schedule (run_pipelined)
+PIPELINE_LAYOUTS = ("pipeline_size=2",)
 
 
 def world2_limit(combo: Combo) -> Optional[str]:
@@ -375,8 +385,7 @@ def world2_limit(combo: Combo) -> Optional[str]:
                 "Megatron's own Transformer Engine attention runs the CP ring over the framework's "
                 "CP split of the batch; the fake TE's DotProductAttention has no CP (the main job's "
                 "matrix runs CP 2 end to end, with the cache)")
-    return (f"`{layout}`: Megatron's pipeline schedule, which the framework's training step "
-            "drives, not the hooks (the main job's matrix runs PP 2 end to end)")
+    return f"`{layout}`: the runner has no such layout"  # none accepted (test_classification_...)
 
 
 def cpu_limit(backend: str) -> Optional[str]:
@@ -520,6 +529,16 @@ def classified() -> dict:
         return {c: classify(c) for c in combinations()}
 
 
+@functools.lru_cache(maxsize=None)
+def verdict_of(combo: Combo) -> Verdict:
+    """``classified()[combo]``, without classifying the whole product where it is not (a child
+    of test_hook_feature_matrix_child_runs runs a few hundred of the ~54000; ~13 s a process)."""
+    if classified.cache_info().currsize:
+        return classified()[combo]
+    with _gpu():
+        return classify(combo)
+
+
 # ------------------------------------------------------------- what is not a product axis
 # HookRequest fields the product does not cross, and why (a new field fails
 # test_every_request_field_is_an_axis_or_said_why until it is an axis or listed here).
@@ -654,7 +673,7 @@ def run_combination(combo: Combo) -> str:
     from megatron_fastpath.packed_seq.runtime import forward
     from tests.support.packed_reference import reference_layer_spec
 
-    verdict = classified()[combo]
+    verdict = verdict_of(combo)
     assert verdict.status in RUN_STATUSES, verdict
     uses_te = verdict.status in (RUN_TE, RUN2_TE)
     if uses_te:  # a child of test_hook_feature_matrix_child_runs with the fake TE
@@ -679,6 +698,8 @@ def run_combination(combo: Combo) -> str:
     model_parallel_cuda_manual_seed(0)  # Megatron's own attention / MoE fork its RNG tracker
     spec = FastpathLayerSpec(settings)(config)
     vocab = 64
+    if combo["layout"] in PIPELINE_LAYOUTS:
+        return run_pipelined(combo, config, spec, settings, pe, dtype, fp8, uses_te)
     model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=T, position_embedding_type=pe,
                      share_embeddings_and_output_weights=False)
     if dtype != torch.float32:
@@ -695,27 +716,15 @@ def run_combination(combo: Combo) -> str:
         loss_1T = forward(model, pb, tokens, labels)
     else:  # Megatron's own attention on the framework's unpacked batch
         loss_1T = model(tokens, torch.arange(T)[None], None, labels=labels)
-    if settings.packed_cache:  # the build is what the classifier's build checks predicted
-        backend, _ = build_checks(combo, plan.settings)
-        assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {backend}
-    if combo["model"] == "moe":
-        from megatron_fastpath.moe.experts import expert_class
-
-        assert {type(layer.mlp.experts) for layer in model.decoder.layers} == {
-            expert_class(settings.moe_expert_backend)}
     loss = (loss_1T[0, :n].float()).mean()
     loss.backward()
     assert torch.isfinite(loss), loss
     grads = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
         [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
-    checked = "finite loss and gradients"
+    # the build is what the classifier predicted; TE's modules ran, under FP8 exactly when on
+    checked = "finite loss and gradients" + _built_as_predicted(combo, model, settings, fp8, uses_te, config)
     te_modules = _te_modules(model)
-    assert bool(te_modules) == uses_te, (verdict.status, sorted(te_modules))
-    if te_modules:  # TE's modules ran, under FP8 exactly when the framework turns it on
-        in_fp8 = {name: m.fp8 for name, m in te_modules.items()}
-        assert set(in_fp8.values()) == {fp8 is not None}, (fp8, in_fp8)
-        checked += f"; {len(te_modules)} TE modules" + (f" in FP8 ({fp8}, {config.fp8_recipe})" if fp8 else "")
     reference = (settings.packed_cache and dtype == torch.float32 and fp8 is None
                  and not any(m.__class__.__name__ != "GroupedLinear" for m in te_modules.values())
                  and (combo["model"] == "dense" or combo["dispatch"] == "dropless"))
@@ -737,6 +746,169 @@ def run_combination(combo: Combo) -> str:
             torch.testing.assert_close(alone[0], loss_1T.detach()[0, sl], rtol=1e-4, atol=1e-4)
             start += length
     return checked + "; per-token losses == Megatron's attention, one sequence at a time"
+
+
+# the pipelined runs' global batch: packed lengths of T=32, one microbatch more than the cache's
+# slots (the pipeline size), so the third reuses the first's slot, released in call order (on
+# each stage after the first's backward, under 1F1B)
+MICROBATCHES = ([11, 7, 9], [5, 14], [20, 3, 6])
+
+
+def _packed_batch(lengths: list, gen: torch.Generator, vocab: int) -> tuple:
+    """(tokens [1, T], labels [1, T], n): ``lengths`` packed from the start, a padding tail."""
+    n = sum(lengths)
+    tokens = torch.zeros(1, T, dtype=torch.long)
+    labels = torch.zeros(1, T, dtype=torch.long)
+    tokens[0, :n] = torch.randint(1, vocab, (n,), generator=gen)
+    labels[0, :n] = torch.randint(1, vocab, (n,), generator=gen)
+    return tokens, labels, n
+
+
+def run_pipelined(combo: Combo, config, spec, settings, pe: str, dtype, fp8, uses_te: bool) -> str:
+    """A pipeline layout (a child of 2 processes, Megatron's parallel state of that layout):
+    this rank's stage of the hooked model (``pre_process`` / ``post_process`` by its pipeline
+    rank, as the frameworks build it; no virtual pipeline: the hooks refuse it) driven as the
+    framework drives it -- Megatron's own schedule
+    (``get_forward_backward_func``) over :data:`MICROBATCHES`, forward and backward, on the bare
+    model (no DDP: ``finalize_model_grads_func`` None). The forward step is the hooks' (the main
+    job's ``gpu_train_step`` shape): each microbatch takes a slot of the packed cache
+    (``cache_for``'s ``InFlightBatches``, released in call order) and runs
+    ``packed_seq.runtime.forward``, tokens on the first stage, labels on the last, hidden states
+    from the schedule in between; without the cache, Megatron's attention on the unpacked
+    batch. Checked on each stage: the schedule ran every microbatch, the last stage's loss is
+    finite, every trainable parameter has a finite gradient, the build is the predicted one
+    (attention backend, experts, TE modules in FP8 exactly when FP8 is on)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_fastpath.integrations import cache_for
+    from megatron_fastpath.packed_seq.runtime import forward
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    assert pp == 2 == config.pipeline_model_parallel_size, (pp, config.pipeline_model_parallel_size)
+    assert config.virtual_pipeline_model_parallel_size is None
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=T, position_embedding_type=pe,
+                     share_embeddings_and_output_weights=False,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    # no DDP: nothing reduces gradients after the schedule (the framework's DDP would)
+    config.finalize_model_grads_func = None
+    gen = torch.Generator().manual_seed(1)
+    batches = [_packed_batch(lengths, gen, 64) + (lengths,) for lengths in MICROBATCHES]
+    in_flight = cache_for(settings)[1] if settings.packed_cache else None
+    calls, losses = [], []
+
+    def forward_step(data_iterator, module):
+        tokens, labels, n, lengths = next(data_iterator)
+        calls.append(n)
+        if settings.packed_cache:  # the hooks' data step: a slot per microbatch, held in call order
+            pb = in_flight.acquire(lengths)
+            output = forward(module, pb, tokens, labels)
+        else:  # Megatron's own attention on the framework's unpacked batch
+            output = module(tokens, torch.arange(T)[None], None, labels=labels)
+
+        def loss_func(per_token_1T):  # last pipeline stage only
+            loss = per_token_1T[0, :n].float().mean()
+            losses.append(loss.detach().clone())  # the schedule divides its loss in place
+            return loss, {}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+        num_microbatches=len(batches), seq_length=T, micro_batch_size=1, forward_only=False)
+    if in_flight is not None:
+        assert in_flight.max_in_flight == settings.num_slots < len(batches), (in_flight.max_in_flight, settings)
+        in_flight.release_all()
+    assert len(calls) == len(batches), calls
+    last = ps.is_pipeline_last_stage()
+    assert len(losses) == (len(batches) if last else 0), (last, losses)
+    assert all(torch.isfinite(x) for x in losses), losses
+    grads = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
+    te = _built_as_predicted(combo, model, settings, fp8, uses_te, config)
+    checked = (f"Megatron's schedule, {len(batches)} microbatches, stage {ps.get_pipeline_model_parallel_rank()} "
+               f"of {pp}: " + ("finite loss and gradients" if last else "finite gradients") + te
+               + ("" if settings.packed_cache else " (Megatron's attention)"))
+    if fp8 is not None:  # FP8's delayed scaling state moved with the run: no equal reference
+        return checked
+    _unpipelined_reference(config, spec, pe, dtype, model, grads, batches, losses, settings)
+    return checked + "; losses and gradients == the same weights without pipelining"
+
+
+def _global_names(model) -> dict:
+    """Parameter / state name of a pipeline stage -> the whole model's name (the stage's layer
+    offset added to ``decoder.layers.{i}``)."""
+    layers = model.decoder.layers
+    offset = layers[0].layer_number - 1 if len(layers) else 0
+    return {n: re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", n)
+            for n in model.state_dict()}
+
+
+def _unpipelined_reference(config, spec, pe, dtype, stage, grads, batches, losses, settings) -> None:
+    """The same weights as one model (every stage's state gathered; the config's pipeline size
+    1), the same microbatches through it, one after the other, its loss the schedule's (the mean
+    over the microbatches): its per-microbatch losses equal the last stage's and its gradients
+    of this stage's parameters equal the schedule's."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_fastpath.integrations import cache_for
+    from megatron_fastpath.packed_seq.runtime import forward
+
+    names = _global_names(stage)
+    mine = {names[k]: v for k, v in stage.state_dict().items() if not k.endswith("_extra_state")}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    state = {k: v for part in gathered for k, v in part.items()}
+    whole = _copy_config(config)
+    whole.pipeline_model_parallel_size = 1
+    ref = GPTModel(whole, spec, vocab_size=64, max_sequence_length=T, position_embedding_type=pe,
+                   share_embeddings_and_output_weights=False)
+    if dtype != torch.float32:
+        ref = ref.to(dtype)
+    missing = ref.load_state_dict(state, strict=False)
+    assert not missing.unexpected_keys and all("_extra_state" in k for k in missing.missing_keys), missing
+    ref_losses = []
+    for tokens, labels, n, lengths in batches:  # each microbatch's backward before the next fills a slot
+        if settings.packed_cache:
+            per_token = forward(ref, cache_for(settings)[1].acquire(lengths), tokens, labels)
+        else:
+            per_token = ref(tokens, torch.arange(T)[None], None, labels=labels)
+        ref_losses.append(per_token[0, :n].float().mean())
+        (ref_losses[-1] / len(batches)).backward()
+    if settings.packed_cache:
+        cache_for(settings)[1].release_all()
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    if losses:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses).detach(), **tol)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[names[k]], msg=lambda m, k=k: f"{k}: {m}", **tol)
+
+
+def _built_as_predicted(combo: Combo, model, settings, fp8, uses_te: bool, config) -> str:
+    """Assert the build is what the classifier predicted -- the attention backend (packed cache),
+    the experts, Transformer Engine modules exactly when the status says so, in FP8 exactly when
+    FP8 is on -- and say what of TE was checked."""
+    verdict = verdict_of(combo)
+    if settings.packed_cache:
+        backend, _ = build_checks(combo, verdict.plan.settings)
+        assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {backend}
+    if combo["model"] == "moe":
+        from megatron_fastpath.moe.experts import expert_class
+
+        assert {type(layer.mlp.experts) for layer in model.decoder.layers} == {
+            expert_class(settings.moe_expert_backend)}
+    te_modules = _te_modules(model)
+    assert bool(te_modules) == uses_te, (verdict.status, sorted(te_modules))
+    if not te_modules:
+        return ""
+    in_fp8 = {name: m.fp8 for name, m in te_modules.items()}
+    assert set(in_fp8.values()) == {fp8 is not None}, (fp8, in_fp8)
+    return f"; {len(te_modules)} TE modules" + (f" in FP8 ({fp8}, {config.fp8_recipe})" if fp8 else "")
 
 
 def fp8_format(combo: Combo, plan) -> Optional[str]:
@@ -882,9 +1054,22 @@ def render() -> str:
               "in the model config (`fp8`: the plan's, or the config's own; Megatron's default "
               "recipe). Checked besides: every TE module ran, in FP8 exactly when FP8 is on. The "
               "per-token reference applies where the linears are Megatron's and FP8 is off;",
-              "* **of 2 processes** -- " + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS) + ": the "
-              "same packed batch on both ranks, Megatron's model-parallel state of that layout, the "
-              "framework's model config with it; both ranks must pass. The other layouts of 2 "
+              "* **of 2 processes** -- " + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS) + ": "
+              "Megatron's model-parallel state of that layout, the framework's model config with "
+              "it; both ranks must pass. "
+              + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS if lay not in PIPELINE_LAYOUTS) + ": the "
+              "same packed batch on both ranks, one forward + backward. "
+              + ", ".join(f"`{lay}`" for lay in PIPELINE_LAYOUTS) + ": each rank builds its stage "
+              "(`pre_process` / `post_process`) and Megatron's own schedule "
+              "(`get_forward_backward_func`, 1F1B) runs a global batch of "
+              f"{len(MICROBATCHES)} packed microbatches forward and backward on the bare model (no "
+              "DDP), with the hooks' forward step (a packed-cache slot per microbatch, released in "
+              "call order: one microbatch more than the cache's slots, so the last reuses the "
+              "first's slot; without the cache Megatron's attention on the unpacked batch): the "
+              "schedule ran every microbatch, finite losses on the last stage, a finite gradient "
+              "for every trainable parameter of each stage; without FP8 (whose delayed scaling "
+              "state moves with the run) the losses and gradients equal the same weights run as "
+              "one model. The virtual pipeline is refused by the hooks; the other layouts of 2 "
               "processes are listed above with why not.", "",
               "| status | layout | distinct builds | combinations |", "| --- | --- | --- | --- |"]
     for status, layout in child_launches():
@@ -915,6 +1100,8 @@ def test_classification_follows_the_rules():
     # nothing the hook accepts is refused when the model is built: the hook refuses it while
     # planning, before the framework's config is written (te / flash with an fp32 model were)
     assert counts[BUILD] == 0, counts
+    # what is accepted and not run for want of 2 processes is context parallelism only
+    assert {c["layout"] for c, v in classified().items() if v.status == WORLD2} == {"context_parallel_size=2"}
     for v in classified().values():
         if v.status != REFUSED:
             assert rules.refusals(v.facts) == [] and v.plan is not None
@@ -1178,12 +1365,13 @@ def _run_child(key: str, spec: str, out: str) -> None:
     assert len(layouts) == 1, layouts
     layout = layouts.pop()
     sizes = {} if layout == "1" else {"tensor_model_parallel_size=2": dict(tensor_model_parallel_size=2),
-                                      "expert_parallel_size=2": dict(expert_model_parallel_size=2)}[layout]
+                                      "expert_parallel_size=2": dict(expert_model_parallel_size=2),
+                                      "pipeline_size=2": dict(pipeline_model_parallel_size=2)}[layout]
     init_distributed(backend="gloo", **sizes)
     runs = []
     for combo in combos:
         try:
-            verdict = classified()[combo]
+            verdict = verdict_of(combo)
             assert verdict.status == status, f"{verdict.status} here ({verdict.why})"
             with gpu_standins():
                 runs.append({"label": combo.label, "ok": True, "what": run_combination(combo)})
