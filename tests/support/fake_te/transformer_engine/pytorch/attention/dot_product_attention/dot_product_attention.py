@@ -33,8 +33,20 @@ TE has no backend it raises TE's ``ValueError`` ("No dot product attention backe
 available ..."). Float8CurrentScaling with fp8_dpa on sm90: no backend (the error);
 MXFP8 / block scaling with fp8_dpa: TE's assertion (dpa.py:670-673).
 
-Not stood in (``NotImplementedError`` naming the fake): qkv_format "thd", context parallelism
-(a CP group of more than one rank), KV caching (``inference_params``), ALiBi, softmax types
+Context parallelism (a CP group of more than one rank; ``cp_comm_type`` "p2p", "all_gather",
+"a2a" or "a2a+p2p" -- context_parallel.py:4074-4108, "cp.py:N" below): TE's backend rule
+(utils.py:762-831: FusedAttention alone), its asserts (backends.py:1796-1799, 1855-1858 and
+attn_forward_func_with_cp's, cp.py:3986-4050, with each comm type's own), then one
+computation for every comm type: each rank holds the load-balanced chunks r and 2*cp-1-r of
+the sequence (TE's DualChunkSwap, cp.py:3926-3951, Megatron's ``get_batch_on_this_cp_rank``);
+K and V are all-gathered (backward: the owner's gradient summed over the group), put in
+sequence order, and the local queries attend at their global positions -- the attention a
+CP-1 run gives those queries. FP8 attention as at CP 1, except "all_gather", which TE runs in
+high precision (fp8 is not passed to it, cp.py:4088-4092); the max logit is all-reduced
+(MAX, cp.py:1801-1804, 2997-3000). An attention bias at "p2p" is not stood in.
+
+Not stood in (``NotImplementedError`` naming the fake): qkv_format "thd" (with or without CP),
+KV caching (``inference_params``), ALiBi, softmax types
 other than "vanilla", ``fp8_output`` (FP8 MHA), ``NVTE_DPA_FP8_RECIPE`` recipe switching,
 Unfused FP8 emulation (``NVTE_UnfusedDPA_Emulate_FP8=1``). Not modelled: ``assert q.is_cuda``
 (dpa.py:1041-1043; the fake runs on a CPU by design), ``get_qkv_layout``'s memory-layout
@@ -79,7 +91,7 @@ META_DQKV, META_DO, META_DP = 0, 3, 5  # GRAD_OUTPUT1, GRAD_INPUT2, GRAD_INPUT3
 def _not_stood_in(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"fake transformer_engine: DotProductAttention with {what} is not stood in (the fake "
-        "serves sbhd / bshd at context-parallel size 1; the package's packed 'te' backend uses "
+        "serves sbhd / bshd; the package's packed 'te' backend uses "
         "tests.support.gpu_standins.TEDotProductAttentionStandIn)")
 
 
@@ -354,15 +366,16 @@ class DotProductAttention(TransformerEngineBaseModule):
             max_seqlen_kv = key_layer.shape[s_dim] if max_seqlen_kv is None else max_seqlen_kv
             if inference_params is not None:  # dpa.py:1139-1173
                 raise _not_stood_in("inference_params (KV caching)")
-            # dpa.py:1208-1214: the CP size
+            # dpa.py:1208-1214: the CP size; dpa.py:1215-1233: sbhd / bshd max_seqlen are global
             cp_size = 1
-            if isinstance(self.cp_group, list):
+            if isinstance(self.cp_group, torch.distributed.ProcessGroup):
+                cp_size = get_distributed_world_size(self.cp_group)
+            elif isinstance(self.cp_group, list):
                 for group in self.cp_group:
                     cp_size *= get_distributed_world_size(group)
-            elif self.cp_group is not None:
-                cp_size = get_distributed_world_size(self.cp_group)
-            if cp_size > 1:
-                raise _not_stood_in(f"context parallelism (CP size {cp_size})")
+            context_parallel = cp_size > 1
+            max_seqlen_q *= cp_size
+            max_seqlen_kv *= cp_size
             # dpa.py:1215-1248: a padding mask needs attention_mask (or cu_seqlens)
             if "padding" in attn_mask_type and (cu_seqlens_q is None or cu_seqlens_kv is None):
                 assert attention_mask is not None, "Please provide attention_mask for padding!"
@@ -401,9 +414,15 @@ class DotProductAttention(TransformerEngineBaseModule):
                 attention_dropout=self.attention_dropout, deterministic=self.deterministic,
                 is_training=self.training, fp8=self.fp8, fp8_meta=self.fp8_meta,
                 softmax_type=self.softmax_type, return_max_logit=self.return_max_logit,
-                num_splits=num_splits)
+                num_splits=num_splits, context_parallel=context_parallel)
             if not (use_fused or use_unfused):
                 raise ValueError(dpa_utils.NO_BACKEND_MESSAGE)
+            cp_groups = None
+            if context_parallel:  # FusedAttention's CP path (backends.py:1796-1880)
+                cp_groups = _cp_checks(
+                    self, query_layer, key_layer, value_layer, qkv_format=qkv_format,
+                    mask_type=attn_mask_type, window=window_size,
+                    bias_type=core_attention_bias_type, fp8_dpa=fp8_dpa)
             # FP8 computation: FusedAttention's FP8 sub-backend (backends.py:1163-1250), or
             # Unfused's emulation (backends.py:392-419, only with NVTE_UnfusedDPA_Emulate_FP8=1)
             fp8_compute = fp8_dpa and (use_fused or os.getenv("NVTE_UnfusedDPA_Emulate_FP8", "0") == "1")
@@ -413,26 +432,145 @@ class DotProductAttention(TransformerEngineBaseModule):
                 raise _not_stood_in("a [current scaling, delayed scaling] recipe pair")
             if fp8_output:
                 raise _not_stood_in("fp8_output (FP8 multi-head attention)")
+            if cp_groups is not None and self.cp_comm_type == "all_gather":
+                fp8_compute = False  # cp.py:4088-4092: fp8 is not passed to KV all-gather CP
             return _attention(
                 self, query_layer, key_layer, value_layer, qkv_format=qkv_format,
                 mask_type=attn_mask_type, attention_mask=attention_mask, window=window_size,
                 bias_type=core_attention_bias_type, bias=core_attention_bias,
-                fp8_meta=self.fp8_meta if fp8_compute else None)
+                fp8_meta=self.fp8_meta if fp8_compute else None, cp_groups=cp_groups)
 
 
-def _mask(mask_type, window, attention_mask, attention_type, b, sq, skv, device):
+def _cp_checks(dpa, q, k, v, *, qkv_format, mask_type, window, bias_type, fp8_dpa):
+    """TE's asserts on FusedAttention's CP path, in TE's order; returns the groups to gather K/V
+    over (a2a+p2p: [a2a group, p2p group], the p2p rank outermost as cp.py:1294)."""
+    group, comm = dpa.cp_group, dpa.cp_comm_type
+    # backends.py:1796-1799 (a padding mask reaches it: utils.py:800-831 let it through)
+    if "padding" in mask_type:
+        assert False, "Padding mask not supported with context parallelism!"
+    if fp8_dpa:  # backends.py:1849-1858
+        recipe = dpa.fp8_meta["local_recipes"][0]
+        if recipe.delayed():
+            assert recipe.reduce_amax, (
+                "Amax reduction across TP+CP group is necessary when using context parallelism"
+                " with FP8!")
+    # (backends.py:1868-1871: an F16 sub-backend other than arbitrary_seqlen -- the fake does not
+    # tell them apart; backends.py:1872-1874: ALiBi, refused before)
+    # cp.py:3986-4005: the group(s) for the comm type; a2a+p2p with one level of size 1 is the
+    # other level's comm type
+    if comm == "a2a+p2p":
+        assert isinstance(group, list) and len(group) == 2, (
+            "CP implementation a2a+p2p requires cp_group = [a2a_cp_group, p2p_cp_group]!")
+        assert bias_type == "no_bias", (  # cp.py:3993-3995
+            f"{bias_type} bias type is not supported with hierarchical CP implementation yet!")
+        if get_distributed_world_size(group[0]) == 1:
+            group, comm = group[1], "p2p"
+        elif get_distributed_world_size(group[1]) == 1:
+            group, comm = group[0], "a2a"
+    else:
+        assert isinstance(group, torch.distributed.ProcessGroup), (
+            f"cp_group must be {torch.distributed.ProcessGroup} type for cp_comm_type={comm!r}!")
+    # cp.py:4007-4018: sbhd / bshd with FusedAttention; a bias with a non-padding mask passes
+    # cp.py:4023-4035 (their messages lack the f-prefix in TE: kept literally)
+    if window is not None and window not in ((-1, 0), (-1, -1)):
+        assert comm in ("a2a", "all_gather"), (
+            "Context parallelism does not support sliding window attention with {cp_comm_type=}!")
+    if k.shape[-1] != v.shape[-1]:
+        assert comm in ("p2p", "a2a+p2p"), (
+            "Context parallelism does not support MLA with {cp_comm_type=}!")
+    seq_dim = qkv_format.index("s")
+    halves = q.shape[seq_dim] % 2 == 0 and k.shape[seq_dim] % 2 == 0
+    if comm == "all_gather":  # cp.py:2800-2848, 4088
+        assert bias_type == "no_bias", f"{bias_type} bias type is not supported!"
+        assert q.shape[-1] % 8 == 0, "Hidden size per attention head should be multiple of 8!"
+        assert halves, "Sequence length per GPU needs to be divisible by 2!"
+    elif comm == "a2a":  # cp.py:3314-3379, 4093
+        assert bias_type == "no_bias", f"{bias_type} bias type is not supported!"
+        assert q.shape[-1] % 8 == 0, "Hidden size per attention head should be multiple of 8!"
+        cp = get_distributed_world_size(group)
+        assert q.shape[-2] % cp == 0 and k.shape[-2] % cp == 0, (
+            "The number of attention heads needs to be divisible by CP size!")
+        assert halves, "Sequence length per GPU needs to be divisible by 2!"
+    elif comm in ("p2p", "a2a+p2p"):  # cp.py:4074, 1432-1434
+        assert halves, "Sequence length per GPU needs to be divisible by 2!"
+        if bias_type != "no_bias":
+            raise _not_stood_in("an attention bias with context parallelism (cp_comm_type 'p2p')")
+    else:
+        raise ValueError(f"Unsupported communication type: {comm}!")  # cp.py:4107-4108
+    if isinstance(group, list):
+        return list(group)
+    return [group]
+
+
+class _GatherCP(torch.autograd.Function):
+    """All-gather over each group in turn (the last outermost): [n_last, ..., n_first, *x];
+    backward: this rank's slice of the gradient summed over the groups (reduce-scatter by
+    all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        for g in groups:
+            parts = [torch.empty_like(x) for _ in range(get_distributed_world_size(g))]
+            torch.distributed.all_gather(parts, x.contiguous(), group=g)
+            x = torch.stack(parts)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        for g in reversed(ctx.groups):
+            torch.distributed.all_reduce(grad, group=g)
+            grad = grad[torch.distributed.get_rank(group=g)]
+        return grad, None
+
+
+def _cp_chunks(cp: int) -> List[Tuple[int, int]]:
+    """(rank, half) holding each of the 2*cp sequence chunks in order: rank r holds chunks r and
+    2*cp-1-r (cp.py:3926-3951)."""
+    return [(r, 0) for r in range(cp)] + [(r, 1) for r in reversed(range(cp))]
+
+
+def _gather_kv(x, groups, seq_dim):
+    """The CP ranks' [.., s/cp, ..] pieces of K or V as the whole sequence, in order."""
+    full = _GatherCP.apply(x, groups)
+    full = full.reshape(-1, *x.shape)  # [cp, *x], group rank order (cp.py:1294)
+    cp = full.shape[0]
+    shape = list(x.shape)
+    shape[seq_dim:seq_dim + 1] = [2, x.shape[seq_dim] // 2]
+    full = full.reshape(cp, *shape)
+    pieces = [full[r].select(seq_dim, h) for r, h in _cp_chunks(cp)]
+    return torch.cat(pieces, dim=seq_dim)
+
+
+def _cp_positions(groups, s_local, device):
+    """Global sequence positions of this rank's s_local tokens."""
+    cp, rank = 1, 0
+    for g in groups:  # the rank in the flattened [last, ..., first] order
+        rank = rank + torch.distributed.get_rank(group=g) * cp
+        cp *= get_distributed_world_size(g)
+    c = s_local // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
+
+
+def _mask(mask_type, window, attention_mask, attention_type, b, sq, skv, device, q_pos=None):
     """The boolean mask (True: masked) over [b or 1, h or 1, sq, skv]: causal top-left
     ("causal", "padding_causal") or bottom-right (every other type, as TE's window docstring,
     dpa.py:223-230) with the sliding window (left, right; -1 unbounded); padding from
     ``attention_mask`` ([b, 1, 1, s] per side, True padded; a tuple of two for cross attention,
     dpa.py:1222-1242) as queries OR keys padded (utils.py get_full_mask); arbitrary: the mask
-    itself, broadcast (dpa.py:920-928)."""
+    itself, broadcast (dpa.py:920-928). ``q_pos``: the queries' global positions under CP
+    (where K/V are the whole sequence and s_q = s_kv, so both alignments agree)."""
     mask = None
     left, right = window
     if left >= 0 or right >= 0:
-        i = torch.arange(sq, device=device).view(sq, 1)
         j = torch.arange(skv, device=device).view(1, skv)
-        diag = i if mask_type in ("causal", "padding_causal") else i + (skv - sq)
+        if q_pos is not None:
+            diag = q_pos.view(sq, 1)
+        else:
+            i = torch.arange(sq, device=device).view(sq, 1)
+            diag = i if mask_type in ("causal", "padding_causal") else i + (skv - sq)
         mask = torch.zeros(sq, skv, dtype=torch.bool, device=device)
         if right >= 0:
             mask = mask | (j > diag + right)
@@ -453,11 +591,19 @@ def _mask(mask_type, window, attention_mask, attention_type, b, sq, skv, device)
 
 
 def _attention(dpa, q, k, v, *, qkv_format, mask_type, attention_mask, window, bias_type, bias,
-               fp8_meta):
-    """The attention every backend computes (see the module docstring), device-only."""
+               fp8_meta, cp_groups=None):
+    """The attention every backend computes (see the module docstring), device-only; under CP
+    (``cp_groups``) over the all-gathered K/V at the local queries' global positions."""
     nominal = q.dtype
-    if fp8_meta is not None:  # forward QKV slot, backward dQKV slot
+    if fp8_meta is not None:  # forward QKV slot, backward dQKV slot (local: elementwise)
         q, k, v = _qdq_together([q, k, v], fp8_meta, META_QKV, META_DQKV)
+    q_pos = None
+    if cp_groups is not None:
+        seq_dim = qkv_format.index("s")
+        q_pos = _cp_positions(cp_groups, q.shape[seq_dim], q.device)
+        # gathered in float32, as the scores are computed: the owner's K/V gradient is the
+        # float32 sum of every rank's part, rounded once
+        k, v = (_gather_kv(x.float(), cp_groups, seq_dim) for x in (k, v))
     # to [b, h, s, d]
     perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
     q, k, v = (x.permute(*perm) for x in (q, k, v))
@@ -478,7 +624,8 @@ def _attention(dpa, q, k, v, *, qkv_format, mask_type, attention_mask, window, b
             scores = scores + bias.float()
     if fp8_meta is not None:  # backward: dP slot (backends.py:465-469)
         scores = _QDQ.apply(scores, fp8_meta, None, META_DP)
-    mask = _mask(mask_type, window, attention_mask, dpa.attention_type, b, sq, skv, q.device)
+    mask = _mask(mask_type, window, attention_mask, dpa.attention_type, b, sq, skv, q.device,
+                 q_pos=q_pos)
     empty = None
     if mask is not None:
         # a fully masked row (a padded query) keeps its scores (no -inf row: its softmax and
@@ -489,6 +636,9 @@ def _attention(dpa, q, k, v, *, qkv_format, mask_type, attention_mask, window, b
     if dpa.return_max_logit:  # backends.py:471-478: max over batch, queries, keys per head
         max_logit = (scores if empty is None else scores.masked_fill(empty, float("-inf"))
                      ).amax(dim=(0, 2, 3))
+        for g in cp_groups or ():  # cp.py:1801-1804, 2997-3000: MAX over the CP group
+            max_logit = max_logit.detach().clone()
+            torch.distributed.all_reduce(max_logit, op=torch.distributed.ReduceOp.MAX, group=g)
     probs = torch.softmax(scores, dim=-1)
     if empty is not None:
         probs = probs.masked_fill(empty, 0.0)

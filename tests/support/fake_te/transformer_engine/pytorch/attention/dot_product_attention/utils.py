@@ -1,7 +1,8 @@
 """Fake ``transformer_engine.pytorch.attention.dot_product_attention.utils`` (TE v2.10): the
 sliding-window check and the backend selection (``get_attention_backend``), reduced to what
-decides, for the inputs the fake ``DotProductAttention`` serves (sbhd / bshd, CP 1, vanilla
-softmax, no ALiBi, no KV cache), whether SOME backend runs and whether it runs FP8 attention.
+decides, for the inputs the fake ``DotProductAttention`` serves (sbhd / bshd, vanilla softmax,
+no ALiBi, no KV cache; CP 1 or more), whether SOME backend runs and whether it runs FP8
+attention.
 
 Lines cited: ``utils.py`` = this file's TE counterpart at tag v2.10,
 ``fused_attn.cpp`` = ``transformer_engine/common/fused_attn/fused_attn.cpp``
@@ -87,8 +88,10 @@ def _fp8_fused_backend_supports(*, is_training, qkv_format, attn_mask_type, bias
 def get_attention_backend(*, qkv_dtype, qkv_format, attn_mask_type, window_size, head_dim_qk,
                           head_dim_v, max_seqlen_q, max_seqlen_kv, bias_type, bias_shape,
                           bias_requires_grad, attention_dropout, deterministic, is_training, fp8,
-                          fp8_meta, softmax_type, return_max_logit, num_splits):
-    """utils.py:289-1169 for CP 1, no KV cache, no ALiBi, sbhd / bshd: returns
+                          fp8_meta, softmax_type, return_max_logit, num_splits,
+                          context_parallel=False):
+    """utils.py:289-1169 for no KV cache, no ALiBi, sbhd / bshd (``max_seqlen_*`` global under
+    context parallelism, dpa.py:1215-1233): returns
     ``(use_fused_attention, fused_attention_backend, use_unfused_attention)`` with TE's
     selection order (FusedAttention preferred over Unfused, utils.py:1147-1152);
     ``fused_attention_backend`` is "FP8" or "F16" (the F16 sub-backends are not told apart: the
@@ -128,6 +131,20 @@ def get_attention_backend(*, qkv_dtype, qkv_format, attn_mask_type, window_size,
         use_fused = use_unfused = False
     # utils.py:597-608: MLA on FusedAttention needs separate q / k / v (hd_hd_hd): the fake
     # receives separate tensors, as Megatron passes them
+    # utils.py:762-766: Unfused has no context parallelism (FlashAttention, utils.py:767-799,
+    # is absent), so under CP only FusedAttention is left, and only for (utils.py:800-831):
+    # no bottom-right causal mask, no causal cross attention of unequal lengths, no bias other
+    # than post_scale_bias, no FP8 MLA (d_qk != d_v)
+    if context_parallel:
+        use_unfused = False
+        if "bottom_right" in attn_mask_type:
+            use_fused = False
+        elif "causal" in attn_mask_type and max_seqlen_q != max_seqlen_kv:
+            use_fused = False
+        elif bias_type not in ("no_bias", "post_scale_bias"):
+            use_fused = False
+        elif fp8_dpa and head_dim_qk != head_dim_v:
+            use_fused = False
     # utils.py:851-859: an arbitrary mask is Unfused's alone
     if attn_mask_type == "arbitrary":
         use_fused = False
