@@ -243,10 +243,10 @@ def lone_value(combo: Combo) -> Optional[tuple]:
 # ------------------------------------------------------------------- facts of a combination
 @functools.lru_cache(maxsize=None)
 def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool, warmup, ep: int = 1,
-                 pp: int = 1):
+                 pp: int = 1, cp: int = 1):
     """The model config the framework holds (a Megatron TransformerConfig with GPTModel's
     rotary fields, as NeMo's GPTConfig / Bridge's GPTModelProvider carry them; with the
-    pipeline size the framework writes into it, and ``pipeline_dtype``: the model dtype)."""
+    pipeline and context-parallel sizes the framework writes into it, and ``pipeline_dtype``: the model dtype)."""
     from megatron_fastpath.model import ModelConfig, build_transformer_config
 
     moe = model == "moe"
@@ -260,7 +260,7 @@ def model_config(model: str, dispatch, dtype: str, tp: int, fp8_attention: bool,
         extra.update(cuda_graph_warmup_steps=warmup)
     config = build_transformer_config(shape, params_dtype=getattr(torch, dtype),
                                       tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                      pipeline_model_parallel_size=pp,
+                                      pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                       fp8_dot_product_attention=fp8_attention is True, **extra)
     config.position_embedding_type = "rope"
     return config
@@ -278,7 +278,7 @@ def facts_and_request(combo: Combo, names=None):
         sizes["pipeline_size"] = 2
     model = model_config(c["model"], c["dispatch"], c["dtype"], sizes["tensor_model_parallel_size"],
                          c["fp8_attention"], c["graph_warmup"], sizes["expert_parallel_size"],
-                         sizes["pipeline_size"])
+                         sizes["pipeline_size"], sizes["context_parallel_size"])
     peft = None if c["peft"] is None else core.PeftFacts(
         c["peft"], c["peft"] == "LoRA", _lora_requests()[1])
     facts = core.ModelFacts(
@@ -368,11 +368,15 @@ REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE = (
 STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE)
 RUN_STATUSES = {RUN: "w1", RUN_TE: "w1-te", RUN2: "w2", RUN2_TE: "w2-te"}  # and their keys
 # the layouts of 2 processes the runner runs: TP / EP the same packed batch on both ranks, one
-# forward + backward; PP Megatron's pipeline schedule (run_pipelined). Context parallelism is
-# not run (see world2_limit); the virtual pipeline is refused by the hooks whatever the rest.
-RUN_LAYOUTS = ("tensor_model_parallel_size=2", "expert_parallel_size=2", "pipeline_size=2")
+# forward + backward; PP Megatron's pipeline schedule (run_pipelined); CP the framework's CP
+# split of the batch (run_context_parallel). The virtual pipeline is refused by the hooks
+# whatever the rest.
+RUN_LAYOUTS = ("tensor_model_parallel_size=2", "expert_parallel_size=2", "pipeline_size=2",
+               "context_parallel_size=2")
 # of them, those run through Megatron's pipeline schedule (run_pipelined)
 PIPELINE_LAYOUTS = ("pipeline_size=2",)
+# of them, those of context parallelism (run_context_parallel)
+CP_LAYOUTS = ("context_parallel_size=2",)
 
 
 def world2_limit(combo: Combo) -> Optional[str]:
@@ -380,11 +384,6 @@ def world2_limit(combo: Combo) -> Optional[str]:
     layout = combo["layout"]
     if layout in RUN_LAYOUTS:
         return None
-    if layout == "context_parallel_size=2":
-        return ("`context_parallel_size=2` (without the packed cache, which the hooks refuse with CP): "
-                "Megatron's own Transformer Engine attention runs the CP ring over the framework's "
-                "CP split of the batch; the fake TE's DotProductAttention has no CP (the main job's "
-                "matrix runs CP 2 end to end, with the cache)")
     return f"`{layout}`: the runner has no such layout"  # none accepted (test_classification_...)
 
 
@@ -700,6 +699,8 @@ def run_combination(combo: Combo) -> str:
     vocab = 64
     if combo["layout"] in PIPELINE_LAYOUTS:
         return run_pipelined(combo, config, spec, settings, pe, dtype, fp8, uses_te)
+    if combo["layout"] in CP_LAYOUTS:
+        return run_context_parallel(combo, config, spec, settings, pe, dtype, fp8, uses_te)
     model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=T, position_embedding_type=pe,
                      share_embeddings_and_output_weights=False)
     if dtype != torch.float32:
@@ -889,6 +890,80 @@ def _unpipelined_reference(config, spec, pe, dtype, stage, grads, batches, losse
         torch.testing.assert_close(g, ref_grads[names[k]], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
+def run_context_parallel(combo: Combo, config, spec, settings, pe: str, dtype, fp8, uses_te: bool) -> str:
+    """A context-parallel layout (a child of 2 processes, Megatron's parallel state with CP 2;
+    the hooks accept it without the packed cache only, so Megatron's own Transformer Engine
+    attention runs the CP exchange): the framework's unpacked batch split as the framework
+    splits it -- Megatron's ``get_batch_on_this_cp_rank`` (chunks r and 2 CP - 1 - r of the
+    sequence on rank r) -- one forward + backward of this rank's tokens, the loss the
+    token-mean over both ranks. Checked: finite loss and gradients, the build as predicted,
+    every attention ran Transformer Engine's CP over the 2 ranks; where routing is per token
+    (dense, dropless experts) the per-token losses gathered from both ranks equal the same
+    weights run without CP on the whole sequence (a model with CP 1 on a CP group of one rank:
+    FP8's first forward quantises with its initial scales, the same in both)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    assert not settings.packed_cache, "the hooks refuse context parallelism with the packed cache"
+    cp = ps.get_context_parallel_world_size()
+    assert cp == 2 == config.context_parallel_size, (cp, config.context_parallel_size)
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=T, position_embedding_type=pe,
+                     share_embeddings_and_output_weights=False)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    tokens, labels, n = _packed_batch([11, 7, 9], gen, 64)
+    full = {"tokens": tokens, "labels": labels, "position_ids": torch.arange(T)[None],
+            "loss_mask": (torch.arange(T) < n)[None].float()}
+    mine = get_batch_on_this_cp_rank(dict(full))
+    per_token = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+    assert per_token.shape == (1, T // cp), per_token.shape
+    local = (per_token.float() * mine["loss_mask"]).sum()
+    (local / n).backward()  # this rank's share of the token mean (DDP would sum over CP)
+    total = local.detach().clone()
+    torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
+    assert torch.isfinite(total), total
+    grads = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
+    checked = "finite loss and gradients" + _built_as_predicted(combo, model, settings, fp8, uses_te, config)
+    attn = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    assert all(getattr(a, "cp_group", None) is not None and torch.distributed.get_world_size(a.cp_group) == cp
+               for a in attn), [getattr(a, "cp_group", None) for a in attn]
+    checked += f"; Transformer Engine's attention over CP {cp} ({attn[0].cp_comm_type})"
+    if combo["model"] == "moe" and combo["dispatch"] != "dropless":
+        return checked + " (capacity dispatch: capacities are per rank, no whole-sequence reference)"
+    _whole_sequence_reference(config, spec, pe, dtype, model, full, per_token, mine)
+    return checked + "; per-token losses == the same weights without CP on the whole sequence"
+
+
+def _whole_sequence_reference(config, spec, pe, dtype, model, full, per_token, mine) -> None:
+    """The same weights built with CP 1 (its CP group: this rank alone) on the whole sequence:
+    its per-token losses at this rank's positions equal the CP run's."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    rank = torch.distributed.get_rank()
+    alone = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())][rank]
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.cp = alone
+    whole = _copy_config(config)
+    whole.context_parallel_size = 1
+    ref = GPTModel(whole, spec, vocab_size=64, max_sequence_length=T, position_embedding_type=pe,
+                   share_embeddings_and_output_weights=False, pg_collection=pgs)
+    if dtype != torch.float32:
+        ref = ref.to(dtype)
+    missing = ref.load_state_dict(model.state_dict(), strict=False)
+    assert not missing.unexpected_keys and all("_extra_state" in k for k in missing.missing_keys), missing
+    with torch.no_grad():
+        ref_1T = ref(full["tokens"], full["position_ids"], None, labels=full["labels"])
+    positions = mine["position_ids"][0]
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(per_token.detach()[0].float() * mine["loss_mask"][0],
+                               ref_1T[0, positions].float() * mine["loss_mask"][0], **tol)
+
+
 def _built_as_predicted(combo: Combo, model, settings, fp8, uses_te: bool, config) -> str:
     """Assert the build is what the classifier predicted -- the attention backend (packed cache),
     the experts, Transformer Engine modules exactly when the status says so, in FP8 exactly when
@@ -1057,8 +1132,15 @@ def render() -> str:
               "* **of 2 processes** -- " + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS) + ": "
               "Megatron's model-parallel state of that layout, the framework's model config with "
               "it; both ranks must pass. "
-              + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS if lay not in PIPELINE_LAYOUTS) + ": the "
-              "same packed batch on both ranks, one forward + backward. "
+              + ", ".join(f"`{lay}`" for lay in RUN_LAYOUTS if lay not in PIPELINE_LAYOUTS + CP_LAYOUTS)
+              + ": the same packed batch on both ranks, one forward + backward. "
+              + ", ".join(f"`{lay}`" for lay in CP_LAYOUTS) + " (accepted without the packed cache "
+              "and with FP8 only, so Megatron's own Transformer Engine attention): the framework's "
+              "unpacked batch split by Megatron's `get_batch_on_this_cp_rank`, one forward + "
+              "backward of each rank's tokens; every attention ran TE's CP over the 2 ranks (the "
+              "fake TE's DotProductAttention keeps TE 2.10's CP contract); with dense or dropless "
+              "experts the per-token losses equal the same weights without CP on the whole "
+              "sequence. "
               + ", ".join(f"`{lay}`" for lay in PIPELINE_LAYOUTS) + ": each rank builds its stage "
               "(`pre_process` / `post_process`) and Megatron's own schedule "
               "(`get_forward_backward_func`, 1F1B) runs a global batch of "
@@ -1069,8 +1151,7 @@ def render() -> str:
               "schedule ran every microbatch, finite losses on the last stage, a finite gradient "
               "for every trainable parameter of each stage; without FP8 (whose delayed scaling "
               "state moves with the run) the losses and gradients equal the same weights run as "
-              "one model. The virtual pipeline is refused by the hooks; the other layouts of 2 "
-              "processes are listed above with why not.", "",
+              "one model. The virtual pipeline is refused by the hooks.", "",
               "| status | layout | distinct builds | combinations |", "| --- | --- | --- | --- |"]
     for status, layout in child_launches():
         builds = _of_layout(status, layout)
@@ -1096,12 +1177,12 @@ def test_classification_follows_the_rules():
     problems = [f"{c.label}: {v.problem}" for c, v in classified().items() if v.problem]
     assert problems == []
     counts = collections.Counter(v.status for v in classified().values())
-    assert all(counts[s] for s in STATUSES if s != BUILD), counts
+    assert all(counts[s] for s in STATUSES if s not in (BUILD, WORLD2)), counts
     # nothing the hook accepts is refused when the model is built: the hook refuses it while
     # planning, before the framework's config is written (te / flash with an fp32 model were)
     assert counts[BUILD] == 0, counts
-    # what is accepted and not run for want of 2 processes is context parallelism only
-    assert {c["layout"] for c, v in classified().items() if v.status == WORLD2} == {"context_parallel_size=2"}
+    # every accepted layout of 2 processes runs
+    assert counts[WORLD2] == 0, counts
     for v in classified().values():
         if v.status != REFUSED:
             assert rules.refusals(v.facts) == [] and v.plan is not None
@@ -1294,8 +1375,10 @@ def test_hook_feature_matrix_runs(mcore_parallel, capsys):
 
 
 # (status, layout) of each child launch: the fake TE's world-1 combinations, and each run
-# layout of 2 processes with and without the fake TE
-LAUNCHES = ((RUN_TE, "1"), *((status, layout) for status in (RUN2, RUN2_TE) for layout in RUN_LAYOUTS))
+# layout of 2 processes with and without the fake TE (CP only with it: the hooks accept CP
+# without the cache with FP8 only, i.e. Transformer Engine's attention)
+LAUNCHES = ((RUN_TE, "1"), *((status, layout) for status in (RUN2, RUN2_TE) for layout in RUN_LAYOUTS
+                             if (status, layout) not in ((RUN2, lay) for lay in CP_LAYOUTS)))
 
 
 def child_launches() -> list:
@@ -1366,7 +1449,8 @@ def _run_child(key: str, spec: str, out: str) -> None:
     layout = layouts.pop()
     sizes = {} if layout == "1" else {"tensor_model_parallel_size=2": dict(tensor_model_parallel_size=2),
                                       "expert_parallel_size=2": dict(expert_model_parallel_size=2),
-                                      "pipeline_size=2": dict(pipeline_model_parallel_size=2)}[layout]
+                                      "pipeline_size=2": dict(pipeline_model_parallel_size=2),
+                                      "context_parallel_size=2": dict(context_parallel_size=2)}[layout]
     init_distributed(backend="gloo", **sizes)
     runs = []
     for combo in combos:

@@ -126,7 +126,7 @@ def _set_cuda_rng_state(new_state) -> None:
 class CudaRNGStatesTracker:
     """distributed.py:776-885: named CUDA RNG states; with graph-safe RNG (torch >= 2.4) each a
     cloned generator forked by ``graphsafe_set_state`` (under the stand-ins: the fake CUDA
-    generator, ``tests/support/graph_safe_standins.FakeCudaTorchGenerator``)."""
+    generator, ``tests/support/fake_cuda_graph.FakeCudaGenerator``)."""
 
     def __init__(self):
         self.states_ = {}
