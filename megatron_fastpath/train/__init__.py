@@ -88,6 +88,12 @@ def train(job: Job, logger: StepLogger, ckpt=None, start_step: int = 1) -> Train
     try:
         if evaluate is not None and start_step == 1:
             logger.log_eval(0, evaluate())
+        if start_step > 1:  # FP8 delayed scaling + per-layer graphs: the first step replays
+            from megatron_fastpath.graphs.resume import capture_before_resumed_step
+
+            if capture_before_resumed_step(job, job.data.batch(start_step)):
+                logger.print(f"cuda graphs: captured before step {start_step} (resumed with FP8 "
+                             "delayed scaling: its first step replays, as the straight run's)")
         stop = None
         logger.start_clock(start_step)
         if start_step <= audited:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -47,6 +47,9 @@ class StepParts:
     staging: object = None  # the GPU path's PinnedStaging (None on the CPU path)
     # cuda_graphs.scope=full_iteration: the FullIterationStep (its ``launches`` per step)
     graphs: object = None
+    # the GPU path's (microbatches, global_loss_tokens) -> None: forward and backward without an
+    # optimizer step, gradients dropped (graphs/resume.py: per-layer graphs captured on resume)
+    record_graphs: Optional[Callable] = None
 
 
 class _Unchecked:
@@ -333,8 +336,10 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     # one staging buffer per microbatch a stage can hold, plus one being filled
     staging = PinnedStaging(cache.config.max_tokens, device, num_buffers=len(cache.slots) + 1)
 
-    def forward_backward(mbs, global_loss_tokens: int, check_syncs: bool = True):
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    def run_schedule(mbs, global_loss_tokens: int, loss_sum: torch.Tensor) -> None:
+        """Megatron's schedule over ``mbs``: forward, backward, gradient finalisation (and, on
+        a run's first schedule with per-layer graphs, their capture at its end,
+        schedules.py:698); the last stage's loss is added to ``loss_sum``."""
         n = len(mbs)
 
         def forward_step(data_iterator, module):
@@ -358,13 +363,17 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         in_flight.reset_stats()
-        with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
-            schedule(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
-                num_microbatches=n, seq_length=cache.config.max_tokens,
-                micro_batch_size=1, forward_only=False,
-            )
+        schedule(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[ddp],
+            num_microbatches=n, seq_length=cache.config.max_tokens,
+            micro_batch_size=1, forward_only=False,
+        )
         in_flight.release_all()
+
+    def forward_backward(mbs, global_loss_tokens: int, check_syncs: bool = True):
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
+            run_schedule(mbs, global_loss_tokens, loss_sum)
         _, last["grad_norm"], _ = optimizer.step()  # (update ok, grad norm, zeros in grad)
         if ps.get_pipeline_model_parallel_world_size() > 1:  # the loss lives on the last stage
             torch.distributed.all_reduce(loss_sum, group=ps.get_pipeline_model_parallel_group())
@@ -373,5 +382,13 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
                 loss_sum, group=ps.get_data_parallel_group(with_context_parallel=True))
         return loss_sum, fwd_bwd
 
+    def record_graphs(mbs, global_loss_tokens: int) -> None:
+        """The schedule without the optimizer step, its gradients dropped: the per-layer graphs
+        are recorded and captured (graphs/resume.py undoes the rest of what it touched)."""
+        run_schedule(mbs, global_loss_tokens, torch.zeros((), dtype=torch.float32, device=device))
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+
     return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
-                     grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight, staging=staging)
+                     grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight, staging=staging,
+                     record_graphs=record_graphs)
