@@ -169,6 +169,18 @@ class _DispatchWatcher(TorchDispatchMode):
     # one op each and run unchanged.
     supports_higher_order_operators = True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile run inside the sentinel (torch/utils/_python_dispatch.py: the mode
+        is off while dynamo compiles, on again for the compiled artefact). Without it dynamo
+        refuses every frame under a non-infra dispatch mode (torch/_dynamo/convert_frame.py),
+        and flex_attention, which compiles even eagerly (``fullgraph=True``, backend "eager"),
+        raised "found no compiled frames" and then "function marked as skipped" on every later
+        call of the process: the `flex` backend's first step, with the default
+        ``training.sync_check=first``, died. Cost: ops inside a compiled artefact are not seen
+        here; CUDA's sync debug mode (``cuda_debug``) still sees their syncs on a GPU."""
+        return True
+
     def __init__(self, sentinel: "SyncSentinel", function_watcher: _FunctionWatcher):
         super().__init__()
         self.sentinel = sentinel

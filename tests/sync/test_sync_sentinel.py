@@ -121,3 +121,21 @@ def test_cuda_sync_debug_mode_reports_kernel_level_sync():
     with pytest.raises((HostSyncError, RuntimeError)):
         with SyncSentinel(strict=True):
             x.sum().item()
+
+
+def test_flex_attention_runs_inside_the_sentinel_and_after_it():
+    """flex_attention compiles even eagerly (fullgraph=True); under a dispatch mode dynamo
+    refused, the call raised and poisoned every later flex call of the process (the `flex`
+    backend's first step died with the default training.sync_check=first)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = 128
+    mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, t, t, device="cpu")
+    q_1HTd, k_1HTd, v_1HTd = torch.randn(3, 1, 4, t, 16).unbind(0)
+    with SyncSentinel(strict=True) as s:
+        inside = flex_attention(q_1HTd, k_1HTd, v_1HTd, block_mask=mask)
+    after = flex_attention(q_1HTd, k_1HTd, v_1HTd, block_mask=mask)
+    assert s.num_syncs == 0
+    assert torch.equal(inside, after)
+    dense = torch.nn.functional.scaled_dot_product_attention(q_1HTd, k_1HTd, v_1HTd, is_causal=True)
+    torch.testing.assert_close(inside, dense, rtol=1e-5, atol=1e-5)
