@@ -12,7 +12,26 @@ import pytest
 import torch
 
 from megatron_fastpath.graphs.resume import capture_before_resumed_step, capture_needed_on_resume
-from tests.checkpoint.test_rng_graph_safe_tracker import tracker  # noqa: F401 -- fixture
+
+
+@pytest.fixture
+def tracker(monkeypatch):
+    """A graph-safe RNG tracker's states: torch.Generator objects a captured graph registered
+    (restore_rng puts states back into them in place)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    t = types.SimpleNamespace(states_={"model-parallel-rng": torch.Generator().manual_seed(7),
+                                       "expert-parallel-rng": torch.Generator().manual_seed(8)})
+    t.get_states = lambda: dict(t.states_)
+
+    def set_states(states):  # graphsafe_set_state takes Generators only (tensor_parallel/random.py)
+        assert all(isinstance(g, torch.Generator) for g in states.values()), states
+        t.states_.update(states)
+
+    t.set_states = set_states
+    t.draw = lambda name: torch.rand(4, generator=t.states_[name])
+    monkeypatch.setattr(mrandom, "get_cuda_rng_tracker", lambda: t)
+    return t
 
 
 def job_cfg(capture=True, full_iteration=False, recipe="delayed"):
@@ -47,7 +66,7 @@ def stand_in_job(record, cfg=None, offload=None):
                                  step=types.SimpleNamespace(record_graphs=record))
 
 
-def test_what_the_recording_pass_touches_comes_back(tracker):  # noqa: F811
+def test_what_the_recording_pass_touches_comes_back(tracker):
     batch = types.SimpleNamespace(microbatches=("mb",), global_loss_tokens=7)
     calls = []
 

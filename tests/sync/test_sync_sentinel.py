@@ -126,9 +126,14 @@ def test_cuda_sync_debug_mode_reports_kernel_level_sync():
 def test_flex_attention_runs_inside_the_sentinel_and_after_it():
     """flex_attention compiles even eagerly (fullgraph=True); under a dispatch mode dynamo
     refused, the call raised and poisoned every later flex call of the process (the `flex`
-    backend's first step died with the default training.sync_check=first)."""
+    backend's first step died with the default training.sync_check=first). Dynamo's state is
+    reset first: this test is about a fresh process's flex. In the one-process suite flex reused
+    a graph Dynamo cached for tests/hf's flex calls, whose forward holds an ``.item()`` the
+    strict sentinel stops; and a flex call that failed under another dispatch mode leaves flex
+    broken for every later call."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    torch._dynamo.reset()
     t = 128
     mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, t, t, device="cpu")
     q_1HTd, k_1HTd, v_1HTd = torch.randn(3, 1, 4, t, 16).unbind(0)
