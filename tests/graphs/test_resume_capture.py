@@ -1,8 +1,8 @@
 """graphs/resume.py: a resumed run with per-layer graphs and FP8 delayed scaling records and
 captures its graphs on a forward/backward of its first batch whose effects are undone, so its
 first step replays as the straight run's does (before: eager, and the FP8 amax histories, with
-LoRA the adapters, ended different; the feature matrix resumes those 234 combinations bit for
-bit, tests/train/test_feature_matrix.py). Here: when it runs, and that what the recording pass
+LoRA the adapters, ended different; all 234 such combinations of the feature matrix resumed
+bit for bit when this was added, and CI runs 74 of them, tests/train/test_feature_matrix.py). Here: when it runs, and that what the recording pass
 touches comes back -- model buffers in place, every RNG (the graph-safe tracker's generators
 the same objects)."""
 
