@@ -7,7 +7,7 @@ Manager), so the save failed and the job exited 1 (6 of 30 trials in the issue; 
 trial after the first save).
 
 Unit tier: two trials (SIGTERM with async saves, SIGUSR1 with sync ones). Integration tier (``integration``): 20 trials at seeded
-random moments. And a SIGKILL of the main process alone: its helpers exit too (they used to stay,
+random moments, two at once. And a SIGKILL of the main process alone: its helpers exit too (they used to stay,
 about 280 MB each)."""
 
 import json
@@ -127,12 +127,27 @@ def test_group_signal_after_first_checkpoint_saves_and_requeues(tmp_path, straig
     _trial(tmp_path, straight, sig, async_save, delay_s=0.3)
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("trial", range(20))
-def test_group_signal_at_random_moments(tmp_path, straight, trial):
+TRIALS = 20
+
+
+def _random_trial(run_dir: Path, straight, trial: int) -> None:
     rng = random.Random(trial)  # seeded: a failing trial reruns at the same moment
     sig = (signal.SIGTERM, signal.SIGUSR1)[trial % 2]
-    _trial(tmp_path, straight, sig, async_save=trial % 4 < 2, delay_s=rng.uniform(0.0, 1.5))
+    _trial(run_dir, straight, sig, async_save=trial % 4 < 2, delay_s=rng.uniform(0.0, 1.5))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pair", range(TRIALS // 2), ids=lambda k: f"trials{2 * k}-{2 * k + 1}")
+def test_group_signal_at_random_moments(tmp_path, straight, pair):
+    """Two trials at once (each job is one process; the machine has 2 cores), each checked as
+    alone: ``TRIALS`` in all, at seeded random moments. A failing trial is named."""
+    import concurrent.futures
+
+    trials = (2 * pair, 2 * pair + 1)
+    with concurrent.futures.ThreadPoolExecutor(len(trials)) as pool:
+        done = {t: pool.submit(_random_trial, tmp_path / f"trial{t}", straight, t) for t in trials}
+    failed = {t: f.exception() for t, f in done.items() if f.exception() is not None}
+    assert not failed, "\n\n".join(f"trial {t}: {type(e).__name__}: {e}" for t, e in failed.items())
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
