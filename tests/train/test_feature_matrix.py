@@ -40,7 +40,9 @@ features the config accepts, parsed the way the main job parses it and, where ac
   -- the world-1 ones (status ``RUN``) dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
   (``WORLD2``, one parallel size 2) per layout in ``W2_PARTS`` ``torchrun`` launches of 2
-  processes (:func:`test_world_of_two_runs`). A test
+  processes (:func:`test_world_of_two_runs`). A job runs once: combinations whose parsed jobs
+  are equal (:func:`job_key`; ``auto`` and the backend it resolves to) share one run
+  (:func:`distinct_jobs`). A test
   lists every combination it ran and fails listing every one that failed. Accepted ones a CPU
   cannot train (``NO_CPU``: flex attention has no CPU backward, at any world size) are checked
   to fail for the stated reason (:func:`test_cpu_limited_combinations_fail_as_stated`); a
@@ -54,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import inspect
 import re
 import typing
@@ -315,6 +318,9 @@ class Verdict:
     refusing: tuple = ()  # every rules.RULES function that refuses its facts
     facts: object = None  # the RunFacts the main job handed the rules (last call)
     problem: Optional[str] = None  # the classification broke the contract (a test failure)
+    job: Optional[str] = dataclasses.field(default=None, compare=False)  # job_key, when accepted
+    # an earlier accepted combination whose parsed job is this one's (:func:`share_jobs`)
+    same_job_as: Optional["Combo"] = None
 
 
 _SETTING = re.compile(r"\b(fastpath|parallel|training|cuda_graphs|fp8|lora|offload|model|data)\.[a-z_]+")
@@ -377,8 +383,32 @@ def classify(combo: Combo) -> Verdict:
                        facts=facts)
     par = job.parallel
     if any(getattr(par, f) > 1 for f in vars(par) if f.endswith("_size")):
-        return Verdict(WORLD2, f"`parallel.{combo['layout']}`: a world of 2 processes", facts=facts)
-    return Verdict(RUN, facts=facts)
+        return Verdict(WORLD2, f"`parallel.{combo['layout']}`: a world of 2 processes", facts=facts,
+                       job=job_key(job))
+    return Verdict(RUN, facts=facts, job=job_key(job))
+
+
+def job_key(job) -> str:
+    """What a run of the parsed ``job`` (a ``JobConfig``) trains, as a digest: the whole
+    config with the two settings the parse resolves (``fastpath.attention_backend`` and
+    ``fastpath.linear_impl``, ``auto`` among their values) replaced by what they resolved to
+    (``JobConfig.attention_backend`` / ``linear_impl``, which the job reads; nothing after the
+    parse reads the raw settings: :func:`test_only_the_parse_reads_the_raw_backend_settings`).
+    Two combinations with one key train the same job: ``auto`` and the backend it picks."""
+    fast = dataclasses.replace(job.fastpath, attention_backend=job.attention_backend,
+                               linear_impl=job.linear_impl)
+    return hashlib.sha1(repr(dataclasses.replace(job, fastpath=fast)).encode()).hexdigest()
+
+
+def share_jobs(verdicts: dict) -> dict:
+    """``verdicts`` (in product order) with ``same_job_as`` set on every accepted combination
+    whose job (:func:`job_key`) an earlier one trains: the runs train each job once."""
+    first, out = {}, {}
+    for c, v in verdicts.items():
+        if v.job is not None and first.setdefault(v.job, c) is not c:
+            v = dataclasses.replace(v, same_job_as=first[v.job])
+        out[c] = v
+    return out
 
 
 def _refused(message: str, facts) -> Verdict:
@@ -411,7 +441,7 @@ def classify_world(te: bool) -> dict:
 
     assert te_present() == te, "classify the TE world in a process with the fake TE (te_env)"
     with parsing(), mock.patch.object(settings, "typing", _CachedTyping()):
-        return {c: classify(c) for c in combinations() if (world_of(c) == "te") == te}
+        return share_jobs({c: classify(c) for c in combinations() if (world_of(c) == "te") == te})
 
 
 # The TE world's verdicts, classified by a child process with the fake TE importable
@@ -428,8 +458,11 @@ def _te_world() -> list:
 
 def encode_verdicts(verdicts: dict) -> dict:
     """{"verdicts": [[status, reason, rule, refusing, problem]], "runs": [[verdict index,
-    count]]} over the TE world's combinations in product order."""
+    count]], "same_job": [[index, index of the earlier combination with its job]]} over the TE
+    world's combinations in product order."""
     table, runs = [], []
+    index = {c: i for i, c in enumerate(_te_world())}
+    same = [[index[c], index[v.same_job_as]] for c, v in verdicts.items() if v.same_job_as is not None]
     for c in _te_world():
         v = verdicts[c]
         row = [v.status, v.reason, v.rule, list(v.refusing), v.problem]
@@ -440,7 +473,7 @@ def encode_verdicts(verdicts: dict) -> dict:
             runs[-1][1] += 1
         else:
             runs.append([i, 1])
-    return {"fake_te_version": fake_te_version(), "verdicts": table, "runs": runs}
+    return {"fake_te_version": fake_te_version(), "verdicts": table, "runs": runs, "same_job": same}
 
 
 def decode_verdicts(data: dict) -> dict:
@@ -454,6 +487,8 @@ def decode_verdicts(data: dict) -> dict:
         v = Verdict(status, reason, rule=rule, refusing=tuple(refusing), problem=problem)
         for _ in range(n):
             out[next(it)] = v
+    for i, j in data["same_job"]:
+        out[te_combos[i]] = dataclasses.replace(out[te_combos[i]], same_job_as=te_combos[j])
     return out
 
 
@@ -537,23 +572,41 @@ def world2_accepted(world: str, layout: str) -> list:
             if v.status == WORLD2 and c["layout"] == layout and world_of(c) == world]
 
 
+def trained_by(combo: Combo) -> Combo:
+    """The combination whose run trains ``combo``'s job: itself, or the earlier one with its
+    job (``Verdict.same_job_as``: ``auto`` is run as the backend it resolves to)."""
+    return classified()[combo].same_job_as or combo
+
+
+def distinct_jobs(combos: list) -> list:
+    """The combinations that train ``combos``' jobs, each job once, in order."""
+    return list(dict.fromkeys(trained_by(c) for c in combos))
+
+
 @functools.lru_cache(maxsize=None)
 def shards() -> dict:
-    """{integration test id: the combinations it runs}: every runnable (world-1) combination of
-    both worlds in one of its world's W1_SHARDS tests; every accepted world-2 combination
-    without TE in one of the W2_PARTS launches of its layout; of the TE world's world-2
-    combinations a pairwise cover per layout (:data:`TE_WORLD2_NOT_RUN` says why not all)."""
+    """{integration test id: the combinations it runs}: the job of every runnable (world-1)
+    combination of both worlds in one of its world's W1_SHARDS tests; of every accepted world-2
+    combination without TE in one of the W2_PARTS launches of its layout; of the TE world's
+    world-2 combinations those of a pairwise cover per layout (:data:`TE_WORLD2_NOT_RUN` says
+    why not all). A job runs once (:func:`distinct_jobs`): combinations with one job share it."""
     out = {}
     for world in WORLDS:
-        out.update({world1_id(world, i): runnable(world)[i::W1_SHARDS[world]]
-                    for i in range(W1_SHARDS[world])})
+        jobs = distinct_jobs(runnable(world))
+        out.update({world1_id(world, i): jobs[i::W1_SHARDS[world]] for i in range(W1_SHARDS[world])})
         for layout in world2_layouts():
             mates = world2_accepted(world, layout)
-            if world == "te":
-                mates = pairwise_cover(mates)
-            out.update({world2_id(world, layout, p): mates[p::W2_PARTS[world]]
+            jobs = distinct_jobs(pairwise_cover(mates) if world == "te" else mates)
+            out.update({world2_id(world, layout, p): jobs[p::W2_PARTS[world]]
                         for p in range(W2_PARTS[world])})
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def sharing() -> dict:
+    """{a combination whose job another's run trains: that combination}, for the run jobs."""
+    run = shard_of()
+    return {c: v.same_job_as for c, v in classified().items() if v.same_job_as in run}
 
 
 TE_WORLD2_NOT_RUN = (
@@ -734,6 +787,8 @@ def render() -> str:
     lines += [row(status, by_world["absent"][status], by_world["te"][status])
               for status in (NOT_SELECTABLE, REFUSED, NO_CPU, RUN, WORLD2)]
     lines.append(row("run by the integration tests", run_by["absent"], run_by["te"]))
+    shared_by = collections.Counter(world_of(c) for c in sharing())
+    lines.append(row("trained by the run of another (the same job)", shared_by["absent"], shared_by["te"]))
     te_w2 = by_world["te"][WORLD2]
     te_w2_run = sum(1 for c in shard_of() if world_of(c) == "te" and c["layout"] != "1")
     lines += [
@@ -745,7 +800,11 @@ def render() -> str:
         "(`test_world_of_two_runs[<layout>-<part>]`). Not every TE-world world-2 combination runs:",
         TE_WORLD2_NOT_RUN.format(total=te_w2, minutes=round(te_w2 * 2 / 60), run=te_w2_run) + ",",
         "one launch per layout (`test_world_of_two_runs[te-<layout>-0]`). A test lists every",
-        "combination it ran and fails listing every one that failed. A run builds the job from",
+        "combination it ran and fails listing every one that failed. **A job runs once**: a",
+        "combination whose parsed job equals an earlier one's (`job_key`: the whole `JobConfig`",
+        "with `fastpath.attention_backend` / `linear_impl` replaced by what the parse resolved",
+        "them to, which is all the job reads) is trained by that run -- `auto` by the run of the",
+        "backend it picks; the Run table names it. A run builds the job from",
         "the config tree the",
         "matrix classified (`config_tree`, checked equal to Hydra's composition by",
         "`test_config_tree_is_hydras_composition`), so no run composes with Hydra.",
@@ -772,18 +831,25 @@ def render() -> str:
             lines.append(f"| {cell(reason)} | {len(combos)} | {cell(_group_description(combos))} |")
     lines += ["", "## Accepted, not run", "",
               "The TE world's accepted world-2 combinations outside the pairwise cover of their "
-              "layout (see Runs).", "", "| layout | accepted | run (the cover) | not run |",
+              "layout (see Runs), and those whose job no run trains.", "",
+              "| layout | accepted | trained (the cover's jobs) | not run |",
               "| --- | --- | --- | --- |"]
     for layout in world2_layouts():
-        every, run = world2_accepted("te", layout), [c for c in shards()[world2_id("te", layout, 0)]]
+        every = world2_accepted("te", layout)
+        run = [c for c in every if trained_by(c) in shard_of()]
         lines.append(f"| {layout_label(layout)} | {len(every)} | {len(run)} | {len(every) - len(run)} |")
     lines += ["", "## Run", "",
-              "Every combination run and the integration test that runs it. Known "
+              "Every combination run and the integration test that runs it; a combination with "
+              "the job of an earlier one is trained by that one's run. Known "
               "bugs: the expected failure is checked instead.", "",
               "| combination | run by | known bug |", "| --- | --- | --- |"]
-    for c, test in shard_of().items():
-        bug = known_bug(c)
-        lines.append(f"| {c.label} | `{test}` | {bug.name if bug else ''} |")
+    test_of = shard_of()
+    for c in verdicts:
+        if c in test_of or c in sharing():
+            by = (f"`{test_of[c]}`" if c in test_of else
+                  f"`{test_of[trained_by(c)]}` (the job of {trained_by(c).label})")
+            bug = known_bug(trained_by(c))
+            lines.append(f"| {c.label} | {by} | {bug.name if bug else ''} |")
     lines += ["", "## Known bugs", "", "| bug | combinations | what |", "| --- | --- | --- |"]
     if not KNOWN_BUGS:
         lines.append("| none | | |")
@@ -802,7 +868,7 @@ def write() -> None:
     with tempfile.TemporaryDirectory() as d:
         data = classify_te_world_in_child(Path(d))
     TE_VERDICTS.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
-    for cached in (classified, shards, shard_of, world2_accepted, _values):
+    for cached in (classified, shards, shard_of, sharing, world2_accepted, _values):
         cached.cache_clear()
     DOC.write_text(render(), encoding="utf-8")
 
@@ -891,13 +957,80 @@ def test_config_tree_is_hydras_composition():
 
 
 def test_every_accepted_combination_has_a_run():
-    """Unit tier: every runnable and every accepted world-2 combination is in exactly one
-    integration test's shard."""
+    """Unit tier: the job of every runnable and every accepted world-2 combination (of the TE
+    world's world-2 ones, the pairwise cover's) is in exactly one integration test's shard;
+    a combination shares a run only with one whose job is its own."""
     runs = [c for combos in shards().values() for c in combos]
     covers = {c for layout in world2_layouts() for c in pairwise_cover(world2_accepted("te", layout))}
     wanted = [c for c, v in classified().items()
               if v.status == RUN or (v.status == WORLD2 and (world_of(c) == "absent" or c in covers))]
-    assert sorted(runs, key=wanted.index) == wanted
+    assert len(runs) == len(set(runs))
+    assert set(runs) == {trained_by(c) for c in wanted}
+    verdicts = classified()
+    for c, rep in sharing().items():
+        assert verdicts[rep].same_job_as is None and verdicts[c].status == verdicts[rep].status
+        assert rep["layout"] == c["layout"] and world_of(rep) == world_of(c)
+    live = [c for c in wanted if world_of(c) == "absent"]  # the jobs themselves (TE's: the JSON)
+    assert all(verdicts[c].job == verdicts[trained_by(c)].job is not None for c in live)
+    assert len(sharing()) > 0 and len(runs) < len(wanted)
+
+
+RAW_SETTINGS = ("attention_backend", "linear_impl")  # what job_key replaces by the resolved values
+
+
+def test_only_the_parse_reads_the_raw_backend_settings():
+    """Unit tier: job_key's premise, read in the source -- ``fastpath.attention_backend`` and
+    ``fastpath.linear_impl`` are read in train/config.py (the parse) and nowhere else in the
+    package; the job reads the resolved ``JobConfig.attention_backend`` / ``linear_impl``."""
+    import ast
+
+    def raw_reads(tree):  # x.attention_backend where x is `fast`, `fastpath` or `<...>.fastpath`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in RAW_SETTINGS:
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if name in ("fast", "fastpath"):
+                    yield node
+
+    package = REPO / "megatron_fastpath"
+    readers = sorted({str(f.relative_to(package)) for f in package.rglob("*.py")
+                      if any(raw_reads(ast.parse(f.read_text(encoding="utf-8"))))})
+    assert readers == ["train/config.py"], readers
+
+
+@pytest.mark.integration
+def test_a_run_never_reads_the_raw_backend_settings(mcore_parallel, tmp_path):
+    """Integration tier: job_key's premise, run -- ``auto`` MoE LoRA combinations with graphs
+    and with offload (the two exclude each other) train straight and resumed with the
+    parsed job's raw ``fastpath.attention_backend`` / ``linear_impl`` made unreadable (a read
+    raises): after the parse only the resolved values are read (and the run's config recorded
+    whole in the metrics files, ``metrics.jsonable``, which trains nothing)."""
+    import sys
+
+    from megatron_fastpath.train import config as train_config
+    from megatron_fastpath.train.metrics import jsonable
+    from tests.support.matrix_runs import straight_vs_resumed
+
+    class Unreadable(train_config.FastpathConfig):
+        def __getattribute__(self, name):
+            # the run's config as recorded in the metrics files (W&B's run config) keeps them
+            callers = (sys._getframe(1), sys._getframe(2))  # jsonable's dict comprehension, jsonable
+            if name in RAW_SETTINGS and all(f.f_code is not jsonable.__code__ for f in callers):
+                raise AssertionError(f"fastpath.{name} read after the parse")
+            return object.__getattribute__(self, name)
+
+    real = train_config.parse_job_config
+
+    def parse(cfg):
+        job = real(cfg)
+        fast = Unreadable(**{f.name: getattr(job.fastpath, f.name)
+                             for f in dataclasses.fields(train_config.FastpathConfig)})
+        return dataclasses.replace(job, fastpath=fast)
+
+    autos = [c for c in runnable() if c["attention"] == "auto" and c["experts"] is not NA and c["lora"]]
+    with mock.patch("megatron_fastpath.train.parse_job_config", parse):
+        for k, combo in enumerate([next(c for c in autos if c["graphs"]), next(c for c in autos if c["offload"])]):
+            straight_vs_resumed(config_tree(combo), tmp_path / str(k), feature(combo))
 
 
 def test_te_world2_runs_cover_every_pair():
@@ -905,10 +1038,13 @@ def test_te_world2_runs_cover_every_pair():
     TE-world world-2 combination occurs together in a run one; and the cover is needed (no
     run combination can be dropped: it alone covers some pair)."""
     for layout in world2_layouts():
-        every, run = world2_accepted("te", layout), shards()[world2_id("te", layout, 0)]
+        every, cover = world2_accepted("te", layout), pairwise_cover(world2_accepted("te", layout))
         pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
-        assert set().union(*map(pairs, every)) == set().union(*map(pairs, run)), layout
-        assert set(run) <= set(every) and len(run) < len(every)
+        assert set().union(*map(pairs, every)) == set().union(*map(pairs, cover)), layout
+        assert set(cover) <= set(every) and len(cover) < len(every)
+        assert all(set().union(*map(pairs, cover[:k] + cover[k + 1:])) != set().union(*map(pairs, cover))
+                   for k in range(len(cover))), f"{layout}: a combination of the cover covers no pair alone"
+        assert shards()[world2_id("te", layout, 0)] == distinct_jobs(cover)
 
 
 def _report(name: str, lines: list, failures: list, capsys) -> None:
@@ -1038,6 +1174,11 @@ def _finish(combos: list, proc, out: Path, log: Path, nproc: int) -> tuple:
     return lines, failures
 
 
+def _shared_lines(combos: list) -> list:
+    """The report's lines for the combinations whose job one of ``combos`` trained."""
+    return [f"same {c.label}  (the job of {rep.label})" for c, rep in sharing().items() if rep in combos]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("world,index", [pytest.param(w, i, id=f"{'te-' if w == 'te' else ''}{i}")
                                          for w in WORLDS for i in range(W1_SHARDS[w])])
@@ -1054,7 +1195,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
         got = _finish(half, *launch, 1)
         lines += got[0]
         failures += got[1]
-    _report(world1_id(world, index), lines, failures, capsys)
+    _report(world1_id(world, index), lines + _shared_lines(combos), failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
 
@@ -1071,7 +1212,7 @@ def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
     combos = shards()[world2_id(world, layout, part)]
     assert combos
     lines, failures = _finish(combos, *_start(combos, tmp_path / "launch", 2), 2)
-    _report(world2_id(world, layout, part), lines, failures, capsys)
+    _report(world2_id(world, layout, part), lines + _shared_lines(combos), failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
 
