@@ -28,7 +28,9 @@ features the config accepts, parsed the way the main job parses it and, where ac
   straight run must have built what the combination asks (graph runners, expert class). With
   graphs on, Megatron 0.16.1 captures every layer at the end of step 1 and replays it in steps
   2-4; the resumed run captures again at the end of its first step (step 4), so its step 4
-  runs eagerly against the straight run's replay. Each run builds the job from
+  runs eagerly against the straight run's replay. The sync sentinel counts the resumed run's
+  step only (``training.sync_check=off`` in the straight run): every combination trains one
+  step inside its modes, equal to the straight run's step without them. Each run builds the job from
   ``config_tree(combo)`` (equal to Hydra's composition:
   :func:`test_config_tree_is_hydras_composition`), not from Hydra. (It used to be three runs:
   4 straight, 3 with ``training.stop_at_step`` and a save, the resume; the straight run saving
@@ -752,7 +754,9 @@ def render() -> str:
         "(written while step 4 trains) and at the end, vs the step-3 checkpoint resumed (copied",
         "alone into a fresh directory) and step 4 trained, bit-identical (losses and learning",
         "rates of every step, the final parameters of every rank); with graphs on, layers are",
-        "captured at the end of step 1 and replayed after it. A worker process",
+        "captured at the end of step 1 and replayed after it. The sync sentinel's modes are on",
+        "in the resumed run's step only (`training.sync_check=off` in the straight run), so the",
+        "comparison also shows that the diagnosis changes no number. A worker process",
         "(`tests/support/matrix_worker.py`) trains a shard's combinations one after the other:",
         "world 1 in 2 processes at once (the 2 cores), world 2 in one `torchrun` launch of 2.",
         "",
