@@ -2,7 +2,8 @@
 captures its graphs on a forward/backward of its first batch whose effects are undone, so its
 first step replays as the straight run's does (before: eager, and the FP8 amax histories, with
 LoRA the adapters, ended different; all 234 such combinations of the feature matrix resumed
-bit for bit when this was added, and CI runs 74 of them, tests/train/test_feature_matrix.py). Here: when it runs, and that what the recording pass
+bit for bit when this was added; CI trains 78 of them, in 59 runs, tests/train/test_feature_matrix.py).
+Here: when it runs, and that what the recording pass
 touches comes back -- model buffers in place, every RNG (the graph-safe tracker's generators
 the same objects)."""
 
