@@ -718,22 +718,15 @@ def _group_description(combos: list) -> str:
 # Wall times of the integration tests, measured (render() prints them as they are).
 MEASURED: tuple = (
     "",
-    "**Measured** (2026-11-27, `.venv/bin/python -m pytest tests/train/test_feature_matrix.py -m",
-    "integration --durations=0` on this 2-core machine while other jobs shared it: load average",
-    "2.2 at the start, 4.6 at the end, its 1-minute value 2.5-8.1 sampled every 15 s in between):",
-    "the integration tier of this module took 627 s (10:27), all 14 tests passing. Per test:",
-    "`test_world_of_one_runs[0-3]` 39 / 45 / 44 / 44 s (31-32 combinations each),",
-    "`test_world_of_two_runs` TP2 70 / 65 s (25 / 24), PP2 66 / 57 s (35 / 34), EP2 57 / 60 s",
-    "(32 / 31), CP2 28 / 27 s (15 / 15), the planted host read 21 s. The unit tier (5",
-    "tests) took 15-32 s in three runs, most of it classifying the product. Before (each",
-    "combination 3 runs composed by Hydra: 4 straight, 3 + save, resume + 1): 53 s for the 18",
-    "world-1 combinations then run in process, ~37 s per world-2 combination (3 `torchrun`",
-    "launches).",
-    "",
-    "The TE world (same day, measured while other jobs shared the machine): the 8",
-    "`test_world_of_one_runs[te-i]` took 100-141 s each (136-137 combinations; 909 s in all),",
-    "the 4 `test_world_of_two_runs[te-<layout>-0]` 218 s in all (21-25 combinations each), and",
-    "classifying the TE world in a child process (`test_te_world_verdicts_are_current`) 44-70 s.",
+    "**Measured** (2026-11-28, from the junit of a clean-clone `CI=true bash .ci/run` at 7910341",
+    "on this 2-core machine, nothing else running; the whole suite took 3,541 s): this module",
+    "took 1,240 s, all its tests passing. Per test: `test_world_of_one_runs[0-3]` 21-22 s each",
+    "(20-21 runs), `[te-0..7]` 74-82 s each (99-100 runs; 620 s in all); `test_world_of_two_runs`",
+    "TP2 36 / 32 s (16 / 15 runs), PP2 37 / 37 s (23 / 22), EP2 43 / 51 s (21 / 21), CP2 22 / 21 s",
+    "(8 / 8), the TE world's TP2 / PP2 / EP2 / CP2 44 / 43 / 60 / 43 s (19 / 25 / 25 / 21);",
+    "classifying the TE world in a child process (`test_te_world_verdicts_are_current`) 38 s.",
+    "The run before (2026-11-28, at 646b10e: each combination its own run, the straight run's",
+    "steps counted by the sync sentinel) took 1,665 s for the module, `[te-i]` 111-119 s each.",
 )
 
 
