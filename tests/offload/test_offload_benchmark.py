@@ -36,7 +36,9 @@ def test_offload_benchmark_quick_json(tmp_path):
     assert {0.5, 1.0, 2.0} <= planned.keys()
     assert all(r["hidden_fraction"] >= 0.9 for r in double if r["c_over_g"] == 1.0)
     for r in double:  # the planned order: never worse than forward order, no less freed
-        assert r["forward_order_hidden_fraction"] <= r["hidden_fraction"] + 1e-4
+        # both rounded to 4 places: equal fractions may print 1e-4 apart (and 0.9027 + 1e-4 is
+        # a hair under 0.9028 in binary: the float slack)
+        assert r["forward_order_hidden_fraction"] <= r["hidden_fraction"] + 1e-4 + 1e-9
         assert r["offloads_pending_at_fwd_end"] <= r["forward_order_pending_at_fwd_end"]
         assert 0 <= r["eager_offloads"] <= r["offloaded_layers"]
     # at c/g = 1 every layer cannot hide in forward order; the planned order hides it
