@@ -718,18 +718,16 @@ def _group_description(combos: list) -> str:
 # Wall times of the integration tests, measured (render() prints them as they are).
 MEASURED: tuple = (
     "",
-    "**Measured** (2026-11-28, from the junit of a clean-clone `CI=true bash .ci/run` at 7910341",
-    "on this 2-core machine, nothing else running; the whole suite took 3,541 s): this module",
-    "took 1,240 s, all its tests passing. Per test: `test_world_of_one_runs[0-3]` 21-22 s each",
-    "(20-21 runs), `[te-0..7]` 74-82 s each (99-100 runs; 620 s in all); `test_world_of_two_runs`",
-    "TP2 36 / 32 s (16 / 15 runs), PP2 37 / 37 s (23 / 22), EP2 43 / 51 s (21 / 21), CP2 22 / 21 s",
-    "(8 / 8), the TE world's TP2 / PP2 / EP2 / CP2 44 / 43 / 60 / 43 s (19 / 25 / 25 / 21);",
-    "classifying the TE world in a child process (`test_te_world_verdicts_are_current`) 38 s.",
-    "The run before (2026-11-28, at 646b10e: each combination its own run, the straight run's",
-    "steps counted by the sync sentinel) took 1,665 s for the module, `[te-i]` 111-119 s each.",
-    "Those runs had 4 / 8 world-1 tests and 2 launches per layout without TE; the same runs are",
-    "now dealt to 2 / 4 tests and 1 launch (fewer worker processes to start, ~5 s each: not",
-    "measured in CI yet).",
+    "**Measured** (2026-11-28, from the junit of a clean-clone `CI=true bash .ci/run` at 84ad74c",
+    "on this 2-core machine, nothing else running; the whole suite took 3,365 s): this module",
+    "took 1,074 s, all its tests passing. Per test: `test_world_of_one_runs[0-1]` 31 s each",
+    "(41-42 runs), `[te-0..3]` 141-145 s each (199-200 runs; 572 s in all); `test_world_of_two_runs`",
+    "TP2 50 s (31 runs), PP2 57 s (45), EP2 69 s (42), CP2 27 s (16), the TE world's TP2 / PP2 /",
+    "EP2 / CP2 42 / 40 / 52 / 37 s (19 / 25 / 25 / 21); classifying the TE world in a child",
+    "process (`test_te_world_verdicts_are_current`) 38 s. Earlier the same day: 1,240 s with the",
+    "same runs in 4 / 8 world-1 tests and 2 launches per layout without TE (more worker",
+    "processes to start), and 1,665 s at 646b10e (each combination its own run, the straight",
+    "run's steps counted by the sync sentinel; `[te-i]` 111-119 s each for 136-137 runs).",
 )
 
 
@@ -1038,7 +1036,8 @@ def test_te_world2_runs_cover_every_pair():
     TE-world world-2 combination occurs together in a run one; and the cover is needed (no
     run combination can be dropped: it alone covers some pair)."""
     for layout in world2_layouts():
-        every, cover = world2_accepted("te", layout), pairwise_cover(world2_accepted("te", layout))
+        every = world2_accepted("te", layout)
+        cover = pairwise_cover(every)
         pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
         assert set().union(*map(pairs, every)) == set().union(*map(pairs, cover)), layout
         assert set(cover) <= set(every) and len(cover) < len(every)
