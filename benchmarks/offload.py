@@ -40,6 +40,9 @@ CPU section (always runs, < 1 min):
      no peak memory (at c/g = 2 the all-layers row and the planned row leave the same number of
      sets off the device at that point);
      ``extra_device_bytes``: peak bytes of the reload buffers.
+     ``host_ahead_*`` (and ``forward_order_host_ahead_*``): the same replay with the host
+     infinitely far ahead -- a function of the per-layer times and c alone, so it equals the
+     planner's model and its orders compare without the host's run-to-run issue jitter.
      ``single_over_ours``: modelled step time single_buffer / this row
      ("baseline / ours: > 1 means ours is faster").
 
@@ -187,8 +190,17 @@ def _record(args, config, x, ocfg: OffloadConfig) -> dict:
     return dict(trace=best[1], stats=best[2], times=times, extra=dev.peak_device_bytes)
 
 
+def _pending(step) -> int:
+    """Offloads still running when the forward ends."""
+    return sum(1 for iv in step.intervals if iv.kind == "d2h" and iv.end > step.fwd_end + 1e-12)
+
+
 def _row(name, rec, compute_s, bw, act_bytes, g, label, single_step) -> dict:
     frac, step, free = step_hidden_fraction(rec["trace"], compute_s, bw, prior_events_done=True)
+    # the same trace with the host ahead of the device: a function of the per-layer times and c
+    # alone, the figure the planner's model gives (its orders are compared on this one)
+    ahead_frac, ahead, _ = step_hidden_fraction(rec["trace"], compute_s, bw,
+                                                prior_events_done=True, use_host_times=False)
     if step.hazards:
         raise RuntimeError(f"schedule hazard in {name}: {step.hazards[:3]}")
     stats = rec["stats"]
@@ -201,8 +213,9 @@ def _row(name, rec, compute_s, bw, act_bytes, g, label, single_step) -> dict:
         hidden_fraction=None if stats.layers_offloaded == 0 else round(frac, 4),
         # offloads still running when the forward ends: those activations are still on the
         # device at the step's memory peak, so they save no peak memory
-        offloads_pending_at_fwd_end=sum(
-            1 for iv in step.intervals if iv.kind == "d2h" and iv.end > step.fwd_end + 1e-12),
+        offloads_pending_at_fwd_end=_pending(step),
+        host_ahead_hidden_fraction=None if stats.layers_offloaded == 0 else round(ahead_frac, 6),
+        host_ahead_pending_at_fwd_end=_pending(ahead),
         c_ms=round(c * 1e3, 4), step_ms=round(step.makespan * 1e3, 4),
         free_copy_step_ms=round(free.makespan * 1e3, 4), compute_ms=round(step.compute_busy * 1e3, 4),
         exposed_copy_ms=round((step.makespan - free.makespan) * 1e3, 4),
@@ -263,7 +276,11 @@ def cpu_section(args) -> list[dict]:
                        modelled_hidden_fraction=round(plan.chosen.hidden_fraction, 4),
                        peak_window=plan.peak_window,
                        forward_order_hidden_fraction=forward["hidden_fraction"],
-                       forward_order_pending_at_fwd_end=forward["offloads_pending_at_fwd_end"])
+                       forward_order_pending_at_fwd_end=forward["offloads_pending_at_fwd_end"],
+                       forward_order_host_ahead_hidden_fraction=forward[
+                           "host_ahead_hidden_fraction"],
+                       forward_order_host_ahead_pending_at_fwd_end=forward[
+                           "host_ahead_pending_at_fwd_end"])
             rows.append(row)
     for r in rows:
         r.update(f_ms=round(f * 1e3, 4), g_ms=round(g * 1e3, 4), reps=args.reps,

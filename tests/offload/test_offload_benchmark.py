@@ -34,21 +34,29 @@ def test_offload_benchmark_quick_json(tmp_path):
     assert double and all(r["hidden_fraction"] is not None and "c_over_g" in r for r in double)
     planned = {r["c_over_g"]: r for r in double if r["variant"] == "double_buffer"}
     assert {0.5, 1.0, 2.0} <= planned.keys()
-    assert all(r["hidden_fraction"] >= 0.9 for r in double if r["c_over_g"] == 1.0)
+    # the orders compare on the host-ahead replay: the same per-layer times and c on both
+    # sides, no host issue jitter (the host-timed figures of two recorded steps can differ by
+    # a few 1e-4 from run to run either way)
     for r in double:  # the planned order: never worse than forward order, no less freed
-        # both rounded to 4 places: equal fractions may print 1e-4 apart (and 0.9027 + 1e-4 is
-        # a hair under 0.9028 in binary: the float slack)
-        assert r["forward_order_hidden_fraction"] <= r["hidden_fraction"] + 1e-4 + 1e-9
-        assert r["offloads_pending_at_fwd_end"] <= r["forward_order_pending_at_fwd_end"]
-        assert 0 <= r["eager_offloads"] <= r["offloaded_layers"]
+        # rounding to 6 places is monotone: no slack needed
+        assert (r["forward_order_host_ahead_hidden_fraction"]
+                <= r["host_ahead_hidden_fraction"]), r
+        assert (r["host_ahead_pending_at_fwd_end"]
+                <= r["forward_order_host_ahead_pending_at_fwd_end"]), r
+        assert 0 <= r["eager_offloads"] <= r["offloaded_layers"], r
+        # the recorded schedule, host ahead, is the planner's model of it (4 vs 6 places)
+        assert abs(r["host_ahead_hidden_fraction"] - r["modelled_hidden_fraction"]) <= 6e-5, r
     # at c/g = 1 every layer cannot hide in forward order; the planned order hides it
     every = next(r for r in double if r["variant"] == "double_buffer_all_layers"
                  and r["c_over_g"] == 1.0)
-    assert every["forward_order_hidden_fraction"] < 0.9 and every["eager_offloads"] < (
-        every["offloaded_layers"] - 1)
+    assert every["forward_order_host_ahead_hidden_fraction"] < 0.9 and every[
+        "eager_offloads"] < (every["offloaded_layers"] - 1)
     for r in planned.values():  # the row runs the window the manager's "auto" planner picks
         assert r["offload_window"] == "auto" and r["planned_window"] == r["offloaded_layers"]
-        assert r["modelled_hidden_fraction"] >= 0.9 or r["planned_window"] == 0
+        # the target is met, or the window is the one below which the planner never goes
+        assert r["modelled_hidden_fraction"] >= 0.9 or r["planned_window"] == r["peak_window"], r
+        if r["c_over_g"] == 1.0:  # at c/g = 1 the planned window meets the target
+            assert r["host_ahead_hidden_fraction"] >= 0.9, r
     for r in rows:  # the whole-step figure, from the step's own numbers
         if r["hidden_fraction"] is not None and r["copy_ms"] > 1:  # ms rounded to 4 places
             exposed = r["step_ms"] - r["free_copy_step_ms"]
