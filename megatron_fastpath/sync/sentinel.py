@@ -14,7 +14,9 @@ On the CPU nothing actually stalls, so the sentinel *observes* the same points:
   (inside autograd backward only the dispatch level is active: a scalar read there shows up as
   ``aten._local_scalar_dense``);
 * on CUDA, ``torch.cuda.set_sync_debug_mode`` is also armed ("warn", or "error" in strict mode),
-  so syncs inside C++ kernels that Python never sees are reported too.
+  so syncs inside C++ kernels that Python never sees are reported too; and there reads of CPU
+  tensors (and value-dependent ops on them) are not counted: they wait for no device. On a CPU
+  build every tensor stands for a device one, so all are counted.
 
 Example::
 
@@ -144,6 +146,20 @@ def _is_data_dependent(func, args, kwargs) -> bool:
     return False
 
 
+def _on_the_host(args) -> bool:
+    """Every tensor in ``args`` (there is one at least) is a CPU tensor."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
+def _cuda_machine() -> bool:
+    """A CUDA build of torch with a GPU: host tensors are then not device tensors (on a CPU
+    build, where tests emulate CUDA on CPU tensors, every tensor stands for a device one)."""
+    return torch.backends.cuda.is_built() and torch.cuda.is_available()
+
+
 class _FunctionWatcher(TorchFunctionMode):
     def __init__(self, sentinel: "SyncSentinel"):
         super().__init__()
@@ -154,8 +170,11 @@ class _FunctionWatcher(TorchFunctionMode):
         kwargs = kwargs or {}
         name = HOST_READ_METHODS.get(func)
         if name is not None:
-            # `.cpu()` of a CPU tensor is free here but moves device->host on CUDA: counted.
-            self.sentinel._record("host_read", name)
+            # On this CPU every tensor is a host tensor, and the one a CUDA run keeps on the
+            # device is counted; on a CUDA machine a read of a CPU tensor waits for nothing
+            # (Megatron's RNG tracker reads the CPU RNG state): not counted there.
+            if not (self.sentinel.host_tensors_free and _on_the_host(args)):
+                self.sentinel._record("host_read", name)
             self.depth += 1
             try:
                 return func(*args, **kwargs)
@@ -193,7 +212,8 @@ class _DispatchWatcher(TorchDispatchMode):
         if s.count_ops and s._active:
             s.aten_ops += 1
             s.op_counts[name] += 1
-        if self.function_watcher.depth == 0 and _is_data_dependent(func, args, kwargs):
+        if (self.function_watcher.depth == 0 and _is_data_dependent(func, args, kwargs)
+                and not (s.host_tensors_free and _on_the_host((args, kwargs)))):
             s._record("data_dependent_op", f"aten.{name}")
         return func(*args, **kwargs)
 
@@ -233,6 +253,8 @@ class SyncSentinel:
         self._dispatch_mode: Optional[_DispatchWatcher] = None
         self._prev_cuda_mode: Optional[int] = None
         self._active = False
+        # on a CUDA machine reads of (and value-dependent ops on) CPU tensors are no syncs
+        self.host_tensors_free = False
         # Optional label of the code region running now; instrumentation (e.g. the graph-safety
         # audit's layer hooks) sets it so each event says which layer/phase it came from.
         self.region: Optional[str] = None
@@ -272,6 +294,7 @@ class SyncSentinel:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def __enter__(self) -> "SyncSentinel":
+        self.host_tensors_free = _cuda_machine()
         self._fn_mode = _FunctionWatcher(self)
         self._dispatch_mode = _DispatchWatcher(self, self._fn_mode)
         self._fn_mode.__enter__()

@@ -144,3 +144,26 @@ def test_flex_attention_runs_inside_the_sentinel_and_after_it():
     assert torch.equal(inside, after)
     dense = torch.nn.functional.scaled_dot_product_attention(q_1HTd, k_1HTd, v_1HTd, is_causal=True)
     torch.testing.assert_close(inside, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_cuda_machine_host_tensors_are_no_syncs(monkeypatch):
+    """On a CUDA build with a GPU a read of a CPU tensor (Megatron's RNG tracker compares the CPU
+    RNG state with ``.item()`` at every fork) and a value-dependent op on CPU tensors wait for
+    no device: not counted. This CPU build stands a CPU tensor in for every device one, so here
+    they are (the tests above)."""
+    from megatron_fastpath.sync import sentinel
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with SyncSentinel() as s:
+        for read in HOST_READS.values():
+            read()
+        for op in DATA_DEPENDENT.values():
+            op()
+        assert torch.all(torch.get_rng_state() == torch.get_rng_state()).item()  # the fork's
+    assert s.num_syncs == 0, s.summary()
+    assert s.aten_ops > 0  # still watching
+    # what decides it: every tensor of the call on the host (a device one among them counts)
+    assert sentinel._on_the_host((X, [I]))
+    assert not sentinel._on_the_host((X, torch.empty(1, device="meta")))
+    assert not sentinel._on_the_host((1, "a"))  # no tensor
