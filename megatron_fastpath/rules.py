@@ -149,6 +149,7 @@ class RunFacts:
         (known to the main job; the CP rule reads them).
     full_iteration: the whole step is captured (the main job's ``cuda_graphs.scope``).
     head_dim: the attention head width (kv_channels); None when not known.
+    on_cpu: the job runs on a CPU (the main job's ``training.device``; the hooks train on GPUs).
     fp8_recipe: FP8's recipe when FP8 is on (None: off); fp8_gemms: (name, in, out) of each of a
         layer's Transformer Engine FP8 GEMMs on one tensor-parallel rank
         (``fp8.config.layer_gemms``); fp8_tokens: their inputs' leading dim on one rank
@@ -174,6 +175,7 @@ class RunFacts:
     offload: bool = False
     full_iteration: bool = False
     head_dim: Optional[int] = None
+    on_cpu: bool = False
     fp8_recipe: Optional[str] = None
     fp8_gemms: tuple = ()
     fp8_tokens: Optional[int] = None
@@ -286,6 +288,19 @@ def _fp8_attention_inputs(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _flex_head_dim(f: RunFacts) -> Optional[str]:
+    # On CUDA the flex backend runs torch.compile(flex_attention), whose Triton lowering refuses
+    # a head narrower than 16 ("NYI: embedding dimension of the query, key, and value must be
+    # at least 16", torch 2.13 _inductor/kernel/flex/flex_attention.py:156-163) at the first
+    # forward; the CPU path runs flex eagerly (forward only) and has no such limit.
+    if f.attention_backend == "flex" and not f.on_cpu and f.head_dim is not None and f.head_dim < 16:
+        return (f"the 'flex' attention backend with head_dim {f.head_dim} on a GPU: torch's "
+                "compiled FlexAttention kernel needs a head width of at least 16 (torch 2.13, "
+                "_inductor/kernel/flex/flex_attention.py:156-163); use another attention backend "
+                f"or a head_dim >= 16 ({f.names.model_sizes})")
+    return None
+
+
 def _fp8_gemm_shapes(f: RunFacts) -> Optional[str]:
     # TE asserts its FP8 GEMM shapes at the first forward (fp8.config.fp8_gemm_shape_problem)
     if f.fp8_recipe is None or f.fp8_tokens is None:
@@ -352,6 +367,7 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _full_iteration_graphs,
     _fp8_thd_attention,
     _fp8_attention_inputs,
+    _flex_head_dim,
     _fp8_gemm_shapes,
     _dropless_ep_in_graphs,
     _lora_graph_warmup,

@@ -27,6 +27,7 @@ BREAKS = {
     "_te_grouped_linear_in_graphs": dict(graphs_requested=True, graphs_captured=True, is_moe=True,
                                          expert_backend="te_grouped_linear"),
     "_full_iteration_graphs": dict(full_iteration=True, pipeline_parallel_size=2),
+    "_flex_head_dim": dict(attention_backend="flex", head_dim=8),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
@@ -39,6 +40,7 @@ PHRASES = {
     "_grouped_mm_in_graphs": "sync-free path",
     "_te_grouped_linear_in_graphs": "takes the expert group sizes as a host list",
     "_full_iteration_graphs": "1F1B schedule's send/recv order across stages",
+    "_flex_head_dim": "compiled FlexAttention kernel needs a head width of at least 16",
 }
 
 
@@ -116,6 +118,9 @@ LORA = core.PeftFacts("LoRA", True, ("linear_qkv",))
     # the hooks write warm-up 0 when they turn graphs on for LoRA; graphs already on are checked
     ("_lora_graph_warmup", None,
      (dict(graphs_on=True, peft=LORA, model=dict(cuda_graph_warmup_steps=2)), core.HookRequest())),
+    # the main job's GPU path: test_main_job_refuses_narrow_flex_heads_on_a_gpu_only
+    ("_flex_head_dim", None,
+     (dict(model=dict(kv_channels=8)), core.HookRequest(attention_backend="flex"))),
 ])
 def test_main_job_and_hooks_refuse_with_the_rules_message(rule, main_overrides, hook):
     facts_kw, request = hook
@@ -124,6 +129,30 @@ def test_main_job_and_hooks_refuse_with_the_rules_message(rule, main_overrides, 
     if main_overrides is not None:
         expect = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], **BREAKS[rule]))
         assert _main_job_error(main_overrides) == expect[0]
+
+
+@pytest.mark.parametrize("kv_channels, refused", [(8, True), (16, False), (None, False)])
+def test_main_job_refuses_narrow_flex_heads_on_a_gpu_only(kv_channels, refused):
+    """Heads 8 wide: flex is refused on the GPU path (parsed on the CUDA-as-CPU stand-ins)
+    with the rule's message; accepted at 16, at the tiny model's own 32 (128 / 4), and on a
+    CPU (eager) at any width."""
+    from tests.support.graph_safe_standins import gpu_standins
+    from tests.support.hydra_compose import compose_job
+    from megatron_fastpath.train.config import parse_job_config
+
+    kv = [] if kv_channels is None else [f"model.kv_channels={kv_channels}"]
+    base = ["model=tiny_dense", "fastpath.attention_backend=flex",
+            "training.skip_memory_check=true"] + kv
+    assert parse_job_config(compose_job(base)).attention_backend == "flex"  # on a CPU
+    gpu = compose_job(base + ["training.device=cuda", "cluster.backend=gloo"])
+    with gpu_standins():
+        if not refused:
+            assert parse_job_config(gpu).attention_backend == "flex"
+            return
+        with pytest.raises(ValueError) as info:
+            parse_job_config(gpu)
+    want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], **BREAKS["_flex_head_dim"]))
+    assert str(info.value) == want[0]
 
 
 def test_main_job_refuses_cp_only_where_it_is_not_served():

@@ -76,6 +76,15 @@ _ALTERNATIVES = {
 }
 
 
+def _flex_attention_fn(device: torch.device):
+    """``flex_attention`` as the flex backend calls it on ``device`` (the cache's): compiled on
+    CUDA (flex_attention generates a fused kernel only under torch.compile), eager elsewhere.
+    The one place the backend gets it (the tests' GPU stand-ins replace this function)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+
 def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
                     dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
     """Validate ``backend`` (raising before any device work when its package is missing, or
@@ -310,10 +319,9 @@ class PackedCoreAttention(MegatronModule):
                     group, torch.distributed.get_process_group_ranks(group), te_cls.cp_stream,
                     "p2p" if cp_comm_type is None else cp_comm_type)
         if self.backend == "flex":
-            from torch.nn.attention.flex_attention import flex_attention
-
-            # flex_attention only generates a fused kernel under torch.compile.
-            self._flex = torch.compile(flex_attention, dynamic=False) if cache.device.type == "cuda" else flex_attention
+            self._flex = _flex_attention_fn(cache.device)
+            # the job's device (the cache's) decides the CPU refusal in _forward_flex
+            self._flex_on_cpu = cache.device.type == "cpu"
 
     @staticmethod
     def _checked_softcap(cap: Optional[float], backend: str) -> Optional[float]:
@@ -541,7 +549,7 @@ class PackedCoreAttention(MegatronModule):
     def _forward_flex(self, q, k, v, params):
         if self._dropout() > 0:
             raise ValueError("the 'flex' backend does not support attention dropout; use 'sdpa'")
-        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        if self._flex_on_cpu and torch.is_grad_enabled() and q.requires_grad:
             raise ValueError(
                 "the 'flex' backend has no backward on CPU (torch FlexAttention limitation); "
                 "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"

@@ -214,6 +214,8 @@ def run_facts(facts: ModelFacts, request: HookRequest) -> rules.RunFacts:
         capability=torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
         fp8_attention=_fp8_on(facts, request) and bool(facts.get("fp8_dot_product_attention", False)),
         head_dim=_head_dim(facts),
+        # "auto" resolves at build (by the dtype): unknown here
+        attention_backend=None if request.attention_backend == "auto" else request.attention_backend,
         **_fp8_gemm_facts(facts, request),
     )
 

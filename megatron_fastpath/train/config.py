@@ -361,6 +361,7 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
         sequence_parallel=par.sequence_parallel,
         offload=features["offload"] is not None,
         full_iteration=full,
+        on_cpu=device.type == "cpu",
     )
 
 
@@ -417,7 +418,9 @@ def parse_job_config(cfg: Any) -> JobConfig:
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
-    facts = _run_facts(par, fast, features, is_moe, device, train.dtype)
+    facts = dataclasses.replace(
+        _run_facts(par, fast, features, is_moe, device, train.dtype),
+        head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads)
     _refuse(rules.refusals(facts))  # the rules shared with the hooks (megatron_fastpath.rules)
     _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
     from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens

@@ -359,13 +359,13 @@ def message_kind(reason: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------- classifier
-REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE = (
+REFUSED, BUILD, WORLD2, RUN, RUN_TE, RUN2, RUN2_TE = (
     "refused by the hook", "accepted by the hook, refused when the model is built",
-    "accepted: needs 2 processes, not run", "accepted: cannot run on a CPU", "run (world 1)",
+    "accepted: needs 2 processes, not run", "run (world 1)",
     "run (world 1) on the fake Transformer Engine, in a child process",
     "run (world 2), in a 2-process child",
     "run (world 2) on the fake Transformer Engine, in a 2-process child")
-STATUSES = (REFUSED, BUILD, WORLD2, NO_CPU, RUN, RUN_TE, RUN2, RUN2_TE)
+STATUSES = (REFUSED, BUILD, WORLD2, RUN, RUN_TE, RUN2, RUN2_TE)
 RUN_STATUSES = {RUN: "w1", RUN_TE: "w1-te", RUN2: "w2", RUN2_TE: "w2-te"}  # and their keys
 # the layouts of 2 processes the runner runs: TP / EP the same packed batch on both ranks, one
 # forward + backward; PP Megatron's pipeline schedule (run_pipelined); CP the framework's CP
@@ -385,13 +385,6 @@ def world2_limit(combo: Combo) -> Optional[str]:
     if layout in RUN_LAYOUTS:
         return None
     return f"`{layout}`: the runner has no such layout"  # none accepted (test_classification_...)
-
-
-def cpu_limit(backend: str) -> Optional[str]:
-    """Why an accepted plan cannot train on this CPU (FlexAttention has no CPU backward)."""
-    if backend == "flex":
-        return "attention `flex`: torch FlexAttention has no backward on CPU"
-    return None
 
 
 def te_need(settings: dict, linear_impl: str, is_moe: bool) -> Optional[str]:
@@ -456,7 +449,7 @@ class Verdict:
     kinds: tuple = ()  # the kind of each reason: a hook_messages() key or a rules.RULES name
     facts: object = None  # the RunFacts the hook hands the rules
     plan: object = None
-    why: str = ""  # WORLD2 / NO_CPU: why it is not run here; RUN_TE / RUN2_TE: what of TE it builds
+    why: str = ""  # WORLD2: why it is not run here; RUN_TE / RUN2_TE: what of TE it builds
     problem: Optional[str] = None  # the contract is broken (a test failure)
 
 
@@ -502,9 +495,6 @@ def classify(combo: Combo) -> Verdict:
     limit = world2_limit(combo) if two else None
     if limit:
         return Verdict(WORLD2, facts=run, plan=plan, problem=problem, why=limit)
-    limit = cpu_limit(backend)
-    if limit:
-        return Verdict(NO_CPU, facts=run, plan=plan, why=limit, problem=problem)
     te = te_need(plan.settings, linear_impl, combo["model"] == "moe")
     status = {(False, False): RUN, (False, True): RUN_TE, (True, False): RUN2, (True, True): RUN2_TE}[two, bool(te)]
     return Verdict(status, facts=run, plan=plan, why=te or "", problem=problem)
@@ -593,18 +583,19 @@ UNREACHABLE_RULES: dict = {
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
 NOT_SET_BY_HOOKS = {
     "names": "one spelling per framework; tests/test_rules.py checks every spelling",
-    "attention_backend": "the hooks resolve the backend when the model is built, after the rules",
     "pipeline_parallel_size": "read by the CP rule for the main job only (the hooks refuse CP)",
     "sequence_parallel": "read by the CP rule for the main job only",
     "offload": "the hooks have no activation offload",
     "full_iteration": "the hooks capture per-layer graphs only (the main job's cuda_graphs.scope)",
+    "on_cpu": "the hooks' frameworks train on GPUs",
 }
 
 
 # RunFacts fields the hooks set from the model's shape, which the matrix keeps fixed
 FIXED_BY_THE_MODEL = {
     "head_dim": "one model shape (head_dim 8): tests/test_rules.py checks the FP8-attention rule "
-                "per head_dim and GPU",
+                "per head_dim and GPU; flex with it is refused (rules._flex_head_dim), flex with "
+                "16-wide heads trains in the main job's feature matrix",
 }
 
 
@@ -1104,7 +1095,7 @@ def render() -> str:
     kinds += [k for k in hook_messages() if not k.startswith(UNREACHABLE_MESSAGES)]
     for kind in kinds:
         lines.append(f"| {cell(_kind_label(kind))} | {every.get(kind, '-')} |")
-    for status in (BUILD, NO_CPU, WORLD2):
+    for status in (BUILD, WORLD2):
         groups = collections.Counter(v.why for v in verdicts.values() if v.status == status)
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| why | combinations |", "| --- | --- |"]
         lines += [f"| {cell(why)} | {n} |" for why, n in sorted(groups.items())]

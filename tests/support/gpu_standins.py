@@ -38,11 +38,14 @@
   Megatron's ``_apply_rotary_pos_emb_bshd`` (the unfused reference).
 
 Host reads of ``cu_seqlens`` happen inside the stand-ins only (a real kernel reads them on the
-device); tests that count syncs exclude them by design.
+device). Those of the stand-ins the GPU path runs (TE's THD attention, with and without CP) are
+the stand-ins' own checks and run :func:`unseen_by_the_sync_sentinel`, so the package's sync
+sentinel counts what a GPU run would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -344,11 +347,25 @@ def _te_thd_attention(q, k, v, kw, scale, window):
 
     cu, max_seqlen = kw["cu_seqlens_q"], kw["max_seqlen_q"]
     if not _capturing() and max_seqlen is not None:
-        longest = max((cu[1:] - cu[:-1]).tolist(), default=0)
+        with unseen_by_the_sync_sentinel():
+            longest = max((cu[1:] - cu[:-1]).tolist(), default=0)
         if longest > max_seqlen:
             raise RuntimeError(f"sequence of {longest} tokens > max_seqlen={max_seqlen}")
     return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale,
                                   causal=True, window_size=tuple(window))
+
+
+@contextlib.contextmanager
+def unseen_by_the_sync_sentinel():
+    """Run a stand-in's own check -- host reads the real library does not make (TE reads no
+    cu_seqlens value on the host) -- outside every torch function and dispatch mode, so the
+    package's sync sentinel counts what a GPU run would: none of it. Only on eager calls (a
+    host read during a capture still raises in the fake CUDA graph: callers check
+    ``_capturing()`` first)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 def _capturing() -> bool:
@@ -447,8 +464,11 @@ def _te_thd_cp_attention(layer, q, k, v, mask_type, kw, pad_between_seqs, scale)
     # invalidates a real capture; the fake graph raises): the layout is then not checked at
     # all, as on real TE.
     if not _capturing():
-        lens = (padded_q[1:] - padded_q[:-1]).tolist()  # a host read of the stand-in's own
-        assert all(n % (2 * cp) == 0 for n in lens) and padded_q.tolist() == padded_kv.tolist(), \
+        with unseen_by_the_sync_sentinel():  # host reads of the stand-in's own
+            lens = (padded_q[1:] - padded_q[:-1]).tolist()
+            same = padded_q.tolist() == padded_kv.tolist()
+            total = int(padded_q[-1])
+        assert all(n % (2 * cp) == 0 for n in lens) and same, \
             f"sequence lengths must be divisible by 2 x cp_size = {2 * cp}: {lens}"
         # the local rows may run past the last sequence: TE takes a THD tensor longer than
         # cu_seqlens[-1] and zero-fills its output first (pytorch/csrc/extensions/attention.cpp
@@ -456,7 +476,6 @@ def _te_thd_cp_attention(layer, q, k, v, mask_type, kw, pad_between_seqs, scale)
         # batches fill every row; Megatron's graph warm-up calls each layer with zeroed inputs
         # (transformer/cuda_graphs.py create_fwd_graph, mcore L911-914: zeros_like) -- every
         # cu_seqlens 0, every row past the last sequence
-        total = int(padded_q[-1])
         assert total <= q.shape[0] * cp, \
             f"this CP rank holds {q.shape[0]} tokens, not the global {total} / cp_size {cp}"
         assert max(lens) <= kw["max_seqlen_q"], f"a sequence of {max(lens)} > max_seqlen_q"

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 from tests.support.fake_cuda_graph import FakeCUDAGraph, FakeCudaGenerator, _Op
+from tests.support.flex_standin import flex_attention_fn_standin
 
 
 def _row_mask(cu_seqlens: torch.Tensor, T: int,
@@ -188,6 +189,9 @@ def gpu_standins() -> Iterator[None]:
       offload manager marks its copies with them; a CPU build of torch raises "NVTX functions
       not installed"), checked balanced when the block exits without an exception;
     * flash-attn: this module's graph-safe varlen stand-in in ``sys.modules``;
+    * torch's compiled FlexAttention on the job's CUDA device: ``tests.support.flex_standin``
+      (the real flex forward, a dense backward, the CUDA kernel's contracts), through
+      ``core_attention._flex_attention_fn``;
     * Transformer Engine's attention: ``gpu_standins.TEDotProductAttentionStandIn`` and its
       fused RoPE, through ``core_attention``'s seams (TE's linears, FP8 and RNG tracker are
       not stood in: what needs them stays refused as missing);
@@ -207,6 +211,7 @@ def gpu_standins() -> Iterator[None]:
                           lambda: TEDotProductAttentionStandIn),
         mock.patch.object(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb),
         mock.patch.object(core_attention, "require", _require_with_te_standins(core_attention.require)),
+        mock.patch.object(core_attention, "_flex_attention_fn", flex_attention_fn_standin),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:

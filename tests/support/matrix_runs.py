@@ -119,6 +119,29 @@ def check_experts(job, feature: dict) -> None:
     assert built == {expert_class(feature["experts"])}, built
 
 
+def expected_syncs(tree: dict) -> int:
+    """The host reads the sync sentinel counts in a counted step of the job ``tree``: none, but
+
+    * dropless expert parallelism's all-to-all split sizes, read back once per layer and
+      microbatch (``moe/token_dispatcher.py``: "the one counted host sync of dropless EP"; with
+      graphs on ``rules._dropless_ep_in_graphs`` refuses it);
+    * with sequence parallelism on Megatron's RNG tracker (TE's is used only with graphs and
+      ``cuda_graphs.use_te_rng_tracker``), two per microbatch: megatron-core 0.16.1's
+      ``CudaRNGStatesTracker.fork`` checks the CPU RNG state unchanged with ``.item()``
+      (tensor_parallel/random.py:264), and sequence parallelism forks for the embedding's
+      dropout (language_model_embedding.py:145) and the transformer block
+      (transformer_block.py:707). That is a read of a CPU tensor: no device sync on a GPU,
+      where the sentinel does not count it; on this CPU build every tensor stands for a device
+      one, so it is counted here."""
+    model, par, fast = tree["model"], tree["parallel"], tree["fastpath"]
+    micro = tree["training"]["micro_batches"]
+    dropless_ep = (model.get("num_experts") is not None and fast["moe_capacity_factor"] is None
+                   and par["expert_model_parallel_size"] > 1)
+    te_tracker = fast["cuda_graphs"] and tree["cuda_graphs"]["use_te_rng_tracker"]
+    sp_forks = par.get("sequence_parallel", False) and not te_tracker
+    return (model["num_layers"] * micro if dropless_ep else 0) + (2 * micro if sp_forks else 0)
+
+
 def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[list] = None) -> str:
     """The straight run: ``STEPS`` steps with checkpoints on, saving at step ``STOP``
     (``checkpoint.interval``; an async save is written while step ``STOP + 1`` trains) and at
@@ -132,9 +155,10 @@ def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[lis
     (by default its first steps) in the resumed run, which must count its one step: so every
     combination trains a step inside the sentinel's modes -- where graphs are on, the resumed
     run's capture too -- and that step must equal the straight run's step, trained without
-    them (the diagnosis changes no number). The sentinel's counts are not asserted here (the
-    CPU stand-ins of TE's attention read lengths on the host); it costs ~20% of a run a
-    counted step, so the straight run's steps are not counted.
+    them (the diagnosis changes no number) -- and make exactly :func:`expected_syncs` host
+    syncs (the stand-ins' own checks are unseen by the sentinel:
+    ``gpu_standins.unseen_by_the_sync_sentinel``). A counted step costs ~20% of a run, so the
+    straight run's steps are not counted.
 
     ``stage`` (a list) gets the part in progress appended:
     ``straight``, ``resume``, ``compare``. Returns what was checked; raises on any difference."""
@@ -165,9 +189,13 @@ def straight_vs_resumed(tree: dict, ckpt_dir, feature: dict, stage: Optional[lis
     assert resumed.resumed_from == f"{resume_dir}/{step_dir}", resumed.resumed_from
     assert records(resumed) == records(straight), "resumed run differs from the straight run"
     assert tree["training"]["sync_check"] == "off" or resumed.sync_checked_steps == 1, resumed.sync_checked_steps
+    if resumed.sync_checked_steps:
+        assert resumed.syncs_per_step == expected_syncs(tree), (
+            f"{resumed.syncs_per_step:g} host syncs in the counted step, expected {expected_syncs(tree)}")
     p_resumed = params(job_r)
     assert p_straight.keys() == p_resumed.keys()
     differ = [k for k in p_straight if not torch.equal(p_straight[k], p_resumed[k])]
     kinds = sorted({k.rsplit(".", 1)[-1] for k in differ})  # the last name: lora_A, weight, ...
     assert not differ, f"final parameters differ ({len(differ)}), kinds {kinds}: {differ[:4]}"
-    return f"straight {STEPS} (saving at {STOP}) == resumed at {STOP} + {STEPS - STOP}"
+    syncs = "" if not resumed.sync_checked_steps else f", {resumed.syncs_per_step:g} host syncs counted"
+    return f"straight {STEPS} (saving at {STOP}) == resumed at {STOP} + {STEPS - STOP}{syncs}"

@@ -79,6 +79,9 @@ GPU_ROOTS = (
     "megatron.core.fp8_utils",
     "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec",
     "torch._grouped_mm",
+    # the flex backend compiles it on CUDA (core_attention._flex_attention_fn): Inductor's
+    # Triton kernel, whose contracts the CPU's eager path does not have
+    "torch.nn.attention.flex_attention.flex_attention",
 )
 CUDA_QUERIES = frozenset({"is_available", "device_count", "is_initialized"})
 TENSOR_METHODS = frozenset({"pin_memory", "record_stream"})
@@ -286,6 +289,19 @@ REGISTRY: tuple[Entry, ...] = (
         "sequence uninitialised: flash-attention PR #2324",
     ),
     # ------------------------------------------------------------------------------ torch
+    Entry(
+        "torch.nn.attention.flex_attention.flex_attention",
+        (f"{_SUPPORT}.flex_standin.flex_attention_fn_standin",
+         f"{_SUPPORT}.flex_standin.flex_attention_standin",
+         f"{_SUPPORT}.flex_standin.CompiledFlexStandin"),
+        "forward: torch's own flex_attention (its Python input checks: 4-D q/k/v, heads and GQA, "
+        "batch, BlockMask lengths and device); the CUDA kernel's: heads at least 16 wide, one "
+        "dtype for q / k / v in backward; a dense fp32 backward over the BlockMask's kv_* "
+        "(dQ) and q_* (dK / dV) blocks, as the kernel iterates them; no compile under a "
+        "non-infra dispatch mode; more specialisations than dynamo's recompile_limit raise",
+        "torch 2.13 _inductor/kernel/flex/flex_attention.py:156-163, 742-748; "
+        "nn/attention/flex_attention.py:2315-2400, 2497-2508; _dynamo/convert_frame.py:2545-2570",
+    ),
     Entry(
         "torch._grouped_mm",
         None,
