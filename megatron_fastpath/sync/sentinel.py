@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["HostSyncError", "SyncEvent", "SyncSentinel", "HOST_READ_METHODS", "DATA_DEPENDENT_OPS"]
 
@@ -148,8 +149,6 @@ def _is_data_dependent(func, args, kwargs) -> bool:
 
 def _on_the_host(args) -> bool:
     """Every tensor in ``args`` (there is one at least) is a CPU tensor."""
-    from torch.utils._pytree import tree_leaves
-
     tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
     return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 

@@ -138,7 +138,7 @@ def expected_syncs(tree: dict) -> int:
     dropless_ep = (model.get("num_experts") is not None and fast["moe_capacity_factor"] is None
                    and par["expert_model_parallel_size"] > 1)
     te_tracker = fast["cuda_graphs"] and tree["cuda_graphs"]["use_te_rng_tracker"]
-    sp_forks = par.get("sequence_parallel", False) and not te_tracker
+    sp_forks = par["sequence_parallel"] and not te_tracker
     return (model["num_layers"] * micro if dropless_ep else 0) + (2 * micro if sp_forks else 0)
 
 

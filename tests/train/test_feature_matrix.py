@@ -548,12 +548,18 @@ def te_flex_world1() -> list:
     return [c for c in runnable("te") if c["attention"] == "flex"]
 
 
+@functools.lru_cache(maxsize=None)
+def te_flex_cover() -> list:
+    """The pairwise cover of :func:`te_flex_world1` that runs."""
+    return pairwise_cover(te_flex_world1())
+
+
 def world1_run(world: str) -> list:
     """The world-1 combinations a world's runs train: all of them, but of the TE world's flex
     ones only a pairwise cover (:data:`TE_FLEX_NOT_RUN`)."""
     if world == "absent":
         return runnable(world)
-    cover = set(pairwise_cover(te_flex_world1()))
+    cover = set(te_flex_cover())
     return [c for c in runnable(world) if c["attention"] != "flex" or c in cover]
 
 
@@ -839,7 +845,7 @@ def render() -> str:
         TE_WORLD2_NOT_RUN.format(total=te_w2, minutes=round(te_w2 * 2 / 60), run=te_w2_run) + ",",
         "one launch per layout (`test_world_of_two_runs[te-<layout>-0]`); and",
         TE_FLEX_NOT_RUN.format(total=len(te_flex_world1()),
-                               run=len(pairwise_cover(te_flex_world1()))) + ".",
+                               run=len(te_flex_cover())) + ".",
         "The flex backend, which has no backward on a CPU, trains on the test-only",
         "FlexAttention stand-in (`tests/support/flex_standin.py`: torch's real flex forward, a",
         "dense fp32 backward over the BlockMask's blocks, and the CUDA kernel's contracts, e.g.",
@@ -917,7 +923,8 @@ def write() -> None:
     with tempfile.TemporaryDirectory() as d:
         data = classify_te_world_in_child(Path(d))
     TE_VERDICTS.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
-    for cached in (classified, shards, shard_of, sharing, world2_accepted, te_flex_world1, _values):
+    for cached in (classified, shards, shard_of, sharing, world2_accepted, te_flex_world1,
+                   te_flex_cover, _values):
         cached.cache_clear()
     DOC.write_text(render(), encoding="utf-8")
 
@@ -1011,7 +1018,7 @@ def test_every_accepted_combination_has_a_run():
     a combination shares a run only with one whose job is its own."""
     runs = [c for combos in shards().values() for c in combos]
     covers = {c for layout in world2_layouts() for c in pairwise_cover(world2_accepted("te", layout))}
-    flex_cover = set(pairwise_cover(te_flex_world1()))
+    flex_cover = set(te_flex_cover())
     wanted = [c for c, v in classified().items()
               if (v.status == RUN and (world_of(c) == "absent" or c["attention"] != "flex"
                                        or c in flex_cover))
@@ -1088,13 +1095,9 @@ def test_a_run_never_reads_the_raw_backend_settings(mcore_parallel, tmp_path):
 def test_te_world1_flex_runs_cover_every_pair():
     """Unit tier: every pair of axis values occurring together in a runnable TE-world world-1
     flex combination occurs together in a run one; and the cover is smaller than the whole."""
-    every = te_flex_world1()
-    cover = pairwise_cover(every)
-    pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
-    assert every and set().union(*map(pairs, every)) == set().union(*map(pairs, cover))
-    assert set(cover) <= set(every) and len(cover) < len(every)
-    assert all(set().union(*map(pairs, cover[:k] + cover[k + 1:])) != set().union(*map(pairs, cover))
-               for k in range(len(cover))), "a combination of the cover covers no pair alone"
+    every, cover = te_flex_world1(), te_flex_cover()
+    assert every and cover == pairwise_cover(every)
+    _check_cover(every, cover, "world-1 flex")
     assert set(distinct_jobs(cover)) <= set(shard_of())
     assert all(c["attention"] == "flex" for c in every)
 
@@ -1106,12 +1109,17 @@ def test_te_world2_runs_cover_every_pair():
     for layout in world2_layouts():
         every = world2_accepted("te", layout)
         cover = pairwise_cover(every)
-        pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
-        assert set().union(*map(pairs, every)) == set().union(*map(pairs, cover)), layout
-        assert set(cover) <= set(every) and len(cover) < len(every)
-        assert all(set().union(*map(pairs, cover[:k] + cover[k + 1:])) != set().union(*map(pairs, cover))
-                   for k in range(len(cover))), f"{layout}: a combination of the cover covers no pair alone"
+        _check_cover(every, cover, layout)
         assert shards()[world2_id("te", layout, 0)] == distinct_jobs(cover)
+
+
+def _check_cover(every: list, cover: list, what: str) -> None:
+    """``cover`` is a pairwise cover of ``every``, smaller, and no combination of it redundant."""
+    pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
+    assert set().union(*map(pairs, every)) == set().union(*map(pairs, cover)), what
+    assert set(cover) <= set(every) and len(cover) < len(every), what
+    assert all(set().union(*map(pairs, cover[:k] + cover[k + 1:])) != set().union(*map(pairs, cover))
+               for k in range(len(cover))), f"{what}: a combination of the cover covers no pair alone"
 
 
 def _report(name: str, lines: list, failures: list, capsys) -> None:
