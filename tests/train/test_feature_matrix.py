@@ -1279,6 +1279,92 @@ def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
     assert len(lines) == len(combos)
 
 
+
+# ------------------------------------------------------- the full tier (run by hand, not in CI)
+FULL_ENV = "FASTPATH_FULL_MATRIX"  # a directory: set, the full tier runs and each part records there
+FULL_RECORD = REPO / "tests" / "train" / "feature_matrix_full_run.json"
+FULL_W1_PARTS = 2  # tests for the TE world's world-1 flex jobs outside the CI cover
+FULL_W2_PARTS = 16  # torchrun launches per layout for its TE-world world-2 jobs outside the CI cover
+
+
+def full_ids() -> list:
+    """The full tier's test ids (known without classifying: parts and layouts)."""
+    return ([f"w1-{i}" for i in range(FULL_W1_PARTS)]
+            + [f"{layout_label(layout)}-{p}" for layout in world2_layouts() for p in range(FULL_W2_PARTS)])
+
+
+@functools.lru_cache(maxsize=None)
+def full_tier() -> dict:
+    """{full-tier id: combinations}: the jobs of the TE world's accepted combinations that no
+    CI run trains (:data:`TE_WORLD2_NOT_RUN`, :data:`TE_FLEX_NOT_RUN`) -- the world-1 flex ones
+    dealt round-robin to ``FULL_W1_PARTS`` tests, each layout's world-2 ones to
+    ``FULL_W2_PARTS`` launches. With the CI runs, every accepted combination's job."""
+    ci = set(shard_of())
+    flex = [c for c in distinct_jobs(te_flex_world1()) if c not in ci]
+    out = {f"w1-{i}": flex[i::FULL_W1_PARTS] for i in range(FULL_W1_PARTS)}
+    for layout in world2_layouts():
+        rest = [c for c in distinct_jobs(world2_accepted("te", layout)) if c not in ci]
+        out.update({f"{layout_label(layout)}-{p}": rest[p::FULL_W2_PARTS] for p in range(FULL_W2_PARTS)})
+    return out
+
+
+def _full_params() -> list:
+    import os
+
+    if not os.environ.get(FULL_ENV):
+        return [pytest.param(None, id="off", marks=pytest.mark.skip(
+            reason=f"the full tier (~70 min on 2 cores) runs with {FULL_ENV}=<a directory for its records>"))]
+    return [pytest.param(part, id=part) for part in full_ids()]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("part", _full_params())
+def test_full_tier(tmp_path, capsys, part):
+    """The full tier, by hand (``FASTPATH_FULL_MATRIX=<dir> pytest -k test_full_tier``): the TE
+    world's accepted combinations the CI runs leave out (:func:`full_tier`), trained as the CI
+    runs train theirs (world 1 in 2 processes at once, world 2 in one ``torchrun`` launch);
+    each part writes ``<dir>/<part>.json`` (:func:`record_full_run` gathers them into
+    ``tests/train/feature_matrix_full_run.json``, which docs/feature-matrix.md reports)."""
+    import json
+    import os
+    import time
+
+    combos = full_tier()[part]
+    start = time.monotonic()
+    if part.startswith("w1-"):
+        halves = [combos[0::2], combos[1::2]]
+        started = [_start(half, tmp_path / f"p{k}", 1) for k, half in enumerate(halves)]
+        lines, failures = [], []
+        for half, launch in zip(halves, started):
+            got = _finish(half, *launch, 1)
+            lines += got[0]
+            failures += got[1]
+    else:
+        lines, failures = _finish(combos, *_start(combos, tmp_path / "launch", 2), 2)
+    failed = {f.split(":", 1)[0] for f in failures}
+    Path(os.environ[FULL_ENV], f"{part}.json").write_text(json.dumps({
+        "part": part, "seconds": round(time.monotonic() - start, 1),
+        "passed": [c.label for c in combos if c.label not in failed], "failures": failures}, indent=1))
+    _report(f"test_full_tier[{part}]", lines, failures, capsys)
+    assert failures == []
+    assert len(lines) == len(combos)
+
+
+def record_full_run(directory: str, commit: str, date: str) -> None:
+    """Gather the full tier's part records (``<directory>/<part>.json``, a run at ``commit``)
+    into :data:`FULL_RECORD`: every part must have recorded."""
+    import json
+
+    parts = {p: json.loads(Path(directory, f"{p}.json").read_text()) for p in full_ids()}
+    FULL_RECORD.write_text(json.dumps({
+        "commit": commit, "date": date,
+        "seconds": round(sum(r["seconds"] for r in parts.values())),
+        "parts": {p: {"passed": len(r["passed"]), "failed": len(r["failures"]), "seconds": r["seconds"]}
+                  for p, r in parts.items()},
+        "failures": [f for r in parts.values() for f in r["failures"]],
+        "passed": sorted(label for r in parts.values() for label in r["passed"]),
+    }, indent=1) + "\n", encoding="utf-8")
+
 if __name__ == "__main__":  # the TE world's classifier: python -m tests.train.test_feature_matrix --classify-te OUT
     import json
     import sys
