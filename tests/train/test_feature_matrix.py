@@ -46,7 +46,10 @@ features the config accepts, parsed the way the main job parses it and, where ac
   processes (:func:`test_world_of_two_runs`). A job runs once: combinations whose parsed jobs
   are equal (:func:`job_key`; ``auto`` and the backend it resolves to) share one run
   (:func:`distinct_jobs`). Of the TE
-  world's world-1 flex ones a pairwise cover runs (:data:`TE_FLEX_NOT_RUN`). A test
+  world's world-1 flex ones a pairwise cover runs (:data:`TE_FLEX_NOT_RUN`). The **full
+  tier** (:func:`test_full_tier`, by hand: ``FASTPATH_FULL_MATRIX=<dir>``, ~70 min) trains the
+  jobs of the TE world's combinations the CI runs leave out; its last run is recorded in
+  ``feature_matrix_full_run.json`` (:func:`record_full_run`). A test
   lists every combination it ran and fails listing every one that failed. The flex backend,
   which has no backward on a CPU, trains on the test-only FlexAttention stand-in
   (``tests/support/flex_standin.py``: torch's real flex forward, a dense backward, the CUDA
@@ -648,8 +651,9 @@ TE_FLEX_NOT_RUN = (
     "({run}) -- the flex "
     "backend's own path is the same in both worlds, and every flex combination without TE runs")
 TE_WORLD2_NOT_RUN = (
-    "the TE world's accepted world-2 combinations are too many to train in CI time ({total}: "
-    "~2 s of both cores each, ~{minutes} min); a pairwise cover of each layout's ({run}) runs -- "
+    "the TE world's accepted world-2 combinations are too many to train in CI time ({total}, "
+    "{jobs} distinct jobs: ~2 s of both cores each, ~{minutes} min); a pairwise cover of each "
+    "layout's ({run}) runs -- "
     "every pair of axis values that occurs together in an accepted combination of the layout "
     "occurs together in one that runs")
 
@@ -835,6 +839,7 @@ def render() -> str:
     lines.append(row("trained by the run of another (the same job)", shared_by["absent"], shared_by["te"]))
     te_w2 = by_world["te"][WORLD2]
     te_w2_run = sum(1 for c in shard_of() if world_of(c) == "te" and c["layout"] != "1")
+    te_w2_jobs = sum(len(distinct_jobs(world2_accepted("te", layout))) for layout in world2_layouts())
     lines += [
         "",
         f"**Runs.** The world-1 combinations are dealt round-robin to {W1_SHARDS['absent']}",
@@ -842,10 +847,16 @@ def render() -> str:
         "(`test_world_of_one_runs[te-i]`), each 2 worker processes at once; the world-2 ones",
         f"without TE, per layout, to {W2_PARTS['absent']} `torchrun` launches",
         "(`test_world_of_two_runs[<layout>-<part>]`). Not every TE-world world-2 combination runs:",
-        TE_WORLD2_NOT_RUN.format(total=te_w2, minutes=round(te_w2 * 2 / 60), run=te_w2_run) + ",",
+        TE_WORLD2_NOT_RUN.format(total=te_w2, jobs=te_w2_jobs, minutes=round(te_w2_jobs * 2 / 60),
+                                 run=te_w2_run) + ",",
         "one launch per layout (`test_world_of_two_runs[te-<layout>-0]`); and",
         TE_FLEX_NOT_RUN.format(total=len(te_flex_world1()),
                                run=len(te_flex_cover())) + ".",
+        "The **full tier** trains the jobs of the rest, by hand, not in CI",
+        f"(`{FULL_ENV}=<a directory> pytest tests/train/test_feature_matrix.py -k test_full_tier`:",
+        f"{FULL_W1_PARTS} world-1 tests and {FULL_W2_PARTS} `torchrun` launches per layout, each part",
+        "recording its result; `record_full_run` gathers them into",
+        "`tests/train/feature_matrix_full_run.json`): see \"Accepted, not run in CI\".",
         "The flex backend, which has no backward on a CPU, trains on the test-only",
         "FlexAttention stand-in (`tests/support/flex_standin.py`: torch's real flex forward, a",
         "dense fp32 backward over the BlockMask's blocks, and the CUDA kernel's contracts, e.g.",
@@ -880,19 +891,27 @@ def render() -> str:
                   "| --- | --- | --- |"]
         for reason, combos in sorted(groups.items()):
             lines.append(f"| {cell(reason)} | {len(combos)} | {cell(_group_description(combos))} |")
-    lines += ["", "## Accepted, not run", "",
+    record = full_record()
+    passed = set(record["passed"]) if record else set()
+    lines += ["", "## Accepted, not run in CI", "",
               "The TE world's accepted world-2 combinations outside the pairwise cover of their "
               "layout and its world-1 flex ones outside theirs (see Runs), and those whose job "
-              "no run trains.", "",
-              "| layout | accepted | trained (the cover's jobs) | not run |",
-              "| --- | --- | --- | --- |"]
-    every = te_flex_world1()
-    run = [c for c in every if trained_by(c) in shard_of()]
-    lines.append(f"| 1 (flex) | {len(every)} | {len(run)} | {len(every) - len(run)} |")
-    for layout in world2_layouts():
-        every = world2_accepted("te", layout)
-        run = [c for c in every if trained_by(c) in shard_of()]
-        lines.append(f"| {layout_label(layout)} | {len(every)} | {len(run)} | {len(every) - len(run)} |")
+              "no CI run trains; the full tier (`test_full_tier`, by hand) trains them: "
+              + (f"its last run, at {record['commit'][:7]} on {record['date']}, took "
+                 f"{record['seconds']:,} s ({sum(len(v) for v in full_tier().values()):,} jobs "
+                 f"now; {len(record['passed']):,} passed, {len(record['failures'])} failed)"
+                 if record else "it has not run") + ".", "",
+              "| layout | accepted | trained in CI (the cover's jobs) | trained by the full tier's last run | neither |",
+              "| --- | --- | --- | --- | --- |"]
+    groups = [("1 (flex)", te_flex_world1())] + [(layout_label(layout), world2_accepted("te", layout))
+                                                 for layout in world2_layouts()]
+    for name, every in groups:
+        ci = [c for c in every if trained_by(c) in shard_of()]
+        full = [c for c in every if trained_by(c) not in shard_of() and trained_by(c).label in passed]
+        lines.append(f"| {name} | {len(every)} | {len(ci)} | {len(full)} | {len(every) - len(ci) - len(full)} |")
+    if record and record["failures"]:
+        lines += ["", "Failed in the full tier's last run:", ""]
+        lines += [f"* {cell(f[:300])}" for f in record["failures"]]
     lines += ["", "## Run", "",
               "Every combination run and the integration test that runs it; a combination with "
               "the job of an earlier one is trained by that one's run. Known "
@@ -1236,6 +1255,19 @@ def _finish(combos: list, proc, out: Path, log: Path, nproc: int) -> tuple:
     return lines, failures
 
 
+def _run_world1(combos: list, tmp_path: Path) -> tuple:
+    """(lines, failures) of ``combos`` (world 1) trained by 2 worker processes at once (the
+    machine's 2 cores), each its half."""
+    halves = [combos[0::2], combos[1::2]]
+    started = [_start(half, tmp_path / f"p{k}", 1) for k, half in enumerate(halves)]
+    lines, failures = [], []
+    for half, launch in zip(halves, started):
+        got = _finish(half, *launch, 1)
+        lines += got[0]
+        failures += got[1]
+    return lines, failures
+
+
 def _shared_lines(combos: list) -> list:
     """The report's lines for the combinations whose job one of ``combos`` trained."""
     return [f"same {c.label}  (the job of {rep.label})" for c, rep in sharing().items() if rep in combos]
@@ -1250,13 +1282,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
     TE importable for the TE world), each training its half one after the other
     (tests/support/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
     combos = shards()[world1_id(world, index)]
-    halves = [combos[0::2], combos[1::2]]
-    started = [_start(half, tmp_path / f"p{k}", 1) for k, half in enumerate(halves)]
-    lines, failures = [], []
-    for half, launch in zip(halves, started):
-        got = _finish(half, *launch, 1)
-        lines += got[0]
-        failures += got[1]
+    lines, failures = _run_world1(combos, tmp_path)
     _report(world1_id(world, index), lines + _shared_lines(combos), failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
@@ -1308,6 +1334,18 @@ def full_tier() -> dict:
     return out
 
 
+def test_ci_and_the_full_tier_train_every_accepted_job():
+    """Unit tier: the CI runs and the full tier's parts together train the job of every
+    accepted combination of both worlds, each job once; the full tier only the TE world's."""
+    accepted = [c for c, v in classified().items() if v.status in (RUN, WORLD2)]
+    ci = [c for combos in shards().values() for c in combos]
+    full = [c for combos in full_tier().values() for c in combos]
+    assert len(ci) + len(full) == len(set(ci) | set(full))
+    assert set(ci) | set(full) == set(distinct_jobs(accepted))
+    assert full and all(world_of(c) == "te" for c in full)
+    assert sorted(full_tier()) == sorted(full_ids()) and all(full_tier().values())
+
+
 def _full_params() -> list:
     import os
 
@@ -1332,13 +1370,7 @@ def test_full_tier(tmp_path, capsys, part):
     combos = full_tier()[part]
     start = time.monotonic()
     if part.startswith("w1-"):
-        halves = [combos[0::2], combos[1::2]]
-        started = [_start(half, tmp_path / f"p{k}", 1) for k, half in enumerate(halves)]
-        lines, failures = [], []
-        for half, launch in zip(halves, started):
-            got = _finish(half, *launch, 1)
-            lines += got[0]
-            failures += got[1]
+        lines, failures = _run_world1(combos, tmp_path)
     else:
         lines, failures = _finish(combos, *_start(combos, tmp_path / "launch", 2), 2)
     failed = {f.split(":", 1)[0] for f in failures}
@@ -1348,6 +1380,13 @@ def test_full_tier(tmp_path, capsys, part):
     _report(f"test_full_tier[{part}]", lines, failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
+
+
+def full_record() -> Optional[dict]:
+    """The full tier's last run (:data:`FULL_RECORD`), or None when it has not run."""
+    import json
+
+    return json.loads(FULL_RECORD.read_text()) if FULL_RECORD.exists() else None
 
 
 def record_full_run(directory: str, commit: str, date: str) -> None:
