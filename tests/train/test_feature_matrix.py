@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import functools
 import hashlib
 import inspect
@@ -1305,7 +1306,6 @@ def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
     assert len(lines) == len(combos)
 
 
-
 # ------------------------------------------------------- the full tier (run by hand, not in CI)
 FULL_ENV = "FASTPATH_FULL_MATRIX"  # a directory: set, the full tier runs and each part records there
 FULL_RECORD = REPO / "tests" / "train" / "feature_matrix_full_run.json"
@@ -1373,10 +1373,10 @@ def test_full_tier(tmp_path, capsys, part):
         lines, failures = _run_world1(combos, tmp_path)
     else:
         lines, failures = _finish(combos, *_start(combos, tmp_path / "launch", 2), 2)
-    failed = {f.split(":", 1)[0] for f in failures}
     Path(os.environ[FULL_ENV], f"{part}.json").write_text(json.dumps({
-        "part": part, "seconds": round(time.monotonic() - start, 1),
-        "passed": [c.label for c in combos if c.label not in failed], "failures": failures}, indent=1))
+        "part": part, "commit": _head_commit(), "date": datetime.date.today().isoformat(),
+        "seconds": round(time.monotonic() - start, 1),
+        "passed": _passed_labels(combos, failures), "failures": failures}, indent=1))
     _report(f"test_full_tier[{part}]", lines, failures, capsys)
     assert failures == []
     assert len(lines) == len(combos)
@@ -1389,20 +1389,67 @@ def full_record() -> Optional[dict]:
     return json.loads(FULL_RECORD.read_text()) if FULL_RECORD.exists() else None
 
 
-def record_full_run(directory: str, commit: str, date: str) -> None:
-    """Gather the full tier's part records (``<directory>/<part>.json``, a run at ``commit``)
-    into :data:`FULL_RECORD`: every part must have recorded."""
+def _passed_labels(combos: list, failures: list) -> list:
+    """The labels of ``combos`` no failure of ``_finish`` names (it writes "<label>: ..."; a
+    label holds colons itself, "fp8:mxfp8")."""
+    return [c.label for c in combos if not any(f.startswith(f"{c.label}: ") for f in failures)]
+
+
+def _head_commit() -> str:
+    """The commit the tests run from (HEAD of this checkout; ``+dirty`` with local changes)."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    return git("rev-parse", "HEAD").strip() + ("+dirty" if git("status", "--porcelain").strip() else "")
+
+
+def record_full_run(directory: str, record: Path = FULL_RECORD) -> None:
+    """Gather the full tier's part records (``<directory>/<part>.json``) into ``record``: every
+    part must have recorded, all at one commit (the last part's date is the run's)."""
     import json
 
     parts = {p: json.loads(Path(directory, f"{p}.json").read_text()) for p in full_ids()}
-    FULL_RECORD.write_text(json.dumps({
-        "commit": commit, "date": date,
+    commits = {r["commit"] for r in parts.values()}
+    assert len(commits) == 1, f"the full tier's parts ran at different commits: {sorted(commits)}"
+    record.write_text(json.dumps({
+        "commit": commits.pop(), "date": max(r["date"] for r in parts.values()),
         "seconds": round(sum(r["seconds"] for r in parts.values())),
         "parts": {p: {"passed": len(r["passed"]), "failed": len(r["failures"]), "seconds": r["seconds"]}
                   for p, r in parts.items()},
         "failures": [f for r in parts.values() for f in r["failures"]],
         "passed": sorted(label for r in parts.values() for label in r["passed"]),
     }, indent=1) + "\n", encoding="utf-8")
+
+
+def test_record_full_run_gathers_every_part(tmp_path):
+    """Unit tier: the record holds every part's counts and failures, the passed labels sorted,
+    the parts' one commit and last date; parts at two commits are refused."""
+    import json
+
+    for k, part in enumerate(full_ids()):
+        Path(tmp_path, f"{part}.json").write_text(json.dumps({
+            "part": part, "commit": "c0", "date": f"2026-11-{28 + (k == 1)}", "seconds": 1.5,
+            "passed": [f"{part} b", f"{part} a"], "failures": ["x fp8:mxfp8 TP2: boom"] if k == 0 else []}))
+    record_full_run(str(tmp_path), tmp_path / "record.json")
+    got = json.loads((tmp_path / "record.json").read_text())
+    n = len(full_ids())
+    assert (got["commit"], got["date"], got["seconds"]) == ("c0", "2026-11-29", round(1.5 * n))
+    assert got["failures"] == ["x fp8:mxfp8 TP2: boom"] and len(got["passed"]) == 2 * n
+    assert got["passed"] == sorted(got["passed"]) and got["parts"]["w1-0"] == {"passed": 2, "failed": 1, "seconds": 1.5}
+    Path(tmp_path, "w1-1.json").write_text(json.dumps(dict(
+        json.loads(Path(tmp_path, "w1-1.json").read_text()), commit="c1")))
+    with pytest.raises(AssertionError, match="different commits"):
+        record_full_run(str(tmp_path), tmp_path / "record.json")
+
+
+def test_a_failed_label_with_colons_is_not_recorded_passed():
+    """Unit tier: a failure names its combination by the whole label, colons and all."""
+    combos = [mock.Mock(label="TE2.10.0 dense fp8:mxfp8 TP2"), mock.Mock(label="TE2.10.0 dense fp8:mxfp8 lora TP2")]
+    failures = ["TE2.10.0 dense fp8:mxfp8 TP2: rank 0 at straight: AssertionError: x"]
+    assert _passed_labels(combos, failures) == ["TE2.10.0 dense fp8:mxfp8 lora TP2"]
+
 
 if __name__ == "__main__":  # the TE world's classifier: python -m tests.train.test_feature_matrix --classify-te OUT
     import json
