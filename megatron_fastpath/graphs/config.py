@@ -25,7 +25,7 @@ from megatron_fastpath.fp8.config import plan_fp8
 if TYPE_CHECKING:
     from megatron_fastpath.fp8 import FP8Config
 
-__all__ = ["CudaGraphConfig", "GRAPH_SCOPES", "GraphPlan", "plan_graphs_and_fp8"]
+__all__ = ["CudaGraphConfig", "GRAPH_SCOPES", "GraphPlan", "default_warmup_steps", "plan_graphs_and_fp8"]
 
 # What one capture covers: "layers" = a CudaGraphManager per TransformerLayer (MLPerf's setup);
 # "full_iteration" = the forward+backward of every microbatch of a step in one graph (Megatron's
@@ -43,13 +43,16 @@ class CudaGraphConfig:
         ``forward_backward``; it is the number of warm-up forward (and backward) passes that
         ``_CudaGraphRunner.create_fwd_graph`` runs on zero-filled copies of a layer's inputs
         right before capturing it (the first step runs each layer 1 + warmup_steps times).
+        None (the default): :func:`default_warmup_steps` -- 3, or 0 for a LoRA model, whose
+        first layer's inputs do not require grad, so the warm-up's ``autograd.grad`` over the
+        layer inputs has none (megatron-core 0.16.1 ``transformer/cuda_graphs.py:920-930``).
     use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
     audit_steps / strict_audit: the CPU graph-safety audit run in place of capture.
     scope: :data:`GRAPH_SCOPES`: "layers" (per-layer graphs) or "full_iteration" (the whole
         step as two graphs, captured at step 2: needs ``training.device=cuda``; warmup_steps
         does not apply -- step 1 runs eagerly)."""
 
-    warmup_steps: int = 3
+    warmup_steps: Optional[int] = None
     use_te_rng_tracker: bool = True
     audit_steps: int = 3
     strict_audit: bool = True
@@ -59,11 +62,29 @@ class CudaGraphConfig:
         if self.scope not in GRAPH_SCOPES:
             raise ValueError(
                 f"cuda_graphs.scope must be one of {', '.join(GRAPH_SCOPES)}; got {self.scope!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if self.warmup_steps is not None and (
+                not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
             raise ValueError(
                 "cuda_graphs.warmup_steps must be an int >= 0 (zero-input warm-up passes per "
-                f"layer before its capture); got {self.warmup_steps!r}"
+                f"layer before its capture) or null (3, or 0 with LoRA); got {self.warmup_steps!r}"
             )
+
+    def resolved(self, lora: bool) -> "CudaGraphConfig":
+        """This config with ``warmup_steps`` decided (:func:`default_warmup_steps` when None)."""
+        if self.warmup_steps is not None:
+            return self
+        return dataclasses.replace(self, warmup_steps=default_warmup_steps(lora))
+
+
+def default_warmup_steps(lora: bool) -> int:
+    """Megatron's capture warm-up passes per layer when the config leaves them unset: 3, as
+    Megatron-Bridge's recipes; 0 for a LoRA model. megatron-core 0.16.1-0.19 run the warm-up's
+    backward as ``torch.autograd.grad`` over the layer's input tensors that require grad only
+    (``_CudaGraphRunner.create_fwd_graph``, 0.16.1 ``transformer/cuda_graphs.py:920-930``, 0.19.0
+    ``:1272-1282``); with LoRA the embedding is frozen, the first layer's hidden states do not
+    require grad and the call gets no inputs (the refusal is ``rules._lora_graph_warmup``). The
+    framework hooks write 0 for PEFT models for the same reason (``integrations/core.py``)."""
+    return 0 if lora else 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +115,7 @@ def plan_graphs_and_fp8(
     *,
     dropout: float = 0.0,
     lora_dropout: float = 0.0,
+    lora: bool = False,
     megatron_cpu_offloading: bool = False,
     linear_impl: str = "local",
     offload: bool = False,
@@ -101,6 +123,8 @@ def plan_graphs_and_fp8(
 ) -> GraphPlan:
     """Validate the combination and return the TransformerConfig fields and env to use.
     ``graphs`` / ``fp8`` None: that feature is off.
+
+    ``lora``: the model trains LoRA adapters (decides ``graphs.warmup_steps`` when it is None).
 
     Raises ValueError / MissingDependencyError for combinations that cannot work, naming what
     to use instead -- before any model is built or step runs. The rules a run shares with the
@@ -117,6 +141,7 @@ def plan_graphs_and_fp8(
         notes.append(fp8_note)
     full = graphs is not None and graphs.scope == "full_iteration"
     if graphs is not None:
+        graphs = graphs.resolved(lora=lora)
         _check_graphs(graphs, dropout, lora_dropout, megatron_cpu_offloading)
         if full and not cuda:
             raise ValueError(
@@ -160,11 +185,16 @@ def _check_graphs(graphs: CudaGraphConfig, dropout: float, lora_dropout: float,
 
 def _check_capture(graphs: CudaGraphConfig, offload: bool, attention_backend: str) -> None:
     """Combinations that only fail at capture on a GPU (a CPU has nothing to capture)."""
-    if attention_backend == "te" and not graphs.use_te_rng_tracker:
-        # TE's DotProductAttention.forward asserts, while a graph is being captured, that its
-        # RNG tracker is TE's CudaRNGStatesTracker ("Unsupported RNG states tracker.",
-        # attention/dot_product_attention/dot_product_attention.py); Megatron hands it its own
-        # tracker unless use_te_rng_tracker is set.
+    if attention_backend == "te" and not graphs.use_te_rng_tracker and graphs.scope == "layers":
+        # TE's DotProductAttention.forward asserts, while TE's own capture flag is set
+        # (transformer_engine.pytorch.graph.is_graph_capturing()), that its RNG tracker is TE's
+        # CudaRNGStatesTracker ("Unsupported RNG states tracker.", TE 2.10
+        # attention/dot_product_attention/dot_product_attention.py:1010-1013); Megatron hands it
+        # its own tracker unless use_te_rng_tracker is set. Megatron sets that flag around a
+        # per-layer capture only (megatron-core 0.16.1 transformer/cuda_graphs.py:396-398, 0.19.0
+        # :587-589, te_set_capture_start for layers with TE modules); FullCudaGraphWrapper
+        # (0.16.1 full_cuda_graph.py:160-182) captures the step without it, so TE never asserts
+        # there and full-iteration graphs run with Megatron's graph-safe tracker.
         raise ValueError(
             "the te attention backend with CUDA graphs needs cuda_graphs.use_te_rng_tracker=true: "
             "Transformer Engine's attention asserts during capture that the RNG tracker is its "

@@ -204,13 +204,15 @@ def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
     from megatron_fastpath.lora import LoRAConfig
     from megatron_fastpath.offload import OffloadConfig
 
+    graphs = section(cfg, "cuda_graphs", CudaGraphConfig) if fast.cuda_graphs else None
     return dict(
         lora=section(cfg, "lora", LoRAConfig) if fast.lora else None,
         # OffloadConfig.enabled is the library's "recompute only" baseline; the job's switch is
         # fastpath.offload, so the group cannot set it.
         offload=section(cfg, "offload", OffloadConfig, fixed={"enabled": True},
                         switch="fastpath.offload") if fast.offload else None,
-        cuda_graphs=section(cfg, "cuda_graphs", CudaGraphConfig) if fast.cuda_graphs else None,
+        # the capture warm-up left unset: 3, or 0 with LoRA (graphs.config.default_warmup_steps)
+        cuda_graphs=graphs.resolved(lora=fast.lora) if graphs is not None else None,
         fp8=section(cfg, "fp8", FP8Config) if fast.fp8 else None,
     )
 
@@ -453,7 +455,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     plan = plan_graphs_and_fp8(
         features["cuda_graphs"], features["fp8"], device,
         dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0
-        lora_dropout=lora.dropout if lora else 0.0,
+        lora_dropout=lora.dropout if lora else 0.0, lora=lora is not None,
         linear_impl=linear_impl,
         offload=features["offload"] is not None, attention_backend=backend,
     )

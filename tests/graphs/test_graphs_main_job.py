@@ -80,6 +80,47 @@ def test_lora_graphs_with_zero_warmup_planned():
     assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == 0
 
 
+@pytest.mark.parametrize("lora, warmup", [(True, 0), (False, 3)])
+def test_default_warmup_is_zero_with_lora_on_cuda(lora, warmup):
+    """The main job's LoRA + per-layer graphs job at the default ``cuda_graphs.warmup_steps``
+    parses on CUDA (stand-ins): the default resolves to 0 with LoRA, 3 without (at 7fa56a5 the
+    default 3 was refused by ``rules._lora_graph_warmup`` whenever graphs are captured)."""
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.graph_safe_standins import gpu_standins
+
+    job = compose_job(["fastpath.cuda_graphs=true", f"fastpath.lora={str(lora).lower()}",
+                       "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
+                       "training.dtype=bfloat16", "training.device=cuda",
+                       "training.skip_memory_check=true", "cluster.backend=gloo"])
+    with gpu_standins():
+        plan = parse_job_config(job).plan
+    assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == warmup
+
+
+def test_explicit_warmup_with_lora_on_cuda_still_refused():
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.graph_safe_standins import gpu_standins
+
+    job = compose_job(["fastpath.cuda_graphs=true", "fastpath.lora=true", "cuda_graphs.warmup_steps=3",
+                       "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
+                       "training.dtype=bfloat16", "training.device=cuda",
+                       "training.skip_memory_check=true", "cluster.backend=gloo"])
+    with gpu_standins(), pytest.raises(ValueError, match="LoRA with CUDA graphs needs cuda_graphs.warmup_steps=0"):
+        parse_job_config(job)
+
+
+def test_te_attention_without_te_rng_tracker_runs_full_iteration_graphs():
+    """TE asserts its RNG tracker only while its own capture flag is set, which Megatron sets in
+    per-layer capture and FullCudaGraphWrapper never does: full-iteration graphs with TE
+    attention and Megatron's tracker are planned; per-layer graphs are still refused."""
+    full = CudaGraphConfig(use_te_rng_tracker=False, scope="full_iteration")
+    plan = plan_graphs_and_fp8(full, None, torch.device("cuda"), attention_backend="te")
+    assert plan.full_iteration and plan.transformer_config["use_te_rng_tracker"] is False
+    with pytest.raises(ValueError, match="needs cuda_graphs.use_te_rng_tracker=true"):
+        plan_graphs_and_fp8(CudaGraphConfig(use_te_rng_tracker=False), None, torch.device("cuda"),
+                            attention_backend="te")
+
+
 def test_graph_plan_on_cpu_runs_the_audit_instead():
     plan = plan_graphs_and_fp8(CudaGraphConfig(), None, torch.device("cpu"))
     assert plan.audit and not plan.capture and plan.transformer_config == {} and plan.env == {}

@@ -209,7 +209,7 @@ def layout_label(value: str) -> str:
 def axes() -> tuple:
     from megatron_fastpath.attention.core_attention import BACKENDS
     from megatron_fastpath.fp8 import FP8Config
-    from megatron_fastpath.graphs.config import GRAPH_SCOPES, CudaGraphConfig
+    from megatron_fastpath.graphs.config import GRAPH_SCOPES, default_warmup_steps
     from megatron_fastpath.moe.config import EXPERT_BACKENDS
     from megatron_fastpath.train.config import DTYPES
 
@@ -247,8 +247,8 @@ def axes() -> tuple:
         Axis("graph_scope", GRAPH_SCOPES, "`graphs.config.GRAPH_SCOPES`",
              lambda v: [f"cuda_graphs.scope={v}"], lambda c: c["graphs"]),
         # the per-layer capture's warm-up passes (a full-iteration step has none)
-        Axis("graph_warmup", (CudaGraphConfig().warmup_steps, 0),
-             "`cuda_graphs.warmup_steps` (the default, 0)",
+        Axis("graph_warmup", (default_warmup_steps(lora=False), 0),
+             "`cuda_graphs.warmup_steps` (its default without LoRA, 0)",
              lambda v: [f"cuda_graphs.warmup_steps={v}"],
              lambda c: c["graphs"] and c["graph_scope"] == "layers"),
         _bool_axis("te_rng", "cuda_graphs.use_te_rng_tracker", lambda c: te(c) and c["graphs"]),
