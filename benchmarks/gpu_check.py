@@ -21,7 +21,8 @@ A. concurrently, ``--parallel`` processes at a time (functional checks, not timi
 B. alone, one after another (timings): ``benchmarks/gpu_step.py`` (one training step of a
    Llama-3-8B-shaped model: stock Megatron vs the fast path, tokens/s, TFLOP/s, MFU, syncs,
    peak memory, graph launches), ``benchmarks/offload.py --quick`` (its GPU section: real
-   streams, pinned memory) and ``benchmarks/h2d_staging.py``.
+   streams, pinned memory), ``benchmarks/moe_dispatch.py`` on the GPU (E = 64, bf16: the
+   sort/count dispatcher vs Megatron's permute / unpermute) and ``benchmarks/h2d_staging.py``.
 
 Every item gets a status -- passed / failed / timeout / skipped (a package it needs is missing:
 which, and why) / not run (budget) -- its wall time and the tail of its output. Exit 0 when
@@ -229,6 +230,13 @@ def plan(tmp: Path, env: dict, parallel_budget_s: float) -> tuple:
     for name, script, args, share in (
             ("gpu_step_benchmark", "gpu_step.py", [], 0.35),
             ("offload_benchmark", "offload.py", ["--quick"], 0.2),
+            # E = 64, k = 8, Qwen3-30B-A3B's expert width, bf16: ours vs Megatron's permute /
+            # unpermute (its alltoall dispatcher's local token permutation at EP 1), with one
+            # tolist of the counts (TEGroupedMLP's m_splits) and on device offsets
+            ("moe_dispatch_benchmark", "moe_dispatch.py",
+             ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "8192", "--hidden", "2048",
+              "--experts", "64", "--topk", "8", "--expert-widths", "768", "--reps", "5",
+              "--variants", "e_megatron_tegrouped_mlp", "f_megatron_permute_dispatch_only"], 0.1),
             ("h2d_staging_benchmark", "h2d_staging.py", ["--reps", "5"], 0.1)):
         out = tmp / f"{name}.json"
         sequential.append((name, [py, str(REPO / "benchmarks" / script), *args, "--json", str(out)],

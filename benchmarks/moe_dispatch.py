@@ -155,7 +155,7 @@ def megatron_tegrouped_mlp(inp) -> torch.Tensor:
     on offsets made from that host list, unpermute."""
     permuted, permuted_probs, sorted_idx = _megatron_permute(inp)
     m_splits = inp["map_TE"].sum(0).tolist()
-    ends = torch.tensor(m_splits, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ends = torch.tensor(m_splits, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(permuted.device)
     y = grouped_expert_mlp(permuted, ends, permuted_probs, inp["W1"], inp["W2"])
     return _megatron_unpermute(y, sorted_idx, inp)
 
@@ -192,7 +192,23 @@ PER_EXPERT_LEAVES = {"a_hf_where_loop", "a2_where_loop_index_select", "b_unsloth
 
 
 # -- harness -------------------------------------------------------------------------------
-def make_inputs(T, H, E, k, ffn, names, seed=0):
+def make_inputs(T, H, E, k, ffn, names, seed=0, device="cpu", dtype=torch.float32):
+    """Inputs built on the CPU from one seed (the same values on every device), then moved to
+    ``device`` in ``dtype`` (floating tensors; leaves stay leaves)."""
+    inp = _make_cpu_inputs(T, H, E, k, ffn, names, seed)
+    if device == "cpu" and dtype == torch.float32:
+        return inp
+
+    def move(t):
+        if not torch.is_tensor(t):
+            return t
+        out = t.detach().to(device, dtype if t.is_floating_point() else t.dtype)
+        return out.requires_grad_(t.requires_grad)
+
+    return {n: [move(t) for t in v] if isinstance(v, list) else move(v) for n, v in inp.items()}
+
+
+def _make_cpu_inputs(T, H, E, k, ffn, names, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     top, ids = torch.topk(logits, k, dim=1)
@@ -234,16 +250,21 @@ def run_once(fn, inp, backward: bool, sentinel_name=None):
     """Time one forward (+ backward); gradient zeroing is outside the timed / counted region.
     With ``sentinel_name``: return the SyncSentinel of the run instead of the time."""
     _zero_grads(inp)
+    cuda = inp["x"].is_cuda
     if sentinel_name is not None:
         with SyncSentinel(name=sentinel_name) as s:
             out = fn(inp)
             if backward:
                 out.backward(inp["grad_out"])
         return s
+    if cuda:  # the device's time: wait for what was queued before, and for this run's kernels
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn(inp)
     if backward:
         out.backward(inp["grad_out"])
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -272,11 +293,13 @@ def measure_config(names, inp, reps, warmup):
     }
 
 
-def check_equal(outs):
+def check_equal(outs, rel: float = 1e-3):
+    """Every variant's output against ours (``rel`` of the largest magnitude: 1e-3 in fp32;
+    bf16 sums in other orders differ by a few of its 8-bit-mantissa ulps)."""
     ref = outs[OURS]
     for name, out in outs.items():
         err = float((out - ref).abs().max())
-        if err > 1e-3 * max(1.0, float(ref.abs().max())):
+        if err > rel * max(1.0, float(ref.abs().max())):
             raise RuntimeError(f"variant {name} disagrees with ours: max abs err {err}")
 
 
@@ -307,6 +330,9 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--quick", action="store_true", help="T=512, H=256, E in {8,128}, widths {32,256}")
     p.add_argument("--json", type=str, default=None, help="write results here (+ table as .md)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: inputs and weights on the GPU (torch._grouped_mm: bf16 on sm90 / sm100)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--system-malloc", action="store_true",
                    help="keep glibc's default mmap thresholds (large blocks not reused)")
     args = p.parse_args(argv)
@@ -338,6 +364,7 @@ def main(argv=None):
                                       expert_widths=args.expert_widths, reps=args.reps,
                                       statistic="min over reps",
                                       threads=torch.get_num_threads(), torch=torch.__version__,
+                                      device=args.device, dtype=args.dtype,
                                       cores=os.cpu_count(),
                                       allocator={k: os.environ.get(k) for k in ALLOCATOR_ENV}),
                        "ratio_direction": "baseline / ours: > 1 means ours is faster",
@@ -349,9 +376,11 @@ def main(argv=None):
 
 
 def run_config(args, T, H, E, k, width):
-    inp = make_inputs(T, H, E, k, width, args.variants)
+    inp = make_inputs(T, H, E, k, width, args.variants, device=getattr(args, "device", "cpu"),
+                      dtype=getattr(torch, getattr(args, "dtype", "float32")))
     with torch.no_grad():
-        check_equal({n: VARIANTS[n](inp) for n in args.variants})
+        check_equal({n: VARIANTS[n](inp).float() for n in args.variants},
+                    rel=1e-3 if inp["x"].dtype == torch.float32 else 3e-2)
     measured = measure_config(args.variants, inp, args.reps, args.warmup)
     ours = measured[OURS]
     rows = []
