@@ -88,30 +88,11 @@ LOCK_FILE = ".lock"
 def check_checkpoint_dir(path: str) -> None:
     """Refuse, before anything is built, a ``checkpoint.dir`` the run could not save into: a
     file, a directory that cannot be created, or one that cannot be written (read-only disk).
-    Creates the directory and writes / removes a probe file."""
-    import socket
+    Creates the directory and writes / removes a probe file (:func:`megatron_fastpath.paths.
+    check_output_dir`, which checks the export directories too)."""
+    from megatron_fastpath.paths import check_output_dir
 
-    where = f"checkpoint.dir={path!r}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointDirError(f"{where} is a file, not a directory: point checkpoint.dir at a "
-                                 "directory (it is created if missing)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointDirError(f"{where} cannot be created ({exc.strerror}: {exc.filename}): "
-                                 "choose a directory on a writable disk") from exc
-    probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise CheckpointDirError(f"{where} is not writable ({exc.strerror}): the first save would "
-                                 "fail and the run's work be lost; choose a writable directory") from exc
-    finally:
-        if os.path.exists(probe):
-            os.remove(probe)
+    check_output_dir(path, "checkpoint.dir", CheckpointDirError)
 
 
 @dataclasses.dataclass(frozen=True)
