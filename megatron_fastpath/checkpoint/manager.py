@@ -3,6 +3,7 @@
 Layout of ``checkpoint.dir``::
 
     latest                      name of the newest complete checkpoint (written last)
+    best                        checkpoint.keep_best: name of the lowest held-out loss's one
     step_00000010/
         model/                  torch_dist: model + optimizer state as sharded tensors
         train_state.json        format version, step, world size, config fingerprint and
@@ -13,6 +14,11 @@ Layout of ``checkpoint.dir``::
         fp8/rank_00000.safetensors  TE FP8 delayed-scaling state of each rank (FP8 runs only)
         manifest.json           size and CRC32 of every file (written by rank 0 last)
     .tmp.step_00000012/         a save in progress (never taken as a checkpoint)
+    .trash.step_00000008/       a checkpoint being deleted by rotation
+    .lock                       held by the run writing here (main job)
+
+Entries with other names are not this package's: no save, rotation or clean-up touches them
+(a ``step_notes`` or ``.tmp.mine`` of the user stays as it is).
 
 A save goes to ``.tmp.step_N``, is published by ``rename`` to ``step_N`` and only then
 ``latest`` is replaced (write + ``os.replace``): a crash at any point leaves the previous
@@ -28,7 +34,9 @@ one ``extra`` dict (optimizer, scheduler, data position and the run history's ``
 ``evals`` / ``eval_accuracy`` side by side); 2 keeps it in ``parts``, each part under its own
 name. A format-1 checkpoint is read as format 2 (:func:`upgrade_train_state`: the history keys
 become the ``history`` part); any other format is refused (:class:`CheckpointFormatError`).
-Parts are JSON: nothing of a checkpoint is unpickled (``safety.py``).
+Parts are JSON: nothing of a checkpoint is unpickled (``safety.py``). A load opens only regular
+files of the checkpoint that its manifest lists, ``.metadata``'s storage entries included
+(``storage.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import stat
 import time
 import zlib
 from typing import Any, Callable, Optional
@@ -56,6 +66,10 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp."
 TRASH_PREFIX = ".trash."
 FORMAT_VERSION = 2  # see the module docstring
+# the names this package gives the entries of checkpoint.dir (``{step:08d}``: 8 digits or more);
+# rotation and clean-up touch nothing else
+_STEP_NAME = re.compile(re.escape(STEP_PREFIX) + r"[0-9]{8,}")
+_OWN_LEFTOVER = re.compile(rf"(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)}){_STEP_NAME.pattern}")
 HISTORY_PART = "history"  # the run history's part (checkpoint.keep_best reads its evaluations)
 _V1_HISTORY_KEYS = ("records", "evals", "eval_accuracy")
 
@@ -88,30 +102,11 @@ LOCK_FILE = ".lock"
 def check_checkpoint_dir(path: str) -> None:
     """Refuse, before anything is built, a ``checkpoint.dir`` the run could not save into: a
     file, a directory that cannot be created, or one that cannot be written (read-only disk).
-    Creates the directory and writes / removes a probe file."""
-    import socket
+    Creates the directory and writes / removes a probe file (:func:`megatron_fastpath.paths.
+    check_output_dir`, which checks the export directories too)."""
+    from megatron_fastpath.paths import check_output_dir
 
-    where = f"checkpoint.dir={path!r}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointDirError(f"{where} is a file, not a directory: point checkpoint.dir at a "
-                                 "directory (it is created if missing)")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointDirError(f"{where} cannot be created ({exc.strerror}: {exc.filename}): "
-                                 "choose a directory on a writable disk") from exc
-    probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise CheckpointDirError(f"{where} is not writable ({exc.strerror}): the first save would "
-                                 "fail and the run's work be lost; choose a writable directory") from exc
-    finally:
-        if os.path.exists(probe):
-            os.remove(probe)
+    check_output_dir(path, "checkpoint.dir", CheckpointDirError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +251,19 @@ def _disk_problem(root: str, exc: BaseException) -> Optional[str]:
     return None
 
 
+def _read_manifest(path: str) -> dict:
+    """``manifest.json`` of checkpoint ``path`` ({file: {"bytes", "crc32"}})."""
+    manifest_path = os.path.join(path, "manifest.json")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointCorruptError(f"{manifest_path}: not a manifest object")
+    return manifest
+
+
 def _files(root: str) -> list[str]:
     out = []
     for d, _, names in os.walk(root):
@@ -360,9 +368,10 @@ class CheckpointManager:
         """Published checkpoints, newest first."""
         if not os.path.isdir(self.root):
             return []
-        names = [n for n in os.listdir(self.root) if n.startswith(STEP_PREFIX)
+        names = [n for n in os.listdir(self.root) if _STEP_NAME.fullmatch(n)
                  and os.path.exists(os.path.join(self.root, n, "manifest.json"))]
-        return [os.path.join(self.root, n) for n in sorted(names, reverse=True)]
+        return [os.path.join(self.root, n) for n in sorted(names, key=lambda n: int(n[len(STEP_PREFIX):]),
+                                                           reverse=True)]
 
     def latest(self) -> Optional[str]:
         pointer = os.path.join(self.root, "latest")
@@ -479,8 +488,11 @@ class CheckpointManager:
         }
 
     def _remove_partial(self) -> None:
+        """Remove this package's own leftovers: saves in progress (``.tmp.step_N``) and
+        checkpoints rotated out (``.trash.step_N``) of an earlier (killed) run. Any other entry
+        of the directory -- ``.tmp.mine``, ``.trash`` -- is the user's and left alone."""
         for n in os.listdir(self.root):
-            if n.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            if _OWN_LEFTOVER.fullmatch(n):
                 p = os.path.join(self.root, n)
                 if os.path.islink(p):  # a planted link: never write (or delete) through it
                     os.unlink(p)
@@ -546,21 +558,18 @@ class CheckpointManager:
         """Check every file against the manifest; returns train_state.json (in the current
         format: :func:`upgrade_train_state`)."""
         manifest_path = os.path.join(path, "manifest.json")
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-        if not isinstance(manifest, dict):
-            raise CheckpointCorruptError(f"{manifest_path}: not a manifest object")
+        manifest = _read_manifest(path)
         real = os.path.realpath(path)
         for name, info in manifest.items():
             fp = os.path.join(path, name)
             if os.path.commonpath([os.path.realpath(fp), real]) != real:
                 raise CheckpointCorruptError(f"{manifest_path} names {name!r}, which is outside "
                                              "the checkpoint: refusing to open it")
-            if not os.path.exists(fp):
+            if not os.path.lexists(fp):
                 raise CheckpointCorruptError(f"{fp} is missing")
+            if not stat.S_ISREG(os.lstat(fp).st_mode):  # before opening it: a FIFO would block
+                raise CheckpointCorruptError(f"{fp} is not a regular file (a link, FIFO, device or "
+                                             "directory): refusing to open it")
             size = os.path.getsize(fp)
             if size != info["bytes"]:
                 raise CheckpointCorruptError(f"{fp} is truncated or altered: {size} bytes, expected {info['bytes']}")
@@ -639,10 +648,14 @@ class CheckpointManager:
 
         from megatron_fastpath.checkpoint.rng import restore_rng
         from megatron_fastpath.checkpoint.safety import check_safe_to_load
+        from megatron_fastpath.checkpoint.storage import check_storage_files
         from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
         state = self.verify(path)
         model_dir = os.path.join(path, "model")
+        # every file the loaders open: inside model/, regular, listed in the manifest
+        check_storage_files(model_dir, {os.path.relpath(os.path.join(path, n), model_dir)
+                                        for n in _read_manifest(path)})
         check_safe_to_load(model_dir)
         sharded = _drop_objects(state_fn(True, state))
         self.check_compatible(path, state, sharded)

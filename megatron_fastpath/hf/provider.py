@@ -105,6 +105,9 @@ class HFModel(ModelProvider):
             raise ValueError("export.* with pipeline parallelism is not supported (each stage "
                              "holds other layers); export from a pipeline_model_parallel_size=1 run")
 
+    def input_dirs(self, source: ModelSource) -> dict:
+        return {"model.path": source.handle.path}
+
     def load_weights(self, model, source: ModelSource, log=print) -> None:
         from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
         from megatron_fastpath.hf.model import load_hf_weights

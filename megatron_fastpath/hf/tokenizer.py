@@ -93,6 +93,31 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+def _own_file(model_dir: str, path: str) -> str:
+    """``path`` (a file of ``model_dir``) resolved, when it is a regular file of the directory;
+    TokenizerError otherwise: a link out of the directory (what the template reads is the
+    checkpoint's own file, not whatever the link names), a FIFO (reading it would block), a
+    device or a directory. A Hugging Face cache snapshot (``<repo>/snapshots/<revision>``)
+    links its files to ``<repo>/blobs``: those are the checkpoint's own."""
+    import stat
+
+    real, where = os.path.realpath(path), os.path.abspath(model_dir)
+    roots = [os.path.realpath(where)]
+    if os.path.basename(os.path.dirname(where)) == "snapshots":
+        roots.append(os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(where)), "blobs")))
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise TokenizerError(f"{path} resolves to {real}, outside the model directory {model_dir}: "
+                             "refusing to read it; put the file itself in the directory")
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as exc:
+        raise TokenizerError(f"{path} cannot be read ({exc.strerror})") from exc
+    if not stat.S_ISREG(mode):
+        raise TokenizerError(f"{path} is not a regular file (a FIFO, device or directory): "
+                             "refusing to read it; put the template file itself in the directory")
+    return real
+
+
 class ChatTokenizer:
     """tokenizer.json + tokenizer_config.json of a checkpoint directory."""
 
@@ -131,8 +156,9 @@ class ChatTokenizer:
         if isinstance(template, list):  # named templates: transformers uses "default"
             template = {t["name"]: t["template"] for t in template}.get("default")
         jinja_file = os.path.join(self.path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_file):
-            template = open(jinja_file, encoding="utf-8").read()
+        if template is None and os.path.lexists(jinja_file):
+            with open(_own_file(self.path, jinja_file), encoding="utf-8") as f:
+                template = f.read()
         return template
 
     @property

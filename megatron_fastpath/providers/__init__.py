@@ -121,6 +121,11 @@ class ExportConfig:
     def enabled(self) -> bool:
         return bool(self.adapter_dir or self.merged_dir)
 
+    def dirs(self) -> dict:
+        """{config key: directory} of the exports asked for."""
+        return {f"export.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name.endswith("_dir") and getattr(self, f.name)}
+
 
 class ModelProvider:
     """Base: a random-initialised model (nothing loaded, nothing exported)."""
@@ -140,6 +145,10 @@ class ModelProvider:
             raise ValueError(
                 "export.adapter_dir / export.merged_dir write Hugging Face files and need "
                 f"model=hf model.path=<checkpoint> (this model comes from provider {self.key!r})")
+
+    def input_dirs(self, source: ModelSource) -> dict:
+        """{config key: directory} the model is read from (no export may write into them)."""
+        return {}
 
     def load_weights(self, model, source: ModelSource, log=print) -> None:
         """Fill the built model's weights (this rank's shard); the default keeps the init."""

@@ -255,8 +255,10 @@ class JobCheckpointer:
 
         from megatron_fastpath.checkpoint import check_safe_to_load, is_adapter_key
         from megatron_fastpath.checkpoint.manager import _drop_objects
+        from megatron_fastpath.checkpoint.storage import check_storage_files
         from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
+        check_storage_files(self.cfg.base_dir)  # no file outside it, no FIFO
         check_safe_to_load(self.cfg.base_dir)
         wanted = _drop_objects({k: v for k, v in self.job.model.sharded_state_dict().items()
                                 if not is_adapter_key(k)})

@@ -477,6 +477,8 @@ def parse_job_config(cfg: Any) -> JobConfig:
                     linear_impl=linear_impl, plan=plan, model_source=source,
                     data_provider=data_key, metrics=metrics,
                     checkpoint=_checkpoint_section(cfg, fast, data), export=export, **features)
+    _check_export_dirs(export, {**model_prov.input_dirs(source), "checkpoint.dir": job.checkpoint.dir,
+                                "checkpoint.base_dir": job.checkpoint.base_dir})
     if plan.env:
         # before anything initialises CUDA: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
         # once, at CUDA's lazy init, which the memory check's get_device_properties triggers
@@ -503,6 +505,20 @@ def _refuse_moved_keys(cfg: Any) -> None:
         if cfg is not None and (cfg.get(group) or {}).get(key) is not None:
             raise ValueError(f"{old} moved to {new} (export settings are output only and do not "
                              f"enter the resume fingerprint): use {new}=<dir>")
+
+
+def _check_export_dirs(export: Optional[ExportConfig], inputs: dict) -> None:
+    """Each export directory: outside every directory the job reads or saves into
+    (``inputs``: {key: dir}), and one the export at the end can write -- checked as
+    ``checkpoint.dir`` is, without creating anything (:mod:`megatron_fastpath.paths`)."""
+    from megatron_fastpath.paths import check_output_dir, refuse_overlap
+
+    if export is None:
+        return
+    for key, path in export.dirs().items():
+        for other_key, other in inputs.items():
+            refuse_overlap(key, path, other_key, other)
+        check_output_dir(path, key, create=False)
 
 
 def _checkpoint_section(cfg: Any, fast: FastpathConfig, data: Any = None):
