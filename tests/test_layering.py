@@ -131,22 +131,35 @@ def module_name(rel: str) -> str:
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
-def package_imports(rel: str, source: str) -> set[str]:
-    """Every module name ``rel`` imports, wherever the import is written: at module level,
-    inside a function or under ``if TYPE_CHECKING`` (a deferred import still ties the two
-    modules together); relative imports resolved; ``from a import b`` gives a and a.b."""
+def package_imports(rel: str, source: str) -> dict[str, int]:
+    """{module name: line of its first import} of every module ``rel`` imports, wherever the
+    import is written: at module level, inside a function or under ``if TYPE_CHECKING`` (a
+    deferred import still ties the two modules together); relative imports resolved;
+    ``from a import b`` gives a and a.b."""
     package = module_name(rel) if rel.endswith("__init__.py") else module_name(rel).rpartition(".")[0]
-    deps = set()
+    deps = {}
     for node in ast.walk(ast.parse(source, rel)):
         if isinstance(node, ast.ImportFrom):
             module = node.module
             if node.level:
                 parts = package.split(".")
                 module = ".".join(parts[: len(parts) - node.level + 1] + ([module] if module else []))
-            deps |= {module} | {f"{module}.{a.name}" for a in node.names}
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
-            deps |= {a.name for a in node.names}
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            deps[name] = min(deps.get(name, node.lineno), node.lineno)
     return deps
+
+
+def cycle_imports(sources, cycle: list[str]) -> list[str]:
+    """``file:line imports module`` of each import that ties ``cycle``'s modules together."""
+    members = set(cycle)
+    return [f"{rel}:{line} imports {dep}" for rel, src in sources if module_name(rel) in members
+            for dep, line in sorted(package_imports(rel, src).items(), key=lambda kv: kv[1])
+            if dep in members and dep != module_name(rel)]
 
 
 def import_cycles(sources) -> list[list[str]]:
@@ -183,7 +196,9 @@ def import_cycles(sources) -> list[list[str]]:
 
 
 def test_no_import_cycle_in_the_package():
-    assert import_cycles(package_sources()) == []
+    sources = list(package_sources())
+    cycles = import_cycles(sources)
+    assert cycles == [], "\n".join(line for c in cycles for line in cycle_imports(sources, c))
 
 
 def test_the_cycle_check_sees_a_planted_cycle():
@@ -202,6 +217,9 @@ def test_the_cycle_check_sees_function_local_type_checking_and_relative_imports(
                (os.path.join("train", "step.py"), "from . import logger\n")]
     assert import_cycles(planted) == [["megatron_fastpath.fp8.config", "megatron_fastpath.rules"],
                                       ["megatron_fastpath.train.history", "megatron_fastpath.train.logger"]]
+    assert cycle_imports(planted, ["megatron_fastpath.train.history", "megatron_fastpath.train.logger"]) == [
+        os.path.join("train", "history.py") + ":3 imports megatron_fastpath.train.logger",
+        os.path.join("train", "logger.py") + ":1 imports megatron_fastpath.train.history"]
 
 
 # ------------------------------------------------------------------------------------------------
