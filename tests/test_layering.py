@@ -125,29 +125,58 @@ def test_providers_are_chosen_by_the_groups_key():
         providers.model_provider("nope")
 
 
-def module_level_import_cycles(sources) -> list[list[str]]:
-    """Cycles of module-level imports between the package's modules (imports inside functions
-    are deferred on purpose and left out); each cycle as its sorted module names."""
-    names = {}
-    for rel, _ in sources:
-        name = "megatron_fastpath." + rel[:-3].replace(os.sep, ".")
-        names[rel] = name[: -len(".__init__")] if name.endswith(".__init__") else name
-    known = set(names.values())
+def module_name(rel: str) -> str:
+    """The dotted name of the package file ``rel`` (a package's ``__init__.py``: the package)."""
+    name = "megatron_fastpath." + rel[:-3].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def package_imports(rel: str, source: str) -> dict[str, int]:
+    """{module name: line of its first import} of every module ``rel`` imports, wherever the
+    import is written: at module level, inside a function or under ``if TYPE_CHECKING`` (a
+    deferred import still ties the two modules together); relative imports resolved;
+    ``from a import b`` gives a and a.b."""
+    package = module_name(rel) if rel.endswith("__init__.py") else module_name(rel).rpartition(".")[0]
+    deps = {}
+    for node in ast.walk(ast.parse(source, rel)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                parts = package.split(".")
+                module = ".".join(parts[: len(parts) - node.level + 1] + ([module] if module else []))
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            deps[name] = min(deps.get(name, node.lineno), node.lineno)
+    return deps
+
+
+def cycle_imports(sources, cycle: list[str]) -> list[str]:
+    """``file:line imports module`` of each import that ties ``cycle``'s modules together."""
+    members = set(cycle)
+    return [f"{rel}:{line} imports {dep}" for rel, src in sources if module_name(rel) in members
+            for dep, line in sorted(package_imports(rel, src).items(), key=lambda kv: kv[1])
+            if dep in members and dep != module_name(rel)]
+
+
+def import_cycles(sources) -> list[list[str]]:
+    """Cycles of imports between the package's modules, module-level and function-local alike;
+    each cycle (a strongly connected component of the import graph) as its sorted module names."""
+    sources = list(sources)
+    known = {module_name(rel) for rel, _ in sources}
     graph = {}
     for rel, src in sources:
-        deps = set()
-        for node in ast.parse(src, rel).body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-        graph[names[rel]] = {d for d in deps if d in known and d != names[rel]}
+        name = module_name(rel)
+        graph[name] = {d for d in package_imports(rel, src) if d in known and d != name}
     index, low, stack, cycles = {}, {}, [], []
 
     def visit(v):  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in graph[v]:
+        for w in sorted(graph[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -167,15 +196,30 @@ def module_level_import_cycles(sources) -> list[list[str]]:
 
 
 def test_no_import_cycle_in_the_package():
-    assert module_level_import_cycles(list(package_sources())) == []
+    sources = list(package_sources())
+    cycles = import_cycles(sources)
+    assert cycles == [], "\n".join(line for c in cycles for line in cycle_imports(sources, c))
 
 
 def test_the_cycle_check_sees_a_planted_cycle():
     planted = [(os.path.join("providers", "__init__.py"), "from megatron_fastpath.providers import synthetic\n"),
                (os.path.join("providers", "synthetic.py"), "from megatron_fastpath.providers import ModelSource\n"),
                ("model.py", "def f():\n    from megatron_fastpath import providers\n")]
-    assert module_level_import_cycles(planted) == [["megatron_fastpath.providers",
-                                                    "megatron_fastpath.providers.synthetic"]]
+    assert import_cycles(planted) == [["megatron_fastpath.providers", "megatron_fastpath.providers.synthetic"]]
+
+
+def test_the_cycle_check_sees_function_local_type_checking_and_relative_imports():
+    planted = [("rules.py", "def rule(f):\n    from megatron_fastpath.fp8.config import check\n"),
+               (os.path.join("fp8", "config.py"), "def check(names=None):\n    from megatron_fastpath.rules import NAMES\n"),
+               (os.path.join("train", "history.py"),
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .logger import StepResult\n"),
+               (os.path.join("train", "logger.py"), "from megatron_fastpath.train.history import RunHistory\n"),
+               (os.path.join("train", "step.py"), "from . import logger\n")]
+    assert import_cycles(planted) == [["megatron_fastpath.fp8.config", "megatron_fastpath.rules"],
+                                      ["megatron_fastpath.train.history", "megatron_fastpath.train.logger"]]
+    assert cycle_imports(planted, ["megatron_fastpath.train.history", "megatron_fastpath.train.logger"]) == [
+        os.path.join("train", "history.py") + ":3 imports megatron_fastpath.train.logger",
+        os.path.join("train", "logger.py") + ":1 imports megatron_fastpath.train.history"]
 
 
 # ------------------------------------------------------------------------------------------------

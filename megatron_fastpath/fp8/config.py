@@ -112,11 +112,12 @@ def te_gemms_of_config(config, tp: int, te_experts: bool) -> list:
                        (config.moe_ffn_hidden_size or config.ffn_hidden_size) if moe and te_experts else None)
 
 
-def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int, names=None):
+def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int, names) -> Optional[str]:
     """Why Transformer Engine 2.10 would refuse an FP8 GEMM of these shapes at the first
     forward (None: it would not). ``tokens``: a microbatch's tokens on one rank (the packed
     length over the context-parallel size: the leading dimension of every linear's input).
-    ``names``: the entry point's spelling (``rules.Names``; the main job's by default).
+    ``names``: the entry point's spelling (a ``rules.Names``, passed in by the rule
+    ``rules._fp8_gemm_shapes``: this module does not import the rules).
 
     * every recipe: an FP8 linear asserts that its input [tokens, in] and weight [out, in] have
       leading dims divisible by 8 and a last dim divisible by 16 (pytorch/utils.py:439-447,
@@ -127,10 +128,6 @@ def fp8_gemm_shape_problem(recipe: str, gemms: list, tokens: int, names=None):
     * mxfp8: input, weight and output gradient are quantised in blocks of 32 along both dims
       (tensor/mxfp8_tensor.py:112-118: "Tensor dims must be divisible by 32";
       csrc/quantizer.cpp:1114-1116 for GroupedLinear)."""
-    if names is None:
-        from megatron_fastpath.rules import NAMES
-
-        names = NAMES["main"]
     fix = f"choose model sizes whose per-rank split is divisible ({names.model_sizes})"
     for name, n_in, n_out in gemms:
         experts = name.startswith("experts.")

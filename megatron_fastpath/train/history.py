@@ -8,10 +8,7 @@ resumed run's summary, records and loss curves cover the whole run.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from megatron_fastpath.train.logger import StepResult
+from typing import Optional
 
 __all__ = ["StepRecord", "RunHistory"]
 
@@ -38,33 +35,6 @@ class StepRecord:
     skipped: Optional[bool] = None  # the sync-free step skipped the update (inf/nan gradients)
     host_ms: Optional[float] = None  # time the host spent issuing the step (== step_ms on CPU)
     graph_launches: Optional[int] = None  # full-iteration graphs: launches of the step (0 = eager)
-
-    @classmethod
-    def from_result(cls, r: "StepResult", loss_sum: float, grad_norm=None, applied=None) -> "StepRecord":
-        """``step_ms`` (and tok/s) is the step's device time on CUDA -- the events around it,
-        read after its loss, so they have completed -- and its host time on a CPU. A GPU step's
-        host time only measures how fast work was queued: it overstates throughput whenever
-        nothing inside the step waits for the device."""
-        step_ms = r.step_ms
-        if r.device_timing is not None:
-            start, end = r.device_timing
-            step_ms = float(start.elapsed_time(end))
-        return cls(
-            skipped=None if applied is None else not _scalar(applied),
-            step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
-            step_ms=step_ms, tokens_per_s=r.tokens / (step_ms / 1e3), host_ms=r.step_ms,
-            syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
-            cache_builds=r.cache_builds,
-            offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
-            grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
-            eval_token_accuracy=r.eval_token_accuracy, graph_launches=r.graph_launches,
-        )
-
-
-def _scalar(v):
-    """A read-back value: a host number, or the one-element list of a [1] tensor (Megatron
-    keeps its norm / flags as [1] tensors)."""
-    return v[0] if isinstance(v, (list, tuple)) else v
 
 
 class RunHistory:

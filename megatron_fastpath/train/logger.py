@@ -51,6 +51,34 @@ class StepResult:
     graph_launches: Optional[int] = None  # full-iteration graphs: launches this step (0 = eager)
 
 
+def step_record(r: StepResult, loss_sum: float, grad_norm=None, applied=None) -> StepRecord:
+    """The history's record of step ``r`` once its device values are on the host. ``step_ms``
+    (and tok/s) is the step's device time on CUDA -- the events around it, read after its loss,
+    so they have completed -- and its host time on a CPU. A GPU step's host time only measures
+    how fast work was queued: it overstates throughput whenever nothing inside the step waits
+    for the device."""
+    step_ms = r.step_ms
+    if r.device_timing is not None:
+        start, end = r.device_timing
+        step_ms = float(start.elapsed_time(end))
+    return StepRecord(
+        skipped=None if applied is None else not _scalar(applied),
+        step=r.step, loss=loss_sum / max(r.loss_tokens, 1), lr=r.lr, tokens=r.tokens,
+        step_ms=step_ms, tokens_per_s=r.tokens / (step_ms / 1e3), host_ms=r.step_ms,
+        syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step, sync_sites=r.sync_sites,
+        cache_builds=r.cache_builds,
+        offload_bytes=r.offload_bytes, offload_mode=r.offload_mode,
+        grad_norm=None if grad_norm is None else float(_scalar(grad_norm)), eval_loss=r.eval_loss,
+        eval_token_accuracy=r.eval_token_accuracy, graph_launches=r.graph_launches,
+    )
+
+
+def _scalar(v):
+    """A read-back value: a host number, or the one-element list of a [1] tensor (Megatron
+    keeps its norm / flags as [1] tensors)."""
+    return v[0] if isinstance(v, (list, tuple)) else v
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSummary:
     """first_loss / last_loss: mean loss of the first / last ``SUMMARY_LOSS_STEPS`` steps.
@@ -257,7 +285,7 @@ class StepLogger:
             return
         values, result = prev
         grad_norm = values.get("grad_norm", result.grad_norm)
-        rec = StepRecord.from_result(result, values["loss_sum"], grad_norm, values.get("applied"))
+        rec = step_record(result, values["loss_sum"], grad_norm, values.get("applied"))
         self.history.add_step(rec)
         if self.metrics is not None:
             self.metrics.step(rec)

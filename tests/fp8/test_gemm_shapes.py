@@ -6,8 +6,15 @@ TP 2 with a 16-wide projection failed before this check refused it."""
 
 import pytest
 
-from megatron_fastpath.fp8.config import fp8_gemm_shape_problem, te_linear_gemms
+from megatron_fastpath.fp8.config import fp8_gemm_shape_problem as _problem
+from megatron_fastpath.fp8.config import te_linear_gemms
 from megatron_fastpath.model import ModelConfig
+from megatron_fastpath.rules import NAMES
+
+def fp8_gemm_shape_problem(recipe, gemms, tokens):
+    """The check in the main job's spelling."""
+    return _problem(recipe, gemms, tokens, NAMES["main"])
+
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                    ffn_hidden_size=64)
