@@ -7,7 +7,8 @@ one record, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (rende
 with the checkpoint's chat template, loss on assistant tokens) or ``{"prompt": ...,
 "completion": ...}`` (loss on completion tokens + EOS), or another format (``format``). Bad
 records and records longer than ``max_tokens`` are reported with their line or row and counted
-by reason; ``bad_records=error`` stops before training, ``skip`` drops them (reported, never
+by reason (a record too large to fit ``max_tokens`` at :data:`CHARS_PER_TOKEN` characters a token
+is refused before it is tokenized, a JSONL line too large for that before it is parsed); ``bad_records=error`` stops before training, ``skip`` drops them (reported, never
 silently). Tokenized records are cached beside the data (keyed on every shard's bytes, the
 tokenizer and template bytes). A deterministic
 ``eval_fraction`` of the records is held out; both splits are packed first-fit decreasing into
@@ -39,6 +40,28 @@ __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl",
            "stop_token_ids", "build_eval_prompts"]
 
 CACHE_VERSION = 6  # bump when tokenization, masking or the cache layout changes
+
+# A record is refused as too long before it is parsed or tokenized when it cannot fit
+# data.max_tokens: its text (the strings of its messages, prompt / completion or text) may hold
+# at most CHARS_PER_TOKEN characters per token of data.max_tokens (real tokenizers average 3-5;
+# 32 leaves room for long tokens such as runs of spaces), and a JSONL line at most
+# LINE_BYTES_PER_CHAR bytes per such character (a \uXXXX surrogate pair is 12 bytes for one
+# character) plus LINE_BYTES_SLACK for the record's keys. So one huge record costs a bounded
+# read, not a tokenization of all of it.
+CHARS_PER_TOKEN = 32
+LINE_BYTES_PER_CHAR = 12
+LINE_BYTES_SLACK = 1 << 20
+
+
+def record_char_limit(max_tokens: int) -> int:
+    """The most characters a record's text may hold for ``data.max_tokens`` (checked before
+    tokenizing)."""
+    return max_tokens * CHARS_PER_TOKEN
+
+
+def line_byte_limit(max_tokens: int) -> int:
+    """The most bytes a JSONL line may hold for ``data.max_tokens`` (checked before parsing)."""
+    return record_char_limit(max_tokens) * LINE_BYTES_PER_CHAR + LINE_BYTES_SLACK
 
 
 class DataError(ValueError):
@@ -237,7 +260,9 @@ class TokenizedData:
     across shards) and where each is ("line 7", "<shard> line 7", "<file> row 6"), and the
     bad records as (where, reason code, reason): codes invalid_utf8, malformed_json,
     not_an_object, unknown_format, mixed_format, bad_fields, unknown_role, no_assistant,
-    template_error, no_loss_token (too_long is counted from the lengths). A conversation whose
+    template_error, no_loss_token, too_long (a line or text too large for data.max_tokens,
+    refused before parsing / tokenizing: :func:`record_char_limit`; the other over-long records
+    are counted from the lengths). A conversation whose
     chat template renders earlier turns differently from the last one is one sample per
     assistant turn (``ChatTokenizer.render_samples``): its samples share its number and where.
 
@@ -288,7 +313,7 @@ def _detect(rec) -> Optional[str]:
 
 def _checked_messages(msgs, where: str):
     if not isinstance(msgs, list) or not msgs:
-        return None, f"'{where}' must be a non-empty list"
+        return None, ("bad_fields", f"'{where}' must be a non-empty list of messages")
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return None, ("bad_fields", f"{where}[{j}] needs string 'role' and 'content'")
@@ -490,21 +515,48 @@ def _datasets_tables(source: DataSource):
     return out
 
 
-def _source_records(source: DataSource):
+class _LongLine(int):
+    """A JSONL line longer than the line limit, in place of its bytes (its length; the line is
+    skipped, never held whole)."""
+
+
+def _lines(fh, max_bytes: Optional[int]):
+    """The lines of ``fh`` (binary) with their newlines; a line of more than ``max_bytes``
+    bytes is read past in chunks and given as :class:`_LongLine`."""
+    if max_bytes is None:
+        yield from fh
+        return
+    while raw := fh.readline(max_bytes + 1):
+        if len(raw) > max_bytes and not raw.endswith(b"\n"):
+            n = len(raw)
+            while (chunk := fh.readline(1 << 20)):
+                n += len(chunk)
+                if chunk.endswith(b"\n"):
+                    break
+            if not chunk.endswith(b"\n"):  # the file ends inside the long line
+                yield _LongLine(n)
+                return
+            yield _LongLine(n - 1)  # its bytes without the newline
+            continue
+        yield raw
+
+
+def _source_records(source: DataSource, max_line_bytes: Optional[int] = None):
     """(record number, where, raw) for every record of the source, in order; raw is the line's
-    bytes (JSONL: decoded and parsed per line) or the row's dict (read through datasets)."""
+    bytes (JSONL: decoded and parsed per line), a :class:`_LongLine` (a JSONL line of more than
+    ``max_line_bytes``) or the row's dict (read through datasets)."""
     n = 0
     single = len(source.files) == 1
     if source.kind == "jsonl":
         for f in source.files:
             with open(f, "rb") as fh:  # line by line: memory independent of the file's size
                 lineno, raw = 0, b"\n"
-                for raw in fh:
+                for raw in _lines(fh, max_line_bytes):
                     lineno += 1
                     n += 1
                     yield ((lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"),
-                           raw[:-1] if raw.endswith(b"\n") else raw)
-                if raw.endswith(b"\n"):  # the empty line after the last newline (numbered too)
+                           raw if isinstance(raw, _LongLine) else raw[:-1] if raw.endswith(b"\n") else raw)
+                if isinstance(raw, bytes) and raw.endswith(b"\n"):  # the empty line after the last newline (numbered too)
                     lineno += 1
                     n += 1
                     yield (lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"), b""
@@ -530,26 +582,49 @@ def _digest(source: DataSource, *settings: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto") -> TokenizedData:
+def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None) -> TokenizedData:
     """Tokenize every record of ``path`` (a JSONL / JSON / Parquet / Arrow file, a directory of
-    shards or a save_to_disk directory; no caching here); ``fmt``: data.format."""
+    shards or a save_to_disk directory; no caching here); ``fmt``: data.format; ``max_tokens``:
+    data.max_tokens, for the size checks before parsing and tokenizing (None: none)."""
     source = resolve_source(path)
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
+    lines = None if max_tokens is None else line_byte_limit(max_tokens)
     with BoundedRenderer(tokenizer, source.path) as renderer:  # templates bounded in time and memory
-        return _tokenize_records(_source_records(source), tokenizer, renderer, fmt)
+        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens)
 
 
-def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
+                    max_tokens: Optional[int] = None) -> TokenizedData:
     """``lines``: one JSONL file's raw lines (bytes; str accepted)."""
     return _tokenize_records(((k, f"line {k}", raw) for k, raw in enumerate(lines, start=1)),
-                             tokenizer, renderer, fmt)
+                             tokenizer, renderer, fmt, max_tokens)
 
 
-def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+def _text_chars(kind: str, payload) -> int:
+    """The characters of a validated record's text (what the tokenizer would read)."""
+    if kind == "chat":
+        return sum(len(m["content"]) for m in payload)
+    if kind == "pc":
+        return len(payload[0]) + len(payload[1])
+    return len(payload)
+
+
+def _too_long(max_tokens: int, chars: Optional[int] = None, line_bytes: Optional[int] = None) -> str:
+    if line_bytes is not None:
+        return (f"a line of {line_bytes} bytes, more than data.max_tokens={max_tokens} tokens can "
+                f"hold (at most {line_byte_limit(max_tokens)} bytes a line; not parsed)")
+    return (f"{chars} characters, more than data.max_tokens={max_tokens} tokens can hold (at most "
+            f"{record_char_limit(max_tokens)} characters, {CHARS_PER_TOKEN} a token; not tokenized)")
+
+
+def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
+                      max_tokens: Optional[int] = None) -> TokenizedData:
     """``records``: (number, where, raw) with raw a JSONL line (bytes or str: decoded and parsed
-    on its own, so a line of invalid UTF-8 is one bad record, not the file's end) or a parsed
-    record (a dict from datasets). Bad records are collected as (where, reason code, text)."""
+    on its own, so a line of invalid UTF-8 is one bad record, not the file's end), a
+    :class:`_LongLine` or a parsed record (a dict from datasets). Bad records are collected as
+    (where, reason code, text); with ``max_tokens`` (data.max_tokens), a line or a record's
+    text too large to fit it is one ("too_long") before it is parsed or tokenized."""
     from megatron_fastpath.hf.tokenizer import TokenizerError
 
     # token ids and masks appended to flat buffers (4 + 1 bytes a token), one length, number
@@ -562,7 +637,13 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
     for num, where, raw in records:
         if bar is not None:
             bar.update(1)
+        if isinstance(raw, _LongLine):
+            malformed.append((where, "too_long", _too_long(max_tokens, line_bytes=int(raw))))
+            continue
         if isinstance(raw, (bytes, str)):
+            if max_tokens is not None and len(raw) > line_byte_limit(max_tokens):
+                malformed.append((where, "too_long", _too_long(max_tokens, line_bytes=len(raw))))
+                continue
             try:
                 line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
             except UnicodeDecodeError as exc:
@@ -575,11 +656,19 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
             except json.JSONDecodeError as exc:
                 malformed.append((where, "malformed_json", f"invalid JSON ({exc.msg})"))
                 continue
+            except RecursionError:  # [[[[... deeper than the parser recurses
+                malformed.append((where, "malformed_json", "invalid JSON (nested deeper than "
+                                  f"{sys.getrecursionlimit()} levels)"))
+                continue
         else:
             rec = raw
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((where, *why))
+            continue
+        chars = _text_chars(kind, payload)
+        if max_tokens is not None and chars > record_char_limit(max_tokens):
+            malformed.append((where, "too_long", _too_long(max_tokens, chars=chars)))
             continue
         if kind == "chat":
             if not chat_seen:
@@ -591,6 +680,9 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
                 raise
             except ValueError as exc:  # a template's raise_exception, bad roles, ...
                 malformed.append((where, "template_error", f"chat template failed: {exc}"))
+                continue
+            except RecursionError:  # extra message fields nested too deeply to hand over
+                malformed.append((where, "bad_fields", "a message field nested too deeply"))
                 continue
             encoded = [tokenizer.tokens_and_mask(text, spans) for text, spans in samples]
         elif kind == "pc":
@@ -630,7 +722,7 @@ def _tokenized(ids, masks, lengths, lines, malformed, wheres) -> TokenizedData:
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
     source = resolve_source(cfg.path)
-    digest = _digest(source, f"format={cfg.format}", os.path.join(tok_dir, "tokenizer.json"),
+    digest = _digest(source, f"format={cfg.format}", f"max_tokens={cfg.max_tokens}", os.path.join(tok_dir, "tokenizer.json"),
                      os.path.join(tok_dir, "tokenizer_config.json"),
                      os.path.join(tok_dir, "chat_template.jinja"))
     return f"{source.path}.{digest}.tokens.npz"  # beside the file or directory
@@ -684,7 +776,7 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
             return data
         except ValueError as exc:
             log(f"data: {exc}; tokenizing again")
-    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format)
+    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format, cfg.max_tokens)
     if cache:
         try:
             _save_cache(cache, data)
@@ -700,8 +792,13 @@ def bad_record_counts(data: TokenizedData, too_long: list) -> dict:
     for _, code, _ in data.malformed:
         counts[code] = counts.get(code, 0) + 1
     if too_long:
-        counts["too_long"] = len(too_long)
+        counts["too_long"] = counts.get("too_long", 0) + len(too_long)
     return dict(sorted(counts.items()))
+
+
+def _split_too_long(malformed: list) -> tuple:
+    """(malformed records, records refused as too long before tokenizing) of ``malformed``."""
+    return ([m for m in malformed if m[1] != "too_long"], [m for m in malformed if m[1] == "too_long"])
 
 
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:
@@ -711,11 +808,12 @@ def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> N
         return shown + (f", ... ({len(items) - k} more)" if len(items) > k else "")
 
     problems = []
-    if data.malformed:
-        problems.append(f"{len(data.malformed)} malformed record(s): {fmt(data.malformed)}")
-    if too_long:
-        problems.append(f"{len(too_long)} record(s) longer than data.max_tokens={cfg.max_tokens}: "
-                        f"{fmt(too_long)}")
+    malformed, longest = _split_too_long(data.malformed)
+    if malformed:
+        problems.append(f"{len(malformed)} malformed record(s): {fmt(malformed)}")
+    if longest or too_long:
+        problems.append(f"{len(longest) + len(too_long)} record(s) longer than data.max_tokens="
+                        f"{cfg.max_tokens}: {fmt(longest + too_long)}")
     if not problems:
         return
     counts = ", ".join(f"{k}={v}" for k, v in bad_record_counts(data, too_long).items())
@@ -814,8 +912,9 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
 
     # records: the data's records; train_records / eval_records: the samples of each split
     # (split_for_template more than records when conversations were split per assistant turn)
-    report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(data.malformed),
-                  too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
+    malformed, longest = _split_too_long(data.malformed)
+    report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(malformed),
+                  too_long=len(longest) + len(too_long), bad_records=bad_record_counts(data, too_long),
                   split_for_template=split, train_records=len(train_idx), eval_records=len(eval_idx))
     return subset(train_idx), (subset(eval_idx) if len(eval_idx) else None), report
 
