@@ -10,6 +10,10 @@ deadline of :data:`TEMPLATE_SECONDS`. A template that runs out of either is refu
 whole file (it is the same program for every record), naming the record's line; the helper is
 killed, the main process never ran the template. Errors a template raises on purpose
 (``raise_exception``) stay per-record (reported as malformed lines, as before).
+
+The helper never outlives the job: it holds only its own end of the pipe (so the job's death is
+an EOF there), ends at that EOF or, on Linux, by ``PR_SET_PDEATHSIG`` even while rendering, and
+takes the default action of SIGTERM / SIGINT / SIGUSR1 rather than the job's handlers.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ def _vm_bytes() -> int:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process (SIGKILL) when its parent exits, even by SIGKILL;
-    elsewhere the helper still ends at the EOF on its pipe."""
+    """Linux: the kernel kills this process (SIGKILL) when its parent exits, even by SIGKILL
+    (strictly: when the thread that forked it does; a renderer is used by the thread that
+    starts it); elsewhere the helper still ends at the EOF on its pipe."""
     try:
         import ctypes
 
