@@ -413,10 +413,14 @@ class CheckpointManager:
         reason = _disk_problem(self.root, exc)
         if reason is None:
             return
+        failures = getattr(exc, "failures", None)  # torch's CheckpointException: the first rank's
+        shown = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+        shown = shown[0] if isinstance(shown, tuple) else shown  # (exception, traceback)
+        detail = (str(shown).splitlines() or [""])[0][:200]
         raise CheckpointDirError(
-            f"saving checkpoint step {step} under {self.root} failed: {reason} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); the earlier checkpoints are intact. "
-            "Free space (or raise the file-size limit) and resume, or lower checkpoint.keep") from exc
+            f"saving checkpoint step {step} under {self.root} failed: {reason} ({type(shown).__name__}: "
+            f"{detail}); the earlier checkpoints are intact. Free space (or raise the file-size "
+            "limit) and resume, or lower checkpoint.keep") from exc
 
     def _save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
