@@ -233,15 +233,28 @@ def _crc32(path: str) -> int:
 def _disk_problem(root: str, exc: BaseException) -> Optional[str]:
     """Why a save failed when it is the disk: the OS error (ENOSPC, EFBIG, EDQUOT) in the chain,
     or -- torch's zip writer reports a short write only as 'unexpected pos N vs M' -- a file
-    system left with (almost) no free space. None otherwise."""
+    system left with (almost) no free space. None otherwise. torch's CheckpointException (an
+    async writer's 'Worker failure: [Errno 28] ...') holds each rank's exception in ``failures``,
+    the OS error only as text (it crossed a process)."""
     import errno
+    import re
 
-    seen = exc
-    while seen is not None:
+    todo, done = [exc], set()
+    while todo:
+        seen = todo.pop(0)
+        if seen is None or id(seen) in done:
+            continue
+        done.add(id(seen))
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             where = f" writing {seen.filename}" if seen.filename else ""
             return f"{os.strerror(seen.errno)}{where}"
-        seen = seen.__cause__ or seen.__context__
+        code = re.search(r"\[Errno (\d+)\]", str(seen)) if not isinstance(seen, OSError) else None
+        if code and int(code.group(1)) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            return os.strerror(int(code.group(1)))
+        failures = getattr(seen, "failures", None)
+        if isinstance(failures, dict):  # {rank: (exception, traceback)}
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [seen.__cause__, seen.__context__]
     try:
         free = shutil.disk_usage(root).free
     except OSError:
@@ -400,13 +413,23 @@ class CheckpointManager:
         try:
             return self._save(step, state_fn, parts, fp8_state)
         except (OSError, RuntimeError, CheckpointException) as exc:
-            reason = _disk_problem(self.root, exc)
-            if reason is None:
-                raise
-            raise CheckpointDirError(
-                f"saving checkpoint step {step} under {self.root} failed: {reason} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200]}); the earlier checkpoints are intact. Free space "
-                "(or raise the file-size limit) and resume, or lower checkpoint.keep") from exc
+            self._raise_if_disk(step, exc)
+            raise
+
+    def _raise_if_disk(self, step: int, exc: BaseException) -> None:
+        """CheckpointDirError when the failed save of ``step`` (sync, or its async writer) is a
+        full disk or a file-size limit."""
+        reason = _disk_problem(self.root, exc)
+        if reason is None:
+            return
+        failures = getattr(exc, "failures", None)  # torch's CheckpointException: the first rank's
+        shown = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+        shown = shown[0] if isinstance(shown, tuple) else shown  # (exception, traceback)
+        detail = (str(shown).splitlines() or [""])[0][:200]
+        raise CheckpointDirError(
+            f"saving checkpoint step {step} under {self.root} failed: {reason} ({type(shown).__name__}: "
+            f"{detail}); the earlier checkpoints are intact. Free space (or raise the file-size "
+            "limit) and resume, or lower checkpoint.keep") from exc
 
     def _save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
@@ -464,9 +487,16 @@ class CheckpointManager:
             return []
         from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         t0 = time.perf_counter()
-        with dist_checkpointing_on_cpu():
-            done = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        try:
+            with dist_checkpointing_on_cpu():
+                done = self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        except (OSError, RuntimeError, CheckpointException) as exc:  # the background writer's
+            step = self._pending.pop(0).step  # never published
+            self._raise_if_disk(step, exc)
+            raise
         waited = time.perf_counter() - t0
         published = []
         for _ in done:

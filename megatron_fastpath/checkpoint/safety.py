@@ -211,7 +211,11 @@ def check_safe_to_load(model_dir: str) -> None:
         raise UnsafeCheckpointError(f"{model_dir} has no .metadata: not a torch_dist checkpoint")
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    not_tensors = sorted(k for k, v in safe_load_metadata(meta).state_dict_metadata.items()
+    from megatron_fastpath.checkpoint.metadata_fields import check_fields, check_tensor_data
+
+    metadata = safe_load_metadata(meta)
+    check_fields(meta, metadata)
+    not_tensors = sorted(k for k, v in metadata.state_dict_metadata.items()
                          if not isinstance(v, TensorStorageMetadata))
     if not_tensors:
         # torch.distributed.checkpoint's planner reads an entry described as bytes with
@@ -222,6 +226,7 @@ def check_safe_to_load(model_dir: str) -> None:
             "objects, which torch.distributed.checkpoint would read with full unpickling; "
             "checkpoints written by megatron_fastpath hold tensors only: refusing to load"
         )
+    check_tensor_data(model_dir, metadata)
     common = os.path.join(model_dir, "common.pt")
     if os.path.exists(common):
         try:

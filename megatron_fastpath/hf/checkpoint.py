@@ -27,6 +27,12 @@ class CheckpointError(ValueError):
 # otherwise declare gigabytes).
 MAX_HEADER_BYTES = 100_000_000
 
+# Bytes per element of the safetensors dtypes (safetensors' Dtype); the sub-byte float types
+# (F4, F6_*) are left to the library.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+               "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+               "F64": 8, "C64": 8}
+
 
 def _read_header(path: str) -> dict:
     """The JSON header of a safetensors file, checked entry by entry, after checking the file
@@ -54,6 +60,7 @@ def _read_header(path: str) -> dict:
     header.pop("__metadata__", None)
     for key, meta in header.items():
         _check_entry(path, key, meta)
+    _check_layout(path, header)
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(
@@ -78,12 +85,44 @@ def _check_entry(path: str, key: str, meta) -> None:
         raise bad(f"data_offsets {offsets!r:.60} (two integers 0 <= begin <= end are required)")
 
 
+def _check_layout(path: str, header: dict) -> None:
+    """Each tensor's bytes match its dtype and shape, and the tensors tile the data one after
+    the other (what safetensors requires; overlapping ranges would alias two tensors)."""
+    for key, meta in header.items():
+        size = DTYPE_BYTES.get(meta["dtype"])
+        begin, end = meta["data_offsets"]
+        if size is not None:
+            want = size
+            for d in meta["shape"]:
+                want *= d
+            if end - begin != want:
+                raise CheckpointError(
+                    f"{path}: tensor {key[:200]!r} is {meta['dtype']} {meta['shape']} ({want} bytes) "
+                    f"but its data_offsets [{begin}, {end}] hold {end - begin} bytes: not a valid "
+                    "safetensors file")
+    at, prev = 0, None
+    for key, meta in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin, end = meta["data_offsets"]
+        if begin != at:
+            what = (f"overlapping tensor {prev[:200]!r} (which ends at {at})" if begin < at
+                    else f"leaving a gap after byte {at}")
+            raise CheckpointError(f"{path}: tensor {key[:200]!r} has data_offsets [{begin}, {end}], "
+                                  f"{what}: not a valid safetensors file")
+        at, prev = end, key
+
+
 def _inside(root: str, name: str) -> str:
-    """``root/name`` if it stays inside ``root`` (links resolved), else CheckpointError."""
-    full = os.path.realpath(os.path.join(root, name))
-    if os.path.commonpath([full, os.path.realpath(root)]) != os.path.realpath(root):
+    """``root/name`` if it stays inside ``root`` (links resolved), else CheckpointError naming
+    the file refused: a name of the index that leaves the directory, or a link that does."""
+    real_root = os.path.realpath(root)
+    named = os.path.join(real_root, name)  # the name alone ('..', an absolute path), no links
+    if os.path.commonpath([os.path.normpath(named), real_root]) != real_root:
         raise CheckpointError(f"{root}: model.safetensors.index.json names {name!r}, which is "
                               "outside the checkpoint directory: refusing to open it")
+    full = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([full, real_root]) != real_root:
+        raise CheckpointError(f"{os.path.join(root, name)} is a link to {full}, which is outside the "
+                              "checkpoint directory: refusing to open it")
     return os.path.join(root, name)
 
 
@@ -138,18 +177,32 @@ class SafetensorsCheckpoint:
         if fpath not in self._handles:
             from safetensors import safe_open
 
-            self._handles[fpath] = safe_open(fpath, framework="pt")
+            self._handles[fpath] = self._read(fpath, lambda: safe_open(fpath, framework="pt"))
         return self._handles[fpath]
+
+    @staticmethod
+    def _read(fpath: str, fn):
+        """``fn()``, with the safetensors library's errors (what the header checks do not cover)
+        as CheckpointError naming the file."""
+        from safetensors import SafetensorError
+
+        try:
+            return fn()
+        except SafetensorError as exc:
+            raise CheckpointError(f"{fpath}: not a valid safetensors file ({str(exc)[:200]}); "
+                                  "re-download it") from None
 
     def get(self, name: str, rows: Optional[tuple] = None, cols: Optional[tuple] = None) -> torch.Tensor:
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: tensor '{name}' not found in the checkpoint")
         fpath = self.entries[name][0]
-        sl = self._handle(fpath).get_slice(name)
         r = slice(*rows) if rows is not None else slice(None)
-        if cols is None:
-            return sl[r]
-        return sl[r, slice(*cols)]
+
+        def read():
+            sl = self._handle(fpath).get_slice(name)
+            return sl[r] if cols is None else sl[r, slice(*cols)]
+
+        return self._read(fpath, read)
 
     def close(self) -> None:
         self._handles.clear()

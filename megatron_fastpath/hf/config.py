@@ -523,6 +523,9 @@ def _moe_fields(cfg: dict, mt: str, where: str) -> dict:
 def read_hf_config(path: str) -> HFModelSpec:
     """Parse ``<path>/config.json``; raise before any weight is touched if unsupported."""
     where = os.path.join(path, "config.json")
+    if os.path.exists(where) and not os.path.isfile(where):  # a FIFO would block the open for ever
+        raise HFConfigError(f"{where} is not a regular file (a directory, FIFO or device): "
+                            "model.path must be a Hugging Face checkpoint directory")
     if not os.path.isfile(where):
         raise FileNotFoundError(f"{where} not found: model.path must be a Hugging Face checkpoint "
                                 "directory (config.json + *.safetensors)")

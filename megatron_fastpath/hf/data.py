@@ -1,13 +1,15 @@
 """``data=jsonl``: chat / prompt-completion records -> tokenized records -> packed microbatches.
 
 ``data.path`` is a JSONL file, a JSON array, Parquet, Arrow, a ``datasets`` ``save_to_disk``
-directory or a directory of shards of one type (:func:`resolve_source`; all but JSONL read
+directory or a directory of shards of one type (:func:`resolve_source`, read by
+:mod:`megatron_fastpath.hf.data_sources`; all but JSONL read
 memory-mapped through the ``datasets`` library, imported only then). Each JSONL line / row is
 one record, either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (rendered
 with the checkpoint's chat template, loss on assistant tokens) or ``{"prompt": ...,
 "completion": ...}`` (loss on completion tokens + EOS), or another format (``format``). Bad
 records and records longer than ``max_tokens`` are reported with their line or row and counted
-by reason; ``bad_records=error`` stops before training, ``skip`` drops them (reported, never
+by reason (a record too large to fit ``max_tokens`` at :data:`CHARS_PER_TOKEN` characters a token
+is refused before it is tokenized, a JSONL line too large for that before it is parsed); ``bad_records=error`` stops before training, ``skip`` drops them (reported, never
 silently). Tokenized records are cached beside the data (keyed on every shard's bytes, the
 tokenizer and template bytes). A deterministic
 ``eval_fraction`` of the records is held out; both splits are packed first-fit decreasing into
@@ -34,15 +36,42 @@ from typing import Optional
 
 import numpy as np
 
+# DataError, DataSource and resolve_source are this module's API too
+from megatron_fastpath.hf.data_sources import (  # noqa: F401
+    DataError,
+    DataSource,
+    _LongLine,
+    _source_records,
+    resolve_source,
+)
+
 __all__ = ["JsonlDataConfig", "JsonlDataset", "TokenizedData", "tokenize_jsonl", "load_jsonl_splits",
            "DataError", "DataSource", "resolve_source", "bad_record_counts", "eval_prompts",
            "stop_token_ids", "build_eval_prompts"]
 
 CACHE_VERSION = 6  # bump when tokenization, masking or the cache layout changes
 
+# A record is refused as too long before it is parsed or tokenized when it cannot fit
+# data.max_tokens: its text (the strings of its messages, prompt / completion or text) may hold
+# at most CHARS_PER_TOKEN characters per token of data.max_tokens (real tokenizers average 3-5;
+# 32 leaves room for long tokens such as runs of spaces), and a JSONL line at most
+# LINE_BYTES_PER_CHAR bytes per such character (a \uXXXX surrogate pair is 12 bytes for one
+# character) plus LINE_BYTES_SLACK for the record's keys. So one huge record costs a bounded
+# read, not a tokenization of all of it.
+CHARS_PER_TOKEN = 32
+LINE_BYTES_PER_CHAR = 12
+LINE_BYTES_SLACK = 1 << 20
 
-class DataError(ValueError):
-    """The JSONL data cannot be used as configured (file, line and reason in the message)."""
+
+def record_char_limit(max_tokens: int) -> int:
+    """The most characters a record's text may hold for ``data.max_tokens`` (checked before
+    tokenizing)."""
+    return max_tokens * CHARS_PER_TOKEN
+
+
+def line_byte_limit(max_tokens: int) -> int:
+    """The most bytes a JSONL line may hold for ``data.max_tokens`` (checked before parsing)."""
+    return record_char_limit(max_tokens) * LINE_BYTES_PER_CHAR + LINE_BYTES_SLACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +266,9 @@ class TokenizedData:
     across shards) and where each is ("line 7", "<shard> line 7", "<file> row 6"), and the
     bad records as (where, reason code, reason): codes invalid_utf8, malformed_json,
     not_an_object, unknown_format, mixed_format, bad_fields, unknown_role, no_assistant,
-    template_error, no_loss_token (too_long is counted from the lengths). A conversation whose
+    template_error, no_loss_token, too_long (a line or text too large for data.max_tokens,
+    refused before parsing / tokenizing: :func:`record_char_limit`; the other over-long records
+    are counted from the lengths). A conversation whose
     chat template renders earlier turns differently from the last one is one sample per
     assistant turn (``ChatTokenizer.render_samples``): its samples share its number and where.
 
@@ -288,7 +319,7 @@ def _detect(rec) -> Optional[str]:
 
 def _checked_messages(msgs, where: str):
     if not isinstance(msgs, list) or not msgs:
-        return None, f"'{where}' must be a non-empty list"
+        return None, ("bad_fields", f"'{where}' must be a non-empty list of messages")
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return None, ("bad_fields", f"{where}[{j}] needs string 'role' and 'content'")
@@ -382,139 +413,6 @@ def _progress(total: int, desc: str):
                 leave=False)
 
 
-# File types read through the ``datasets`` library (memory-mapped Arrow), by extension; JSONL
-# (and any other file name) is read line by line here, so one bad line is one bad record.
-JSONL_EXTS = (".jsonl", ".ndjson")
-DATASETS_EXTS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-SAVE_TO_DISK_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSource:
-    """What ``data.path`` names: ``kind`` jsonl | json | parquet | arrow | save_to_disk, and the
-    files read in order (a directory of shards: all its files of one type, sorted by name; a
-    ``save_to_disk`` directory: the directory itself). ``digest_files``: every file whose bytes
-    the token cache key covers."""
-
-    path: str
-    kind: str
-    files: tuple
-    digest_files: tuple
-
-
-def _kind_of_file(path: str) -> str:
-    ext = os.path.splitext(path)[1].lower()
-    if ext in DATASETS_EXTS:
-        if ext == ".json":  # a JSON array, or JSON lines under a .json name
-            with open(path, "rb") as f:
-                head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-            return "json" if head.startswith(b"[") else "jsonl"
-        return DATASETS_EXTS[ext]
-    return "jsonl"
-
-
-def resolve_source(path: str) -> DataSource:
-    """The data source ``path`` names (a file, a directory of shards, or a ``save_to_disk``
-    directory), detected from the path alone; DataError naming what is wrong otherwise."""
-    path = os.path.normpath(path)
-    if os.path.isfile(path):
-        return DataSource(path, _kind_of_file(path), (path,), (path,))
-    if not os.path.isdir(path):
-        raise DataError(f"data.path {path!r}: no such file or directory")
-    names = sorted(n for n in os.listdir(path) if not n.startswith("."))
-    if any(n in names for n in SAVE_TO_DISK_FILES):  # written by datasets' save_to_disk
-        every = sorted(os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns)
-        return DataSource(path, "save_to_disk", (path,), tuple(every))
-    shards = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))
-              and not n.endswith(".tokens.npz")
-              and os.path.splitext(n)[1].lower() in JSONL_EXTS + tuple(DATASETS_EXTS)]
-    if not shards:
-        raise DataError(f"data.path {path!r}: a directory with no data files (.jsonl, .ndjson, "
-                        ".json, .parquet, .arrow) and no datasets save_to_disk files "
-                        f"({', '.join(SAVE_TO_DISK_FILES)})")
-    kinds = {_kind_of_file(f) for f in shards}
-    if len(kinds) > 1:
-        raise DataError(f"data.path {path!r}: a directory of shards must hold one file type; "
-                        f"found {', '.join(sorted(kinds))} ({', '.join(os.path.basename(f) for f in shards)})")
-    return DataSource(path, kinds.pop(), tuple(shards), tuple(shards))
-
-
-def _require_datasets(source: DataSource):
-    """The ``datasets`` module, imported only for Parquet / Arrow / JSON-array / save_to_disk."""
-    try:
-        import datasets
-    except Exception as exc:  # ImportError, or a broken install
-        what = {"json": "a JSON array file", "parquet": "Parquet", "arrow": "Arrow",
-                "save_to_disk": "a dataset saved with datasets' save_to_disk"}[source.kind]
-        raise DataError(
-            f"data.path {source.path!r} is {what}, which is read through the 'datasets' library "
-            f"(memory-mapped Arrow; this package has no parser of its own for it), and 'datasets' "
-            f"could not be imported ({type(exc).__name__}: {exc}). Install it with `pip install "
-            "datasets` (or `pip install megatron_fastpath[hf]`), or convert the data to JSONL, "
-            "which needs nothing extra") from exc
-    return datasets
-
-
-def _strip_none(x):
-    """A row as datasets gives it, without the null fields Arrow's shared schema adds (a
-    prompt-completion row of a file that also holds chat rows has messages=None): the record
-    as it was written, so format detection sees the keys it had."""
-    if isinstance(x, dict):
-        return {k: _strip_none(v) for k, v in x.items() if v is not None}
-    if isinstance(x, list):
-        return [_strip_none(v) for v in x]
-    return x
-
-
-def _datasets_tables(source: DataSource):
-    """[(name shown in reports, datasets.Dataset)] of a non-JSONL source, one per shard."""
-    datasets = _require_datasets(source)
-    if source.kind == "save_to_disk":
-        ds = datasets.load_from_disk(source.path)
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" in ds:
-                ds = ds["train"]
-            elif len(ds) == 1:
-                ds = next(iter(ds.values()))
-            else:
-                raise DataError(f"data.path {source.path!r}: a saved DatasetDict with the splits "
-                                f"{sorted(ds)} and no 'train'; save the split to train on")
-        return [(source.path, ds)]
-    out = []
-    for f in source.files:
-        if source.kind == "arrow":
-            ds = datasets.Dataset.from_file(f)  # memory-mapped, no copy
-        else:
-            ds = datasets.load_dataset(source.kind, data_files=[f], split="train")
-        out.append((f, ds))
-    return out
-
-
-def _source_records(source: DataSource):
-    """(record number, where, raw) for every record of the source, in order; raw is the line's
-    bytes (JSONL: decoded and parsed per line) or the row's dict (read through datasets)."""
-    n = 0
-    single = len(source.files) == 1
-    if source.kind == "jsonl":
-        for f in source.files:
-            with open(f, "rb") as fh:  # line by line: memory independent of the file's size
-                lineno, raw = 0, b"\n"
-                for raw in fh:
-                    lineno += 1
-                    n += 1
-                    yield ((lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"),
-                           raw[:-1] if raw.endswith(b"\n") else raw)
-                if raw.endswith(b"\n"):  # the empty line after the last newline (numbered too)
-                    lineno += 1
-                    n += 1
-                    yield (lineno if single else n), (f"line {lineno}" if single else f"{f} line {lineno}"), b""
-        return
-    for name, ds in _datasets_tables(source):
-        for row, rec in enumerate(ds):
-            n += 1
-            yield n, f"{name} row {row}", _strip_none(rec)
-
-
 def _digest(source: DataSource, *settings: str) -> str:
     h = hashlib.sha256(f"v{CACHE_VERSION}".encode())
     for p in source.digest_files:  # every shard's name (its order) and bytes
@@ -530,26 +428,49 @@ def _digest(source: DataSource, *settings: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto") -> TokenizedData:
+def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None) -> TokenizedData:
     """Tokenize every record of ``path`` (a JSONL / JSON / Parquet / Arrow file, a directory of
-    shards or a save_to_disk directory; no caching here); ``fmt``: data.format."""
+    shards or a save_to_disk directory; no caching here); ``fmt``: data.format; ``max_tokens``:
+    data.max_tokens, for the size checks before parsing and tokenizing (None: none)."""
     source = resolve_source(path)
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
+    lines = None if max_tokens is None else line_byte_limit(max_tokens)
     with BoundedRenderer(tokenizer, source.path) as renderer:  # templates bounded in time and memory
-        return _tokenize_records(_source_records(source), tokenizer, renderer, fmt)
+        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens)
 
 
-def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
+                    max_tokens: Optional[int] = None) -> TokenizedData:
     """``lines``: one JSONL file's raw lines (bytes; str accepted)."""
     return _tokenize_records(((k, f"line {k}", raw) for k, raw in enumerate(lines, start=1)),
-                             tokenizer, renderer, fmt)
+                             tokenizer, renderer, fmt, max_tokens)
 
 
-def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> TokenizedData:
+def _text_chars(kind: str, payload) -> int:
+    """The characters of a validated record's text (what the tokenizer would read)."""
+    if kind == "chat":
+        return sum(len(m["content"]) for m in payload)
+    if kind == "pc":
+        return len(payload[0]) + len(payload[1])
+    return len(payload)
+
+
+def _too_long(max_tokens: int, chars: Optional[int] = None, line_bytes: Optional[int] = None) -> str:
+    if line_bytes is not None:
+        return (f"a line of {line_bytes} bytes, more than data.max_tokens={max_tokens} tokens can "
+                f"hold (at most {line_byte_limit(max_tokens)} bytes a line; not parsed)")
+    return (f"{chars} characters, more than data.max_tokens={max_tokens} tokens can hold (at most "
+            f"{record_char_limit(max_tokens)} characters, {CHARS_PER_TOKEN} a token; not tokenized)")
+
+
+def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
+                      max_tokens: Optional[int] = None) -> TokenizedData:
     """``records``: (number, where, raw) with raw a JSONL line (bytes or str: decoded and parsed
-    on its own, so a line of invalid UTF-8 is one bad record, not the file's end) or a parsed
-    record (a dict from datasets). Bad records are collected as (where, reason code, text)."""
+    on its own, so a line of invalid UTF-8 is one bad record, not the file's end), a
+    :class:`_LongLine` or a parsed record (a dict from datasets). Bad records are collected as
+    (where, reason code, text); with ``max_tokens`` (data.max_tokens), a line or a record's
+    text too large to fit it is one ("too_long") before it is parsed or tokenized."""
     from megatron_fastpath.hf.tokenizer import TokenizerError
 
     # token ids and masks appended to flat buffers (4 + 1 bytes a token), one length, number
@@ -562,7 +483,13 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
     for num, where, raw in records:
         if bar is not None:
             bar.update(1)
+        if isinstance(raw, _LongLine):
+            malformed.append((where, "too_long", _too_long(max_tokens, line_bytes=int(raw))))
+            continue
         if isinstance(raw, (bytes, str)):
+            if max_tokens is not None and len(raw) > line_byte_limit(max_tokens):
+                malformed.append((where, "too_long", _too_long(max_tokens, line_bytes=len(raw))))
+                continue
             try:
                 line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
             except UnicodeDecodeError as exc:
@@ -575,11 +502,19 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
             except json.JSONDecodeError as exc:
                 malformed.append((where, "malformed_json", f"invalid JSON ({exc.msg})"))
                 continue
+            except RecursionError:  # [[[[... deeper than the parser recurses
+                malformed.append((where, "malformed_json", "invalid JSON (nested deeper than "
+                                  f"{sys.getrecursionlimit()} levels)"))
+                continue
         else:
             rec = raw
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((where, *why))
+            continue
+        chars = _text_chars(kind, payload)
+        if max_tokens is not None and chars > record_char_limit(max_tokens):
+            malformed.append((where, "too_long", _too_long(max_tokens, chars=chars)))
             continue
         if kind == "chat":
             if not chat_seen:
@@ -591,6 +526,9 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto") -> Tokeni
                 raise
             except ValueError as exc:  # a template's raise_exception, bad roles, ...
                 malformed.append((where, "template_error", f"chat template failed: {exc}"))
+                continue
+            except RecursionError:  # extra message fields nested too deeply to hand over
+                malformed.append((where, "bad_fields", "a message field nested too deeply"))
                 continue
             encoded = [tokenizer.tokens_and_mask(text, spans) for text, spans in samples]
         elif kind == "pc":
@@ -630,7 +568,7 @@ def _tokenized(ids, masks, lengths, lines, malformed, wheres) -> TokenizedData:
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
     source = resolve_source(cfg.path)
-    digest = _digest(source, f"format={cfg.format}", os.path.join(tok_dir, "tokenizer.json"),
+    digest = _digest(source, f"format={cfg.format}", f"max_tokens={cfg.max_tokens}", os.path.join(tok_dir, "tokenizer.json"),
                      os.path.join(tok_dir, "tokenizer_config.json"),
                      os.path.join(tok_dir, "chat_template.jinja"))
     return f"{source.path}.{digest}.tokens.npz"  # beside the file or directory
@@ -684,7 +622,7 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
             return data
         except ValueError as exc:
             log(f"data: {exc}; tokenizing again")
-    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format)
+    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format, cfg.max_tokens)
     if cache:
         try:
             _save_cache(cache, data)
@@ -700,8 +638,13 @@ def bad_record_counts(data: TokenizedData, too_long: list) -> dict:
     for _, code, _ in data.malformed:
         counts[code] = counts.get(code, 0) + 1
     if too_long:
-        counts["too_long"] = len(too_long)
+        counts["too_long"] = counts.get("too_long", 0) + len(too_long)
     return dict(sorted(counts.items()))
+
+
+def _split_too_long(malformed: list) -> tuple:
+    """(malformed records, records refused as too long before tokenizing) of ``malformed``."""
+    return ([m for m in malformed if m[1] != "too_long"], [m for m in malformed if m[1] == "too_long"])
 
 
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:
@@ -711,11 +654,12 @@ def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> N
         return shown + (f", ... ({len(items) - k} more)" if len(items) > k else "")
 
     problems = []
-    if data.malformed:
-        problems.append(f"{len(data.malformed)} malformed record(s): {fmt(data.malformed)}")
-    if too_long:
-        problems.append(f"{len(too_long)} record(s) longer than data.max_tokens={cfg.max_tokens}: "
-                        f"{fmt(too_long)}")
+    malformed, longest = _split_too_long(data.malformed)
+    if malformed:
+        problems.append(f"{len(malformed)} malformed record(s): {fmt(malformed)}")
+    if longest or too_long:
+        problems.append(f"{len(longest) + len(too_long)} record(s) longer than data.max_tokens="
+                        f"{cfg.max_tokens}: {fmt(longest + too_long)}")
     if not problems:
         return
     counts = ", ".join(f"{k}={v}" for k, v in bad_record_counts(data, too_long).items())
@@ -814,8 +758,9 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
 
     # records: the data's records; train_records / eval_records: the samples of each split
     # (split_for_template more than records when conversations were split per assistant turn)
-    report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(data.malformed),
-                  too_long=len(too_long), bad_records=bad_record_counts(data, too_long),
+    malformed, longest = _split_too_long(data.malformed)
+    report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(malformed),
+                  too_long=len(longest) + len(too_long), bad_records=bad_record_counts(data, too_long),
                   split_for_template=split, train_records=len(train_idx), eval_records=len(eval_idx))
     return subset(train_idx), (subset(eval_idx) if len(eval_idx) else None), report
 

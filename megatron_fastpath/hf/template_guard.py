@@ -10,6 +10,10 @@ deadline of :data:`TEMPLATE_SECONDS`. A template that runs out of either is refu
 whole file (it is the same program for every record), naming the record's line; the helper is
 killed, the main process never ran the template. Errors a template raises on purpose
 (``raise_exception``) stay per-record (reported as malformed lines, as before).
+
+The helper never outlives the job: it holds only its own end of the pipe (so the job's death is
+an EOF there), ends at that EOF or, on Linux, by ``PR_SET_PDEATHSIG`` even while rendering, and
+takes the default action of SIGTERM / SIGINT / SIGUSR1 rather than the job's handlers.
 """
 
 from __future__ import annotations
@@ -35,15 +39,39 @@ def _vm_bytes() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _serve(conn, tokenizer, memory_bytes: int) -> None:
-    """The helper: render conversations until told to stop (None)."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process (SIGKILL) when its parent exits, even by SIGKILL
+    (strictly: when the thread that forked it does; a renderer is used by the thread that
+    starts it); elsewhere the helper still ends at the EOF on its pipe."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != parent_pid:  # the parent ended before the prctl took effect
+        os._exit(0)
+
+
+def _serve(conn, parent_end, parent_pid: int, tokenizer, memory_bytes: int) -> None:
+    """The helper: render conversations until told to stop (None) or the parent is gone (EOF
+    on the pipe, or the parent's death on Linux). It holds only its own end of the pipe, and
+    the signals the job handles (SIGTERM / SIGUSR1: save and requeue; SIGINT) end it as they
+    end any process: it has nothing to save."""
     import resource
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides
+    parent_end.close()  # else the parent's death would not close the pipe: no EOF here
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)  # not the job's handlers, inherited by the fork
+    _die_with_parent(parent_pid)
     limit = _vm_bytes() + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     while True:
-        messages = conn.recv()
+        try:
+            messages = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if messages is None:
             return
         try:
@@ -81,7 +109,8 @@ class BoundedRenderer:
         # Jinja and never touches a device
         ctx = mp.get_context("fork")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.tokenizer, self.memory_bytes),
+        self._proc = ctx.Process(target=_serve, args=(child, self._conn, os.getpid(), self.tokenizer,
+                                                      self.memory_bytes),
                                  name="chat-template", daemon=True)
         self._proc.start()
         child.close()

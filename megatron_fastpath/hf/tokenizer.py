@@ -135,7 +135,12 @@ class ChatTokenizer:
                 f"{tok_file} is {size / 2**20:.0f} MiB; tokenizer files of real checkpoints are "
                 f"well under {MAX_TOKENIZER_JSON_BYTES // 2**20} MiB (parsing this one would stall "
                 "start-up for minutes): check that the directory holds the model's own tokenizer")
-        self.tokenizer = Tokenizer.from_file(tok_file)
+        try:
+            self.tokenizer = Tokenizer.from_file(tok_file)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise TokenizerError(f"{tok_file} cannot be read as a tokenizer ({first}): truncated or "
+                                 "not a tokenizers file; re-download it from the model's repository") from None
         cfg_file = os.path.join(path, "tokenizer_config.json")
         self.config = json.load(open(cfg_file, encoding="utf-8")) if os.path.isfile(cfg_file) else {}
         smap = os.path.join(path, "special_tokens_map.json")

@@ -91,3 +91,30 @@ def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcor
             run.train(1).save(disk, keep=3)
         filler.unlink()
         assert Run(seed=3).load(disk).step == 1
+
+
+def test_a_full_disk_during_an_async_save_is_named_as_for_a_sync_one(mcore_parallel, tmp_path):
+    """The background writer's failure (Megatron's 'Worker failure: ...') on a full disk raises
+    the same CheckpointDirError as a sync save, when the loop collects it; the checkpoint
+    published before still loads."""
+    from tests.checkpoint.ckpt_harness import Run
+
+    import shutil
+
+    with tmpfs(tmp_path / "disk", "size=16m") as disk:
+        run = Run().train(1)
+        first = run.save(disk, keep=3)
+        used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first.path) for f in fs)
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - used // 2))  # room for half of one
+        mgr, (state_fn, _, parts_fn) = run.train(1).manager(disk, keep=3, async_save=True)
+        assert mgr.save(run.step, state_fn, {**parts_fn(), "losses": run.losses}).is_async
+        with pytest.raises(CheckpointDirError) as e:
+            mgr.poll(blocking=True)
+        assert str(e.value) == (
+            f"saving checkpoint step 2 under {disk} failed: No space left on device (RuntimeError: "
+            "Worker failure: [Errno 28] No space left on device); the earlier checkpoints are intact. "
+            "Free space (or raise the file-size limit) and resume, or lower checkpoint.keep")
+        assert mgr.poll(blocking=True) == []  # nothing left pending
+        filler.unlink()
+        assert Run(seed=3).load(disk).step == 1

@@ -102,3 +102,37 @@ def test_config_tensor_shape_mismatch_named(mcore_parallel, tmp_path):
     msg = str(e.value)
     assert "model.safetensors" in msg and "model.layers.0.mlp.gate_proj.weight" in msg
     assert "[48, 64]" in msg and "[64, 64]" in msg
+
+
+def test_a_config_json_that_is_a_fifo_is_refused_without_opening_it(tmp_path):
+    """A FIFO (or any non-regular file) named config.json: one error naming it, at once (an open
+    would block until something writes to it)."""
+    import signal
+
+    from megatron_fastpath.hf.config import HFConfigError
+
+    os.mkfifo(tmp_path / "config.json")
+    signal.alarm(20)  # a hang fails the test instead of the run
+    try:
+        with pytest.raises(HFConfigError) as e:
+            read_hf_config(str(tmp_path))
+    finally:
+        signal.alarm(0)
+    assert str(e.value) == (f"{tmp_path / 'config.json'} is not a regular file (a directory, FIFO or "
+                            "device): model.path must be a Hugging Face checkpoint directory")
+
+
+def test_a_truncated_tokenizer_json_is_one_error_naming_it(tmp_path):
+    import make_tiny_hf_llama as tiny
+
+    from megatron_fastpath.hf.tokenizer import ChatTokenizer, TokenizerError
+    from tests.hf.hf_reference import DATA
+
+    tiny.build_tokenizer(str(tmp_path), DATA)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes()[: tok.stat().st_size // 2])
+    with pytest.raises(TokenizerError) as e:
+        ChatTokenizer(str(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith(f"{tok} cannot be read as a tokenizer (") and "\n" not in msg
+    assert msg.endswith("truncated or not a tokenizers file; re-download it from the model's repository")

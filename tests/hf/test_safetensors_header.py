@@ -94,3 +94,61 @@ def test_index_link_leaving_the_directory_is_refused(tmp_path):
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shard.safetensors"}}))
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         SafetensorsCheckpoint(str(model))
+
+
+def test_a_linked_model_safetensors_is_refused_by_its_own_name(tmp_path):
+    """A single model.safetensors that links out of the directory: the message names it (not
+    model.safetensors.index.json, which does not exist); a linked shard likewise."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    os.symlink(tmp_path / "outside.safetensors", model / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        SafetensorsCheckpoint(str(model))
+    assert str(e.value) == (f"{model / 'model.safetensors'} is a link to {tmp_path / 'outside.safetensors'}, "
+                            "which is outside the checkpoint directory: refusing to open it")
+    os.unlink(model / "model.safetensors")
+    os.symlink(tmp_path / "outside.safetensors", model / "shard.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shard.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"model/shard.safetensors is a link to .*outside.safetensors"):
+        SafetensorsCheckpoint(str(model))
+
+
+LAYOUT = {
+    "overlapping-offsets": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, 12,
+                            "tensor 'b' has data_offsets [4, 12], overlapping tensor 'a' (which ends at 8)"),
+    "same-offsets": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 8, "overlapping tensor"),
+    "dtype-vs-bytes": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 6]}}, 8,
+                       "tensor 'w' is F32 [2] (8 bytes) but its data_offsets [0, 6] hold 6 bytes"),
+    "bf16-vs-bytes": ({"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 16]}}, 16,
+                      "tensor 'w' is BF16 [4] (8 bytes) but its data_offsets [0, 16] hold 16 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUT))
+def test_tensor_layout_is_checked_naming_the_file(tmp_path, case):
+    """Overlapping byte ranges and a dtype / shape that does not fit its bytes: one
+    CheckpointError naming the file and the tensor (safetensors' own SafetensorError, a
+    traceback, came only when the tensor was read)."""
+    header, size, match = LAYOUT[case]
+    _write(tmp_path / "model.safetensors", _header(header), b"\0" * size)
+    with pytest.raises(CheckpointError) as e:
+        ckpt = SafetensorsCheckpoint(str(tmp_path))
+        for name in header:
+            ckpt.get(name)
+    assert str(e.value).startswith(f"{tmp_path / 'model.safetensors'}: ") and match in str(e.value)
+    assert str(e.value).endswith("not a valid safetensors file")
+
+
+def test_the_librarys_own_errors_name_the_file(tmp_path, monkeypatch):
+    """What the header checks leave to safetensors (e.g. a dtype it does not know) is one
+    CheckpointError naming the file when the tensor is read."""
+    _write(tmp_path / "model.safetensors", _header({"w": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}),
+           b"\0" * 8)
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a valid safetensors file \(.*\); re-download"):
+        ckpt.get("w")

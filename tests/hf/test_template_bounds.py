@@ -95,3 +95,77 @@ def test_oversized_tokenizer_json_is_refused_before_parsing(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer.json is 240 MiB; .* well under 128 MiB"):
         ChatTokenizer(str(tmp_path))
     assert time.monotonic() - t0 < 5
+
+
+OWNER = """
+import signal, sys, time
+from megatron_fastpath.hf.template_guard import BoundedRenderer
+from megatron_fastpath.hf.tokenizer import ChatTokenizer
+signal.signal(signal.SIGTERM, lambda *a: None)  # the job handles SIGTERM (save, requeue)
+renderer = BoundedRenderer(ChatTokenizer(sys.argv[1]), "d.jsonl")
+renderer.render_samples({messages}, 1)
+print(renderer._proc.pid, flush=True)
+time.sleep(600)
+""".replace("{messages}", repr(CHAT["messages"]))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+def _owner_and_helper(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.subproc import child_env
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    tiny.build_tokenizer(str(tok), DATA)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tok)], stdout=subprocess.PIPE, text=True,
+                             env=child_env())
+    helper = int(owner.stdout.readline())
+    assert not _gone(helper)
+    return owner, helper, signal
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_template_helper_ends_when_the_job_is_killed(tmp_path):
+    """The job killed (-9) while tokenizing: its template helper ends with it (it held the
+    job's end of its pipe, so it never saw EOF, and stayed alive, orphaned)."""
+    owner, helper, signal = _owner_and_helper(tmp_path)
+    try:
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert _wait_gone(helper, 5), f"the template helper {helper} outlived the job"
+    finally:
+        if not _gone(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_template_helper_ends_on_sigterm(tmp_path):
+    """SIGTERM ends the helper (it inherited the job's SIGTERM handler, which ignores it there)."""
+    owner, helper, signal = _owner_and_helper(tmp_path)
+    try:
+        os.kill(helper, signal.SIGTERM)
+        assert _wait_gone(helper, 5), f"the template helper {helper} ignored SIGTERM"
+    finally:
+        for pid in (helper, owner.pid):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        owner.wait(timeout=10)
