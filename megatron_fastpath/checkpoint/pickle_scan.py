@@ -1,0 +1,404 @@
+"""A bounded walk over a pickle's opcodes, before anything in it is built.
+
+:func:`scan` reads the opcodes (``pickletools.genops`` over the bytes in memory, so a declared
+length can never make it allocate more than the file holds) and runs them on an *abstract*
+stack: scalars are the decoded values, every container or instance is a :class:`_Node` that
+records only its children, its nesting depth and how many objects it expands to when every
+shared reference is followed (what hashing, comparing or printing it walks). Nothing the file
+describes is built, hashed or printed here. Each opcode is checked as it comes:
+
+* the stream: a known opcode, a supported protocol, frames and declared lengths within the
+  file, no stack underflow, a ``STOP``; memo indices are dense (a ``PUT`` names a stored slot or
+  the next free one, a ``GET`` a stored one), so no unpickler sizes its memo from the file;
+* globals go through ``resolve`` (the caller's allow-list) and every calling opcode (REDUCE,
+  NEWOBJ, NEWOBJ_EX, OBJ, INST) calls a class it returned, or one of ``functions`` with one
+  argument of the listed type; BUILD sets the state of such an instance only; persistent ids,
+  the copyreg extension registry and out-of-band buffers are refused;
+* resources, all bounded by the file's size ``S``: nesting depth (:data:`MAX_DEPTH`), the objects
+  and references built (``4 S + 65536``, which also bounds what calls copy, e.g. ``frozenset(s)``
+  repeated), the objects hashed or passed to a call, summed over the file, counted as expanded
+  (``64 S + 2**20``: a tuple DAG that shares its halves expands exponentially), and the probes of
+  scalar keys whose hashes collide in one dict or set.
+
+A refusal is a :class:`Refusal` carrying one line: what the file asks for and why it is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+
+MAX_DEPTH = 100
+
+
+class Refusal(Exception):
+    """The pickle is refused; ``kind`` is ``unsafe`` (it would call or reach something not
+    allowed), ``malformed`` (not a valid pickle) or ``resource`` (over a bound)."""
+
+    def __init__(self, kind: str, what: str):
+        super().__init__(what)
+        self.kind, self.what = kind, what
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """``text`` as one printable line of at most about ``limit`` characters."""
+    short = text[:limit].encode("unicode_escape").decode("ascii")
+    return short + ("..." if len(text) > limit else "")
+
+
+class _Global:
+    __slots__ = ("obj", "label")
+
+    def __init__(self, obj, label: str):
+        self.obj, self.label = obj, label
+
+
+class _Node:
+    """A container or instance the pickle would build: its children (for dicts, keys and values
+    alternating), its depth and expanded size (lower bounds until :meth:`_Scan.finish`)."""
+
+    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built")
+
+    def __init__(self, kind: str, kids: list, cls=None):
+        self.kind, self.cls, self.kids = kind, cls, kids
+        self.depth, self.size, self.hashes, self.built = 1, 1, None, False
+
+
+def describe(v) -> str:
+    """What an abstract value is, by type and size; never its contents."""
+    if isinstance(v, _Node):
+        what = v.cls.__qualname__ if v.kind == "inst" else v.kind
+        return f"a {what} of {len(v.kids)} items"
+    if isinstance(v, _Global):
+        return v.label
+    if isinstance(v, (str, bytes, bytearray)):
+        return f"a {type(v).__name__} of length {len(v)}"
+    return f"a {type(v).__name__}"
+
+
+_STR = (str, bytes, bytearray)
+
+
+class _Scan:
+    def __init__(self, data: bytes, resolve, functions: dict):
+        self.data, self.resolve, self.functions = data, resolve, functions
+        n = len(data)
+        self.mem_limit = 4 * n + 65536
+        self.work_limit = 64 * n + (1 << 20)
+        self.mem = self.work = 0
+        self.stack: list = []
+        self.marks: list = []
+        self.memo: list = []
+        self.nodes: list = []
+        self.events: list = []  # nodes hashed, compared or printed while the file is loaded
+
+    # -- accounting ------------------------------------------------------------------------
+    def charge(self, units: int) -> None:
+        self.mem += units
+        if self.mem > self.mem_limit:
+            raise Refusal("resource", f"build more than {self.mem_limit} objects and references "
+                                      f"(the bound for a file of {len(self.data)} bytes)")
+
+    def grow(self, node: _Node, kids) -> None:
+        """Add ``kids`` to ``node`` (charged), keeping depth and size bounds up to date."""
+        kids = list(kids)
+        self.charge(len(kids))
+        node.kids += kids
+        for k in kids:
+            if isinstance(k, _Node):
+                node.depth = max(node.depth, k.depth + 1)
+                node.size += k.size
+            else:
+                node.size += 1
+        if node.depth > MAX_DEPTH:
+            raise Refusal("resource", f"nest containers deeper than {MAX_DEPTH} levels")
+        if node.size > self.work_limit:
+            raise Refusal("resource", f"hold a structure that expands to more than "
+                                      f"{self.work_limit} objects (shared references followed)")
+
+    def new(self, kind: str, kids=(), cls=None) -> _Node:
+        node = _Node(kind, [], cls)
+        self.charge(1)
+        self.nodes.append(node)
+        self.grow(node, kids)
+        return node
+
+    def hashed(self, container: _Node, keys) -> None:
+        """``keys`` are hashed into ``container``: each is an event; colliding scalar hashes
+        cost a probe per earlier equal hash (an int-key flood is quadratic)."""
+        for k in keys:
+            if isinstance(k, _Node):
+                self.events.append(k)
+                continue
+            self.work += 1
+            if container.hashes is None:
+                container.hashes = {}
+            try:
+                h = hash(k.obj if isinstance(k, _Global) else k)
+            except TypeError:
+                continue  # unhashable (a bytearray): the unpickler fails here
+            n = container.hashes.get(h, 0)
+            container.hashes[h] = n + 1
+            self.work += n
+        self.check_work()
+
+    def check_work(self) -> None:
+        if self.work > self.work_limit:
+            raise Refusal("resource", f"hash or pass to calls more than {self.work_limit} objects "
+                                      f"(the bound for a file of {len(self.data)} bytes)")
+
+    # -- stack -----------------------------------------------------------------------------
+    def pop(self, n: int = 1) -> list:
+        if len(self.stack) < n:
+            raise Refusal("malformed", "it pops more values than the unpickling stack holds")
+        out = self.stack[len(self.stack) - n:]
+        del self.stack[len(self.stack) - n:]
+        return out
+
+    def pop_mark(self) -> list:
+        if not self.marks:
+            raise Refusal("malformed", "it pops a mark that was never set")
+        items, self.stack = self.stack, self.marks.pop()
+        return items
+
+    def top_node(self, op: str) -> _Node:
+        if not self.stack:
+            raise Refusal("malformed", f"it applies {op} to an empty stack")
+        v = self.stack[-1]
+        if not isinstance(v, _Node):
+            raise Refusal("malformed", f"it applies {op} to {describe(v)}")
+        return v
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, func, args: list, op: str, kwargs=None) -> _Node:
+        if isinstance(func, _Global) and func.obj in self.functions:
+            kind = self.functions[func.obj]
+            if not (len(args) == 1 and type(args[0]) is kind and kwargs is None and op == "REDUCE"):
+                raise Refusal("unsafe", f"call {func.label} with ({', '.join(map(describe, args))}) "
+                                        f"({op})")
+            return self.new("value", args)
+        if not (isinstance(func, _Global) and isinstance(func.obj, type)):
+            raise Refusal("unsafe", f"call {describe(func)} ({op})")
+        cls = func.obj
+        # what a call may copy (set(s), torch.Size(t), OrderedDict(d)): charged, and hashed
+        # when the class hashes its argument's items
+        for a in args:
+            if isinstance(a, _Node):
+                self.charge(len(a.kids))
+                self.events.append(a)
+            elif isinstance(a, _STR):
+                self.charge(len(a))
+            else:
+                self.work += 1
+        if kwargs is not None:
+            self.events.append(kwargs)
+        inst = self.new("inst", args, cls)
+        if cls in (set, frozenset, dict) or issubclass(cls, dict):
+            for a in args[:1]:
+                if isinstance(a, _Node):
+                    self.hashed(inst, a.kids[0::2] if a.kind == "dict" else a.kids)
+        self.check_work()
+        return inst
+
+    def build(self) -> None:
+        state, = self.pop()
+        if not self.stack:
+            raise Refusal("malformed", "it applies BUILD to an empty stack")
+        inst = self.stack[-1]
+        if not (isinstance(inst, _Node) and inst.kind == "inst") or inst.cls in (set, frozenset):
+            raise Refusal("unsafe", f"set the state of {describe(inst)} (BUILD)")
+        if inst.built:
+            raise Refusal("malformed", f"it sets the state of {describe(inst)} twice (BUILD)")
+        inst.built = True
+        if not isinstance(state, _Node):
+            self.work += 1
+        elif getattr(inst.cls, "__setstate__", None) is not None:  # it may hash or print the state
+            self.events.append(state)
+        else:  # the keys of state (and slotstate) become attribute names
+            parts = state.kids if state.kind == "tuple" and len(state.kids) == 2 else [state]
+            for p in parts:
+                if isinstance(p, _Node) and p.kind == "dict":
+                    self.hashed(inst, p.kids[0::2])
+                elif isinstance(p, _Node):
+                    self.events.append(p)
+        self.grow(inst, [state])
+        self.check_work()
+
+    # -- the walk --------------------------------------------------------------------------
+    def run(self) -> None:
+        f = io.BytesIO(self.data)
+        try:
+            for opcode, arg, pos in pickletools.genops(f):
+                if self.step(opcode.name, arg, pos or 0):
+                    return
+        except (ValueError, OverflowError, UnicodeError) as exc:
+            raise Refusal("malformed", clip(str(exc))) from None
+        raise Refusal("malformed", "it ends without a STOP opcode")
+
+    def step(self, name: str, arg, pos: int):  # noqa: C901 - one branch per opcode family
+        st = self.stack
+        if name in _SCALARS:
+            self.stack.append(_SCALARS[name] if arg is None else arg)
+        elif name == "EMPTY_TUPLE":
+            self.stack.append(())
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            self.stack.append(self.new("tuple", self.pop(int(name[-1]))))
+        elif name == "TUPLE":
+            items = self.pop_mark()
+            self.stack.append(self.new("tuple", items))
+        elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+            self.stack.append(self.new(name[6:].lower()))
+        elif name == "LIST":
+            items = self.pop_mark()
+            self.stack.append(self.new("list", items))
+        elif name in ("DICT", "FROZENSET"):
+            items = self.pop_mark()
+            if name == "DICT" and len(items) % 2:
+                raise Refusal("malformed", "it builds a dict from an odd number of items")
+            node = self.new(name.lower(), items)
+            self.hashed(node, items[0::2] if name == "DICT" else items)
+            self.stack.append(node)
+        elif name in ("APPEND", "APPENDS"):
+            items = self.pop() if name == "APPEND" else self.pop_mark()
+            self.grow(self.top_node(name), items)
+        elif name in ("SETITEM", "SETITEMS"):
+            items = self.pop(2) if name == "SETITEM" else self.pop_mark()
+            if len(items) % 2:
+                raise Refusal("malformed", "it sets items from an odd number of values (SETITEMS)")
+            target = self.top_node(name)
+            self.hashed(target, items[0::2])
+            self.grow(target, items)
+        elif name == "ADDITEMS":
+            items = self.pop_mark()
+            target = self.top_node(name)
+            self.hashed(target, items)
+            self.grow(target, items)
+        elif name == "POP":
+            self.pop() if st else self.pop_mark()
+        elif name == "POP_MARK":
+            self.pop_mark()
+        elif name == "DUP":
+            if not st:
+                raise Refusal("malformed", "it applies DUP to an empty stack")
+            self.stack.append(st[-1])
+        elif name == "MARK":
+            self.marks.append(st)
+            self.stack = []
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            if not 0 <= arg < len(self.memo):
+                raise Refusal("malformed", f"it reads memo slot {arg}, which was never stored ({name})")
+            self.stack.append(self.memo[arg])
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            idx = len(self.memo) if name == "MEMOIZE" else arg
+            if not 0 <= idx <= len(self.memo):
+                raise Refusal("resource", f"store memo slot {idx} after {len(self.memo)} slots "
+                                          f"({name}; an unpickler would size its memo to it)")
+            if not st:
+                raise Refusal("malformed", f"it memoizes from an empty stack ({name})")
+            self.charge(1)
+            self.memo[idx:idx + 1] = [st[-1]]
+        elif name in ("GLOBAL", "INST"):
+            module, _, qual = arg.partition(" ")
+            g = _Global(self.resolve(module, qual), clip(f"{module}.{qual}"))
+            value = g if name == "GLOBAL" else self.call(g, self.pop_mark(), "INST")
+            self.stack.append(value)
+        elif name == "STACK_GLOBAL":
+            module, qual = self.pop(2)
+            if type(module) is not str or type(qual) is not str:
+                raise Refusal("malformed", "it names a global with non-string values (STACK_GLOBAL)")
+            self.stack.append(_Global(self.resolve(module, qual), clip(f"{module}.{qual}")))
+        elif name == "REDUCE":
+            func, args = self.pop(2)
+            if not (args == () or isinstance(args, _Node) and args.kind == "tuple"):
+                raise Refusal("malformed", f"it calls with {describe(args)} as arguments (REDUCE)")
+            self.stack.append(self.call(func, [] if args == () else args.kids, "REDUCE"))
+        elif name in ("NEWOBJ", "NEWOBJ_EX"):
+            parts = self.pop(2 if name == "NEWOBJ" else 3)
+            args = parts[1]
+            if not (args == () or isinstance(args, _Node) and args.kind == "tuple"):
+                raise Refusal("malformed", f"it calls with {describe(args)} as arguments ({name})")
+            kwargs = parts[2] if name == "NEWOBJ_EX" else None
+            if kwargs is not None and not (isinstance(kwargs, _Node) and kwargs.kind == "dict"):
+                raise Refusal("malformed", f"it calls with {describe(kwargs)} as keywords ({name})")
+            self.stack.append(self.call(parts[0], [] if args == () else args.kids, name, kwargs))
+        elif name == "OBJ":
+            items = self.pop_mark()
+            if not items:
+                raise Refusal("malformed", "it calls nothing (OBJ with an empty mark)")
+            self.stack.append(self.call(items[0], items[1:], "OBJ"))
+        elif name == "BUILD":
+            self.build()
+        elif name == "PROTO":
+            if arg > pickle.HIGHEST_PROTOCOL:
+                raise Refusal("malformed", f"it uses pickle protocol {arg} (this Python reads up to "
+                                           f"{pickle.HIGHEST_PROTOCOL})")
+        elif name == "FRAME":
+            if arg > len(self.data) - pos - 9:
+                raise Refusal("malformed", f"it declares a frame of {arg} bytes with "
+                                           f"{len(self.data) - pos - 9} left in the file")
+        elif name == "STOP":
+            (root,) = self.pop()
+            self.finish(root)
+            return True
+        elif name in ("PERSID", "BINPERSID"):
+            raise Refusal("unsafe", "resolve a persistent id")
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            raise Refusal("unsafe", "call through the copyreg extension registry (EXT1/2/4)")
+        else:  # NEXT_BUFFER, READONLY_BUFFER and anything newer
+            raise Refusal("malformed", f"it uses {name}, which a checkpoint metadata file never holds")
+        return False
+
+    def finish(self, root) -> None:
+        """Exact depth and expanded size of every node (children complete now), cycles
+        refused; then the events and the root summed against the work bound."""
+        limit = self.work_limit + 1
+        size: dict = {}
+        depth: dict = {}
+        for start in self.nodes:
+            if id(start) in size:
+                continue
+            todo = [(start, False)]
+            open_ = set()
+            while todo:
+                node, done = todo.pop()
+                key = id(node)
+                if done:
+                    open_.discard(key)
+                    s, d = 1, 1
+                    for k in node.kids:
+                        if isinstance(k, _Node):
+                            s += size[id(k)]
+                            d = max(d, depth[id(k)] + 1)
+                        else:
+                            s += 1
+                    size[key], depth[key] = min(s, limit), d
+                    if d > MAX_DEPTH:
+                        raise Refusal("resource", f"nest containers deeper than {MAX_DEPTH} levels")
+                    continue
+                if key in size:
+                    continue
+                if key in open_:
+                    raise Refusal("resource", "hold a reference cycle")
+                open_.add(key)
+                todo.append((node, True))
+                todo.extend((k, False) for k in node.kids if isinstance(k, _Node) and id(k) not in size)
+        for n in self.events + ([root] if isinstance(root, _Node) else []):
+            self.work += size[id(n)]
+            self.check_work()
+
+
+_SCALARS = {
+    "NONE": None, "NEWTRUE": True, "NEWFALSE": False,
+    **{n: None for n in ("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
+                         "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES",
+                         "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+                         "BINUNICODE8", "FLOAT", "BINFLOAT")},
+}
+
+
+def scan(data: bytes, resolve, functions: dict) -> None:
+    """Walk ``data`` (a whole pickle) under the bounds above; :class:`Refusal` if any fails.
+    ``resolve(module, name)`` returns an allowed global or raises; ``functions`` maps the
+    allowed functions to the one argument type each takes."""
+    _Scan(data, resolve, functions).run()
