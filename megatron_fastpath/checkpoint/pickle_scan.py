@@ -5,20 +5,24 @@ length can never make it allocate more than the file holds) and runs them on an 
 stack: scalars are the decoded values, every container or instance is a :class:`_Node` that
 records only its children, its nesting depth and how many objects it expands to when every
 shared reference is followed (what hashing, comparing or printing it walks). Nothing the file
-describes is built, hashed or printed here. Each opcode is checked as it comes:
+describes is built or printed here; only hash keys get plain stand-ins (tuples of scalars,
+within the work bound) to find colliding hashes. Each opcode is checked as it comes:
 
 * the stream: a known opcode, a supported protocol, frames and declared lengths within the
   file, no stack underflow, a ``STOP``; memo indices are dense (a ``PUT`` names a stored slot or
   the next free one, a ``GET`` a stored one), so no unpickler sizes its memo from the file;
+  APPEND, SETITEM and ADDITEMS add to lists, dicts and sets only;
 * globals go through ``resolve`` (the caller's allow-list) and every calling opcode (REDUCE,
   NEWOBJ, NEWOBJ_EX, OBJ, INST) calls a class it returned, or one of ``functions`` with one
-  argument of the listed type; BUILD sets the state of such an instance only; persistent ids,
+  argument of the listed type; BUILD sets the state of such an instance, once; persistent ids,
   the copyreg extension registry and out-of-band buffers are refused;
-* resources, all bounded by the file's size ``S``: nesting depth (:data:`MAX_DEPTH`), the objects
-  and references built (``4 S + 65536``, which also bounds what calls copy, e.g. ``frozenset(s)``
-  repeated), the objects hashed or passed to a call, summed over the file, counted as expanded
-  (``64 S + 2**20``: a tuple DAG that shares its halves expands exponentially), and the probes of
-  scalar keys whose hashes collide in one dict or set.
+* resources, all bounded by the file's size ``S``: nesting depth and marks open at once
+  (:data:`MAX_DEPTH`); the objects and references built (``4 S + 65536``, which also bounds what
+  calls copy, e.g. ``frozenset(s)`` repeated); the objects hashed or passed to a call, summed
+  over the file and counted as expanded (``64 S + 2**20``: a tuple DAG that shares its halves
+  expands exponentially), with the comparisons that keys of equal hash cost in one dict or set
+  (stand-ins hash as ints, tuples, frozensets, torch.Size and MetadataIndex do in this process,
+  which unpickles the file next with the same hash seed).
 
 A refusal is a :class:`Refusal` carrying one line: what the file asks for and why it is refused.
 """
@@ -58,11 +62,12 @@ class _Node:
     """A container or instance the pickle would build: its children (for dicts, keys and values
     alternating), its depth and expanded size (lower bounds until :meth:`_Scan.finish`)."""
 
-    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built")
+    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built", "fields")
 
     def __init__(self, kind: str, kids: list, cls=None):
         self.kind, self.cls, self.kids = kind, cls, kids
         self.depth, self.size, self.hashes, self.built = 1, 1, None, False
+        self.fields = None  # an instance's attributes, where its hash depends on them
 
 
 def describe(v) -> str:
@@ -78,15 +83,22 @@ def describe(v) -> str:
 
 
 _STR = (str, bytes, bytearray)
+_UNKNOWN = object()
 
 
 class _Scan:
     def __init__(self, data: bytes, resolve, functions: dict):
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
         self.data, self.resolve, self.functions = data, resolve, functions
+        # instances whose hash is their fields' (dataclass(frozen=True)) or a tuple's
+        self.field_hashed = {MetadataIndex: ("fqn", "offset")}
+        self.tuple_hashed = (torch.Size,)
         n = len(data)
         self.mem_limit = 4 * n + 65536
         self.work_limit = 64 * n + (1 << 20)
-        self.mem = self.work = 0
+        self.mem = self.work = self.proto = 0
         self.stack: list = []
         self.marks: list = []
         self.memo: list = []
@@ -125,23 +137,65 @@ class _Scan:
         return node
 
     def hashed(self, container: _Node, keys) -> None:
-        """``keys`` are hashed into ``container``: each is an event; colliding scalar hashes
-        cost a probe per earlier equal hash (an int-key flood is quadratic)."""
+        """``keys`` are hashed into ``container``: each is an event, and a key whose hash an
+        earlier key of the container shares costs one comparison per such key (a flood of
+        equal hashes is quadratic). Hashes are computed on :meth:`plain` stand-ins: this
+        process unpickles the file next, with the same hash seed."""
         for k in keys:
             if isinstance(k, _Node):
                 self.events.append(k)
+            before = self.work
+            plain = self.plain(k, 0)
+            cost = max(1, self.work - before)
+            if plain is _UNKNOWN:
                 continue
-            self.work += 1
+            try:
+                h = hash(plain)
+            except TypeError:
+                continue  # unhashable: the unpickler fails here
             if container.hashes is None:
                 container.hashes = {}
-            try:
-                h = hash(k.obj if isinstance(k, _Global) else k)
-            except TypeError:
-                continue  # unhashable (a bytearray): the unpickler fails here
             n = container.hashes.get(h, 0)
             container.hashes[h] = n + 1
-            self.work += n
+            self.work += n * cost
         self.check_work()
+
+    def plain(self, v, depth: int):
+        """A plain value hashing and comparing as ``v`` will once built (tuples of scalars,
+        frozensets, torch.Size, MetadataIndex), else ``_UNKNOWN`` (an instance hashed by
+        identity or salted by a str, or an unhashable container). Each node visited is work."""
+        if not isinstance(v, _Node):
+            return v.obj if isinstance(v, _Global) else v
+        self.work += 1
+        self.check_work()
+        if depth > MAX_DEPTH:
+            raise Refusal("resource", f"nest containers deeper than {MAX_DEPTH} levels")
+        if v.kind in ("tuple", "frozenset"):
+            out = [self.plain(k, depth + 1) for k in v.kids]
+            if any(x is _UNKNOWN for x in out):
+                return _UNKNOWN
+            try:
+                return tuple(out) if v.kind == "tuple" else frozenset(out)
+            except TypeError:  # an unhashable element
+                return _UNKNOWN
+        if v.kind == "inst" and v.cls in self.tuple_hashed:  # torch.Size(seq) hashes as a tuple
+            return self.as_tuple(v.kids[0], depth + 1) if v.kids else ()
+        if v.kind == "inst" and v.cls in self.field_hashed:
+            fields = v.fields or {}
+            # MetadataIndex.__init__ turns offset into a torch.Size
+            out = tuple(self.as_tuple(fields[f], depth + 1) if f == "offset" and isinstance(fields.get(f), _Node)
+                        else self.plain(fields.get(f), depth + 1) for f in self.field_hashed[v.cls])
+            return _UNKNOWN if any(x is _UNKNOWN for x in out) else out
+        return _UNKNOWN
+
+    def as_tuple(self, v, depth: int):
+        """:meth:`plain` of ``tuple(v)`` for a tuple, list or torch.Size ``v``."""
+        if isinstance(v, _Node) and v.kind == "list":
+            self.work += 1
+            out = tuple(self.plain(k, depth + 1) for k in v.kids)
+            return _UNKNOWN if any(x is _UNKNOWN for x in out) else out
+        out = self.plain(v, depth)
+        return out if type(out) is tuple else _UNKNOWN
 
     def check_work(self) -> None:
         if self.work > self.work_limit:
@@ -162,11 +216,13 @@ class _Scan:
         items, self.stack = self.stack, self.marks.pop()
         return items
 
-    def top_node(self, op: str) -> _Node:
+    def target(self, op: str, kind: str, base: type) -> _Node:
+        """The top of the stack, which ``op`` adds to: a ``kind`` or an instance of a
+        ``base`` subclass (tuples and frozensets never change once built)."""
         if not self.stack:
             raise Refusal("malformed", f"it applies {op} to an empty stack")
         v = self.stack[-1]
-        if not isinstance(v, _Node):
+        if not (isinstance(v, _Node) and (v.kind == kind or v.kind == "inst" and issubclass(v.cls, base))):
             raise Refusal("malformed", f"it applies {op} to {describe(v)}")
         return v
 
@@ -194,6 +250,8 @@ class _Scan:
         if kwargs is not None:
             self.events.append(kwargs)
         inst = self.new("inst", args, cls)
+        if cls in self.field_hashed and op in ("REDUCE", "OBJ", "INST"):  # __init__(*args)
+            inst.fields = dict(zip(("fqn", "offset", "index"), args))
         if cls in (set, frozenset, dict) or issubclass(cls, dict):
             for a in args[:1]:
                 if isinstance(a, _Node):
@@ -220,6 +278,8 @@ class _Scan:
             for p in parts:
                 if isinstance(p, _Node) and p.kind == "dict":
                     self.hashed(inst, p.kids[0::2])
+                    inst.fields = inst.fields or {}
+                    inst.fields.update((k, v) for k, v in zip(p.kids[0::2], p.kids[1::2]) if type(k) is str)
                 elif isinstance(p, _Node):
                     self.events.append(p)
         self.grow(inst, [state])
@@ -261,17 +321,17 @@ class _Scan:
             self.stack.append(node)
         elif name in ("APPEND", "APPENDS"):
             items = self.pop() if name == "APPEND" else self.pop_mark()
-            self.grow(self.top_node(name), items)
+            self.grow(self.target(name, "list", list), items)
         elif name in ("SETITEM", "SETITEMS"):
             items = self.pop(2) if name == "SETITEM" else self.pop_mark()
             if len(items) % 2:
                 raise Refusal("malformed", "it sets items from an odd number of values (SETITEMS)")
-            target = self.top_node(name)
+            target = self.target(name, "dict", dict)
             self.hashed(target, items[0::2])
             self.grow(target, items)
         elif name == "ADDITEMS":
             items = self.pop_mark()
-            target = self.top_node(name)
+            target = self.target(name, "set", set)
             self.hashed(target, items)
             self.grow(target, items)
         elif name == "POP":
@@ -283,6 +343,8 @@ class _Scan:
                 raise Refusal("malformed", "it applies DUP to an empty stack")
             self.stack.append(st[-1])
         elif name == "MARK":
+            if len(self.marks) >= MAX_DEPTH:  # each open mark is a container being built
+                raise Refusal("resource", f"open more than {MAX_DEPTH} marks at once")
             self.marks.append(st)
             self.stack = []
         elif name in ("GET", "BINGET", "LONG_BINGET"):
@@ -300,14 +362,14 @@ class _Scan:
             self.memo[idx:idx + 1] = [st[-1]]
         elif name in ("GLOBAL", "INST"):
             module, _, qual = arg.partition(" ")
-            g = _Global(self.resolve(module, qual), clip(f"{module}.{qual}"))
+            g = _Global(self.resolve(module, qual, self.proto), clip(f"{module}.{qual}"))
             value = g if name == "GLOBAL" else self.call(g, self.pop_mark(), "INST")
             self.stack.append(value)
         elif name == "STACK_GLOBAL":
             module, qual = self.pop(2)
             if type(module) is not str or type(qual) is not str:
                 raise Refusal("malformed", "it names a global with non-string values (STACK_GLOBAL)")
-            self.stack.append(_Global(self.resolve(module, qual), clip(f"{module}.{qual}")))
+            self.stack.append(_Global(self.resolve(module, qual, self.proto), clip(f"{module}.{qual}")))
         elif name == "REDUCE":
             func, args = self.pop(2)
             if not (args == () or isinstance(args, _Node) and args.kind == "tuple"):
@@ -333,6 +395,7 @@ class _Scan:
             if arg > pickle.HIGHEST_PROTOCOL:
                 raise Refusal("malformed", f"it uses pickle protocol {arg} (this Python reads up to "
                                            f"{pickle.HIGHEST_PROTOCOL})")
+            self.proto = arg
         elif name == "FRAME":
             if arg > len(self.data) - pos - 9:
                 raise Refusal("malformed", f"it declares a frame of {arg} bytes with "
@@ -399,6 +462,6 @@ _SCALARS = {
 
 def scan(data: bytes, resolve, functions: dict) -> None:
     """Walk ``data`` (a whole pickle) under the bounds above; :class:`Refusal` if any fails.
-    ``resolve(module, name)`` returns an allowed global or raises; ``functions`` maps the
+    ``resolve(module, name, protocol)`` returns an allowed global or raises; ``functions`` maps the
     allowed functions to the one argument type each takes."""
     _Scan(data, resolve, functions).run()

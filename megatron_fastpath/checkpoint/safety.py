@@ -132,6 +132,18 @@ def _resolve(path: str, module: str, name: str):
     raise _refuse(path, f"unpickle {label}, which is not a dtype, layout or memory format")
 
 
+def _py3_name(module: str, name: str, proto: int) -> tuple:
+    """The renaming of Python 2 names both unpicklers apply to protocols 0-2 (fix_imports)."""
+    if proto < 3:
+        from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+        if (module, name) in NAME_MAPPING:
+            return NAME_MAPPING[(module, name)]
+        if module in IMPORT_MAPPING:
+            return IMPORT_MAPPING[module], name
+    return module, name
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """pickle's pure-Python unpickler with every calling opcode checked (module docstring)."""
 
@@ -144,13 +156,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         self.functions: dict = {}  # the listed functions it resolved -> their argument type
 
     def find_class(self, module: str, name: str):
-        if self.proto < 3 and self.fix_imports:  # the same renaming the C unpickler applies
-            from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
-            if (module, name) in NAME_MAPPING:
-                module, name = NAME_MAPPING[(module, name)]
-            elif module in IMPORT_MAPPING:
-                module = IMPORT_MAPPING[module]
+        module, name = _py3_name(module, name, self.proto)
         obj = _resolve(self.path, module, name)
         if isinstance(obj, type):
             self.classes.add(obj)
@@ -211,7 +217,8 @@ def safe_load_metadata(path: str):
     with open(path, "rb") as f:
         data = f.read()
     try:
-        scan(data, lambda module, name: _resolve(path, module, name), _FUNCTIONS_BY_OBJECT)
+        scan(data, lambda module, name, proto: _resolve(path, *_py3_name(module, name, proto)),
+             _FUNCTIONS_BY_OBJECT)
     except Refusal as exc:
         if exc.kind == "unsafe":
             raise _refuse(path, exc.what) from None

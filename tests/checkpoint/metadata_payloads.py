@@ -91,6 +91,19 @@ def int_key_flood(n: int = 30_000) -> bytes:
     return b"\x80\x04}(" + b"".join(_long1(k * (2**61 - 1)) + b"N" for k in range(1, n + 1)) + b"u" + STOP
 
 
+def tuple_key_flood(n: int = 20_000) -> bytes:
+    """The same flood with keys (k * (2**61 - 1),): a tuple hashes its elements' hashes."""
+    return (b"\x80\x04}(" + b"".join(_long1(k * (2**61 - 1)) + b"\x85N" for k in range(1, n + 1))
+            + b"u" + STOP)
+
+
+def metadata_index_key_flood(n: int = 20_000) -> bytes:
+    """MetadataIndex keys whose fqn is k * (2**61 - 1) (set by BUILD): they hash as (fqn, offset)."""
+    head = b"\x80\x04}" + _stack_global(META, "MetadataIndex") + MEMOIZE + b"0("
+    key = lambda k: _get(0) + b")\x81}" + _s("fqn") + _long1(k * (2**61 - 1)) + b"sb"  # noqa: E731
+    return head + b"".join(key(k) + b"N" for k in range(1, n + 1)) + b"u" + STOP
+
+
 def resource_payloads() -> dict:
     big = 1 << 26
     return {
@@ -110,6 +123,8 @@ def resource_payloads() -> dict:
         "proto0-put-2**26": b"Np67108864\n.",
         "proto0-put-negative": b"Np-1\n.",
         "int-key-flood": int_key_flood(),
+        "tuple-key-flood": tuple_key_flood(),
+        "metadata-index-key-flood": metadata_index_key_flood(),
         "many-marks": b"(" * 10**6 + b"N.",
         "wide-stack": b"N" * 10**6 + b".",
     }

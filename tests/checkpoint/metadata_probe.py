@@ -28,6 +28,9 @@ def _vm_bytes() -> int:
 
 
 def main(cases_path: str, out_path: str) -> None:
+    import torch.distributed.checkpoint.filesystem  # noqa: F401 - what the checker imports on
+    import torch.distributed.checkpoint.planner  # noqa: F401 - first use, before the baseline
+
     from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError, check_safe_to_load
 
     copyreg.add_extension("posix", "system", EXT_CODE)
