@@ -62,11 +62,11 @@ class _Node:
     """A container or instance the pickle would build: its children (for dicts, keys and values
     alternating), its depth and expanded size (lower bounds until :meth:`_Scan.finish`)."""
 
-    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built", "fields")
+    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built", "fields", "walk")
 
-    def __init__(self, kind: str, kids: list, cls=None):
-        self.kind, self.cls, self.kids = kind, cls, kids
-        self.depth, self.size, self.hashes, self.built = 1, 1, None, False
+    def __init__(self, kind: str, cls=None):
+        self.kind, self.cls, self.kids = kind, cls, ()  # a list once it has children
+        self.depth, self.size, self.hashes, self.built, self.walk = 1, 1, None, False, 0
         self.fields = None  # an instance's attributes, where its hash depends on them
 
 
@@ -115,8 +115,13 @@ class _Scan:
     def grow(self, node: _Node, kids) -> None:
         """Add ``kids`` to ``node`` (charged), keeping depth and size bounds up to date."""
         kids = list(kids)
+        if not kids:
+            return
         self.charge(len(kids))
-        node.kids += kids
+        if node.kids == ():
+            node.kids = kids
+        else:
+            node.kids += kids
         for k in kids:
             if isinstance(k, _Node):
                 node.depth = max(node.depth, k.depth + 1)
@@ -130,10 +135,11 @@ class _Scan:
                                       f"{self.work_limit} objects (shared references followed)")
 
     def new(self, kind: str, kids=(), cls=None) -> _Node:
-        node = _Node(kind, [], cls)
+        node = _Node(kind, cls)
         self.charge(1)
         self.nodes.append(node)
-        self.grow(node, kids)
+        if kids:
+            self.grow(node, kids)
         return node
 
     def hashed(self, container: _Node, keys) -> None:
@@ -308,7 +314,7 @@ class _Scan:
             items = self.pop_mark()
             self.stack.append(self.new("tuple", items))
         elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
-            self.stack.append(self.new(name[6:].lower()))
+            self.stack.append(self.new(_EMPTY[name]))
         elif name == "LIST":
             items = self.pop_mark()
             self.stack.append(self.new("list", items))
@@ -413,44 +419,47 @@ class _Scan:
         return False
 
     def finish(self, root) -> None:
-        """Exact depth and expanded size of every node (children complete now), cycles
-        refused; then the events and the root summed against the work bound."""
+        """Exact depth and expanded size of every node (children complete now, so the bounds
+        kept while walking become exact), cycles refused; then the events and the root summed
+        against the work bound. ``walk``: 0 not seen, 1 on the current path, 2 done."""
         limit = self.work_limit + 1
-        size: dict = {}
-        depth: dict = {}
         for start in self.nodes:
-            if id(start) in size:
+            if start.walk:
+                continue
+            if not start.kids:  # size and depth 1 already
+                start.walk = 2
                 continue
             todo = [(start, False)]
-            open_ = set()
             while todo:
                 node, done = todo.pop()
-                key = id(node)
                 if done:
-                    open_.discard(key)
-                    s, d = 1, 1
+                    size, depth = 1, 1
                     for k in node.kids:
                         if isinstance(k, _Node):
-                            s += size[id(k)]
-                            d = max(d, depth[id(k)] + 1)
+                            size += k.size
+                            depth = max(depth, k.depth + 1)
                         else:
-                            s += 1
-                    size[key], depth[key] = min(s, limit), d
-                    if d > MAX_DEPTH:
+                            size += 1
+                    node.size, node.depth, node.walk = min(size, limit), depth, 2
+                    if depth > MAX_DEPTH:
                         raise Refusal("resource", f"nest containers deeper than {MAX_DEPTH} levels")
-                    continue
-                if key in size:
-                    continue
-                if key in open_:
+                elif node.walk == 1:
                     raise Refusal("resource", "hold a reference cycle")
-                open_.add(key)
-                todo.append((node, True))
-                todo.extend((k, False) for k in node.kids if isinstance(k, _Node) and id(k) not in size)
+                elif node.walk == 0:
+                    node.walk = 1
+                    todo.append((node, True))
+                    for k in node.kids:
+                        if isinstance(k, _Node) and k.walk != 2:
+                            if k.kids:
+                                todo.append((k, False))
+                            else:
+                                k.walk = 2
         for n in self.events + ([root] if isinstance(root, _Node) else []):
-            self.work += size[id(n)]
+            self.work += n.size
             self.check_work()
 
 
+_EMPTY = {"EMPTY_LIST": "list", "EMPTY_DICT": "dict", "EMPTY_SET": "set"}
 _SCALARS = {
     "NONE": None, "NEWTRUE": True, "NEWFALSE": False,
     **{n: None for n in ("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",

@@ -39,6 +39,7 @@ objects, only their type and size.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import os
@@ -144,6 +145,27 @@ def _py3_name(module: str, name: str, proto: int) -> tuple:
     return module, name
 
 
+def _load_checked(path: str, data: bytes):
+    """The bounded opcode walk, then the checked unpickler over the same bytes."""
+    try:
+        scan(data, lambda module, name, proto: _resolve(path, *_py3_name(module, name, proto)),
+             _FUNCTIONS_BY_OBJECT)
+    except Refusal as exc:
+        if exc.kind == "unsafe":
+            raise _refuse(path, exc.what) from None
+        raise (_over_bound if exc.kind == "resource" else _unreadable)(path, exc.what) from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # anything else the opcode reader raises: the file is not a pickle
+        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from None
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from exc
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """pickle's pure-Python unpickler with every calling opcode checked (module docstring)."""
 
@@ -216,23 +238,15 @@ def safe_load_metadata(path: str):
     bounded walk of its opcodes (module docstring)."""
     with open(path, "rb") as f:
         data = f.read()
+    # Both passes allocate an object or two per opcode and (cycles being refused) free them by
+    # reference counting: the cyclic collector would only rescan them, again and again.
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
-        scan(data, lambda module, name, proto: _resolve(path, *_py3_name(module, name, proto)),
-             _FUNCTIONS_BY_OBJECT)
-    except Refusal as exc:
-        if exc.kind == "unsafe":
-            raise _refuse(path, exc.what) from None
-        raise (_over_bound if exc.kind == "resource" else _unreadable)(path, exc.what) from None
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # anything else the opcode reader raises: the file is not a pickle
-        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from None
-    try:
-        meta = _MetadataUnpickler(io.BytesIO(data), path).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:
-        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from exc
+        meta = _load_checked(path, data)
+    finally:
+        if gc_was_on:
+            gc.enable()
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(meta, Metadata):

@@ -127,6 +127,8 @@ def resource_payloads() -> dict:
         "metadata-index-key-flood": metadata_index_key_flood(),
         "many-marks": b"(" * 10**6 + b"N.",
         "wide-stack": b"N" * 10**6 + b".",
+        "an-object-per-byte": b"\x80\x04" + b"]" * 200_000 + b".",
+        "a-dict-per-byte-in-a-list": b"\x80\x04](" + b"}" * 200_000 + b"e.",
     }
 
 
