@@ -62,11 +62,12 @@ class _Node:
     """A container or instance the pickle would build: its children (for dicts, keys and values
     alternating), its depth and expanded size (lower bounds until :meth:`_Scan.finish`)."""
 
-    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built", "fields", "walk")
+    __slots__ = ("kind", "cls", "kids", "depth", "size", "hashes", "built", "fields", "walk", "stand_in")
 
     def __init__(self, kind: str, cls=None):
         self.kind, self.cls, self.kids = kind, cls, ()  # a list once it has children
         self.depth, self.size, self.hashes, self.built, self.walk = 1, 1, None, False, 0
+        self.stand_in = None  # (plain value,) once computed, for a tuple or frozenset
         self.fields = None  # an instance's attributes, where its hash depends on them
 
 
@@ -176,14 +177,16 @@ class _Scan:
         self.check_work()
         if depth > MAX_DEPTH:
             raise Refusal("resource", f"nest containers deeper than {MAX_DEPTH} levels")
-        if v.kind in ("tuple", "frozenset"):
-            out = [self.plain(k, depth + 1) for k in v.kids]
-            if any(x is _UNKNOWN for x in out):
-                return _UNKNOWN
-            try:
-                return tuple(out) if v.kind == "tuple" else frozenset(out)
-            except TypeError:  # an unhashable element
-                return _UNKNOWN
+        if v.kind in ("tuple", "frozenset"):  # built once: rebuilding a frozenset of equal
+            if v.stand_in is None:            # hashes would repeat its quadratic cost
+                out = [self.plain(k, depth + 1) for k in v.kids]
+                try:
+                    value = _UNKNOWN if any(x is _UNKNOWN for x in out) else (
+                        tuple(out) if v.kind == "tuple" else frozenset(out))
+                except TypeError:  # an unhashable element
+                    value = _UNKNOWN
+                v.stand_in = (value,)
+            return v.stand_in[0]
         if v.kind == "inst" and v.cls in self.tuple_hashed:  # torch.Size(seq) hashes as a tuple
             return self.as_tuple(v.kids[0], depth + 1) if v.kids else ()
         if v.kind == "inst" and v.cls in self.field_hashed:
