@@ -30,15 +30,24 @@ The metadata unpickler closes the class of bug, not one payload:
 
 It runs on pickle's pure-Python ``_Unpickler`` (whose opcode table can be checked per opcode),
 which reads the same bytes as the C unpickler torch.distributed.checkpoint uses afterwards.
+Before it builds anything, :func:`~megatron_fastpath.checkpoint.pickle_scan.scan` walks the
+opcodes with the same allow-list and bounds the stream, the memo, nesting depth, objects built
+and objects hashed or passed to calls by the file's size, so neither unpickler can be made to
+crash, hang or exhaust memory by the file. Refusals are one line and never print the file's
+objects, only their type and size.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
+import io
 import os
 import pickle
 
 import torch
+
+from megatron_fastpath.checkpoint.pickle_scan import Refusal, clip, scan
 
 __all__ = ["UnsafeCheckpointError", "check_safe_to_load", "safe_load_metadata"]
 
@@ -64,6 +73,7 @@ _CLASSES = {
 # pickles a layout as ``_get_layout("torch.strided")`` (torch/serialization.py, copyreg.pickle
 # for torch.layout), a lookup in a table of torch's layouts.
 _FUNCTIONS = {("torch.serialization", "_get_layout"): str}
+_FUNCTIONS_BY_OBJECT = {getattr(importlib.import_module(m), n): t for (m, n), t in _FUNCTIONS.items()}
 # Values of module ``torch`` a pickle may name (dtypes, layouts and memory formats pickle
 # themselves as globals); checked by type, not by name.
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
@@ -82,25 +92,78 @@ def _refuse(path: str, what: str) -> UnsafeCheckpointError:
     )
 
 
+def _unreadable(path: str, why: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"{path} is not a readable checkpoint metadata file: {why}")
+
+
+def _over_bound(path: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} would {what}: refusing to load it (a .metadata written by "
+        "torch.distributed.checkpoint stays far below this bound; the file is damaged or crafted)"
+    )
+
+
+def _what(obj) -> str:
+    """A loaded object named by type and size, never by its contents (which may be huge)."""
+    if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+        return clip(f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}")
+    size = f" of {len(obj)} items" if isinstance(obj, (tuple, list, dict, set, frozenset)) else ""
+    return f"a {type(obj).__qualname__}{size}"
+
+
 def _resolve(path: str, module: str, name: str):
     """The object ``module.name`` if the table allows it, else UnsafeCheckpointError."""
+    label = clip(f"{module}.{name}")
     if "." in name:
-        raise _refuse(path, f"look up the attribute path {module}.{name}")
+        raise _refuse(path, f"look up the attribute path {label}")
     listed = (module, name) in _CLASSES or (module, name) in _FUNCTIONS
     if not listed and module != "torch":
-        raise _refuse(path, f"unpickle {module}.{name}, which is not a checkpoint-metadata class")
+        raise _refuse(path, f"unpickle {label}, which is not a checkpoint-metadata class")
     try:
         obj = vars(importlib.import_module(module))[name]
     except (ImportError, KeyError) as exc:
-        raise _refuse(path, f"unpickle {module}.{name}, which does not exist") from exc
+        raise _refuse(path, f"unpickle {label}, which does not exist") from exc
     if listed:
         kind = type if (module, name) in _CLASSES else type(_resolve)
         if not (isinstance(obj, kind) and obj.__module__ == module and obj.__qualname__ == name):
-            raise _refuse(path, f"unpickle {module}.{name}, which is not the listed {kind.__name__}")
+            raise _refuse(path, f"unpickle {label}, which is not the listed {kind.__name__}")
         return obj
     if type(obj) in _TORCH_VALUE_TYPES:
         return obj
-    raise _refuse(path, f"unpickle {module}.{name}, which is not a dtype, layout or memory format")
+    raise _refuse(path, f"unpickle {label}, which is not a dtype, layout or memory format")
+
+
+def _py3_name(module: str, name: str, proto: int) -> tuple:
+    """The renaming of Python 2 names both unpicklers apply to protocols 0-2 (fix_imports)."""
+    if proto < 3:
+        from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+        if (module, name) in NAME_MAPPING:
+            return NAME_MAPPING[(module, name)]
+        if module in IMPORT_MAPPING:
+            return IMPORT_MAPPING[module], name
+    return module, name
+
+
+def _load_checked(path: str, data: bytes):
+    """The bounded opcode walk, then the checked unpickler over the same bytes."""
+    try:
+        scan(data, lambda module, name, proto: _resolve(path, *_py3_name(module, name, proto)),
+             _FUNCTIONS_BY_OBJECT)
+    except Refusal as exc:
+        if exc.kind == "unsafe":
+            raise _refuse(path, exc.what) from None
+        raise (_over_bound if exc.kind == "resource" else _unreadable)(path, exc.what) from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # anything else the opcode reader raises: the file is not a pickle
+        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from None
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise _unreadable(path, clip(f"{type(exc).__name__}: {exc}", 300)) from exc
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -115,13 +178,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         self.functions: dict = {}  # the listed functions it resolved -> their argument type
 
     def find_class(self, module: str, name: str):
-        if self.proto < 3 and self.fix_imports:  # the same renaming the C unpickler applies
-            from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
-            if (module, name) in NAME_MAPPING:
-                module, name = NAME_MAPPING[(module, name)]
-            elif module in IMPORT_MAPPING:
-                module = IMPORT_MAPPING[module]
+        module, name = _py3_name(module, name, self.proto)
         obj = _resolve(self.path, module, name)
         if isinstance(obj, type):
             self.classes.add(obj)
@@ -134,14 +191,14 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def _callable(self, cls, opcode: str):
         if not (isinstance(cls, type) and cls in self.classes):
-            raise _refuse(self.path, f"call {cls!r} ({opcode})")
+            raise _refuse(self.path, f"call {_what(cls)} ({opcode})")
         return cls
 
     def _load_reduce(self):
         func, args = self.stack[-2], self.stack[-1]
         if type(func) is type(_resolve) and func in self.functions:
             if not (type(args) is tuple and len(args) == 1 and type(args[0]) is self.functions[func]):
-                raise _refuse(self.path, f"call {func.__qualname__} with {args!r:.80} (REDUCE)")
+                raise _refuse(self.path, f"call {func.__qualname__} with {_what(args)} (REDUCE)")
         else:
             self._callable(func, "REDUCE")
         pickle._Unpickler.load_reduce(self)
@@ -177,14 +234,19 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 
 def safe_load_metadata(path: str):
-    """torch.distributed.checkpoint's ``.metadata`` unpickled with every call checked."""
+    """torch.distributed.checkpoint's ``.metadata`` unpickled with every call checked, after a
+    bounded walk of its opcodes (module docstring)."""
     with open(path, "rb") as f:
-        try:
-            meta = _MetadataUnpickler(f, path).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as exc:
-            raise UnsafeCheckpointError(f"{path} is not a readable checkpoint metadata file: {exc}") from exc
+        data = f.read()
+    # Both passes allocate an object or two per opcode and (cycles being refused) free them by
+    # reference counting: the cyclic collector would only rescan them, again and again.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        meta = _load_checked(path, data)
+    finally:
+        if gc_was_on:
+            gc.enable()
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(meta, Metadata):
