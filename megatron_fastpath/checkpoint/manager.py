@@ -54,7 +54,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_fastpath.checkpoint.config import CheckpointConfig
-from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError
+from megatron_fastpath.checkpoint.errors import (  # noqa: F401 (their home; named here too)
+    CheckpointCorruptError,
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "CheckpointManager", "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError",
@@ -72,28 +79,6 @@ _STEP_NAME = re.compile(re.escape(STEP_PREFIX) + r"[0-9]{8,}")
 _OWN_LEFTOVER = re.compile(rf"(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)}){_STEP_NAME.pattern}")
 HISTORY_PART = "history"  # the run history's part (checkpoint.keep_best reads its evaluations)
 _V1_HISTORY_KEYS = ("records", "evals", "eval_accuracy")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A file of the checkpoint is missing, truncated or corrupted (the message names it)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was written by a different model / configuration."""
-
-
-class CheckpointFormatError(CheckpointError):
-    """The checkpoint is in a format this version cannot read (written by a newer one, or not by
-    megatron_fastpath)."""
-
-
-class CheckpointDirError(CheckpointError):
-    """``checkpoint.dir`` cannot take this run's checkpoints (not a writable directory, too little
-    free space, or another job writes there)."""
 
 
 LOCK_FILE = ".lock"

@@ -21,7 +21,7 @@ ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _error(path: str, what: str):
-    from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError
+    from megatron_fastpath.checkpoint.errors import UnsafeCheckpointError
 
     return UnsafeCheckpointError(f"{path} {what}: damaged or not written by torch.distributed."
                                  "checkpoint; refusing to load it")

@@ -48,6 +48,7 @@ import pickle
 import torch
 
 from megatron_fastpath.checkpoint.pickle_scan import Refusal, clip, scan
+from megatron_fastpath.checkpoint.errors import UnsafeCheckpointError
 
 __all__ = ["UnsafeCheckpointError", "check_safe_to_load", "safe_load_metadata"]
 
@@ -77,10 +78,6 @@ _FUNCTIONS_BY_OBJECT = {getattr(importlib.import_module(m), n): t for (m, n), t 
 # Values of module ``torch`` a pickle may name (dtypes, layouts and memory formats pickle
 # themselves as globals); checked by type, not by name.
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class UnsafeCheckpointError(RuntimeError):
-    """The checkpoint would need arbitrary unpickling (or an unsafe loader) to be read."""
 
 
 def _refuse(path: str, what: str) -> UnsafeCheckpointError:

@@ -6,7 +6,7 @@ the ones that try to crash, hang or exhaust the checker (or the C unpickler afte
 import pickle
 import struct
 
-from tests.checkpoint.test_unpickling_safety import _call, _p4, _real_metadata, _s, _stack_global
+from tests.checkpoint.pickle_payloads import _call, _p4, _real_metadata, _s, _stack_global
 
 META = "torch.distributed.checkpoint.metadata"
 MEMOIZE, STOP = b"\x94", b"."

@@ -16,7 +16,7 @@ import torch
 
 from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError, safe_load_metadata
 from tests.checkpoint import metadata_payloads as mp
-from tests.checkpoint.test_unpickling_safety import payloads
+from tests.checkpoint.pickle_payloads import payloads
 
 PROBE = os.path.join(os.path.dirname(__file__), "metadata_probe.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
