@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-__all__ = ["NAMES", "Names", "RULES", "RunFacts", "refusals"]
+__all__ = ["CP_ATTENTION_BACKENDS", "NAMES", "Names", "RULES", "RunFacts", "check_positive_ints",
+           "refusals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,3 +380,13 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
 def refusals(facts: RunFacts) -> list[str]:
     """Every reason the run described by ``facts`` cannot run (empty: it can)."""
     return [r for r in (rule(facts) for rule in RULES) if r]
+
+
+def check_positive_ints(owner: str, obj: Any, names: tuple) -> None:
+    """Raise ValueError naming ``<owner>.<name>`` for the first of ``names`` whose value on
+    ``obj`` is not a positive int (a bool is not one): the sizes of the packed cache
+    (``PackedSeqConfig``) and of the hooks' settings (``FastpathSettings``)."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int; got {v!r}")
