@@ -158,12 +158,13 @@ class RunFacts:
         (None: not known).
     tensor_parallel_size / linear_impl / packed_tokens: the TP size, the resolved linears
         ("local" | "te"; None: not known) and the tokens of one packed batch (the main job's
-        data.max_tokens; None: not known) -- what sequence parallelism needs.
+        data.max_tokens; None: not known) -- what sequence parallelism (and MoE with TP) needs.
     megatron_optimizer_step: the step runs Megatron's own optimizer ``step()`` (the main job's
         ``training.optimizer_step=megatron``), which reads values back to the host.
 
-    The hooks leave the main job's own facts (sequence parallelism, offload, full iteration,
-    the optimizer step) at their defaults: those rules read settings only the main job has.
+    The hooks leave the main job's own facts (TP size, sequence parallelism, offload, full
+    iteration, the optimizer step) at their defaults: those rules read settings only the main
+    job has.
     """
 
     names: Names
@@ -376,6 +377,20 @@ def _full_iteration_graphs(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _moe_tensor_parallel(f: RunFacts) -> Optional[str]:
+    # The sort/count dispatcher and the grouped experts shard experts over EP only
+    # (expert_tensor_parallel_size 1; Megatron defaults it to the TP size), and
+    # megatron-core 0.16.1's MoELayer.forward refuses TP > 1 without sequence parallelism
+    # in training (transformer/moe/moe_layer.py), which the fastpath MoE layer lacks.
+    if f.is_moe and f.tensor_parallel_size > 1:
+        return (f"an MoE model with parallel.tensor_model_parallel_size={f.tensor_parallel_size}: "
+                "the fastpath MoE layer shards experts over expert parallelism only, and "
+                "megatron-core 0.16.1's MoE layer refuses tensor parallelism without sequence "
+                "parallelism in training; use parallel.tensor_model_parallel_size=1 and "
+                "parallel.expert_model_parallel_size for the experts")
+    return None
+
+
 def _sequence_parallel(f: RunFacts) -> Optional[str]:
     # Megatron's sequence parallelism (the main job's parallel.sequence_parallel): shards the
     # non-TP regions' sequence over the TP group, allocating its all-gathers on
@@ -441,6 +456,7 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _lora_graph_warmup,
     _grouped_mm_in_graphs,
     _te_grouped_linear_in_graphs,
+    _moe_tensor_parallel,
     _sequence_parallel,
     _offload_with_pipeline,
     _full_iteration_megatron_step,

@@ -297,8 +297,8 @@ def set_steps(cfg: JobConfig, data) -> JobConfig:
 
 
 def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, device) -> None:
-    """The layouts the main job refuses on its own settings (the shared ones, sequence
-    parallelism and offload with pipelining among them, are rules: :mod:`megatron_fastpath.rules`)."""
+    """The layouts the main job refuses on its own settings (the others -- MoE with TP,
+    sequence parallelism, offload with pipelining -- are rules: :mod:`megatron_fastpath.rules`)."""
     if device.type == "cpu" and par.pipeline_model_parallel_size > 1:
         raise ValueError(
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
@@ -308,18 +308,6 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, dev
         raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
     if fast.moe_capacity_factor is not None and not is_moe:
         raise ValueError("fastpath.moe_capacity_factor is set but the model has no experts")
-    tp = par.tensor_model_parallel_size
-    if is_moe and tp > 1:
-        # The sort/count dispatcher and the grouped experts shard experts over EP only
-        # (expert_tensor_parallel_size 1; Megatron defaults it to the TP size), and
-        # megatron-core 0.16.1's MoELayer.forward refuses TP > 1 without sequence parallelism
-        # in training (transformer/moe/moe_layer.py), which the fastpath MoE layer lacks.
-        raise ValueError(
-            f"an MoE model with parallel.tensor_model_parallel_size={tp}: the fastpath MoE layer "
-            "shards experts over expert parallelism only, and megatron-core 0.16.1's MoE layer "
-            "refuses tensor parallelism without sequence parallelism in training; use "
-            "parallel.tensor_model_parallel_size=1 and parallel.expert_model_parallel_size for "
-            "the experts")
 
 
 def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: FastpathConfig,
