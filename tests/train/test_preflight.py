@@ -135,3 +135,17 @@ def test_the_attention_backend_is_resolved_once(mcore_parallel, monkeypatch):
     layers = [m for m in model.modules() if isinstance(m, core_attention.PackedCoreAttention)]
     assert [m.backend for m in layers] == ["sdpa", "sdpa"]
     assert checked == ["sdpa"]  # not resolved again by the spec or the layers
+
+
+@pytest.mark.integration
+def test_the_main_job_reports_a_preflight_refusal_in_one_line_with_exit_2(tmp_path):
+    from tests.support.main_job import run_main_job
+
+    (tmp_path / "f").write_text("x")
+    ckpt = tmp_path / "f" / "ckpt"
+    job = run_main_job(SMALL + ["model=tiny_dense", f"checkpoint.dir={ckpt}"], tmp_path,
+                       check=False, timeout=300)
+    assert job.returncode == 2, job.stdout[-3000:] + job.stderr[-3000:]
+    lines = [line for line in job.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint.dir={str(ckpt)!r} cannot be created ")
+    assert "step    1" not in job.stdout and (tmp_path / "f").read_text() == "x"
