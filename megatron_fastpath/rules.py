@@ -8,7 +8,10 @@ the entry point's own spelling (:class:`Names`), so one rule serves all three.
 
 The entry points keep only what is theirs: parsing their config into facts, and rules about
 settings only they have (the main job's groups and bounds; a framework recipe's layer spec,
-build overrides and PEFT scheme).
+build overrides and PEFT scheme). The main job's layout rules over facts only it sets (MoE
+with TP, sequence parallelism, offload with pipelining, a full-iteration capture with
+Megatron's optimizer step) live here too, in its spelling: its parse calls :func:`refusals`
+once, with every fact, and its preflight once more with the GPU's capability added.
 """
 
 from __future__ import annotations
