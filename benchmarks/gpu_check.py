@@ -159,13 +159,16 @@ def _free_port() -> int:
 
 def parse_refusals(job_list: dict, extra: tuple = ()) -> dict:
     """name -> the one-line refusal of each runnable job that does not parse on this machine
-    with ``training.device=cuda`` (and ``extra`` overrides; empty: all parse)."""
+    with ``training.device=cuda`` (and ``extra`` overrides; empty: all parse), or that the
+    preflight's device checks refuse (the GPU's capability for the rules that read it, the
+    memory check; not its output directories or environment)."""
     from hydra import compose, initialize_config_dir
 
     from megatron_fastpath.train import config_dir, parse_job_config
+    from megatron_fastpath.train.preflight import check_device
 
     out = {}
-    saved = dict(os.environ)  # a graph plan sets allocator / NCCL variables: not for the others
+    saved = dict(os.environ)  # kept as it was (the parse and the device checks set nothing)
     try:
         for name, (overrides, missing) in job_list.items():
             if missing:
@@ -173,7 +176,7 @@ def parse_refusals(job_list: dict, extra: tuple = ()) -> dict:
             try:
                 with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
                     cfg = compose(config_name="config", overrides=[*overrides, "training.device=cuda", *extra])
-                parse_job_config(cfg)
+                check_device(parse_job_config(cfg))
             except (ValueError, ImportError) as exc:
                 out[name] = f"{type(exc).__name__}: {exc}"
     finally:

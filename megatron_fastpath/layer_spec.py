@@ -19,7 +19,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_fastpath import compat  # noqa: F401  (refuses megatron-core < 0.16.1 at import)
-from megatron_fastpath.attention.core_attention import PackedCoreAttention, resolve_backend
+from megatron_fastpath.attention.core_attention import PackedCoreAttention, backend_of
 
 __all__ = ["get_fastpath_layer_spec", "megatron_base_spec"]
 
@@ -42,7 +42,10 @@ def get_fastpath_layer_spec(
     Args:
         cache: the :class:`PackedSeqCache` shared by all layers (one per device).
         backend: core attention backend: "sdpa" (CPU default), "flex", "flash", "te", "auto".
-            A backend whose package is missing is refused here, before any model is built.
+            A backend whose package is missing is refused here, before any model is built; one
+            :func:`~megatron_fastpath.attention.core_attention.resolve_backend` returned (a
+            ``ResolvedBackend``, e.g. the main job's ``JobConfig.attention_backend``) is taken
+            as it is.
         normalization: "RMSNorm" (Llama) or "LayerNorm".
         qk_layernorm: normalise q and k per head.
         num_experts: None for a dense SwiGLU/GELU MLP (per TransformerConfig); an int selects the
@@ -68,7 +71,7 @@ def get_fastpath_layer_spec(
 
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm'; got {normalization!r}")
-    resolved = resolve_backend(
+    resolved = backend_of(  # resolved once: the layers take it as it is (a ResolvedBackend)
         backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
         dtype=params_dtype, context_parallel_size=cache.config.context_parallel_size,
     )

@@ -8,15 +8,20 @@ the entry point's own spelling (:class:`Names`), so one rule serves all three.
 
 The entry points keep only what is theirs: parsing their config into facts, and rules about
 settings only they have (the main job's groups and bounds; a framework recipe's layer spec,
-build overrides and PEFT scheme).
+build overrides and PEFT scheme). The main job's layout rules over facts only it sets (MoE
+with TP, sequence parallelism, offload with pipelining, a full-iteration capture with
+Megatron's optimizer step) live here too, in its spelling: its parse calls :func:`refusals`
+once, with every fact, and its preflight once more with the GPU's capability added.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
-__all__ = ["NAMES", "Names", "RULES", "RunFacts", "refusals"]
+__all__ = ["CP_ATTENTION_BACKENDS", "NAMES", "Names", "RULES", "RunFacts", "check_positive_ints",
+           "refusals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,15 @@ class RunFacts:
         layer's Transformer Engine FP8 GEMMs on one tensor-parallel rank
         (``fp8.config.layer_gemms``); fp8_tokens: their inputs' leading dim on one rank
         (None: not known).
+    tensor_parallel_size / linear_impl / packed_tokens: the TP size, the resolved linears
+        ("local" | "te"; None: not known) and the tokens of one packed batch (the main job's
+        data.max_tokens; None: not known) -- what sequence parallelism (and MoE with TP) needs.
+    megatron_optimizer_step: the step runs Megatron's own optimizer ``step()`` (the main job's
+        ``training.optimizer_step=megatron``), which reads values back to the host.
+
+    The hooks leave the main job's own facts (TP size, sequence parallelism, offload, full
+    iteration, the optimizer step) at their defaults: those rules read settings only the main
+    job has.
     """
 
     names: Names
@@ -179,6 +193,10 @@ class RunFacts:
     fp8_recipe: Optional[str] = None
     fp8_gemms: tuple = ()
     fp8_tokens: Optional[int] = None
+    tensor_parallel_size: int = 1
+    linear_impl: Optional[str] = None
+    packed_tokens: Optional[int] = None
+    megatron_optimizer_step: bool = False
 
 
 # The attention backends that run context parallelism with the packed cache (what
@@ -198,8 +216,8 @@ def _context_parallel(f: RunFacts) -> Optional[str]:
     # cuda_graph=is_graph_capturing() to its fused-attention calls there -- so it captures;
     # the graphs are checked against the stand-in, whose mask is built on the device:
     # tests/train/test_context_parallel_te_graphs.py). Sequence parallelism is accepted with CP
-    # under the conditions it has without CP (train/config.py _check_parallel: TP >= 2, CUDA,
-    # TE's linears, and data.max_tokens splitting over CP x TP): TE's linears run on a CPU only
+    # under the conditions it has without CP (_sequence_parallel: TP >= 2, CUDA, TE's linears,
+    # and data.max_tokens splitting over CP x TP): TE's linears run on a CPU only
     # on the test-only fake Transformer Engine (tests/te_standin: SP at TP=2, not yet with CP).
     # Everything else is refused until it is written and tested.
     if not (f.packed_cache and f.context_parallel_size > 1):
@@ -362,6 +380,74 @@ def _full_iteration_graphs(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _moe_tensor_parallel(f: RunFacts) -> Optional[str]:
+    # The sort/count dispatcher and the grouped experts shard experts over EP only
+    # (expert_tensor_parallel_size 1; Megatron defaults it to the TP size), and
+    # megatron-core 0.16.1's MoELayer.forward refuses TP > 1 without sequence parallelism
+    # in training (transformer/moe/moe_layer.py), which the fastpath MoE layer lacks.
+    if f.is_moe and f.tensor_parallel_size > 1:
+        return (f"an MoE model with parallel.tensor_model_parallel_size={f.tensor_parallel_size}: "
+                "the fastpath MoE layer shards experts over expert parallelism only, and "
+                "megatron-core 0.16.1's MoE layer refuses tensor parallelism without sequence "
+                "parallelism in training; use parallel.tensor_model_parallel_size=1 and "
+                "parallel.expert_model_parallel_size for the experts")
+    return None
+
+
+def _sequence_parallel(f: RunFacts) -> Optional[str]:
+    # Megatron's sequence parallelism (the main job's parallel.sequence_parallel): shards the
+    # non-TP regions' sequence over the TP group, allocating its all-gathers on
+    # torch.cuda.current_device(), through TE's norms and linears.
+    if not f.sequence_parallel:
+        return None
+    tp, cp = f.tensor_parallel_size, f.context_parallel_size
+    if tp < 2:
+        return ("parallel.sequence_parallel=true needs "
+                "parallel.tensor_model_parallel_size >= 2 (it shards over the TP group)")
+    if f.on_cpu:
+        return ("parallel.sequence_parallel needs CUDA: Megatron 0.16.1's sequence-parallel "
+                "all-gathers allocate on torch.cuda.current_device(); use "
+                "parallel.sequence_parallel=false on CPU (tensor parallelism still works)")
+    tokens = f.packed_tokens
+    if tokens is not None and cp > 1:
+        # SP with CP (_context_parallel): each CP rank holds data.max_tokens / CP tokens (the
+        # cache's local share, every piece split into 2 x CP chunks), and SP splits that share
+        # over the TP ranks -- so max_tokens must split over 2 x CP (the cache's check) and over
+        # CP x TP. Accepted on the conditions SP has without CP (TP >= 2, CUDA, TE's linears);
+        # not run on a CPU yet (SP alone runs on the test-only fake Transformer Engine,
+        # tests/te_standin).
+        need = math.lcm(2 * cp, cp * tp)
+        if tokens % need:
+            return (f"parallel.sequence_parallel with parallel.context_parallel_size={cp}: each "
+                    f"CP rank's data.max_tokens / {cp} tokens split over the {tp} TP ranks (and "
+                    f"every packed piece into 2 x CP chunks): make data.max_tokens={tokens} "
+                    f"a multiple of {need}")
+    elif tokens is not None and tokens % tp:
+        return (f"parallel.sequence_parallel splits each packed batch of data.max_tokens="
+                f"{tokens} tokens over the {tp} TP ranks: make data.max_tokens a multiple "
+                f"of {tp}")
+    if f.linear_impl not in (None, "te"):
+        return ("parallel.sequence_parallel needs Transformer Engine's norms and linears "
+                "(fastpath.linear_impl=te): Megatron's local spec uses torch norms, which refuse "
+                "sequence parallelism")
+    return None
+
+
+def _offload_with_pipeline(f: RunFacts) -> Optional[str]:
+    if f.offload and f.pipeline_parallel_size > 1:
+        return ("fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
+                "per offload manager); use parallel.pipeline_model_parallel_size=1")
+    return None
+
+
+def _full_iteration_megatron_step(f: RunFacts) -> Optional[str]:
+    if f.full_iteration and f.megatron_optimizer_step:
+        return ("cuda_graphs.scope=full_iteration captures the optimizer step as a graph: Megatron's "
+                "own step reads the gradient norm and found-inf back to the host (.item()), which a "
+                "capture cannot do; use training.optimizer_step=auto or sync_free")
+    return None
+
+
 RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _context_parallel,
     _full_iteration_graphs,
@@ -373,9 +459,23 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _lora_graph_warmup,
     _grouped_mm_in_graphs,
     _te_grouped_linear_in_graphs,
+    _moe_tensor_parallel,
+    _sequence_parallel,
+    _offload_with_pipeline,
+    _full_iteration_megatron_step,
 )
 
 
 def refusals(facts: RunFacts) -> list[str]:
     """Every reason the run described by ``facts`` cannot run (empty: it can)."""
     return [r for r in (rule(facts) for rule in RULES) if r]
+
+
+def check_positive_ints(owner: str, obj: Any, names: tuple) -> None:
+    """Raise ValueError naming ``<owner>.<name>`` for the first of ``names`` whose value on
+    ``obj`` is not a positive int (a bool is not one): the sizes of the packed cache
+    (``PackedSeqConfig``) and of the hooks' settings (``FastpathSettings``)."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int; got {v!r}")

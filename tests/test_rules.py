@@ -28,6 +28,10 @@ BREAKS = {
                                          expert_backend="te_grouped_linear"),
     "_full_iteration_graphs": dict(full_iteration=True, pipeline_parallel_size=2),
     "_flex_head_dim": dict(attention_backend="flex", head_dim=8),
+    "_moe_tensor_parallel": dict(is_moe=True, tensor_parallel_size=2),
+    "_sequence_parallel": dict(sequence_parallel=True),
+    "_offload_with_pipeline": dict(offload=True, pipeline_parallel_size=2),
+    "_full_iteration_megatron_step": dict(full_iteration=True, megatron_optimizer_step=True),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
@@ -41,6 +45,10 @@ PHRASES = {
     "_te_grouped_linear_in_graphs": "takes the expert group sizes as a host list",
     "_full_iteration_graphs": "1F1B schedule's send/recv order across stages",
     "_flex_head_dim": "compiled FlexAttention kernel needs a head width of at least 16",
+    "_moe_tensor_parallel": "the fastpath MoE layer shards experts over expert parallelism only",
+    "_sequence_parallel": "needs parallel.tensor_model_parallel_size >= 2",
+    "_offload_with_pipeline": "one pass in flight per offload manager",
+    "_full_iteration_megatron_step": "captures the optimizer step as a graph",
 }
 
 
@@ -180,10 +188,11 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
         for backend in ("sdpa", "te"):
             assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                                  attention_backend=backend, **graphs)) == []
-    # sequence parallelism with CP: left to the checks SP has without CP (train/config.py
-    # _check_parallel; tests/train/test_llama2_70b_lora_preset.py)
+    # sequence parallelism with CP: left to the conditions SP has without CP
+    # (rules._sequence_parallel; tests/train/test_llama2_70b_lora_preset.py)
     assert rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
-                                         attention_backend="te", sequence_parallel=True)) == []
+                                         attention_backend="te", sequence_parallel=True,
+                                         tensor_parallel_size=2, linear_impl="te")) == []
     from megatron_fastpath.train.config import parse_job_config
     from tests.support.hydra_compose import compose_job
 

@@ -60,7 +60,7 @@ from megatron_fastpath.attention.context_parallel import all_gather_cp, context_
 from megatron_fastpath.attention.rope import apply_rope_cached
 from megatron_fastpath.packed_seq.cache import CachedPackedSeqParams, block_mask_from
 
-__all__ = ["BACKENDS", "PackedCoreAttention", "resolve_backend"]
+__all__ = ["BACKENDS", "PackedCoreAttention", "ResolvedBackend", "resolve_backend"]
 
 BACKENDS = ("sdpa", "flex", "flash", "te")
 
@@ -85,6 +85,25 @@ def _flex_attention_fn(device: torch.device):
     return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
 
 
+class ResolvedBackend(str):
+    """An attention backend name as :func:`resolve_backend` returns it: checked (its package,
+    the dtype) and ``auto`` resolved for the device, dtype and context-parallel size it was
+    given. The layer spec and :class:`PackedCoreAttention` take one as it is -- the main job
+    resolves its backend once, at parse, and carries it in ``JobConfig.attention_backend`` --
+    and resolve a plain name themselves (the spec once, for all its layers)."""
+
+    __slots__ = ()
+
+
+def backend_of(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
+               dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
+    """``backend`` when it is a :class:`ResolvedBackend`, else :func:`resolve_backend` of it."""
+    if isinstance(backend, ResolvedBackend):
+        return backend
+    return resolve_backend(backend, device, max_tokens, sdpa_limit, dtype=dtype,
+                           context_parallel_size=context_parallel_size)
+
+
 def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
                     dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
     """Validate ``backend`` (raising before any device work when its package is missing, or
@@ -101,6 +120,16 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
     With ``context_parallel_size > 1`` ``auto`` picks only among the backends that run context
     parallelism (:data:`megatron_fastpath.rules.CP_ATTENTION_BACKENDS`): te, else sdpa -- never
     flash or flex, which the rules would refuse at CP > 1."""
+    resolved = choose_backend(backend, device, max_tokens, sdpa_limit, dtype=dtype,
+                              context_parallel_size=context_parallel_size)
+    return check_backend(resolved, device, dtype, chosen_by_auto=backend == "auto")
+
+
+def choose_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
+                   dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
+    """:func:`resolve_backend`'s choice alone (``backend`` itself unless ``auto``), unchecked:
+    raises only for an unknown name (the main job hands it to the rules before
+    :func:`check_backend` asks for its package)."""
     if backend == "auto":
         from megatron_fastpath._optional import have
         from megatron_fastpath.rules import CP_ATTENTION_BACKENDS
@@ -122,12 +151,19 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
     else:
         resolved = backend
-        if backend == "flash":
-            require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
-        if backend == "te":
-            require("transformer_engine.pytorch", "the 'te' attention backend", _ALTERNATIVES["te"])
-    check_backend_dtype(resolved, device, dtype, chosen_by_auto=backend == "auto")
     return resolved
+
+
+def check_backend(backend: str, device: torch.device, dtype: Optional[torch.dtype],
+                  chosen_by_auto: bool = False) -> ResolvedBackend:
+    """``backend`` (a :func:`choose_backend` choice) checked -- its package installed (an
+    explicit flash / te), the dtype one its kernels take -- as a :class:`ResolvedBackend`."""
+    if not chosen_by_auto and backend == "flash":
+        require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
+    if not chosen_by_auto and backend == "te":
+        require("transformer_engine.pytorch", "the 'te' attention backend", _ALTERNATIVES["te"])
+    check_backend_dtype(backend, device, dtype, chosen_by_auto=chosen_by_auto)
+    return ResolvedBackend(backend)
 
 
 def check_backend_dtype(backend: str, device: torch.device, dtype: Optional[torch.dtype],
@@ -207,14 +243,14 @@ class PackedCoreAttention(MegatronModule):
         if refused:
             raise ValueError(refused[0])
         self.cache = cache
-        self.backend = resolve_backend(  # the mask's size limit binds the mask layout only
+        self.backend = backend_of(  # the mask's size limit binds the mask layout only
             backend, cache.device, cache.config.max_tokens, cache.config.sdpa_max_tokens,
             dtype=config.params_dtype, context_parallel_size=cache.config.context_parallel_size,
         )
         self.sdpa_padded = self.backend == "sdpa" and cache.config.sdpa_padded
         self.cp_group = None  # sdpa's all-gather group; te hands CP to TE (below)
         if cache.config.context_parallel_size > 1:
-            if self.backend not in ("sdpa", "te"):
+            if self.backend not in rules.CP_ATTENTION_BACKENDS:
                 raise ValueError(rules.refusals(rules.RunFacts(
                     names=rules.NAMES["main"], context_parallel_size=cache.config.context_parallel_size,
                     attention_backend=self.backend))[0])

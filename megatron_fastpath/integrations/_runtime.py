@@ -96,10 +96,9 @@ class FastpathSettings:
     llama3_original_max_position: int = 8192
 
     def __post_init__(self):
-        for name in ("max_tokens", "max_seqs", "num_slots"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"FastpathSettings.{name} must be a positive int; got {v!r}")
+        from megatron_fastpath.rules import check_positive_ints
+
+        check_positive_ints("FastpathSettings", self, ("max_tokens", "max_seqs", "num_slots"))
         if self.max_seqs > self.max_tokens:
             raise ValueError(
                 f"FastpathSettings.max_seqs={self.max_seqs} > max_tokens={self.max_tokens}: "

@@ -154,10 +154,9 @@ class PackedSeqConfig:
     context_parallel_rank: int = 0
 
     def __post_init__(self):
-        for name in ("max_tokens", "max_seqs", "num_slots"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"PackedSeqConfig.{name} must be a positive int; got {v!r}")
+        from megatron_fastpath.rules import check_positive_ints
+
+        check_positive_ints("PackedSeqConfig", self, ("max_tokens", "max_seqs", "num_slots"))
         if self.max_seqs > self.max_tokens:
             raise ValueError(
                 f"max_seqs={self.max_seqs} > max_tokens={self.max_tokens}: every sequence has "

@@ -8,8 +8,9 @@
 
 Read like torchtitan's ``train.py``::
 
-    cfg = parse_job_config(hydra_cfg)          # config.py: one frozen dataclass per group
-    job = build_job(cfg)                       # job.py: model, cache, data, step path, audit
+    cfg = parse_job_config(hydra_cfg)          # config.py: one frozen dataclass per group (pure)
+    job = build_job(cfg)                       # job.py: preflight (preflight.py), then model,
+                                               # cache, data, step path, audit
     logger = StepLogger(job)                   # logger.py: lagged read-back, step line, summary
     for step in ...: logger.log(train_step(job, job.data.batch(step)))   # step.py
     summary = logger.finish(stop, job.reports) # report.py: each feature's summary lines
@@ -34,13 +35,14 @@ from megatron_fastpath.train.config import (
     section,
 )
 from megatron_fastpath.train.job import Job, build_job
+from megatron_fastpath.train.preflight import preflight
 from megatron_fastpath.train.logger import StepLogger, StepRecord, StepResult, TrainSummary
 from megatron_fastpath.train.step import cpu_train_step, gpu_train_step, train_step
 from megatron_fastpath.train.checkpointing import PREEMPTED_EXIT_CODE
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
            "Job", "StepRecord", "StepResult", "TrainSummary", "StepLogger", "parse_job_config",
-           "build_job", "train_step", "cpu_train_step", "gpu_train_step", "train", "run", "main",
+           "build_job", "preflight", "train_step", "cpu_train_step", "gpu_train_step", "train", "run", "main",
            "config_dir", "PREEMPTED_EXIT_CODE"]
 
 _section = section  # the name tests and older callers use
@@ -121,7 +123,8 @@ def run(cfg, return_job: bool = False, announce: bool = True):
     """Train per ``cfg`` (an OmegaConf/dict tree with groups model, data, training, fastpath,
     parallel, cluster, checkpoint and the feature groups lora, offload, cuda_graphs, fp8) and
     return the summary (and the :class:`Job` with ``return_job``). All configuration is validated
-    before any model is built or step runs. When ``checkpoint.dir`` holds a checkpoint the run
+    before any model is built or step runs (the parse, then the preflight that ``build_job``
+    runs first: output directories, environment, the device's checks). When ``checkpoint.dir`` holds a checkpoint the run
     resumes from it, and its first line says so (``announce=False``: the caller printed it)."""
     if announce:
         from megatron_fastpath.train.checkpointing import announce_resume

@@ -1,15 +1,21 @@
 """The main job's configuration: one frozen dataclass per component, parsed and validated once.
 
 :func:`parse_job_config` turns the composed Hydra tree into a :class:`JobConfig` and raises, before
-any device work, for every combination the job cannot run. Each setting has one home: a feature
-is switched on or off in ``fastpath`` only; its group (``lora``, ``offload``, ``cuda_graphs``,
-``fp8``) holds only its settings and is read only when the switch is on (``None`` when off).
+any device work, for every combination the job cannot run. It is a pure function of the tree and
+of what is known without a device (the packages installed, the files the model and data name,
+the launcher's world size): it gathers the run's facts once and calls the rules
+(:mod:`megatron_fastpath.rules`) once; it creates, writes and sets nothing.
+:func:`megatron_fastpath.train.preflight.preflight` does what the job then needs before its first
+device work (output directories, environment, the GPU's capability, the memory check).
+
+Each setting has one home: a feature is switched on or off in ``fastpath`` only; its group
+(``lora``, ``offload``, ``cuda_graphs``, ``fp8``) holds only its settings and is read only when
+the switch is on (``None`` when off).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -62,7 +68,7 @@ class TrainingConfig:
     otherwise."""
 
     # Steps to train. null: DEFAULT_STEPS, or with `epochs` the steps `epochs` passes over the
-    # packed data take (set when the data is built); setting both is refused.
+    # packed data take; set once, when the data is built (set_steps); setting both is refused.
     steps: Optional[int] = bounded(None, POSITIVE)
     # Passes over the data, reshuffled and repacked every epoch by (data.seed, epoch)
     # (data.EpochOrder). null: one packed order cycled through for `steps` steps.
@@ -148,8 +154,12 @@ class JobConfig:
     """Every group of the job, validated, plus what was decided from them.
 
     lora / offload / cuda_graphs / fp8: the feature's settings, None when its switch is off.
-    device, attention_backend, linear_impl: resolved from the ``auto`` choices.
+    device, attention_backend, linear_impl: resolved from the ``auto`` choices (the attention
+    backend once: a ``ResolvedBackend`` the layer spec and the layers take as it is).
     plan: the CUDA-graph / FP8 plan (TransformerConfig fields, environment, capture or audit).
+    facts: the run as the rules read it (the preflight adds the GPU's capability); not a
+    setting: left out of the config's repr, comparisons and the metrics' run config.
+    training.steps: None until the data is built when unset (:func:`set_steps`).
     """
 
     model: ModelConfig
@@ -171,6 +181,8 @@ class JobConfig:
     metrics: Optional[MetricsConfig] = None  # None when the tree has no metrics group
     checkpoint: Optional[CheckpointConfig] = None  # checkpoint.dir None: off
     export: Optional[ExportConfig] = None  # what the run writes at the end (its model provider)
+    facts: Optional[rules.RunFacts] = dataclasses.field(
+        default=None, repr=False, compare=False, metadata={"setting": False})
 
     @property
     def is_moe(self) -> bool:
@@ -243,7 +255,7 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
             f"training.steps={train.steps} and training.epochs={train.epochs} are both set: epochs "
             "sets the number of steps (the steps its passes over the packed data take), so the two "
             "can contradict; set one of them (training.steps=null with training.epochs)")
-    check_stop_at_step(train)
+    check_stop_at_step(train, planned_steps(train.steps, train.epochs))
     if cluster.backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster.backend!r}")
     if cluster.backend == "nccl" and device.type != "cuda":
@@ -262,28 +274,31 @@ def planned_steps(steps: Optional[int], epochs: Optional[int]) -> Optional[int]:
     return DEFAULT_STEPS if steps is None and epochs is None else steps
 
 
-def check_stop_at_step(train: TrainingConfig) -> None:
-    """``training.stop_at_step`` within the run (checked again once epochs set the steps)."""
-    if train.steps is not None and train.stop_at_step is not None and not 1 <= train.stop_at_step <= train.steps:
+def check_stop_at_step(train: TrainingConfig, steps: Optional[int]) -> None:
+    """``training.stop_at_step`` within the run's ``steps`` (None: not known before the data is
+    packed; checked again once :func:`set_steps` knows them)."""
+    if steps is not None and train.stop_at_step is not None and not 1 <= train.stop_at_step <= steps:
         raise ValueError(
-            f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={train.steps}]"
+            f"training.stop_at_step={train.stop_at_step} must be in [1, training.steps={steps}]"
         )
 
 
-def steps_from_epochs(cfg: JobConfig, data) -> JobConfig:
-    """``cfg`` with ``training.steps`` set from ``training.epochs`` and the built data
-    (``data.StepData``); unchanged without epochs."""
+def set_steps(cfg: JobConfig, data) -> JobConfig:
+    """``cfg`` with ``training.steps`` set -- the one place it is: the setting, else the steps
+    ``training.epochs`` passes over the built data take (``data.StepData``), else DEFAULT_STEPS
+    (``cfg`` itself when the setting is there)."""
     train = cfg.training
-    if train.epochs is None:
+    if train.steps is not None:
         return cfg
-    steps = data.epochs.steps(data.per_step)
+    steps = planned_steps(train.steps, train.epochs) or data.epochs.steps(data.per_step)
     train = dataclasses.replace(train, steps=steps)
-    check_stop_at_step(train)
+    check_stop_at_step(train, steps)
     return dataclasses.replace(cfg, training=train)
 
 
-def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, offload, device,
-                    max_tokens: int) -> None:
+def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, device) -> None:
+    """The layouts the main job refuses on its own settings (the others -- MoE with TP,
+    sequence parallelism, offload with pipelining -- are rules: :mod:`megatron_fastpath.rules`)."""
     if device.type == "cpu" and par.pipeline_model_parallel_size > 1:
         raise ValueError(
             "pipeline parallelism needs Megatron's pipeline schedules, which allocate on CUDA in "
@@ -293,63 +308,26 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, off
         raise ValueError("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_experts)")
     if fast.moe_capacity_factor is not None and not is_moe:
         raise ValueError("fastpath.moe_capacity_factor is set but the model has no experts")
-    if offload is not None and par.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            "fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
-            "per offload manager); use parallel.pipeline_model_parallel_size=1"
-        )
-    tp = par.tensor_model_parallel_size
-    if is_moe and tp > 1:
-        # The sort/count dispatcher and the grouped experts shard experts over EP only
-        # (expert_tensor_parallel_size 1; Megatron defaults it to the TP size), and
-        # megatron-core 0.16.1's MoELayer.forward refuses TP > 1 without sequence parallelism
-        # in training (transformer/moe/moe_layer.py), which the fastpath MoE layer lacks.
-        raise ValueError(
-            f"an MoE model with parallel.tensor_model_parallel_size={tp}: the fastpath MoE layer "
-            "shards experts over expert parallelism only, and megatron-core 0.16.1's MoE layer "
-            "refuses tensor parallelism without sequence parallelism in training; use "
-            "parallel.tensor_model_parallel_size=1 and parallel.expert_model_parallel_size for "
-            "the experts")
-    if par.sequence_parallel:
-        if tp < 2:
-            raise ValueError("parallel.sequence_parallel=true needs "
-                             "parallel.tensor_model_parallel_size >= 2 (it shards over the TP group)")
-        if device.type == "cpu":
-            raise ValueError(
-                "parallel.sequence_parallel needs CUDA: Megatron 0.16.1's sequence-parallel "
-                "all-gathers allocate on torch.cuda.current_device(); use "
-                "parallel.sequence_parallel=false on CPU (tensor parallelism still works)")
-        cp = par.context_parallel_size
-        if cp > 1:
-            # SP with CP (rules._context_parallel): each CP rank holds data.max_tokens / CP
-            # tokens (the cache's local share, every piece split into 2 x CP chunks), and SP
-            # splits that share over the TP ranks -- so max_tokens must split over 2 x CP (the
-            # cache's check) and over CP x TP. Accepted on the conditions SP has without CP
-            # (TP >= 2, CUDA, TE's linears); not run on a CPU yet (SP alone runs on the test-only
-            # fake Transformer Engine, tests/te_standin).
-            need = math.lcm(2 * cp, cp * tp)
-            if max_tokens % need:
-                raise ValueError(
-                    f"parallel.sequence_parallel with parallel.context_parallel_size={cp}: each "
-                    f"CP rank's data.max_tokens / {cp} tokens split over the {tp} TP ranks (and "
-                    f"every packed piece into 2 x CP chunks): make data.max_tokens={max_tokens} "
-                    f"a multiple of {need}")
-        elif max_tokens % tp:
-            raise ValueError(
-                f"parallel.sequence_parallel splits each packed batch of data.max_tokens="
-                f"{max_tokens} tokens over the {tp} TP ranks: make data.max_tokens a multiple "
-                f"of {tp}")
 
 
-def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe: bool, device,
-               dtype: str) -> rules.RunFacts:
-    """The job as :mod:`megatron_fastpath.rules` reads it (the GPU's capability is asked for
-    later, once the plan's environment is set: reading it initialises CUDA)."""
+def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: FastpathConfig,
+               par: ParallelConfig, features: dict, device, backend: str,
+               linear_impl: str) -> rules.RunFacts:
+    """Every fact of the job the rules read, gathered once (the GPU's capability is asked by
+    the preflight, once the plan's environment is set: reading it initialises CUDA)."""
     graphs, fp8 = features["cuda_graphs"], features["fp8"]
+    is_moe = model.num_experts is not None
     full = graphs is not None and graphs.scope == "full_iteration"
+    cp, tp = par.context_parallel_size, par.tensor_model_parallel_size
+    fp8_facts = {}
+    if fp8 is not None:  # TE asserts its GEMM shapes at the first forward
+        from megatron_fastpath.fp8.config import te_linear_gemms
+
+        fp8_facts = dict(fp8_recipe=fp8.recipe, fp8_gemms=tuple(te_linear_gemms(model, tp)),
+                         fp8_tokens=data.max_tokens // cp)
     return rules.RunFacts(
         names=rules.NAMES["main"],
-        context_parallel_size=par.context_parallel_size,
+        context_parallel_size=cp,
         graphs_requested=graphs is not None,
         graphs_captured=graphs is not None and device.type == "cuda",
         # per-layer capture warm-up passes (a full-iteration step has none: step 1 runs eagerly)
@@ -357,13 +335,20 @@ def _run_facts(par: ParallelConfig, fast: FastpathConfig, features: dict, is_moe
         lora=features["lora"] is not None,
         is_moe=is_moe,
         moe_dropless_ep=is_moe and par.expert_model_parallel_size > 1 and fast.moe_capacity_factor is None,
-        dtype=getattr(torch, dtype),
+        dtype=getattr(torch, train.dtype),
         fp8_attention=fp8 is not None and fp8.dot_product_attention,
+        attention_backend=str(backend),
         pipeline_parallel_size=par.pipeline_model_parallel_size,
         sequence_parallel=par.sequence_parallel,
         offload=features["offload"] is not None,
         full_iteration=full,
+        head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
         on_cpu=device.type == "cpu",
+        tensor_parallel_size=tp,
+        linear_impl=linear_impl,
+        packed_tokens=data.max_tokens,
+        megatron_optimizer_step=train.optimizer_step == "megatron",
+        **fp8_facts,
     )
 
 
@@ -384,21 +369,47 @@ def _check_cuda_only(device, backend: str, linear_impl: str, fp8: bool) -> None:
             "fastpath.fp8=false, or set training.device=cuda")
 
 
-def _refuse(reasons: list) -> None:
-    if reasons:  # the main job reports one line: the first reason
+def _check_lora_dtype(lora, device, dtype: str) -> None:
+    if lora is not None and device.type == "cuda" and dtype != "float32" and lora.dtype == "float32":
+        raise ValueError(
+            f"lora.dtype=float32 with training.dtype={dtype} on the GPU path: Megatron's "
+            "mixed-precision optimizer checkpoints only 16-bit parameters (its sharded_state_dict "
+            "maps its float16 groups), so the first checkpoint save would fail; leave lora.dtype "
+            "unset (adapters in the training dtype, with fp32 main copies in the optimizer) or "
+            "set training.dtype=float32")
+
+
+def refuse(reasons: list) -> None:
+    """Raise the first of the rules' ``reasons`` (the main job reports one line)."""
+    if reasons:
         raise ValueError(reasons[0])
+
+
+def _attention_backend(fast: FastpathConfig, par: ParallelConfig, device, max_tokens: int,
+                       dtype: str) -> str:
+    """``fastpath.attention_backend``'s choice (``core_attention.choose_backend``; checked by
+    ``check_backend`` once the rules have read it)."""
+    from megatron_fastpath.attention.core_attention import choose_backend
+    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
+
+    if fast.sdpa_layout not in SDPA_LAYOUTS:
+        raise ValueError(f"fastpath.sdpa_layout must be one of {', '.join(SDPA_LAYOUTS)}; got {fast.sdpa_layout!r}")
+    # the mask's size limit binds only the [T, T] mask layout (sdpa_max_tokens: the padded view has none)
+    sdpa_limit = sdpa_max_tokens(fast.sdpa_layout, DEFAULT_SDPA_MASK_MAX_TOKENS, par.context_parallel_size)
+    return choose_backend(fast.attention_backend, device, max_tokens, sdpa_limit,
+                          dtype=getattr(torch, dtype), context_parallel_size=par.context_parallel_size)
 
 
 def parse_job_config(cfg: Any) -> JobConfig:
     """Validate the whole tree (groups model, data, training, fastpath, parallel, cluster and
-    the feature groups) and resolve its ``auto`` choices -- before any device work."""
-    from megatron_fastpath.attention.core_attention import resolve_backend
+    the feature groups) and resolve its ``auto`` choices -- a pure function: the rules are
+    called once, with every fact known without a device; nothing is created, written or set
+    (:func:`megatron_fastpath.train.preflight.preflight` runs next, before any device work)."""
     from megatron_fastpath.graphs.config import plan_graphs_and_fp8
     from megatron_fastpath.train.metrics import MetricsConfig
 
     _refuse_moved_keys(cfg)
     train = section(cfg, "training", TrainingConfig)
-    train = dataclasses.replace(train, steps=planned_steps(train.steps, train.epochs))
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)
@@ -420,38 +431,20 @@ def parse_job_config(cfg: Any) -> JobConfig:
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
-    facts = dataclasses.replace(
-        _run_facts(par, fast, features, is_moe, device, train.dtype),
-        head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads)
-    _refuse(rules.refusals(facts))  # the rules shared with the hooks (megatron_fastpath.rules)
-    _check_parallel(par, fast, is_moe, features["offload"], device, data.max_tokens)
-    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
-
-    if fast.sdpa_layout not in SDPA_LAYOUTS:
-        raise ValueError(f"fastpath.sdpa_layout must be one of {', '.join(SDPA_LAYOUTS)}; got {fast.sdpa_layout!r}")
-    # the mask's size limit binds only the [T, T] mask layout (sdpa_max_tokens: the padded view has none)
-    sdpa_limit = sdpa_max_tokens(fast.sdpa_layout, DEFAULT_SDPA_MASK_MAX_TOKENS, par.context_parallel_size)
-    backend = resolve_backend(fast.attention_backend, device, data.max_tokens, sdpa_limit,
-                              dtype=getattr(torch, train.dtype),  # te/flash refuse fp32 on CUDA
-                              context_parallel_size=par.context_parallel_size)
-    facts = dataclasses.replace(facts, attention_backend=backend)
-    _refuse(rules.refusals(facts))  # the rules that read the resolved backend (context parallelism)
+    backend = _attention_backend(fast, par, device, data.max_tokens, train.dtype)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
+    facts = _run_facts(model, data, train, fast, par, features, device, backend, linear_impl)
+    refuse(rules.refusals(facts))  # the rules shared with the hooks, called once
+    _check_parallel(par, fast, is_moe, device)
+    from megatron_fastpath.attention.core_attention import check_backend
+
+    # resolved once: its package and the dtype (te/flash refuse fp32 on CUDA)
+    backend = check_backend(backend, device, getattr(torch, train.dtype),
+                            chosen_by_auto=fast.attention_backend == "auto")
     _check_cuda_only(device, backend, linear_impl, features["fp8"] is not None)
-    if par.sequence_parallel and linear_impl != "te":
-        raise ValueError(
-            "parallel.sequence_parallel needs Transformer Engine's norms and linears "
-            "(fastpath.linear_impl=te): Megatron's local spec uses torch norms, which refuse "
-            "sequence parallelism")
     lora = features["lora"]
-    if lora is not None and device.type == "cuda" and train.dtype != "float32" and lora.dtype == "float32":
-        raise ValueError(
-            f"lora.dtype=float32 with training.dtype={train.dtype} on the GPU path: Megatron's "
-            "mixed-precision optimizer checkpoints only 16-bit parameters (its sharded_state_dict "
-            "maps its float16 groups), so the first checkpoint save would fail; leave lora.dtype "
-            "unset (adapters in the training dtype, with fp32 main copies in the optimizer) or "
-            "set training.dtype=float32")
+    _check_lora_dtype(lora, device, train.dtype)
     plan = plan_graphs_and_fp8(
         features["cuda_graphs"], features["fp8"], device,
         dropout=0.0,  # build_transformer_config sets hidden/attention dropout to 0
@@ -459,39 +452,14 @@ def parse_job_config(cfg: Any) -> JobConfig:
         linear_impl=linear_impl,
         offload=features["offload"] is not None, attention_backend=backend,
     )
-    if features["fp8"] is not None:  # TE asserts its GEMM shapes at the first forward
-        from megatron_fastpath.fp8.config import te_linear_gemms
-
-        facts = dataclasses.replace(
-            facts, fp8_recipe=features["fp8"].recipe,
-            fp8_gemms=tuple(te_linear_gemms(model, par.tensor_model_parallel_size)),
-            fp8_tokens=data.max_tokens // par.context_parallel_size)
-        _refuse(rules.refusals(facts))  # the rules that read the FP8 GEMM shapes
-    if plan.full_iteration and train.optimizer_step == "megatron":
-        raise ValueError(
-            "cuda_graphs.scope=full_iteration captures the optimizer step as a graph: Megatron's "
-            "own step reads the gradient norm and found-inf back to the host (.item()), which a "
-            "capture cannot do; use training.optimizer_step=auto or sync_free")
     job = JobConfig(model=model, data=data, training=train, fastpath=fast, parallel=par,
                     cluster=cluster, device=device, attention_backend=backend,
                     linear_impl=linear_impl, plan=plan, model_source=source,
                     data_provider=data_key, metrics=metrics,
-                    checkpoint=_checkpoint_section(cfg, fast, data), export=export, **features)
-    _check_export_dirs(export, {**model_prov.input_dirs(source), "checkpoint.dir": job.checkpoint.dir,
-                                "checkpoint.base_dir": job.checkpoint.base_dir})
-    if plan.env:
-        # before anything initialises CUDA: the caching allocator reads PYTORCH_CUDA_ALLOC_CONF
-        # once, at CUDA's lazy init, which the memory check's get_device_properties triggers
-        from megatron_fastpath.graphs.config import apply_env
-
-        apply_env(plan.env)
-    if plan.capture and is_moe:  # the rules that need the GPU's capability
-        _refuse(rules.refusals(dataclasses.replace(
-            facts, capability=torch.cuda.get_device_capability(device))))
-    if not train.skip_memory_check:
-        from megatron_fastpath.train.memory import check_memory
-
-        check_memory(job)
+                    checkpoint=_checkpoint_section(cfg, fast, data), export=export, facts=facts,
+                    **features)
+    _refuse_export_overlap(export, {**model_prov.input_dirs(source), "checkpoint.dir": job.checkpoint.dir,
+                                    "checkpoint.base_dir": job.checkpoint.base_dir})
     return job
 
 
@@ -507,18 +475,17 @@ def _refuse_moved_keys(cfg: Any) -> None:
                              f"enter the resume fingerprint): use {new}=<dir>")
 
 
-def _check_export_dirs(export: Optional[ExportConfig], inputs: dict) -> None:
-    """Each export directory: outside every directory the job reads or saves into
-    (``inputs``: {key: dir}), and one the export at the end can write -- checked as
-    ``checkpoint.dir`` is, without creating anything (:mod:`megatron_fastpath.paths`)."""
-    from megatron_fastpath.paths import check_output_dir, refuse_overlap
+def _refuse_export_overlap(export: Optional[ExportConfig], inputs: dict) -> None:
+    """Each export directory outside every directory the job reads or saves into (``inputs``:
+    {key: dir}; :func:`megatron_fastpath.paths.refuse_overlap`, which creates nothing: the
+    preflight checks that the export can write there)."""
+    from megatron_fastpath.paths import refuse_overlap
 
     if export is None:
         return
     for key, path in export.dirs().items():
         for other_key, other in inputs.items():
             refuse_overlap(key, path, other_key, other)
-        check_output_dir(path, key, create=False)
 
 
 def _checkpoint_section(cfg: Any, fast: FastpathConfig, data: Any = None):
@@ -533,8 +500,4 @@ def _checkpoint_section(cfg: Any, fast: FastpathConfig, data: Any = None):
         raise ValueError("checkpoint.adapters_only=true needs LoRA (fastpath.lora=true)")
     if ckpt.base_dir is not None and not os.path.isdir(ckpt.base_dir):
         raise ValueError(f"checkpoint.base_dir={ckpt.base_dir!r} is not a directory")
-    if ckpt.enabled:
-        from megatron_fastpath.checkpoint.manager import check_checkpoint_dir
-
-        check_checkpoint_dir(ckpt.dir)  # a file / read-only disk: refused before anything is built
-    return ckpt
+    return ckpt  # checkpoint.dir is created and probed by the preflight

@@ -18,7 +18,7 @@ import torch
 from megatron_fastpath.data import StepData
 from megatron_fastpath.model import build_fastpath_gpt, build_transformer_config
 from megatron_fastpath.providers import data_provider, model_provider
-from megatron_fastpath.train.config import JobConfig, steps_from_epochs
+from megatron_fastpath.train.config import JobConfig, set_steps
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
 __all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_reports"]
@@ -180,12 +180,13 @@ def build_reports(cache, offload, audit) -> tuple:
 
 
 def build_job(cfg: JobConfig) -> Job:
-    """Initialise torch.distributed / Megatron parallel state and build the job's pieces."""
+    """Run the preflight (output directories, environment, the device's checks), then
+    initialise torch.distributed / Megatron parallel state and build the job's pieces."""
     from megatron.core import parallel_state as ps
 
-    from megatron_fastpath.graphs.config import apply_env
+    from megatron_fastpath.train.preflight import preflight
 
-    apply_env(cfg.plan.env)  # before torch.distributed / CUDA initialise (parse did it already)
+    preflight(cfg)  # before torch.distributed / CUDA initialise
     env_set = {k: v for k, v in cfg.plan.env.items() if os.environ.get(k) == v}  # in effect
     _init_distributed(cfg)
     if cfg.device.type == "cuda":
@@ -211,7 +212,7 @@ def build_job(cfg: JobConfig) -> Job:
     dp_world = ps.get_data_parallel_world_size()
     # the data first: the cache's sequence bound comes from its longest sequence
     parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
-    cfg = steps_from_epochs(cfg, parts.train)  # training.epochs: the steps from the packed data
+    cfg = set_steps(cfg, parts.train)  # the one place training.steps is set (epochs: from the data)
     cache = build_cache(cfg, parts.longest_sequence)
     model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None

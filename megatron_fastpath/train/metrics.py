@@ -201,11 +201,13 @@ class MetricsWriter:
 
 def jsonable(obj):
     """A configuration tree (dataclasses, enums, devices, dtypes, tuples) as JSON values, for
-    the W&B run's config."""
+    the W&B run's config (without the fields marked ``metadata={"setting": False}``: the
+    ``JobConfig.facts`` the rules read)."""
     import enum
 
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.metadata.get("setting", True)}
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):

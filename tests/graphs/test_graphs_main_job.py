@@ -202,12 +202,12 @@ def test_cuda_graph_capture_matches_eager(model, fp8, tmp_path):
 
 def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
     """G15: PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA initialises (the caching
-    allocator's config; torch.cuda.get_device_properties calls _lazy_init first). The parse's
-    memory check initialised CUDA before build_job set the graph plan's environment. A stand-in
-    CUDA records the environment at that first initialising call."""
+    allocator's config; torch.cuda.get_device_properties calls _lazy_init first): the
+    preflight sets the graph plan's environment before its memory check initialises CUDA. A
+    stand-in CUDA records the environment at that first initialising call."""
     import types
 
-    from megatron_fastpath.train import parse_job_config
+    from megatron_fastpath.train import parse_job_config, preflight
 
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "CUDA_DEVICE_MAX_CONNECTIONS",
                 "TORCH_NCCL_AVOID_RECORD_STREAMS"):
@@ -222,8 +222,10 @@ def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
     monkeypatch.setattr(torch.cuda, "get_device_name", device_name_standin("stand-in GPU"))
-    parse_job_config(cfg(["training.device=cuda", "fastpath.cuda_graphs=true",
-                          "cuda_graphs.use_te_rng_tracker=false", "cuda_graphs.warmup_steps=0"]))
+    job = parse_job_config(cfg(["training.device=cuda", "fastpath.cuda_graphs=true",
+                                "cuda_graphs.use_te_rng_tracker=false", "cuda_graphs.warmup_steps=0"]))
+    assert seen == [] and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the parse sets nothing
+    preflight(job)
     assert seen and seen[0] == "expandable_segments:True"
 
 
@@ -233,10 +235,11 @@ def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
 def test_moe_graphs_need_grouped_mms_sync_free_path(monkeypatch, dtype, capability, ok):
     """G4: torch._grouped_mm is sync-free only for bf16 on sm90 / sm100; elsewhere its fallback
     reads the offsets to the host per group, inside a captured layer. Stand-in CUDA of the
-    given capability; the MoE job with graphs is refused at parse where the path syncs."""
+    given capability; the MoE job with graphs is refused by the preflight (which asks the GPU's
+    capability) where the path syncs."""
     import types
 
-    from megatron_fastpath.train import parse_job_config
+    from megatron_fastpath.train import parse_job_config, preflight
 
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "CUDA_DEVICE_MAX_CONNECTIONS",
                 "TORCH_NCCL_AVOID_RECORD_STREAMS"):
@@ -250,9 +253,11 @@ def test_moe_graphs_need_grouped_mms_sync_free_path(monkeypatch, dtype, capabili
     overrides = ["model=tiny_moe", "training.device=cuda", f"training.dtype={dtype}",
                  "fastpath.cuda_graphs=true", "cuda_graphs.use_te_rng_tracker=false",
                  "fastpath.attention_backend=sdpa"]
+    job = parse_job_config(cfg(overrides))  # the capability is not asked at parse
+    assert job.plan.capture
     if ok:
-        assert parse_job_config(cfg(overrides)).plan.capture
+        preflight(job)
     else:
         with pytest.raises(ValueError, match=f"this run is {dtype} on sm{capability[0]}{capability[1]}.*"
                                              "training.dtype=bfloat16"):
-            parse_job_config(cfg(overrides))
+            preflight(job)

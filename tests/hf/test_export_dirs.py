@@ -1,7 +1,7 @@
-"""Export directories are checked at parse, before anything is built: one that is, contains or
-is inside the model the job reads (or its checkpoint directory) is refused naming both keys,
-and so is one the export at the end could not write (a file, a path under a file, a read-only
-disk) -- without creating anything."""
+"""Export directories are checked before anything is built: one that is, contains or is inside
+the model the job reads (or its checkpoint directory) is refused at parse naming both keys, and
+one the export at the end could not write (a file, a path under a file, a read-only disk) by
+the preflight that runs before any device work -- neither creating anything."""
 
 import os
 import subprocess
@@ -27,6 +27,14 @@ def parse(*overrides):
     from megatron_fastpath.train import parse_job_config
 
     return parse_job_config(compose_job(["training.steps=2", "metrics.wandb=off", *overrides]))
+
+
+def preflighted(*overrides):
+    from megatron_fastpath.train import preflight
+
+    job = parse(*overrides)
+    preflight(job)
+    return job
 
 
 def listing(root):
@@ -64,25 +72,25 @@ def test_an_export_into_the_checkpoint_directory_is_refused(tiny, tmp_path, wher
         parse("model=hf", f"model.path={tiny}", f"checkpoint.dir={ckpt}", f"export.merged_dir={out}")
 
 
-def test_an_export_directory_that_is_a_file_is_refused_at_parse(tiny, tmp_path):
+def test_an_export_directory_that_is_a_file_is_refused_before_the_build(tiny, tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match=r"^export.merged_dir='.*/f' is a file, not a directory: "
                                          r"point export.merged_dir at a directory"):
-        parse("model=hf", f"model.path={tiny}", f"export.merged_dir={tmp_path / 'f'}")
+        preflighted("model=hf", f"model.path={tiny}", f"export.merged_dir={tmp_path / 'f'}")
     with pytest.raises(ValueError, match=r"^export.adapter_dir='.*/f/sub/out' cannot be created "
                                          r"\(.*/f is a file, not a directory\)"):
-        parse("model=hf", f"model.path={tiny}", "fastpath.lora=true",
-              f"export.adapter_dir={tmp_path / 'f' / 'sub' / 'out'}")
+        preflighted("model=hf", f"model.path={tiny}", "fastpath.lora=true",
+                    f"export.adapter_dir={tmp_path / 'f' / 'sub' / 'out'}")
     assert (tmp_path / "f").read_text() == "x"
 
 
-def test_a_good_export_directory_is_not_created_at_parse(tiny, tmp_path):
-    job = parse("model=hf", f"model.path={tiny}", f"export.merged_dir={tmp_path / 'a' / 'b'}")
+def test_a_good_export_directory_is_not_created_before_the_run(tiny, tmp_path):
+    job = preflighted("model=hf", f"model.path={tiny}", f"export.merged_dir={tmp_path / 'a' / 'b'}")
     assert job.export.merged_dir == str(tmp_path / "a" / "b")
     assert os.listdir(tmp_path) == []
 
 
-def test_an_export_directory_on_a_read_only_disk_is_refused_at_parse(tiny, tmp_path):
+def test_an_export_directory_on_a_read_only_disk_is_refused_before_the_build(tiny, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
@@ -92,7 +100,7 @@ def test_an_export_directory_on_a_read_only_disk_is_refused_at_parse(tiny, tmp_p
     try:
         with pytest.raises(ValueError, match=r"^export.merged_dir='.*/ro/out' is not writable "
                                              r"\(Read-only file system: .*/ro\)"):
-            parse("model=hf", f"model.path={tiny}", f"export.merged_dir={ro / 'out'}")
+            preflighted("model=hf", f"model.path={tiny}", f"export.merged_dir={ro / 'out'}")
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 

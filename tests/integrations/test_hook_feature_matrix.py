@@ -579,15 +579,24 @@ UNREACHABLE_RULES: dict = {
                         "from the hooks)",
     "_full_iteration_graphs": "a full-iteration capture is the main job's cuda_graphs.scope; the "
                               "hooks never set RunFacts.full_iteration",
+    "_moe_tensor_parallel": "the hooks never set RunFacts.tensor_parallel_size",
+    "_sequence_parallel": "the main job's parallel.sequence_parallel; the hooks never set "
+                          "RunFacts.sequence_parallel",
+    "_offload_with_pipeline": "the hooks have no activation offload",
+    "_full_iteration_megatron_step": "the hooks never set RunFacts.full_iteration",
 }
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
 NOT_SET_BY_HOOKS = {
     "names": "one spelling per framework; tests/test_rules.py checks every spelling",
     "pipeline_parallel_size": "read by the CP rule for the main job only (the hooks refuse CP)",
-    "sequence_parallel": "read by the CP rule for the main job only",
+    "sequence_parallel": "read by the main job's rules only (CP, sequence parallelism)",
     "offload": "the hooks have no activation offload",
     "full_iteration": "the hooks capture per-layer graphs only (the main job's cuda_graphs.scope)",
     "on_cpu": "the hooks' frameworks train on GPUs",
+    "tensor_parallel_size": "read by the main job's MoE-with-TP and sequence-parallel rules only",
+    "linear_impl": "read by the main job's sequence-parallel rule only",
+    "packed_tokens": "read by the main job's sequence-parallel rule only",
+    "megatron_optimizer_step": "read by the main job's full-iteration rule only",
 }
 
 

@@ -18,7 +18,7 @@ from megatron_fastpath.data import (
 )
 from megatron_fastpath.train import parse_job_config
 from megatron_fastpath.train.checkpointing import DataPosition, fingerprint_config
-from megatron_fastpath.train.config import DEFAULT_STEPS, steps_from_epochs
+from megatron_fastpath.train.config import DEFAULT_STEPS, set_steps
 
 CFG = DataConfig(num_samples=48, max_tokens=256)  # 11 bins: a 2-microbatch step straddles epochs
 
@@ -118,7 +118,12 @@ def test_data_part_without_epoch_loads_in_a_run_without_epochs():
 
 
 def test_steps_and_epochs_at_parse():
-    assert parse_job_config(compose_job([])).training.steps == DEFAULT_STEPS == 40
+    # training.steps is set in one place, once the data is built (set_steps): the parse keeps
+    # the setting (None when unset) and checks stop_at_step against DEFAULT_STEPS
+    assert parse_job_config(compose_job([])).training.steps is None
+    assert parse_job_config(compose_job(["training.steps=7"])).training.steps == 7
+    with pytest.raises(ValueError, match=r"stop_at_step=41 must be in \[1, training.steps=40\]"):
+        parse_job_config(compose_job(["training.stop_at_step=41"]))
     cfg = parse_job_config(compose_job(["training.epochs=2"]))
     assert cfg.training.epochs == 2 and cfg.training.steps is None  # set once the data is packed
     with pytest.raises(ValueError, match=(
@@ -127,15 +132,16 @@ def test_steps_and_epochs_at_parse():
         parse_job_config(compose_job(["training.steps=10", "training.epochs=2"]))
 
 
-def test_steps_from_epochs_sets_the_steps_and_checks_stop_at_step():
+def test_set_steps_sets_the_steps_and_checks_stop_at_step():
     data, _ = step_data()
     cfg = parse_job_config(compose_job(["training.epochs=2", "training.stop_at_step=8"]))
-    assert steps_from_epochs(cfg, data).training.steps == 11
+    assert set_steps(cfg, data).training.steps == 11
     late = parse_job_config(compose_job(["training.epochs=2", "training.stop_at_step=12"]))
     with pytest.raises(ValueError, match=r"stop_at_step=12 must be in \[1, training.steps=11\]"):
-        steps_from_epochs(late, data)
+        set_steps(late, data)
     plain = parse_job_config(compose_job(["training.steps=5"]))
-    assert steps_from_epochs(plain, data) is plain
+    assert set_steps(plain, data) is plain
+    assert set_steps(parse_job_config(compose_job([])), data).training.steps == DEFAULT_STEPS == 40
 
 
 def test_fingerprint_has_epochs_only_when_set():

@@ -366,10 +366,13 @@ class _CachedTyping:
 
 
 def classify(combo: Combo) -> Verdict:
-    """Parse the combination as the main job does (call inside :func:`parsing`)."""
+    """Parse the combination as the main job does, then run the preflight's device checks
+    (the rules again with the GPU's capability where one reads it; the memory check) -- not
+    its output directories or environment (call inside :func:`parsing`)."""
     from megatron_fastpath import rules
     from megatron_fastpath._optional import MissingDependencyError
     from megatron_fastpath.train import parse_job_config
+    from megatron_fastpath.train.preflight import check_device
 
     if combo.overrides() is None:
         axis = next(a for a, v in zip(axes(), combo.values) if v is not NA and a.overrides(v) is None)
@@ -384,6 +387,7 @@ def classify(combo: Combo) -> Verdict:
     with mock.patch.object(rules, "refusals", recording):
         try:
             job = parse_job_config(config_tree(combo))
+            check_device(job)
         except (ValueError, MissingDependencyError) as exc:
             return _refused(str(exc), seen[-1] if seen else None)
     facts = seen[-1]
@@ -971,13 +975,14 @@ def test_matrix_reaches_every_rule_and_every_fact():
         "packed_cache": "the main job always packs",
         "expert_backend": "the main job has no expert-backend setting",
         "on_cpu": "the matrix runs the GPU path (training.device=cuda)",
-        # set only once FP8 is planned, which needs TE: the TE world's verdicts are classified in
-        # a child and committed without their facts (tests/test_rules.py and tests/fp8 check them)
-        "fp8_recipe": "set with TE only (the TE world's facts are not kept)",
-        "fp8_gemms": "set with TE only (the TE world's facts are not kept)",
-        "fp8_tokens": "set with TE only (the TE world's facts are not kept)",
+        # the TE world's verdicts are classified in a child and committed without their facts
+        "linear_impl": "local without TE (te only with TE: the TE world's facts are not kept)",
+        "packed_tokens": "data.max_tokens is one size (SIZES)",
+        "megatron_optimizer_step": "training.optimizer_step is left auto",
     }
     unreachable = {"_te_grouped_linear_in_graphs": "the main job never builds te_grouped_linear",
+                   "_full_iteration_megatron_step": "training.optimizer_step is left auto "
+                                                    "(tests/train/test_full_iteration_graphs.py)",
                    "_fp8_attention_inputs": "the main job always packs: its attention is never TE's sbhd one"}
     verdicts = classified().values()
     fired = {v.rule for v in verdicts if v.rule}
