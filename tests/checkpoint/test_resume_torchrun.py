@@ -99,7 +99,7 @@ def _tensors(model_dir, out_dir):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout", ["dp2", "ep2"])
+@pytest.mark.parametrize("layout", [pytest.param("dp2", marks=pytest.mark.smoke), "ep2"])
 def test_two_processes_match_one(runs, layout):
     """Data / expert parallel over two processes gives the losses of one process running the
     same global batch (2 microbatches)."""

@@ -71,6 +71,7 @@ def _eager_and_graphed(shim: bool):
     return (le, ge), (lg, gg), graphed
 
 
+@pytest.mark.smoke
 @pytest.mark.usefixtures("mcore_parallel")
 def test_stock_gpt_megatron_graphs_equal_eager_with_the_shim():
     with graph_session():

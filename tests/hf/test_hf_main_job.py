@@ -97,6 +97,7 @@ def test_metrics_files_written(finetuned):
     assert run_dir.startswith(finetuned["metrics"]) and "offline-run" in run_dir
 
 
+@pytest.mark.smoke
 def test_exported_adapter_lowers_transformers_held_out_loss(finetuned):
     from peft import PeftModel
 

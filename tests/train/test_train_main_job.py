@@ -17,6 +17,7 @@ def cfg(overrides=()):
 
 
 @pytest.mark.integration
+@pytest.mark.smoke
 def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
     from megatron_fastpath.train import run
 
