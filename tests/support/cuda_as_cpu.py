@@ -189,6 +189,18 @@ def _synchronize(device=None) -> None:
     CALLS["torch.cuda.synchronize"] += 1
 
 
+def _is_current_stream_capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` (cuda/graphs.py: torch 2.13 :57-62, torch
+    2.11 :45-50): no argument; False, no capture being under way on the stand-in GPU
+    (``fake_cuda_graph.fake_cuda_graphs`` replaces it with one that answers True during its
+    capture). Every ``torch.optim`` ``step()`` asks it on torch 2.11:
+    ``Optimizer._accelerator_graph_capture_health_check`` (optim/optimizer.py:451-474) calls it
+    once ``torch.cuda.is_available()`` answers True, as it does here (the real one raises
+    without a GPU). Torch 2.13's check (optimizer.py:448-466) asks ``torch.accelerator``
+    instead, which no stand-in patches: no accelerator on a CPU, so no check."""
+    return False
+
+
 def _check_gpu(idx: int) -> int:
     """c10/cuda/CUDAStream.cpp ``getCurrentCUDAStream`` / ``getDefaultCUDAStream``: -1 is the
     current device; else ``check_gpu``: TORCH_CHECK(0 <= index < num_gpus, "Device index value
@@ -445,6 +457,11 @@ def cuda_as_cpu() -> Iterator[None]:
 
     patches = [
         mock.patch("torch.cuda.is_available", lambda: True),
+        # the stand-in GPU's tensors are CPU tensors, as on the CPU build the emulation is
+        # written against (torch._C._has_cuda False): on a CUDA build (torch 2.11's wheel, GPU
+        # or not) code telling a CUDA machine's host tensors from its device ones -- the sync
+        # sentinel's _cuda_machine -- must see them as one, as it does on a CPU build
+        mock.patch("torch.backends.cuda.is_built", lambda: False),
         mock.patch("torch.cuda.current_device", _current_device),
         mock.patch("torch.cuda.device_count", lambda: 1),
         mock.patch("torch.cuda.synchronize", _synchronize),
@@ -453,6 +470,7 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.set_stream", _set_stream),
         mock.patch("torch.cuda.set_device", _set_device),
         mock.patch("torch.cuda.empty_cache", lambda: None),
+        mock.patch("torch.cuda.is_current_stream_capturing", _is_current_stream_capturing),
         mock.patch("torch.cuda.Stream", _FakeStream),
         mock.patch("torch.cuda.Event", _FakeEvent),
         mock.patch("torch.cuda.stream", _stream_context),

@@ -407,10 +407,13 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "torch.cuda.is_current_stream_capturing",
-        (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",),
+        (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",
+         f"{_SUPPORT}.cuda_as_cpu._is_current_stream_capturing"),
         "True exactly while a fake CUDA graph capture is under way (fake_cuda_graph.FakeCUDAGraph "
-        "raises on host reads and nested captures, as a real capture is invalidated)",
-        "cudaStreamCaptureStatusInvalidated (fake_cuda_graph.py docstring)",
+        "raises on host reads and nested captures, as a real capture is invalidated); False "
+        "under cuda_as_cpu alone (no capture), where torch 2.11's optimizer step asks it",
+        "cudaStreamCaptureStatusInvalidated (fake_cuda_graph.py docstring); torch 2.13 "
+        "torch/cuda/graphs.py:57-62, torch 2.11 :45-50; torch 2.11 torch/optim/optimizer.py:467-474",
     ),
     Entry(
         "torch.cuda.memory_stats",

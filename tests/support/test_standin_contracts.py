@@ -10,6 +10,7 @@ import ast
 import collections
 import inspect
 import itertools
+import os
 import re
 
 import pytest
@@ -24,7 +25,8 @@ from tests.support.standin_registry import PACKAGE
 # the real functions, taken before any block patches torch.cuda
 REAL = {name: getattr(torch.cuda, name) for name in (
     "current_device", "set_device", "synchronize", "current_stream", "default_stream", "stream",
-    "set_stream", "memory_stats", "get_device_capability", "get_device_name")}
+    "set_stream", "memory_stats", "get_device_capability", "get_device_name",
+    "is_current_stream_capturing")}
 REAL_NVTX = {"range_push": torch.cuda.nvtx.range_push, "range_pop": torch.cuda.nvtx.range_pop}
 REAL_STREAM = torch.cuda.Stream
 
@@ -42,7 +44,8 @@ def _params(fn):
     ("default_stream", cac._default_stream), ("stream", cac._stream_context),
     ("set_stream", cac._set_stream), ("memory_stats", _memory_stats),
     ("get_device_capability", cac.device_capability_standin()),
-    ("get_device_name", cac.device_name_standin())])
+    ("get_device_name", cac.device_name_standin()),
+    ("is_current_stream_capturing", cac._is_current_stream_capturing)])
 def test_signatures_are_torchs(name, standin):
     assert _params(standin) == _params(REAL[name]), name
 
