@@ -31,6 +31,8 @@ from unittest import mock
 import torch
 from torch.nn.attention import flex_attention as _fa
 
+from megatron_fastpath.compat import TORCH_RELEASE
+
 REAL_FLEX = _fa.flex_attention  # captured before any monkeypatch
 
 
@@ -70,7 +72,12 @@ def _real_forward(q, k, v, **kw):
 
 
 def _blocks_to_tokens(num_blocks, indices, bs_rows, bs_cols, rows, cols):
-    dense = _fa._ordered_to_dense(num_blocks, indices, indices.shape[-1])  # [B?, H?, nr, nc]
+    # torch's own block-list -> dense conversion: torch 2.13 (nn/attention/flex_attention.py:392)
+    # takes the column count, torch 2.11 (:372) reads it from col_indices.shape[-1]
+    if TORCH_RELEASE >= (2, 13):
+        dense = _fa._ordered_to_dense(num_blocks, indices, indices.shape[-1])  # [B?, H?, nr, nc]
+    else:
+        dense = _fa._ordered_to_dense(num_blocks, indices)
     dense = dense.repeat_interleave(bs_rows, dim=-2).repeat_interleave(bs_cols, dim=-1)
     return dense[..., :rows, :cols].bool()
 
