@@ -16,10 +16,12 @@ What it does while active:
 * ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
   few other ``torch.cuda`` entry points are patched for the block's duration, one stand-in GPU
   (index 0); ``Stream`` / ``current_stream`` / ``default_stream`` / ``stream`` / ``set_stream`` /
-  ``synchronize`` / ``current_device`` / ``set_device`` take and check their arguments as torch
-  2.13's own code does (a cpu device, an index past the device count, a non-stream raise the
-  real error; the torch source line is cited on each stand-in), and ``torch.cuda.stream(s)``
-  selects ``s`` as ``current_stream()`` for the block, as on a GPU;
+  ``synchronize`` / ``current_device`` / ``set_device`` take and check their arguments as
+  torch 2.13's and 2.11's own code does (a cpu device, an index past the device count, a
+  non-stream raise the real error; the torch source line is cited on each stand-in), and
+  ``torch.cuda.stream(s)`` selects ``s`` as ``current_stream()`` for the block, as on a GPU;
+  ``torch.backends.cuda.is_built()`` answers False on any build, as on the CPU build this
+  emulation is written against (the stand-in GPU's tensors are CPU tensors);
 * a TorchFunctionMode is not active inside an ``autograd.Function.backward`` (Megatron's
   sequence-parallel linear allocates its reduce-scatter output there on
   ``torch.cuda.current_device()``), so ``torch.empty`` / ``torch.zeros`` are also wrapped to
@@ -126,6 +128,11 @@ class CudaAsCpuMode(TorchFunctionMode):
 # Devices, streams and the torch.cuda entry points: each stand-in asserts what torch 2.13's own
 # implementation asserts or raises for the arguments it takes (file:line below are torch 2.13's,
 # .venv/lib/python3.11/site-packages/torch/...; C++ functions named where the check is there).
+# Torch 2.11 runs the same code (read line by line), at: cuda/streams.py and cuda/nvtx.py the
+# same lines; cuda/_utils.py 40 lines up (2.13 :557-586 is 2.11 :517-546); _utils.py 22 up
+# (:869-913 is :847-891); cuda/__init__.py 51 up from :650 to :858 (device, set_device,
+# get_device_*, StreamContext, set_stream: :650-655 is :599-604) and 57 up from :1203 to :1268
+# (current_device, synchronize, current_stream, default_stream: :1235-1250 is :1178-1193).
 # The stand-in GPU is one device (index 0): torch.cuda.device_count() as patched (1).
 # ---------------------------------------------------------------------------------------------
 _NO_INDEX = "Expected a torch.device with a specified index or an integer"

@@ -496,7 +496,8 @@ MEMORY_STATS_KEYS = frozenset(
 
 
 def _memory_stats(device=None):
-    """``torch.cuda.memory_stats(device=None)`` (cuda/memory.py:231-349): the device through
+    """``torch.cuda.memory_stats(device=None)`` (cuda/memory.py:231-349; torch 2.11 :227-329,
+    the lines below 20 up): the device through
     ``_get_device_index(device, optional=True)`` (memory.py:356: a cpu device raises ValueError),
     then ``torch._C._cuda_memoryStats`` -> CUDACachingAllocator ``getDeviceStats``, whose
     device check raises RuntimeError("Invalid device argument {i}: did you call init?") for an

@@ -1,10 +1,10 @@
-"""The CUDA stand-ins keep torch 2.13's contracts (issue 22): each of ``torch.cuda.Stream`` /
+"""The CUDA stand-ins keep torch 2.13's and 2.11's contracts: each of ``torch.cuda.Stream`` /
 ``current_stream`` / ``stream`` / ``synchronize`` / ``current_device`` / ``set_device`` /
 ``memory_stats`` / ``get_device_capability`` / ``get_device_name`` / ``nvtx.range_push`` /
 ``nvtx.range_pop`` raises the real library's error for a call the real one refuses and works
-for a valid one. Where the real behaviour is observable on this CPU build (pure-Python argument
+for a valid one. Where the real behaviour is observable without a GPU (pure-Python argument
 parsing, signatures, ``Stream``'s Python methods, the documented ``memory_stats`` keys) the
-stand-in is compared with real torch itself."""
+stand-in is compared with the installed torch itself."""
 
 import ast
 import collections
@@ -156,7 +156,8 @@ def test_memory_stats_checks_its_device_and_answers_torchs_keys():
 
 
 def test_memory_stats_keys_are_the_ones_torch_documents():
-    """Expanded from torch's own docstring (cuda/memory.py:237-305): ``"stat.{a,b}.{c,d}"``."""
+    """Expanded from the installed torch's own docstring (cuda/memory.py: torch 2.13 :239-311,
+    torch 2.11 :235-297): ``"stat.{a,b}.{c,d}"``."""
     doc = torch.cuda.memory.memory_stats.__doc__
     keys = set()
     for pattern in re.findall(r'``"([a-z][a-z_.{},]*)"``', doc):
