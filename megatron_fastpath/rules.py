@@ -309,12 +309,14 @@ def _fp8_attention_inputs(f: RunFacts) -> Optional[str]:
 def _flex_head_dim(f: RunFacts) -> Optional[str]:
     # On CUDA the flex backend runs torch.compile(flex_attention), whose Triton lowering refuses
     # a head narrower than 16 ("NYI: embedding dimension of the query, key, and value must be
-    # at least 16", torch 2.13 _inductor/kernel/flex/flex_attention.py:156-163) at the first
-    # forward; the CPU path runs flex eagerly (forward only) and has no such limit.
+    # at least 16", _inductor/kernel/flex/flex_attention.py: torch 2.13 :156-163, torch 2.11
+    # :138-145) at the first forward; the CPU path runs flex eagerly (forward only) and has no
+    # such limit.
     if f.attention_backend == "flex" and not f.on_cpu and f.head_dim is not None and f.head_dim < 16:
         return (f"the 'flex' attention backend with head_dim {f.head_dim} on a GPU: torch's "
-                "compiled FlexAttention kernel needs a head width of at least 16 (torch 2.13, "
-                "_inductor/kernel/flex/flex_attention.py:156-163); use another attention backend "
+                "compiled FlexAttention kernel needs a head width of at least 16 (torch "
+                "_inductor/kernel/flex/flex_attention.py: 2.13 :156-163, 2.11 :138-145); use "
+                "another attention backend "
                 f"or a head_dim >= 16 ({f.names.model_sizes})")
     return None
 

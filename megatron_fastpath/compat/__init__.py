@@ -14,6 +14,10 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.te_quantized` -- TE quantized tensors and do-not-offload marks (activation offload)
 * :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
+
+The torch release is read here too (:data:`TORCH_RELEASE`): code that depends on a behaviour
+that differs between torch releases -- the package's own, or a test stand-in's -- branches on
+it, citing each release's source line.
 """
 
 from __future__ import annotations
@@ -61,3 +65,22 @@ def _require_checked_mcore(shim: str, reason: str, exc: type = ImportError,
             f"megatron-core {version} is installed: {reason}. Check that against "
             "the installed release and widen CHECKED_MCORE_LINES in megatron_fastpath/compat/__init__.py"
         )
+
+
+# =============================================================================================
+# The torch release. Two are read and tested: 2.13 (the CPU machines' default, Python 3.11) and
+# 2.11 (the GPU machines' CUDA 13 build, Python 3.12; CI runs the unit tier on it too). Where
+# they differ, the branch compares TORCH_RELEASE with the release whose source it cites, and cites
+# the other one's line as well.
+# =============================================================================================
+def torch_release(version: Optional[str] = None) -> tuple:
+    """``(major, minor)`` of ``version``, by default the installed torch's (``"2.11.0+cu130"``
+    -> ``(2, 11)``), read from its metadata so that importing this module imports no torch."""
+    try:
+        parsed = Version(version if version is not None else importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError as exc:  # pragma: no cover - install error
+        raise ImportError("megatron_fastpath needs torch (`pip install torch`)") from exc
+    return (parsed.major, parsed.minor)
+
+
+TORCH_RELEASE = torch_release()

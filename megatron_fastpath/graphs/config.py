@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_fastpath.compat import TORCH_RELEASE
 from megatron_fastpath.fp8.config import plan_fp8
 
 if TYPE_CHECKING:
@@ -229,8 +230,7 @@ def _plan_capture(graphs: CudaGraphConfig, tc: dict, env: dict, notes: list) -> 
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     env["NCCL_GRAPH_REGISTER"] = "0"  # with expandable segments, graphs + NCCL UB clash
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 8):
+    if TORCH_RELEASE < (2, 8):
         env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
     notes.append(
         f"per-layer CUDA graphs: cuda_graph_impl=local, captured at the end of step 1 after "

@@ -9,6 +9,7 @@ import torch
 from tests.support.hydra_compose import compose_job
 from tests.support.cuda_as_cpu import device_capability_standin, device_name_standin
 
+from megatron_fastpath import compat
 from megatron_fastpath._optional import MissingDependencyError, have
 from megatron_fastpath.fp8 import FP8Config
 from megatron_fastpath.graphs.config import CudaGraphConfig, plan_graphs_and_fp8
@@ -61,8 +62,7 @@ def test_graph_plan_on_cuda_sets_megatron_fields_and_env():
     assert plan.env["NCCL_GRAPH_REGISTER"] == "0"
     assert plan.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    assert ("TORCH_NCCL_AVOID_RECORD_STREAMS" in plan.env) == (
-        tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 8))
+    assert ("TORCH_NCCL_AVOID_RECORD_STREAMS" in plan.env) == (compat.TORCH_RELEASE < (2, 8))
     from megatron_fastpath.model import ModelConfig, build_transformer_config
 
     tc = build_transformer_config(ModelConfig(), **plan.transformer_config)

@@ -16,14 +16,23 @@ from megatron_fastpath.sync import SyncSentinel
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _randn(*shape, dtype=torch.float32):
+    """Drawn in float32 and cast: from one seed, torch 2.11 and 2.13 draw different float16 /
+    bfloat16 values on the CPU (their reduced-precision CPU sampling kernels differ, aten/src/
+    ATen/native/cpu/DistributionTemplates.h) and the same float32 ones, so each test's data --
+    and whether a step of it overflows fp16 -- are the same on both releases."""
+    return torch.randn(*shape).to(dtype)
+
+
 def _tiny(cfg):
     from megatron.core.transformer.module import MegatronModule
 
     class Tiny(MegatronModule):
         def __init__(self):
             super().__init__(cfg)
-            self.a = torch.nn.Linear(8, 16, dtype=cfg.params_dtype)
-            self.b = torch.nn.Linear(16, 4, bias=False, dtype=cfg.params_dtype)
+            # initialised in float32 and cast, as _randn draws (the same on every release)
+            self.a = torch.nn.Linear(8, 16).to(cfg.params_dtype)
+            self.b = torch.nn.Linear(16, 4, bias=False).to(cfg.params_dtype)
 
         def forward(self, x):
             return self.b(torch.nn.functional.silu(self.a(x)))
@@ -71,7 +80,7 @@ def _run_pair(mode, steps, inf_steps=(), kernel="auto", **opt_kw):
     torch.manual_seed(1)
     out = []
     for step in range(steps):
-        x = torch.randn(5, 8, dtype=DTYPES[mode]) * (1 + step)
+        x = _randn(5, 8, dtype=DTYPES[mode]) * (1 + step)
         _backward(ref_ddp, ref_opt, x, inf=step in inf_steps)
         ref = ref_opt.step()
         _backward(our_ddp, ours, x, inf=step in inf_steps)
@@ -260,7 +269,7 @@ def test_te_fused_adam_taken_over(mcore_parallel, monkeypatch, mode):
         assert inner.param_groups[0]["params"] is te_opt.param_groups[0]["params"]
         torch.manual_seed(1)
         for step in range(4):
-            x = torch.randn(5, 8, dtype=DTYPES[mode])
+            x = _randn(5, 8, dtype=DTYPES[mode])
             _backward(ref_ddp, ref_opt, x)
             ref_opt.step()
             _backward(our_ddp, ours, x)
@@ -296,7 +305,7 @@ def test_state_dict_round_trip_continues_identically(mcore_parallel):
     next 3 steps equal an uninterrupted run's bit for bit (parameters, loss scale, skips)."""
     kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2, hysteresis=2)
     torch.manual_seed(3)
-    xs = [torch.randn(5, 8, dtype=torch.float16) for _ in range(6)]
+    xs = [_randn(5, 8, dtype=torch.float16) for _ in range(6)]
     inf_steps = (1, 4)
 
     def run(ddp, opt, steps):

@@ -16,10 +16,12 @@ What it does while active:
 * ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream`` / ``is_available`` and a
   few other ``torch.cuda`` entry points are patched for the block's duration, one stand-in GPU
   (index 0); ``Stream`` / ``current_stream`` / ``default_stream`` / ``stream`` / ``set_stream`` /
-  ``synchronize`` / ``current_device`` / ``set_device`` take and check their arguments as torch
-  2.13's own code does (a cpu device, an index past the device count, a non-stream raise the
-  real error; the torch source line is cited on each stand-in), and ``torch.cuda.stream(s)``
-  selects ``s`` as ``current_stream()`` for the block, as on a GPU;
+  ``synchronize`` / ``current_device`` / ``set_device`` take and check their arguments as
+  torch 2.13's and 2.11's own code does (a cpu device, an index past the device count, a
+  non-stream raise the real error; the torch source line is cited on each stand-in), and
+  ``torch.cuda.stream(s)`` selects ``s`` as ``current_stream()`` for the block, as on a GPU;
+  ``torch.backends.cuda.is_built()`` answers False on any build, as on the CPU build this
+  emulation is written against (the stand-in GPU's tensors are CPU tensors);
 * a TorchFunctionMode is not active inside an ``autograd.Function.backward`` (Megatron's
   sequence-parallel linear allocates its reduce-scatter output there on
   ``torch.cuda.current_device()``), so ``torch.empty`` / ``torch.zeros`` are also wrapped to
@@ -126,6 +128,11 @@ class CudaAsCpuMode(TorchFunctionMode):
 # Devices, streams and the torch.cuda entry points: each stand-in asserts what torch 2.13's own
 # implementation asserts or raises for the arguments it takes (file:line below are torch 2.13's,
 # .venv/lib/python3.11/site-packages/torch/...; C++ functions named where the check is there).
+# Torch 2.11 runs the same code (read line by line), at: cuda/streams.py and cuda/nvtx.py the
+# same lines; cuda/_utils.py 40 lines up (2.13 :557-586 is 2.11 :517-546); _utils.py 22 up
+# (:869-913 is :847-891); cuda/__init__.py 51 up from :650 to :858 (device, set_device,
+# get_device_*, StreamContext, set_stream: :650-655 is :599-604) and 57 up from :1203 to :1268
+# (current_device, synchronize, current_stream, default_stream: :1235-1250 is :1178-1193).
 # The stand-in GPU is one device (index 0): torch.cuda.device_count() as patched (1).
 # ---------------------------------------------------------------------------------------------
 _NO_INDEX = "Expected a torch.device with a specified index or an integer"
@@ -187,6 +194,18 @@ def _synchronize(device=None) -> None:
     reports)."""
     _exchange_device(device_index(device, optional=True))
     CALLS["torch.cuda.synchronize"] += 1
+
+
+def _is_current_stream_capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` (cuda/graphs.py: torch 2.13 :57-62, torch
+    2.11 :45-50): no argument; False, no capture being under way on the stand-in GPU
+    (``fake_cuda_graph.fake_cuda_graphs`` replaces it with one that answers True during its
+    capture). Every ``torch.optim`` ``step()`` asks it on torch 2.11:
+    ``Optimizer._accelerator_graph_capture_health_check`` (optim/optimizer.py:451-474) calls it
+    once ``torch.cuda.is_available()`` answers True, as it does here (the real one raises
+    without a GPU). Torch 2.13's check (optimizer.py:448-466) asks ``torch.accelerator``
+    instead, which no stand-in patches: no accelerator on a CPU, so no check."""
+    return False
 
 
 def _check_gpu(idx: int) -> int:
@@ -445,6 +464,11 @@ def cuda_as_cpu() -> Iterator[None]:
 
     patches = [
         mock.patch("torch.cuda.is_available", lambda: True),
+        # the stand-in GPU's tensors are CPU tensors, as on the CPU build the emulation is
+        # written against (torch._C._has_cuda False): on a CUDA build (torch 2.11's wheel, GPU
+        # or not) code telling a CUDA machine's host tensors from its device ones -- the sync
+        # sentinel's _cuda_machine -- must see them as one, as it does on a CPU build
+        mock.patch("torch.backends.cuda.is_built", lambda: False),
         mock.patch("torch.cuda.current_device", _current_device),
         mock.patch("torch.cuda.device_count", lambda: 1),
         mock.patch("torch.cuda.synchronize", _synchronize),
@@ -453,6 +477,7 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.set_stream", _set_stream),
         mock.patch("torch.cuda.set_device", _set_device),
         mock.patch("torch.cuda.empty_cache", lambda: None),
+        mock.patch("torch.cuda.is_current_stream_capturing", _is_current_stream_capturing),
         mock.patch("torch.cuda.Stream", _FakeStream),
         mock.patch("torch.cuda.Event", _FakeEvent),
         mock.patch("torch.cuda.stream", _stream_context),

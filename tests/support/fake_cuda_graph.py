@@ -86,6 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin
+from megatron_fastpath.compat import TORCH_RELEASE
 from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
 
 # (file relative to megatron/core, line, text expected on that line)
@@ -476,9 +477,12 @@ def _optimizer_device_patches() -> list:
             if name.startswith("torch.optim.") and hasattr(mod, "_get_capturable_supported_devices")]
 
 
-# The keys of torch.cuda.memory_stats() as torch 2.13 documents them (cuda/memory.py:237-305): the
-# core statistics per pool and metric, the event counters, the oversize and requested-bytes
-# statistics (``reserved_bytes_by_private_pools.*`` appears only with private pools: left out).
+# The keys of torch.cuda.memory_stats() as the installed torch documents them (cuda/memory.py:
+# torch 2.13 :239-311, torch 2.11 :235-297): the core statistics per pool and metric, the event
+# counters, the oversize and requested-bytes statistics (2.13's
+# ``reserved_bytes_by_private_pools.*`` appears only with private pools: left out).
+# ``num_oom_rejections`` is 2.13's only (:284-285, the throw_on_cudamalloc_oom policy's counter);
+# torch 2.11 neither documents nor counts it.
 _CORE_STATS = ("allocated", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
                "inactive_split", "inactive_split_bytes", "requested_bytes")
 _METRICS = ("current", "peak", "allocated", "freed")
@@ -487,11 +491,13 @@ MEMORY_STATS_KEYS = frozenset(
      for m in _METRICS]
     + [f"{s}.{m}" for s in ("oversize_allocations", "oversize_segments") for m in _METRICS]
     + ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
-       "num_device_free", "num_oom_rejections", "max_split_size"])
+       "num_device_free", "max_split_size"]
+    + (["num_oom_rejections"] if TORCH_RELEASE >= (2, 13) else []))
 
 
 def _memory_stats(device=None):
-    """``torch.cuda.memory_stats(device=None)`` (cuda/memory.py:231-349): the device through
+    """``torch.cuda.memory_stats(device=None)`` (cuda/memory.py:231-349; torch 2.11 :227-329,
+    the lines below 20 up): the device through
     ``_get_device_index(device, optional=True)`` (memory.py:356: a cpu device raises ValueError),
     then ``torch._C._cuda_memoryStats`` -> CUDACachingAllocator ``getDeviceStats``, whose
     device check raises RuntimeError("Invalid device argument {i}: did you call init?") for an

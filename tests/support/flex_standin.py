@@ -1,21 +1,26 @@
 """Test-only stand-in for torch 2.13 FlexAttention with a backward on CPU (the feature matrix trains the flex backend on it).
 
+torch 2.13's lines are cited below; torch 2.11 runs the same checks at the lines in brackets
+(2.11 has no _validate_no_nested_tensors call; its _ordered_to_dense takes no column count).
+
 ``flex_attention_standin(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False)``
 
 * forward: the REAL ``torch.nn.attention.flex_attention.flex_attention`` on detached inputs
   (CPU forward exists), so every input contract the real function checks in Python is checked
   by the real code (torch/nn/attention/flex_attention.py, torch 2.13):
     L2315 _validate_no_nested_tensors; L2316 _validate_sdpa_input (same device, >= 2-D;
-    allow_lowp_kv=True: no dtype check here); L2317 _validate_embed_dim (q/k same E);
-    L2320-2321 4-D q/k/v; L2322-2327 Hq == Hkv unless enable_gqa; L2328-2335 Hq % Hkv == 0;
-    L2336-2350 batch sizes; L2364-2392 block_mask seq lengths == q/k lengths;
-    L2396-2400 block_mask on q's device.
-  The only check skipped is L2079-2084 (_validate_device: "does not support backward on CPU"),
-  the limitation this stand-in stands in for.
+    allow_lowp_kv=True: no dtype check here) [L1547]; L2317 _validate_embed_dim (q/k same E)
+    [L1548]; L2320-2321 4-D q/k/v [L1551-1552]; L2322-2327 Hq == Hkv unless enable_gqa
+    [L1553-1558]; L2328-2335 Hq % Hkv == 0 [L1559-1566]; L2336-2350 batch sizes [L1567-1580];
+    L2364-2392 block_mask seq lengths == q/k lengths [L1593-1621]; L2396-2400 block_mask on q's
+    device [L1626-1630].
+  The only check skipped is L2079-2084 [L1394-1400] (_validate_device: "does not support
+  backward on CPU"), the limitation this stand-in stands in for.
 * plus what the CUDA path asserts that the CPU path does not
   (torch/_inductor/kernel/flex/flex_attention.py, torch 2.13):
-    L156-163  "NYI: embedding dimension ... must be at least 16" (forward lowering, CUDA);
-    L742-748  "Backward pass with mixed query, key, and value dtype is not supported".
+    L156-163 [L138-145]  "NYI: embedding dimension ... must be at least 16" (forward lowering,
+    CUDA); L742-748 [L692-698]  "Backward pass with mixed query, key, and value dtype is not
+    supported".
 * backward: dense fp32 math as the GPU kernel does it -- P = exp(score_mod(scale * q.k) - lse)
   with lse from the real forward; dQ over the blocks the kv_* fields list (partial: mask_mod,
   full: all kept), dK / dV over the blocks the TRANSPOSED q_* fields list (the backward
@@ -31,16 +36,19 @@ from unittest import mock
 import torch
 from torch.nn.attention import flex_attention as _fa
 
+from megatron_fastpath.compat import TORCH_RELEASE
+
 REAL_FLEX = _fa.flex_attention  # captured before any monkeypatch
 
 
 def _check_dispatch_modes():
     """torch.compile skips every frame while a non-infra TorchDispatchMode without
-    ``ignore_compile_internals()`` is active (torch/_dynamo/convert_frame.py:2545-2570), so the
-    real flex_attention -- compiled by the package on CUDA, and compiling its HOP with
-    fullgraph=True even in eager (flex_attention.py:2497-2508) -- raises "torch.compile with
-    fullgraph=True found no compiled frames". Raised here too, except for the fake CUDA graph's
-    recording mode (it stands in for a capture, which has no dispatch mode on a GPU)."""
+    ``ignore_compile_internals()`` is active (torch/_dynamo/convert_frame.py:2545-2570; 2.11
+    :2250-2280), so the real flex_attention -- compiled by the package on CUDA, and compiling its
+    HOP with fullgraph=True even in eager (flex_attention.py:2497-2508; 2.11 :1720-1731) --
+    raises "torch.compile with fullgraph=True found no compiled frames". Raised here too, except
+    for the fake CUDA graph's recording mode (it stands in for a capture, which has no dispatch
+    mode on a GPU)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     for mode in _get_current_dispatch_mode_stack():
@@ -51,7 +59,8 @@ def _check_dispatch_modes():
         raise RuntimeError(
             f"flex_attention under the dispatch mode {type(mode).__qualname__}: torch.compile "
             "skips frames under a non-infra TorchDispatchMode (torch/_dynamo/convert_frame.py:"
-            "2545-2570): 'torch.compile with fullgraph=True found no compiled frames'")
+            "2545-2570 in torch 2.13, :2250-2280 in 2.11): 'torch.compile with fullgraph=True "
+            "found no compiled frames'")
 
 
 def _real_forward(q, k, v, **kw):
@@ -60,17 +69,23 @@ def _real_forward(q, k, v, **kw):
     from torch._higher_order_ops.flex_attention import sdpa_dense
 
     _check_dispatch_modes()
-    # flex_attention.py:2497-2508: with the debug flag the top level calls the HOP without
-    # torch.compile; the HOP's CompositeExplicitAutograd kernel (sdpa_dense,
-    # _higher_order_ops/flex_attention.py:384) called as a function: plain aten ops, which the
-    # fake CUDA graph's recording mode (no HOP support) records like any other
+    # flex_attention.py:2497-2508 (2.11 :1720-1731): with the debug flag the top level calls the
+    # HOP without torch.compile; the HOP's CompositeExplicitAutograd kernel (sdpa_dense,
+    # _higher_order_ops/flex_attention.py:381-382; 2.11 :379-380) called as a function: plain
+    # aten ops, which the fake CUDA graph's recording mode (no HOP support) records like any
+    # other
     with mock.patch.object(_fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True), \
             mock.patch.object(_fa, "flex_attention_hop", sdpa_dense):
         return REAL_FLEX(q, k, v, **kw)
 
 
 def _blocks_to_tokens(num_blocks, indices, bs_rows, bs_cols, rows, cols):
-    dense = _fa._ordered_to_dense(num_blocks, indices, indices.shape[-1])  # [B?, H?, nr, nc]
+    # torch's own block-list -> dense conversion: torch 2.13 (nn/attention/flex_attention.py:392)
+    # takes the column count, torch 2.11 (:372) reads it from col_indices.shape[-1]
+    if TORCH_RELEASE >= (2, 13):
+        dense = _fa._ordered_to_dense(num_blocks, indices, indices.shape[-1])  # [B?, H?, nr, nc]
+    else:
+        dense = _fa._ordered_to_dense(num_blocks, indices)
     dense = dense.repeat_interleave(bs_rows, dim=-2).repeat_interleave(bs_cols, dim=-1)
     return dense[..., :rows, :cols].bool()
 
@@ -167,7 +182,7 @@ def flex_attention_standin(query, key, value, score_mod=None, block_mask=None, s
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                         or value.requires_grad)
     if query.dim() == 4 and value.dim() == 4 and (query.size(-1) < 16 or value.size(-1) < 16):
-        # torch/_inductor/kernel/flex/flex_attention.py:156-163 (CUDA lowering)
+        # torch/_inductor/kernel/flex/flex_attention.py:156-163 (2.11 :138-145; CUDA lowering)
         raise NotImplementedError(
             f"NYI: embedding dimension of the query, key, and value must be at least 16 but got "
             f"E={query.size(-1)} and Ev={value.size(-1)}")
@@ -178,7 +193,7 @@ def flex_attention_standin(query, key, value, score_mod=None, block_mask=None, s
     if return_lse or return_aux is not None or kernel_options is not None:
         raise NotImplementedError("stand-in: return_lse / return_aux / kernel_options in training")
     if query.dtype != key.dtype or query.dtype != value.dtype:
-        # torch/_inductor/kernel/flex/flex_attention.py:742-748 (backward lowering)
+        # torch/_inductor/kernel/flex/flex_attention.py:742-748 (2.11 :692-698; backward lowering)
         raise ValueError(
             f"Backward pass with mixed query, key, and value dtype is not supported, "
             f"got query.dtype={query.dtype}, key.dtype={key.dtype}, and value.dtype={value.dtype}")

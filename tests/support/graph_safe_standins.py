@@ -114,7 +114,7 @@ class FakeCUDAGraphReplayingCollectives(FakeCUDAGraph):
 
 
 class NvtxRanges:
-    """``torch.cuda.nvtx.range_push`` / ``range_pop`` (torch 2.13 cuda/nvtx.py:27-38:
+    """``torch.cuda.nvtx.range_push`` / ``range_pop`` (torch 2.13 and 2.11 cuda/nvtx.py:27-38:
     ``_nvtx.rangePushA(msg)`` / ``_nvtx.rangePop()``, pybind11 bindings of nvtxRangePushA /
     nvtxRangePop, torch/csrc/cuda/shared/nvtx.cpp) with a tool attached that tracks the
     ranges (a profiler: without one NVTX returns NVTX_NO_PUSH_POP_TRACKING, -2, from both):
@@ -128,7 +128,8 @@ class NvtxRanges:
     * the open ranges are ``stack``; :meth:`assert_balanced` raises unless every push was
       popped and no pop underflowed (``gpu_standins`` calls it when its block exits without an
       exception: an unbalanced push / pop over a step fails the test). A CPU build of torch
-      raises 'NVTX functions not installed' from both (nvtx.py:13-16)."""
+      raises 'NVTX functions not installed' from both (nvtx.py:13-16); a CUDA build without a
+      tool returns -2 from both, GPU or not."""
 
     def __init__(self):
         self.stack: list = []

@@ -300,7 +300,9 @@ REGISTRY: tuple[Entry, ...] = (
         "(dQ) and q_* (dK / dV) blocks, as the kernel iterates them; no compile under a "
         "non-infra dispatch mode; more specialisations than dynamo's recompile_limit raise",
         "torch 2.13 _inductor/kernel/flex/flex_attention.py:156-163, 742-748; "
-        "nn/attention/flex_attention.py:2315-2400, 2497-2508; _dynamo/convert_frame.py:2545-2570",
+        "nn/attention/flex_attention.py:2315-2400, 2497-2508; _dynamo/convert_frame.py:2545-2570; "
+        "torch 2.11 _inductor/kernel/flex/flex_attention.py:138-145, 692-698; "
+        "nn/attention/flex_attention.py:1547-1630, 1720-1731; _dynamo/convert_frame.py:2250-2280",
     ),
     Entry(
         "torch._grouped_mm",
@@ -326,9 +328,10 @@ REGISTRY: tuple[Entry, ...] = (
         "stand-in stream, compared by the test); record_event(event=None) records a new Event "
         "when None and returns it; query / synchronize take no argument and do not wait (work "
         "on a CPU is already ordered); a context manager selecting the stream",
-        "torch 2.13 torch/cuda/streams.py:37-46 (__new__), :63 (wait_event), :77 (wait_stream), "
-        ":89-92 (record_event); torch/cuda/__init__.py:650-655 (device); torch/csrc/cuda/"
-        "Stream.cpp THCPStream_pynew (keywords, 'i' priority); c10 cudaSetDevice",
+        "torch 2.13 and 2.11 torch/cuda/streams.py:37-46 (__new__), :63 (wait_event), :77 "
+        "(wait_stream), :89-92 (record_event); torch/cuda/__init__.py:650-655 (device; 2.11 "
+        ":599-604); torch/csrc/cuda/Stream.cpp THCPStream_pynew (keywords, 'i' priority); c10 "
+        "cudaSetDevice",
     ),
     Entry(
         "torch.cuda.current_stream",
@@ -338,7 +341,8 @@ REGISTRY: tuple[Entry, ...] = (
         "[0, device_count) raises RuntimeError 'Device index value i is out of index range "
         "[0, n)'; returns the stream torch.cuda.stream / set_stream selected on this thread, "
         "else the default stream",
-        "torch 2.13 torch/cuda/__init__.py:1235-1250; torch/cuda/_utils.py:557-586; "
+        "torch 2.13 torch/cuda/__init__.py:1235-1250; torch/cuda/_utils.py:557-586 (2.11 "
+        ":1178-1193; :517-546); "
         "c10/cuda/CUDAStream.cpp getCurrentCUDAStream / check_gpu",
     ),
     Entry(
@@ -349,7 +353,8 @@ REGISTRY: tuple[Entry, ...] = (
         "(an Event, a tensor) raises at entry (AttributeError reading stream_id, or ValueError "
         "for a cpu device); a stream of another device is selected on that device (not "
         "reachable: one stand-in device, Stream(device=1) raises)",
-        "torch 2.13 torch/cuda/__init__.py:756-824 (StreamContext), :842-858 (set_stream)",
+        "torch 2.13 torch/cuda/__init__.py:756-824 (StreamContext), :842-858 (set_stream) "
+        "(2.11 :705-773, :791-807)",
     ),
     Entry(
         "torch.cuda.Event",
@@ -366,7 +371,7 @@ REGISTRY: tuple[Entry, ...] = (
         "ValueError, an index past the device count raises AcceleratorError 'invalid device "
         "ordinal', negative: the current device); counts the call in cuda_as_cpu.CALLS (a "
         "device-wide wait no sync sentinel reports)",
-        "torch 2.13 torch/cuda/__init__.py:1209-1219, :650-655",
+        "torch 2.13 torch/cuda/__init__.py:1209-1219, :650-655 (2.11 :1152-1162, :599-604)",
     ),
     Entry(
         "torch.cuda.current_device",
@@ -374,7 +379,8 @@ REGISTRY: tuple[Entry, ...] = (
         "current_device() takes no argument (TypeError otherwise) and returns the selected "
         "index, 0 (the stand-in GPU, device_count() 1); None / torch.device('cuda') arguments "
         "of the other stand-ins resolve to it",
-        "torch 2.13 torch/cuda/__init__.py:1203-1206; torch/_utils.py:898-908",
+        "torch 2.13 torch/cuda/__init__.py:1203-1206; torch/_utils.py:898-908 (2.11 "
+        ":1146-1149; :876-886)",
     ),
     Entry(
         "torch.cuda.set_device",
@@ -384,7 +390,8 @@ REGISTRY: tuple[Entry, ...] = (
         "integer', a cpu device raises ValueError (errors compared with real torch, which "
         "parses before touching CUDA); negative is a no-op; an index past the device count "
         "raises AcceleratorError 'invalid device ordinal'",
-        "torch 2.13 torch/cuda/__init__.py:677-689; torch/_utils.py:869-913; "
+        "torch 2.13 torch/cuda/__init__.py:677-689; torch/_utils.py:869-913 (2.11 :626-638; "
+        ":847-891); "
         "c10::cuda::set_device -> cudaSetDevice",
     ),
     Entry(
@@ -407,10 +414,13 @@ REGISTRY: tuple[Entry, ...] = (
     ),
     Entry(
         "torch.cuda.is_current_stream_capturing",
-        (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",),
+        (f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",
+         f"{_SUPPORT}.cuda_as_cpu._is_current_stream_capturing"),
         "True exactly while a fake CUDA graph capture is under way (fake_cuda_graph.FakeCUDAGraph "
-        "raises on host reads and nested captures, as a real capture is invalidated)",
-        "cudaStreamCaptureStatusInvalidated (fake_cuda_graph.py docstring)",
+        "raises on host reads and nested captures, as a real capture is invalidated); False "
+        "under cuda_as_cpu alone (no capture), where torch 2.11's optimizer step asks it",
+        "cudaStreamCaptureStatusInvalidated (fake_cuda_graph.py docstring); torch 2.13 "
+        "torch/cuda/graphs.py:57-62 (2.11 :45-50); torch 2.11 torch/optim/optimizer.py:467-474",
     ),
     Entry(
         "torch.cuda.memory_stats",
@@ -421,8 +431,9 @@ REGISTRY: tuple[Entry, ...] = (
         "of every key torch documents (allocated_bytes.all.current, ..., compared with "
         "memory_stats' docstring by the test), all 0; the test asserts every key the package "
         "(offload/device.py) and Megatron's graph builder read is one of them",
-        "torch 2.13 torch/cuda/memory.py:231-357; CUDACachingAllocator getDeviceStats device "
-        "check",
+        "torch 2.13 torch/cuda/memory.py:231-357 (2.11 :227-337; its keys lack 2.13's "
+        "num_oom_rejections, the stand-in's too there); CUDACachingAllocator getDeviceStats "
+        "device check",
     ),
     Entry(
         "torch.cuda.get_device_capability",
@@ -434,7 +445,7 @@ REGISTRY: tuple[Entry, ...] = (
         "'Invalid device id' for an index < 0 or >= device_count(); answers (9, 0) "
         "(fake_cuda_graphs) or the capability a test parametrises "
         "(cuda_as_cpu.device_capability_standin)",
-        "torch 2.13 torch/cuda/__init__.py:707-722, :725-741",
+        "torch 2.13 torch/cuda/__init__.py:707-722, :725-741 (2.11 :656-671, :674-690)",
     ),
     Entry(
         "torch.cuda.get_device_properties",
@@ -450,7 +461,7 @@ REGISTRY: tuple[Entry, ...] = (
         "through _get_device_index(optional=True) (a cpu device raises ValueError) and "
         "AssertionError 'Invalid device id' for an index < 0 or >= device_count(); answers "
         "'stand-in GPU'",
-        "torch 2.13 torch/cuda/__init__.py:692-705, :725-741",
+        "torch 2.13 torch/cuda/__init__.py:692-705, :725-741 (2.11 :641-654, :674-690)",
     ),
     Entry(
         "torch.cuda.mem_get_info",
@@ -469,7 +480,7 @@ REGISTRY: tuple[Entry, ...] = (
         "range started (as with a tracking tool attached; without one NVTX returns -2); "
         "gpu_standins raises when its block ends with a range still open (a CPU build of "
         "torch raises 'NVTX functions not installed')",
-        "torch 2.13 torch/cuda/nvtx.py:27-34, :13-16; torch/csrc/cuda/shared/nvtx.cpp "
+        "torch 2.13 and 2.11 torch/cuda/nvtx.py:27-34, :13-16; torch/csrc/cuda/shared/nvtx.cpp "
         "(rangePushA = nvtxRangePushA); NVTX's NVTX_NO_PUSH_POP_TRACKING",
     ),
     Entry(
@@ -479,7 +490,7 @@ REGISTRY: tuple[Entry, ...] = (
         "negative value when none is open (NVTX's error return), counted as an underflow: "
         "gpu_standins raises when its block ends after one (unbalanced push / pop over a step "
         "fails the test)",
-        "torch 2.13 torch/cuda/nvtx.py:37-38; torch/csrc/cuda/shared/nvtx.cpp "
+        "torch 2.13 and 2.11 torch/cuda/nvtx.py:37-38; torch/csrc/cuda/shared/nvtx.cpp "
         "(rangePop = nvtxRangePop)",
     ),
     Entry(

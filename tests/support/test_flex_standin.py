@@ -53,7 +53,8 @@ def test_raises_what_torch_raises():
     q = torch.randn(1, 4, T, 16, requires_grad=True)
     bm = create_block_mask(packed_causal_mask_mod(_seq()), None, None, T, T, device="cpu")
     kv = lambda h, e=16: torch.randn(1, h, T, e)  # noqa: E731
-    # the CUDA kernel's (torch 2.13 _inductor/kernel/flex/flex_attention.py:156-163, 742-748)
+    # the CUDA kernel's (_inductor/kernel/flex/flex_attention.py: torch 2.13 :156-163, 742-748;
+    # torch 2.11 :138-145, 692-698)
     with pytest.raises(NotImplementedError, match="must be at least 16 but got E=8"):
         flex_attention_standin(q[..., :8], q[..., :8], q[..., :8], block_mask=bm)
     with pytest.raises(ValueError, match="mixed query, key, and value dtype"):

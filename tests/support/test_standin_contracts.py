@@ -1,15 +1,16 @@
-"""The CUDA stand-ins keep torch 2.13's contracts (issue 22): each of ``torch.cuda.Stream`` /
+"""The CUDA stand-ins keep torch 2.13's and 2.11's contracts: each of ``torch.cuda.Stream`` /
 ``current_stream`` / ``stream`` / ``synchronize`` / ``current_device`` / ``set_device`` /
 ``memory_stats`` / ``get_device_capability`` / ``get_device_name`` / ``nvtx.range_push`` /
 ``nvtx.range_pop`` raises the real library's error for a call the real one refuses and works
-for a valid one. Where the real behaviour is observable on this CPU build (pure-Python argument
+for a valid one. Where the real behaviour is observable without a GPU (pure-Python argument
 parsing, signatures, ``Stream``'s Python methods, the documented ``memory_stats`` keys) the
-stand-in is compared with real torch itself."""
+stand-in is compared with the installed torch itself."""
 
 import ast
 import collections
 import inspect
 import itertools
+import os
 import re
 
 import pytest
@@ -24,7 +25,8 @@ from tests.support.standin_registry import PACKAGE
 # the real functions, taken before any block patches torch.cuda
 REAL = {name: getattr(torch.cuda, name) for name in (
     "current_device", "set_device", "synchronize", "current_stream", "default_stream", "stream",
-    "set_stream", "memory_stats", "get_device_capability", "get_device_name")}
+    "set_stream", "memory_stats", "get_device_capability", "get_device_name",
+    "is_current_stream_capturing")}
 REAL_NVTX = {"range_push": torch.cuda.nvtx.range_push, "range_pop": torch.cuda.nvtx.range_pop}
 REAL_STREAM = torch.cuda.Stream
 
@@ -42,7 +44,8 @@ def _params(fn):
     ("default_stream", cac._default_stream), ("stream", cac._stream_context),
     ("set_stream", cac._set_stream), ("memory_stats", _memory_stats),
     ("get_device_capability", cac.device_capability_standin()),
-    ("get_device_name", cac.device_name_standin())])
+    ("get_device_name", cac.device_name_standin()),
+    ("is_current_stream_capturing", cac._is_current_stream_capturing)])
 def test_signatures_are_torchs(name, standin):
     assert _params(standin) == _params(REAL[name]), name
 
@@ -153,7 +156,8 @@ def test_memory_stats_checks_its_device_and_answers_torchs_keys():
 
 
 def test_memory_stats_keys_are_the_ones_torch_documents():
-    """Expanded from torch's own docstring (cuda/memory.py:237-305): ``"stat.{a,b}.{c,d}"``."""
+    """Expanded from the installed torch's own docstring (cuda/memory.py: torch 2.13 :239-311,
+    torch 2.11 :235-297): ``"stat.{a,b}.{c,d}"``."""
     doc = torch.cuda.memory.memory_stats.__doc__
     keys = set()
     for pattern in re.findall(r'``"([a-z][a-z_.{},]*)"``', doc):
@@ -287,10 +291,21 @@ def test_nvtx_push_pop_depths_and_types():
     assert r.range_pop() < 0 and r.underflows == 1
     with pytest.raises(AssertionError, match="1 pop"):
         r.assert_balanced()
-    real_cpu = pytest.raises(RuntimeError, match="NVTX functions not installed")
-    if not torch.cuda.is_available():
-        with real_cpu:
+    if torch.version.cuda is None:
+        # a CPU build has no torch._C._nvtx: cuda/nvtx.py:7-21 (_NVTXStub._fail, torch 2.11 and
+        # 2.13 alike) raises from both
+        with pytest.raises(RuntimeError, match="NVTX functions not installed"):
             REAL_NVTX["range_push"]("a")
+        with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+            REAL_NVTX["range_pop"]()
+    else:
+        # a CUDA build, GPU or not: the real rangePushA refuses a non-str as the stand-in does,
+        # and with no NVTX tool injected (NVTX_INJECTION64_PATH) push and pop return -2
+        # (NVTX_NO_PUSH_POP_TRACKING), the depth the stand-in reports as a tool would
+        with pytest.raises(TypeError, match="rangePushA"):
+            REAL_NVTX["range_push"](3)
+        if not os.environ.get("NVTX_INJECTION64_PATH"):
+            assert REAL_NVTX["range_push"]("a") == -2 and REAL_NVTX["range_pop"]() == -2
 
 
 def test_gpu_standins_fail_on_unbalanced_nvtx_ranges():
