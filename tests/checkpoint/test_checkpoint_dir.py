@@ -74,19 +74,29 @@ def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
     assert run(cfg(f"checkpoint.dir={tmp_path}")).resumed_from.endswith("step_00000002")  # ... so
 
 
-def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcore_parallel, tmp_path):
-    """Issue 27 item 9: a save that fills the disk says so (not 'unexpected pos N vs M'), and
-    the checkpoint published before it still loads."""
-    from tests.checkpoint.ckpt_harness import Run
-
+@contextlib.contextmanager
+def _disk_with_room_for_half_a_checkpoint(tmp_path):
+    """A 16 MiB tmpfs holding a run's step-1 checkpoint and a filler that leaves room for half of
+    another: yields (disk, the run at step 1, the filler)."""
     import shutil
+
+    from tests.checkpoint.ckpt_harness import Run
 
     with tmpfs(tmp_path / "disk", "size=16m") as disk:
         run = Run().train(1)
         first = run.save(disk, keep=3)
         used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first.path) for f in fs)
         filler = disk / "filler"
-        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - used // 2))  # room for half of one
+        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - used // 2))
+        yield disk, run, filler
+
+
+def test_a_full_disk_during_a_save_is_named_and_earlier_checkpoints_survive(mcore_parallel, tmp_path):
+    """A save that fills the disk says so (not 'unexpected pos N vs M'), and the checkpoint
+    published before it still loads."""
+    from tests.checkpoint.ckpt_harness import Run
+
+    with _disk_with_room_for_half_a_checkpoint(tmp_path) as (disk, run, filler):
         with pytest.raises(CheckpointDirError, match=r"saving checkpoint step 2 .* failed: .*(No space left|full)"):
             run.train(1).save(disk, keep=3)
         filler.unlink()
@@ -99,14 +109,7 @@ def test_a_full_disk_during_an_async_save_is_named_as_for_a_sync_one(mcore_paral
     published before still loads."""
     from tests.checkpoint.ckpt_harness import Run
 
-    import shutil
-
-    with tmpfs(tmp_path / "disk", "size=16m") as disk:
-        run = Run().train(1)
-        first = run.save(disk, keep=3)
-        used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first.path) for f in fs)
-        filler = disk / "filler"
-        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - used // 2))  # room for half of one
+    with _disk_with_room_for_half_a_checkpoint(tmp_path) as (disk, run, filler):
         mgr, (state_fn, _, parts_fn) = run.train(1).manager(disk, keep=3, async_save=True)
         assert mgr.save(run.step, state_fn, {**parts_fn(), "losses": run.losses}).is_async
         with pytest.raises(CheckpointDirError) as e:

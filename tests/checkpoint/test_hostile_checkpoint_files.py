@@ -48,11 +48,16 @@ def test_storage_meta_of_the_wrong_type(mcore_parallel, tmp_path):
         "torch.distributed.checkpoint; refusing to load it")
 
 
-def test_a_distcp_that_is_a_pickle(mcore_parallel, tmp_path):
+def _saved_distcp(tmp_path):
+    """A saved step and its first ``.distcp``: (step dir, model dir, file name, path)."""
     step = _saved(tmp_path)
     model = os.path.join(step, "model")
     name = sorted(n for n in os.listdir(model) if n.endswith(".distcp"))[0]
-    path = os.path.join(model, name)
+    return step, model, name, os.path.join(model, name)
+
+
+def test_a_distcp_that_is_a_pickle(mcore_parallel, tmp_path):
+    step, model, name, path = _saved_distcp(tmp_path)
     payload = pickle.dumps({"a": 1})  # padded to the file's size: only its contents differ
     open(path, "r+b").write(payload + b"\0" * (os.path.getsize(path) - len(payload)))
     _keep_manifest_true(step, f"model/{name}")
@@ -63,10 +68,7 @@ def test_a_distcp_that_is_a_pickle(mcore_parallel, tmp_path):
 
 
 def test_a_truncated_distcp(mcore_parallel, tmp_path):
-    step = _saved(tmp_path)
-    model = os.path.join(step, "model")
-    name = sorted(n for n in os.listdir(model) if n.endswith(".distcp"))[0]
-    path = os.path.join(model, name)
+    step, model, name, path = _saved_distcp(tmp_path)
     os.truncate(path, os.path.getsize(path) // 2)
     _keep_manifest_true(step, f"model/{name}")
     msg = _load_error(tmp_path)
