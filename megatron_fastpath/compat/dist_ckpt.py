@@ -17,7 +17,8 @@ from megatron_fastpath.compat import _require_checked_mcore
 # with CUDA enabled", so the CPU main job could not checkpoint at all. While CUDA is unavailable,
 # and only inside the block, ``dist_checkpointing_on_cpu`` makes the synchronize a no-op (the
 # staged copies are plain CPU copies, already complete) and points ``current_device`` at the CPU
-# (the flag is broadcast over gloo). With CUDA present it does nothing.
+# (the flag is broadcast over gloo). With CUDA present it does nothing. 0.19.x makes the same
+# two calls (0.19.2 strategies/filesystem_async.py:248, strategies/state_dict_saver.py:252).
 # ---------------------------------------------------------------------------------------------
 
 DIST_CKPT_CPU_SITES = (
@@ -61,7 +62,8 @@ def dist_checkpointing_on_cpu():
 # installs that queue first, served by a Manager that ignores SIGINT / SIGTERM / SIGUSR1 (the
 # main process decides what a signal means) and exits when its parent is gone; the resource
 # tracker multiprocessing starts with it (which ignores SIGINT / SIGTERM itself) is started with
-# SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own.
+# SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own. Same in
+# 0.19.x (0.19.2 strategies/filesystem_async.py:65).
 # ---------------------------------------------------------------------------------------------
 
 RESULTS_QUEUE_SITE = ("dist_checkpointing/strategies/filesystem_async.py",
