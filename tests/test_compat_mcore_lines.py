@@ -119,3 +119,75 @@ def test_grads_for_norm_selection(monkeypatch):
     assert optim_compat.leaf_grads_for_grad_norm(_Leaf(), Version("0.19.2")) == ["0.19"]
     monkeypatch.setattr(compat, "MCORE_VERSION", OTHER)
     assert optim_compat.leaf_grads_for_grad_norm(_Leaf()) == [".".join(map(str, (OTHER.major, OTHER.minor)))]
+
+
+# -- Layer specs: the dense-MLP entry ---------------------------------------------------------
+
+class _SubMLP(__import__("megatron.core.transformer.mlp", fromlist=["MLP"]).MLP):
+    pass
+
+
+def _local_mlp_entry():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec().submodules.mlp
+
+
+def test_dense_mlp_entry_of_the_installed_line():
+    """Megatron's own local spec: a ModuleSpec on 0.16.x, a partial of MLP.as_mlp_submodule
+    on 0.19.x (models/gpt/gpt_layer_specs.py:547-552); either way the same submodules, and a
+    subclass comes back in the form that line's TransformerLayer builds."""
+    import functools
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fastpath.compat import spec
+
+    mlp = _local_mlp_entry()
+    subs = spec.dense_mlp_submodules(mlp)
+    assert (subs.linear_fc1, subs.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+    assert spec.dense_mlp_module(mlp) is MLP
+    swapped = spec.replace_dense_mlp(mlp, module=_SubMLP)
+    assert spec.dense_mlp_module(swapped) is _SubMLP
+    assert spec.dense_mlp_submodules(swapped) == subs
+    expected = {(0, 16): ModuleSpec, (0, 19): functools.partial}[INSTALLED]
+    assert type(mlp) is expected and type(swapped) is expected
+    fc1 = spec.replace_dense_mlp(mlp, submodules=__import__("dataclasses").replace(
+        subs, linear_fc1=RowParallelLinear))
+    assert spec.dense_mlp_submodules(fc1).linear_fc1 is RowParallelLinear
+    assert spec.dense_mlp_module(fc1) is MLP
+
+
+@pytest.mark.parametrize("version,kind", [("0.16.1", "ModuleSpec"), ("0.19.2", "partial")])
+def test_subclassed_module_spec_follows_the_line(monkeypatch, version, kind):
+    """A ModuleSpec entry with another MLP class: kept a ModuleSpec for 0.16.x's
+    build_module, made a builder for 0.19.x (whose TransformerLayer re-wraps only MLP /
+    TEFusedMLP ModuleSpecs, transformer_layer.py:420-425)."""
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_fastpath.compat import spec
+
+    subs = MLPSubmodules(linear_fc1="fc1", linear_fc2="fc2")
+    entry = ModuleSpec(module=MLP, submodules=subs)
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version(version))
+    if kind == "partial" and INSTALLED == (0, 16):  # the builder branch, on 0.16.x's MLP
+        with pytest.raises(AttributeError, match="as_mlp_submodule"):
+            spec.replace_dense_mlp(entry, module=_SubMLP)
+        return
+    out = spec.replace_dense_mlp(entry, module=_SubMLP)
+    assert type(out).__name__ == kind
+    assert spec.dense_mlp_module(out) is _SubMLP and spec.dense_mlp_submodules(out) is subs
+    assert type(spec.replace_dense_mlp(entry, submodules=subs)) is ModuleSpec  # same class
+
+
+def test_an_moe_entry_is_not_a_dense_mlp():
+    from megatron_fastpath.compat import spec
+    from megatron_fastpath.moe.spec import get_moe_mlp_spec
+
+    moe = get_moe_mlp_spec(num_experts=4)
+    assert spec.dense_mlp_submodules(moe) is None
+    with pytest.raises(ValueError, match="not a dense MLP spec entry"):
+        spec.replace_dense_mlp(moe, module=_SubMLP)

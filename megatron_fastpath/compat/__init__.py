@@ -16,6 +16,7 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.te_quantized` -- TE quantized tensors and do-not-offload marks (activation offload)
 * :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
+* :mod:`.spec` -- the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder)
 """
 
 from __future__ import annotations
