@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from megatron_fastpath.compat import _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +45,27 @@ def dist_checkpointing_on_cpu():
         mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
     )
     return stack
+
+
+# ---------------------------------------------------------------------------------------------
+# Which async writer: Megatron's own
+#
+# 0.19.x's ``dist_checkpointing.save`` defaults to ``async_strategy="nvrx"`` (0.19.2
+# dist_checkpointing/serialization.py:359), whose writer lives in nvidia-resiliency-ext
+# (strategies/torch.py:1127 ``get_async_strategy`` imports it, and raises without it). Every
+# shim here is for Megatron's own writer (``"mcore"``: strategies/filesystem_async.py,
+# state_dict_saver.py), the only one 0.16.x has, so the save names it on 0.19.x (deprecated
+# there with a warning, strategies/torch.py:746-751, still Megatron's).
+# ---------------------------------------------------------------------------------------------
+
+
+def dist_checkpointing_save_kwargs(version=None) -> dict:
+    """Extra keywords for ``dist_checkpointing.save`` selecting Megatron's own async writer."""
+    line = _require_checked_mcore(
+        "dist_checkpointing_save_kwargs",
+        "dist_checkpointing.save's async writer is Megatron's filesystem_async (0.16.x) or "
+        "chosen by async_strategy (0.19.x)", version=version)
+    return {"async_strategy": "mcore"} if line == MCORE_0_19 else {}
 
 
 # ---------------------------------------------------------------------------------------------
