@@ -69,6 +69,30 @@ def dist_checkpointing_save_kwargs(version=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Where the common (non-sharded) state is stored
+#
+# 0.16.x writes it to ``common.pt``. 0.19.x writes it into the torch_dist files as one byte
+# object, ``ShardedObject("common_state", ...)`` (0.19.2 dist_checkpointing/serialization.py:439),
+# and ``load_common_state_dict`` reads it back through torch.distributed.checkpoint's default
+# planner (:227-239), whose ``load_bytes`` unpickles with ``weights_only=False``. The checkpoint
+# safety check (checkpoint/safety.py) lets that one entry through only after loading its exact
+# bytes with ``weights_only=True``.
+# ---------------------------------------------------------------------------------------------
+
+
+def megatron_common_state_key(version=None):
+    """The torch_dist key of the byte object holding Megatron's common state (0.19.x), or None
+    where the common state is ``common.pt`` (0.16.x)."""
+    line = _require_checked_mcore(
+        "megatron_common_state_key",
+        "the common state is common.pt (0.16.x) or the ShardedObject 'common_state' inside the "
+        "torch_dist files (0.19.x, dist_checkpointing/serialization.py)", version=version)
+    if line != MCORE_0_19:
+        return None
+    return "common_state/shard_0_1"  # ShardedObject("common_state", None, (1,), (0,)).unique_key
+
+
+# ---------------------------------------------------------------------------------------------
 # The checkpoint writer's helper process under preemption
 #
 # Every torch_dist save (sync or async) hands its write results back through one queue served
