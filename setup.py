@@ -17,14 +17,17 @@ setup(
     package_data={"megatron_fastpath": ["configs/*.yaml", "configs/*/*.yaml"]},
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1",
+        # the release lines megatron_fastpath.compat is checked against: 0.16.x and 0.19.x
+        # (CHECKED_MCORE_LINES; 0.17 / 0.18 install but the shims refuse them)
+        "megatron-core>=0.16.1,<0.20",
         "hydra-core>=1.3.2,<1.4",
         "omegaconf",
         "numpy",
     ],
     extras_require={
         # GPU-only packages: they do not install or run on CPU machines.
-        # megatron-core 0.16.1's own range (its "dev" extra); >= 2.3 is needed at least for
+        # megatron-core 0.16.1's own range (its "dev" extra; 0.19.x's "te" extra has none and
+        # gates newer TE features at run time); >= 2.3 is needed at least for
         # transformer_engine.pytorch.attention.rope (the te backend's fused RoPE).
         "te": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
         "flash": ["flash-attn>=2.6"],

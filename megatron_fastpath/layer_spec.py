@@ -115,9 +115,10 @@ def get_fastpath_layer_spec(
         mlp = get_moe_mlp_spec(num_experts=num_experts, **(moe_spec_kwargs or {}))
     norms = {}
     if gemma is not None:
+        from megatron_fastpath.compat.spec import replace_dense_mlp
         from megatron_fastpath.gemma import GemmaRMSNorm, PostNormMLP
 
-        mlp = ModuleSpec(module=PostNormMLP, params=dict(mlp.params), submodules=mlp.submodules)
+        mlp = replace_dense_mlp(mlp, module=PostNormMLP)
         norms = dict(input_layernorm=GemmaRMSNorm, pre_mlp_layernorm=GemmaRMSNorm)
     submodules = dataclasses.replace(base.submodules, self_attention=self_attention, mlp=mlp,
                                      **norms)

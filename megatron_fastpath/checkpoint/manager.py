@@ -419,7 +419,11 @@ class CheckpointManager:
     def _save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
 
-        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu, preemption_proof_results_queue
+        from megatron_fastpath.compat.dist_ckpt import (
+            dist_checkpointing_on_cpu,
+            dist_checkpointing_save_kwargs,
+            preemption_proof_results_queue,
+        )
 
         for name, value in parts.items():  # before anything is written, on every rank
             _check_json(name, value)
@@ -444,8 +448,8 @@ class CheckpointManager:
         sharded = _drop_objects(state_fn(False))
         with dist_checkpointing_on_cpu():
             request = dist_checkpointing.save(
-                sharded, os.path.join(tmp, "model"), async_sharded_save=self.cfg.async_save
-            )
+                sharded, os.path.join(tmp, "model"), async_sharded_save=self.cfg.async_save,
+                **dist_checkpointing_save_kwargs())
         if request is None:
             self._publish(tmp, step)
             result = SaveResult(step, self._step_dir(step), _dir_bytes(self._step_dir(step)),

@@ -49,6 +49,7 @@ import torch
 
 from megatron_fastpath.checkpoint.pickle_scan import Refusal, clip, scan
 from megatron_fastpath.checkpoint.errors import UnsafeCheckpointError
+from megatron_fastpath.compat.dist_ckpt import megatron_common_state_key
 
 __all__ = ["UnsafeCheckpointError", "check_safe_to_load", "safe_load_metadata"]
 
@@ -252,6 +253,33 @@ def safe_load_metadata(path: str):
     return meta
 
 
+def _check_common_state_bytes(model_dir: str, meta_path: str, metadata, key: str) -> None:
+    """The bytes torch.distributed.checkpoint would unpickle for ``key`` (Megatron 0.19's common
+    state, compat.dist_ckpt) load with ``weights_only=True``: the same bytes, read from the
+    same file slice, hold nothing a full unpickling could run beyond tensors and plain data."""
+    infos = [i for k, i in metadata.storage_data.items() if k.fqn == key]
+    if len(infos) != 1 or getattr(infos[0], "transform_descriptors", None):
+        raise UnsafeCheckpointError(f"{meta_path} stores {key!r} in {len(infos)} places or "
+                                    "through a storage transform: refusing to load")
+    info = infos[0]
+    real = os.path.realpath(model_dir)
+    path = os.path.realpath(os.path.join(model_dir, info.relative_path))
+    if os.path.commonpath([path, real]) != real or not os.path.isfile(path) \
+            or info.offset + info.length > os.path.getsize(path):
+        raise UnsafeCheckpointError(f"{meta_path} places {key!r} outside the checkpoint's "
+                                    "files: refusing to load")
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, or bytes that are no torch.save archive
+        raise UnsafeCheckpointError(
+            f"{meta_path}: Megatron's common state {key!r} needs arbitrary unpickling "
+            f"(torch.load weights_only=True refused it: {str(exc).splitlines()[0][:200]}); "
+            "refusing to load") from exc
+
+
 def check_safe_to_load(model_dir: str) -> None:
     """Refuse (with the reason) a torch_dist directory that would need arbitrary unpickling."""
     if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
@@ -276,6 +304,10 @@ def check_safe_to_load(model_dir: str) -> None:
     check_fields(meta, metadata)
     not_tensors = sorted(k for k, v in metadata.state_dict_metadata.items()
                          if not isinstance(v, TensorStorageMetadata))
+    common_key = megatron_common_state_key()
+    common_in_files = common_key in not_tensors  # megatron-core 0.19: checked below
+    if common_in_files:
+        not_tensors.remove(common_key)
     if not_tensors:
         # torch.distributed.checkpoint's planner reads an entry described as bytes with
         # torch.load(weights_only=False) (default_planner.py, load_bytes), even for a key the
@@ -286,6 +318,8 @@ def check_safe_to_load(model_dir: str) -> None:
             "checkpoints written by megatron_fastpath hold tensors only: refusing to load"
         )
     check_tensor_data(model_dir, metadata)
+    if common_in_files:
+        _check_common_state_bytes(model_dir, meta, metadata, common_key)
     common = os.path.join(model_dir, "common.pt")
     if os.path.exists(common):
         try:

@@ -1,12 +1,14 @@
 """The one place that knows which Megatron-Core (and Transformer Engine) internals we touch.
 
-Tested against megatron-core 0.16.1 (the newest release for Python 3.11). Every use of a
+Checked against megatron-core 0.16.1 (the newest release for Python 3.11) and 0.19.2 (Python
+3.12); the 0.17 and 0.18 lines were not read and are refused. Every use of a
 Megatron-Core or Transformer Engine symbol whose location or behaviour differs between releases
 goes through this package, one module per subsystem, each shim gated by the one version gate
 below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a private
 ``megatron.core`` / ``transformer_engine`` name is imported anywhere else.
 
-* :mod:`.graphs` -- CudaGraphManager's argument rules; the 0.16.x input-buffer shim
+* :mod:`.graphs` -- CudaGraphManager's argument rules; the 0.16.x input-buffer shim (0.19
+  allocates and keeps forward-graph input buffers itself)
 * :mod:`.tensor_parallel` -- TP marks and partial-gradient all-reduce
 * :mod:`.offload` -- RNG-state tools and TransformerLayer.forward's parameters
 * :mod:`.moe` -- MoELayer / TopKRouter state without their CUDA-only constructors
@@ -14,6 +16,7 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.te_quantized` -- TE quantized tensors and do-not-offload marks (activation offload)
 * :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
+* :mod:`.spec` -- the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder)
 
 The torch release is read here too (:data:`TORCH_RELEASE`): code that depends on a behaviour
 that differs between torch releases -- the package's own, or a test stand-in's -- branches on
@@ -46,25 +49,36 @@ if MCORE_VERSION < MIN_MCORE:  # pragma: no cover - guarded by install_requires
 
 # =============================================================================================
 # The one version gate. Every shim below touches megatron-core internals that were read in the
-# 0.16.x sources; each calls ``_require_checked_mcore`` (directly, or with its own exception
-# type), so widening support to a new line means re-reading what each shim says and adding the
-# line here -- in one place.
+# 0.16.x and 0.19.x sources (0.16.1 and 0.19.2; 0.17 / 0.18 were not read); each calls
+# ``_require_checked_mcore`` (directly, or with its own exception type), which returns the
+# release line a shim branches on where the two lines differ, so widening support to a new line
+# means re-reading what each shim says and adding the line here -- in one place.
 # =============================================================================================
-CHECKED_MCORE_LINES = ((0, 16),)  # (major, minor) release lines every shim was checked against
+CHECKED_MCORE_LINES = ((0, 16), (0, 19))  # (major, minor) lines every shim was checked against
+MCORE_0_16, MCORE_0_19 = CHECKED_MCORE_LINES
+
+
+def mcore_line(version: Optional["Version"] = None) -> tuple:
+    """``(major, minor)`` of ``version`` (default: the installed megatron-core)."""
+    version = version or MCORE_VERSION
+    return (version.major, version.minor)
 
 
 def _require_checked_mcore(shim: str, reason: str, exc: type = ImportError,
-                           version: Optional["Version"] = None) -> None:
+                           version: Optional["Version"] = None) -> tuple:
     """Raise ``exc`` on a megatron-core outside :data:`CHECKED_MCORE_LINES`, saying what the
-    shim relies on (``reason``) and so what to re-read before widening the gate."""
+    shim relies on (``reason``) and so what to re-read before widening the gate; returns the
+    checked ``(major, minor)`` line for shims that branch on it."""
     version = version or MCORE_VERSION
-    if (version.major, version.minor) not in CHECKED_MCORE_LINES:
+    line = mcore_line(version)
+    if line not in CHECKED_MCORE_LINES:
         lines = ", ".join("%d.%d.x" % v for v in CHECKED_MCORE_LINES)
         raise exc(
             f"megatron_fastpath.compat.{shim} was checked against megatron-core {lines} only and "
             f"megatron-core {version} is installed: {reason}. Check that against "
             "the installed release and widen CHECKED_MCORE_LINES in megatron_fastpath/compat/__init__.py"
         )
+    return line
 
 
 # =============================================================================================

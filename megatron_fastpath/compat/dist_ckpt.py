@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from megatron_fastpath.compat import _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore
 
 
 # ---------------------------------------------------------------------------------------------
@@ -17,7 +17,8 @@ from megatron_fastpath.compat import _require_checked_mcore
 # with CUDA enabled", so the CPU main job could not checkpoint at all. While CUDA is unavailable,
 # and only inside the block, ``dist_checkpointing_on_cpu`` makes the synchronize a no-op (the
 # staged copies are plain CPU copies, already complete) and points ``current_device`` at the CPU
-# (the flag is broadcast over gloo). With CUDA present it does nothing.
+# (the flag is broadcast over gloo). With CUDA present it does nothing. 0.19.x makes the same
+# two calls (0.19.2 strategies/filesystem_async.py:248, strategies/state_dict_saver.py:252).
 # ---------------------------------------------------------------------------------------------
 
 DIST_CKPT_CPU_SITES = (
@@ -47,6 +48,51 @@ def dist_checkpointing_on_cpu():
 
 
 # ---------------------------------------------------------------------------------------------
+# Which async writer: Megatron's own
+#
+# 0.19.x's ``dist_checkpointing.save`` defaults to ``async_strategy="nvrx"`` (0.19.2
+# dist_checkpointing/serialization.py:359), whose writer lives in nvidia-resiliency-ext
+# (strategies/torch.py:1127 ``get_async_strategy`` imports it, and raises without it). Every
+# shim here is for Megatron's own writer (``"mcore"``: strategies/filesystem_async.py,
+# state_dict_saver.py), the only one 0.16.x has, so the save names it on 0.19.x (deprecated
+# there with a warning, strategies/torch.py:746-751, still Megatron's).
+# ---------------------------------------------------------------------------------------------
+
+
+def dist_checkpointing_save_kwargs(version=None) -> dict:
+    """Extra keywords for ``dist_checkpointing.save`` selecting Megatron's own async writer."""
+    line = _require_checked_mcore(
+        "dist_checkpointing_save_kwargs",
+        "dist_checkpointing.save's async writer is Megatron's filesystem_async (0.16.x) or "
+        "chosen by async_strategy (0.19.x)", version=version)
+    return {"async_strategy": "mcore"} if line == MCORE_0_19 else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the common (non-sharded) state is stored
+#
+# 0.16.x writes it to ``common.pt``. 0.19.x writes it into the torch_dist files as one byte
+# object, ``ShardedObject("common_state", ...)`` (0.19.2 dist_checkpointing/serialization.py:439),
+# and ``load_common_state_dict`` reads it back through torch.distributed.checkpoint's default
+# planner (:227-239), whose ``load_bytes`` unpickles with ``weights_only=False``. The checkpoint
+# safety check (checkpoint/safety.py) lets that one entry through only after loading its exact
+# bytes with ``weights_only=True``.
+# ---------------------------------------------------------------------------------------------
+
+
+def megatron_common_state_key(version=None):
+    """The torch_dist key of the byte object holding Megatron's common state (0.19.x), or None
+    where the common state is ``common.pt`` (0.16.x)."""
+    line = _require_checked_mcore(
+        "megatron_common_state_key",
+        "the common state is common.pt (0.16.x) or the ShardedObject 'common_state' inside the "
+        "torch_dist files (0.19.x, dist_checkpointing/serialization.py)", version=version)
+    if line != MCORE_0_19:
+        return None
+    return "common_state/shard_0_1"  # ShardedObject("common_state", None, (1,), (0,)).unique_key
+
+
+# ---------------------------------------------------------------------------------------------
 # The checkpoint writer's helper process under preemption
 #
 # Every torch_dist save (sync or async) hands its write results back through one queue served
@@ -61,7 +107,8 @@ def dist_checkpointing_on_cpu():
 # installs that queue first, served by a Manager that ignores SIGINT / SIGTERM / SIGUSR1 (the
 # main process decides what a signal means) and exits when its parent is gone; the resource
 # tracker multiprocessing starts with it (which ignores SIGINT / SIGTERM itself) is started with
-# SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own.
+# SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own. Same in
+# 0.19.x (0.19.2 strategies/filesystem_async.py:65).
 # ---------------------------------------------------------------------------------------------
 
 RESULTS_QUEUE_SITE = ("dist_checkpointing/strategies/filesystem_async.py",

@@ -7,7 +7,7 @@ from typing import Optional
 
 from packaging.version import Version
 
-from megatron_fastpath.compat import MCORE_VERSION, _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, MCORE_VERSION, _require_checked_mcore, mcore_line
 
 
 def cudagraph_arg_tools():
@@ -16,9 +16,11 @@ def cudagraph_arg_tools():
     ``reference`` records the ``ArgMetadata`` of a call's arguments, ``mismatch_errors`` lists
     how a later call's arguments differ from such a reference (empty: the graph may replay).
 
-    0.16.x keeps them on the private ``_CudaGraphRunner`` (an instance method reading
-    ``fwd_graph_input_arg_metas``/``fwd_graph_input_kwarg_metas``); we call it unbound on a
-    namespace holding those two attributes instead of building a runner (which needs CUDA).
+    0.16.x and 0.19.x keep them on the private ``_CudaGraphRunner`` (an instance method reading
+    ``fwd_graph_input_arg_metas``/``fwd_graph_input_kwarg_metas``; 0.19.2
+    transformer/cuda_graphs.py:1647 ``get_mismatch_errors``, ``ArgMetadata`` at :253); we call
+    it unbound on a namespace holding those two attributes instead of building a runner (which
+    needs CUDA).
     """
     import types
 
@@ -27,7 +29,7 @@ def cudagraph_arg_tools():
     if not hasattr(_CudaGraphRunner, "get_mismatch_errors"):  # pragma: no cover - other versions
         raise ImportError(
             f"megatron-core {MCORE_VERSION} has no _CudaGraphRunner.get_mismatch_errors; the "
-            "graph-safety audit's argument check supports the 0.16 line"
+            "graph-safety audit's argument check supports the 0.16 and 0.19 lines"
         )
 
     def reference(args, kwargs):
@@ -67,6 +69,13 @@ def cudagraph_arg_tools():
 # (transformer/cuda_graphs.py:876) -- and forwards everything else (the backward graphs'
 # grad-output buffers, whose recycling is sound). Cost: one input-sized buffer per graphed
 # layer stays allocated, as on upstream main.
+#
+# 0.19.x has that fix: there is no TensorReusePool; ``create_fwd_graph`` takes a fresh buffer
+# from the graph mempool for every input it does not share with another graph
+# (``alloc_tensor_from_graph_mempool``, 0.19.2 transformer/cuda_graphs.py:1223) and keeps the
+# forward buffers whose lifetime crosses into backward capture
+# (``_weakref_forward_buffers(preserve_forward_to_backward_lifetimes=True)``, :1367). The shim
+# is 0.16-only; on 0.19 :func:`keep_cudagraph_input_buffers` installs nothing.
 
 class CudaGraphShimError(RuntimeError):
     """A CUDA-graph shim met a megatron-core whose code it was not checked against."""
@@ -87,14 +96,30 @@ def _check_fwd_input_recycling_source(cg) -> None:
         )
 
 
+def _fwd_inputs_kept_upstream(cg) -> None:
+    """0.19.x: forward-graph inputs come from the graph mempool, no reuse pool exists."""
+    import inspect
+
+    fwd = inspect.getsource(cg._CudaGraphRunner.create_fwd_graph)
+    if (hasattr(cg, "TensorReusePool") or "alloc_tensor_from_graph_mempool(ten)" not in fwd
+            or "preserve_forward_to_backward_lifetimes=True" not in fwd):
+        raise CudaGraphShimError(
+            f"megatron-core {MCORE_VERSION}: _CudaGraphRunner.create_fwd_graph does not allocate "
+            "its input buffers from the graph mempool and keep those backward reads as 0.19.2 "
+            "does; re-check forward-graph input buffer reuse before using per-layer CUDA graphs"
+        )
+
+
 def keep_cudagraph_input_buffers(version: Optional["Version"] = None) -> bool:
     """Stop Megatron 0.16.x from recycling forward-graph input buffers (see the block comment).
 
     Idempotent; call before the first training step with ``cuda_graph_impl="local"``. Returns
-    True when the shim is (already) installed. Raises :class:`CudaGraphShimError` on a
-    megatron-core line it was not checked against, saying what to check.
+    True when the shim is (already) installed, False on 0.19.x, which keeps those buffers
+    itself (after checking its ``create_fwd_graph`` still does). Raises
+    :class:`CudaGraphShimError` on a megatron-core line it was not checked against, saying what
+    to check.
     """
-    _require_checked_mcore(
+    line = _require_checked_mcore(
         "keep_cudagraph_input_buffers",
         "transformer/cuda_graphs.py _CudaGraphRunner.create_fwd_graph returning forward-graph input "
         "buffers to tensor_reuse_pool (if it no longer does -- fixed upstream by "
@@ -102,10 +127,13 @@ def keep_cudagraph_input_buffers(version: Optional["Version"] = None) -> bool:
         exc=CudaGraphShimError, version=version)
     from megatron.core.transformer import cuda_graphs as cg
 
+    if line == MCORE_0_19:
+        _fwd_inputs_kept_upstream(cg)
+        return False
+    _check_fwd_input_recycling_source(cg)
     record = cg._CudagraphGlobalRecord
     if isinstance(record.tensor_reuse_pool, _keep_input_pool_class(cg)):
         return True
-    _check_fwd_input_recycling_source(cg)
     record.tensor_reuse_pool = _keep_input_pool_class(cg)()
     return True
 
@@ -133,9 +161,12 @@ def _keep_input_pool_class(cg):
 
 
 def restore_cudagraph_input_recycling() -> None:
-    """Undo :func:`keep_cudagraph_input_buffers` (tests show the 0.16.1 bug with it off)."""
+    """Undo :func:`keep_cudagraph_input_buffers` (tests show the 0.16.1 bug with it off); a
+    no-op on 0.19.x, which has no reuse pool."""
     from megatron.core.transformer import cuda_graphs as cg
 
+    if not hasattr(cg, "TensorReusePool"):
+        return
     cg._CudagraphGlobalRecord.tensor_reuse_pool = cg.TensorReusePool()
 
 
@@ -152,15 +183,22 @@ def restore_cudagraph_input_recycling() -> None:
 # captured their routers run only by replay; an MoE layer left eager after a capture would be
 # read as warming up (all MoE layers are captured together: the main job and the hooks turn
 # graphs on for every layer).
+#
+# 0.19.x's ``_set_warmup_end`` resets the flag (0.19.2 transformer/cuda_graphs.py:215-218), so
+# ``is_graph_warmup()`` alone is the warm-up, and an eager MoE layer after a capture counts its
+# tokens. (0.19 also restores the layer's buffers after a capture, :1157 / :1380, which would
+# undo warm-up counts of a captured layer; the router's own check keeps them out on both lines.)
 # ---------------------------------------------------------------------------------------------
 
 WARMUP_FLAG_SITE = ("transformer/cuda_graphs.py", "def _set_warmup_end():")
 
 
-def in_capture_warmup() -> bool:
+def in_capture_warmup(version: Optional["Version"] = None) -> bool:
     """True inside CudaGraphManager's warm-up passes before a capture (see above)."""
     from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
 
+    if mcore_line(version) == MCORE_0_19:
+        return is_graph_warmup()
     return is_graph_warmup() and not is_graph_capturing()
 
 
@@ -184,7 +222,8 @@ _FULL_ITERATION_STATE = {
 
 def reset_full_cuda_graph_state() -> None:
     """Forget every graph, result, iteration count and static buffer Megatron's
-    ``FullCudaGraphWrapper`` / ``StaticBufferLoader`` keep in class attributes (0.16 line)."""
+    ``FullCudaGraphWrapper`` / ``StaticBufferLoader`` keep in class attributes (0.16 line; the
+    same on 0.19: 0.19.2 full_cuda_graph.py:102, :141-143)."""
     _require_checked_mcore(
         "reset_full_cuda_graph_state",
         "FullCudaGraphWrapper / StaticBufferLoader keep their graph, result, iteration count "
@@ -198,8 +237,8 @@ def reset_full_cuda_graph_state() -> None:
             if not isinstance(value, dict) or set(value) != {"training", "validation"}:
                 raise ImportError(
                     f"megatron-core {MCORE_VERSION}: {cls_name}.{attr} is not the "
-                    "{'training', 'validation'} dict of the 0.16 line; the full-iteration "
-                    "graph path supports that layout only")
+                    "{'training', 'validation'} dict of the 0.16 / 0.19 lines; the "
+                    "full-iteration graph path supports that layout only")
     fcg.FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
     fcg.FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
     fcg.FullCudaGraphWrapper.result = {"training": None, "validation": None}

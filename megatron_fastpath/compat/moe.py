@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from megatron_fastpath.compat import _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore
 
 
 # ---------------------------------------------------------------------------------------------
@@ -18,7 +18,15 @@ from megatron_fastpath.compat import _require_checked_mcore
 # attributes the 0.16.x constructors set, which Megatron's inherited methods read. The two
 # functions below are that hand copy; ``tests/moe/test_moe_compat.py`` builds Megatron's real
 # TopKRouter / MoELayer (CUDA-as-CPU test mode) and checks the attribute sets are equal, and
-# each function refuses a megatron-core outside 0.16.x (the offload section's gate).
+# each function refuses a megatron-core outside the checked lines (compat's one gate).
+#
+# 0.19.x moved both: ``TopKRouter.__init__`` (0.19.2 transformer/moe/router.py:157) also sets
+# ``frozen_expert_bias = False`` (:175) and the quantile-balancing buffers ``qb_beta`` /
+# ``qb_beta_accum`` / ``qb_beta_count`` (None unless ``moe_router_load_balancing_type ==
+# "quantile_balancing"``, :223-253; refused here); ``MoELayer.__init__`` (moe_layer.py:221) ends
+# with ``setup_delayed_wgrad_for_dispatch_backward_overlap()`` (:383, :427), which sets
+# ``_delayed_wgrad_event`` / ``_delayed_wgrad_stream`` (None, or CUDA objects with
+# ``overlap_dispatch_backward_with_experts_wgrad``; refused here).
 # ---------------------------------------------------------------------------------------------
 
 MOE_INIT_SITES = (
@@ -28,7 +36,7 @@ MOE_INIT_SITES = (
 
 
 def init_topk_router_state(router, config, pg_collection, topk: int, score_function: str) -> None:
-    """``TopKRouter.__init__`` (0.16.x) with its buffers on the gate weight's device.
+    """``TopKRouter.__init__`` (0.16.x / 0.19.x) with its buffers on the gate weight's device.
 
     Runs ``Router.__init__`` (gate weight, Megatron's init, process groups) and sets the
     attributes ``TopKRouter.__init__`` sets. Refuses what it does not copy: the global aux loss
@@ -37,10 +45,13 @@ def init_topk_router_state(router, config, pg_collection, topk: int, score_funct
 
     from megatron.core.transformer.moe.router import Router
 
-    _require_checked_mcore(
+    line = _require_checked_mcore(
         "init_topk_router_state",
         f"it sets by hand the attributes of {MOE_INIT_SITES[0]}",
     )
+    if line == MCORE_0_19 and config.moe_router_load_balancing_type == "quantile_balancing":
+        raise ValueError("the fastpath router does not support moe_router_load_balancing_type="
+                         "'quantile_balancing'; use 'aux_loss' or 'none'")
     Router.__init__(router, config=config, pg_collection=pg_collection)
     router.topk = topk
     router.routing_type = config.moe_router_load_balancing_type
@@ -48,6 +59,9 @@ def init_topk_router_state(router, config, pg_collection, topk: int, score_funct
         raise ValueError("the fastpath router does not support 'global_aux_loss'; use 'aux_loss'")
     router.score_function = score_function
     router.input_jitter = None
+    if line == MCORE_0_19:
+        router.frozen_expert_bias = False
+        router.qb_beta = router.qb_beta_accum = router.qb_beta_count = None
     router.router_replay = None
     router.global_tokens_per_expert = None
     router.ga_steps = None
@@ -64,15 +78,19 @@ def init_topk_router_state(router, config, pg_collection, topk: int, score_funct
 
 
 def init_moe_layer_state(layer, config, submodules, layer_number, pg_collection) -> None:
-    """``MoELayer.__init__`` (0.16.x) up to, not including, router / dispatcher / experts /
+    """``MoELayer.__init__`` (0.16.x / 0.19.x) up to, not including, router / dispatcher / experts /
     shared experts, which the caller builds; plus the CUDA-graph resume state it sets last."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
     from megatron.core.transformer.moe.moe_utils import MoECudaGraphTensorStore
 
-    _require_checked_mcore(
+    line = _require_checked_mcore(
         "init_moe_layer_state",
         f"it sets by hand the attributes of {MOE_INIT_SITES[1]}",
     )
+    if line == MCORE_0_19 and getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):
+        raise ValueError("the fastpath MoE layer does not support "
+                         "overlap_dispatch_backward_with_experts_wgrad (CUDA events and streams "
+                         "around Megatron's dispatcher); turn it off")
     BaseMoELayer.__init__(
         layer, config=config, layer_number=layer_number, pg_collection=pg_collection
     )
@@ -89,3 +107,6 @@ def init_moe_layer_state(layer, config, submodules, layer_number, pg_collection)
     layer.tp_group = pg_collection.tp
     layer.cudagraph_tensor_store = MoECudaGraphTensorStore()
     layer.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+    if line == MCORE_0_19:
+        layer._delayed_wgrad_event = None
+        layer._delayed_wgrad_stream = None

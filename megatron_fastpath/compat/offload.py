@@ -15,9 +15,10 @@ def all_rng_state_tools():
     """(get_all(), set_all(*states)) over every RNG a recomputed layer must replay on CUDA: the
     CPU and CUDA default generators and Megatron's CUDA RNG tracker states.
 
-    0.16.x keeps them private (``megatron.core.tensor_parallel.random._get_all_rng_states`` /
-    ``_set_all_rng_states``, what Megatron's own ``CheckpointFunction`` uses); set_all takes
-    the tuple get_all returned, unpacked."""
+    0.16.x and 0.19.x keep them private (``megatron.core.tensor_parallel.random._get_all_rng_states`` /
+    ``_set_all_rng_states``, what Megatron's own ``CheckpointFunction`` uses; unchanged in
+    0.19.2 tensor_parallel/random.py:525 / :535); set_all takes the tuple get_all returned,
+    unpacked."""
     _require_checked_mcore(
         "all_rng_state_tools",
         "tensor_parallel.random._get_all_rng_states / _set_all_rng_states are private and their "
@@ -39,7 +40,9 @@ def transformer_layer_forward_params() -> tuple:
     0.16.x declares ``forward(self, *args, **kwargs)`` and forwards everything to the private
     ``_forward_attention``, whose signature is the real one (hidden_states, attention_mask,
     context, ..., packed_seq_params, sequence_len_offset, ...). The offload layer binds
-    positional arguments by these names."""
+    positional arguments by these names. Unchanged in 0.19.x (0.19.2
+    transformer/transformer_layer.py:747 ``forward(self, *args, **kwargs)``, :583
+    ``_forward_attention(self, hidden_states, attention_mask, ...)``)."""
     _require_checked_mcore(
         "transformer_layer_forward_params",
         "TransformerLayer.forward(*args, **kwargs) forwards to the private _forward_attention, "

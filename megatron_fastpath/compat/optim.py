@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from megatron_fastpath.compat import _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore, mcore_line
 
 
 # =====================================================================================
@@ -14,12 +14,19 @@ from megatron_fastpath.compat import _require_checked_mcore
 # the three host reads in their step (clip_grads.py ``total_norm.item()``, optimizer.py
 # ``found_inf.item()``, DynamicGradScaler's host-side trackers) with device-side code. It needs
 # the optimizers' private group lists and copy helpers, which are not public API: checked here
-# for the 0.16 line only.
+# for the 0.16 and 0.19 lines.
+#
+# 0.19.x renamed ``get_main_grads_for_grad_norm()`` to ``get_grads_for_grad_norm(grad_norm_group
+# =None)`` (0.19.2 optimizer/optimizer.py:280), whose main norm leaves out parameters tagged with
+# a separate gradient-norm group (``grad_norm_group`` = "mtp", :150-152) and clips those by their
+# own norm (``clip_grad_norm``, :374); the sync-free step computes one norm, so on 0.19 it
+# refuses such parameters (:func:`optimizer_leaves`). The copy helpers and the grad scaler's
+# trackers are unchanged (:1063 / :1092 / :1112, optimizer/grad_scaler.py:128-150).
 
 def optimizer_leaves(optimizer) -> list:
     """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
     ChainedOptimizer is flattened); anything else is refused with what to use instead."""
-    _require_checked_mcore(
+    line = _require_checked_mcore(
         "optimizer_leaves",
         "the sync-free optimizer step reads private fields of Megatron's FP32Optimizer / "
         "Float16OptimizerWithFloat16Params / DynamicGradScaler; use Megatron's own step "
@@ -48,7 +55,27 @@ def optimizer_leaves(optimizer) -> list:
                 "use_precision_aware_optimizer or reuse_grad_buf_for_mxfp8_param_ag (each reads "
                 "values back or keeps state elsewhere); turn them off in OptimizerConfig"
             )
+        if line == MCORE_0_19:
+            from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
+
+            grouped = [p for p in leaf.get_parameters()
+                       if getattr(p, GRAD_NORM_GROUP_ATTR, None) is not None]
+            if grouped:
+                raise ValueError(
+                    f"the sync-free optimizer step computes one gradient norm; {len(grouped)} "
+                    f"parameters carry a separate '{GRAD_NORM_GROUP_ATTR}' (Megatron clips them "
+                    "by their own norm, e.g. MTP layers): use training.optimizer_step=megatron"
+                )
     return leaves
+
+
+def leaf_grads_for_grad_norm(leaf, version=None) -> list:
+    """The gradients Megatron's gradient norm covers (shared and TP-duplicate weights left
+    out): ``get_main_grads_for_grad_norm()`` on 0.16.x, ``get_grads_for_grad_norm()`` on 0.19.x
+    (the same filter; separate grad-norm groups are refused by :func:`optimizer_leaves`)."""
+    if mcore_line(version) == MCORE_0_19:
+        return leaf.get_grads_for_grad_norm()
+    return leaf.get_main_grads_for_grad_norm()
 
 
 def leaf_is_mixed_precision(leaf) -> bool:

@@ -18,6 +18,8 @@ from megatron_fastpath.compat import _require_checked_mcore
 # flip it after construction (as NeMo's LoRA does). The wrapper's forward then returns
 # ``((out, ln_out), None)``, or TE's ``(out, bias, ln_out)`` when it returns the bias itself
 # (``te_return_bias``, i.e. skip_bias_add with a bias). Gated by ``_require_checked_mcore``.
+# Unchanged in 0.19.x (0.19.2 extensions/transformer_engine.py:1281
+# ``return_layernorm_output=False``; forward :1328-1345 returns ``out`` or ``(out, None)``).
 # =============================================================================================
 _LAYERNORM_LINEAR_REASON = (
     "TELayerNormColumnParallelLinear (extensions/transformer_engine.py) is built with "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from megatron_fastpath.compat import _require_checked_mcore
+from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore
 
 
 # =============================================================================================
@@ -19,6 +19,12 @@ from megatron_fastpath.compat import _require_checked_mcore
 # Megatron's rule for TP-replicated weights whose gradient each rank computes in part (qk
 # layernorm, sequence-parallel weights); finalize_model_grads calls it on the GPU path, the CPU
 # path calls it here (it reads ``model_chunk.ddp_config`` and ``main_grad`` or ``grad``).
+#
+# 0.19.x sets the marks itself when perform_initialization is False (0.19.2
+# tensor_parallel/layers.py:296 / :311 VocabParallelEmbedding, :991 / :1012 ColumnParallelLinear,
+# :1354 / :1375 RowParallelLinear: ``else: set_tensor_model_parallel_attributes(...)``), so the
+# marking is 0.16-only; ``_allreduce_non_tensor_model_parallel_grads(model, config, tp_group)``
+# keeps its signature and its ``model_chunk.ddp_config`` read (distributed/finalize_model_grads.py:416).
 # =============================================================================================
 _TP_MARKS_REASON = ("Megatron's local TP layers set their weights' tensor_model_parallel marks "
                     "only when perform_initialization (tensor_parallel/layers.py)")
@@ -29,8 +35,9 @@ _TP_REDUCE_REASON = ("distributed/finalize_model_grads.py _allreduce_non_tensor_
 def mark_tensor_parallel_weights(model) -> int:
     """Give the weights of Megatron's local TP layers (vocab embedding and column linears:
     dim 0, row linears: dim 1) the marks Megatron sets when it initialises them, where they are
-    missing; returns how many were marked."""
-    _require_checked_mcore("mark_tensor_parallel_weights", _TP_MARKS_REASON)
+    missing; returns how many were marked (0 on 0.19.x, whose layers mark them themselves)."""
+    if _require_checked_mcore("mark_tensor_parallel_weights", _TP_MARKS_REASON) == MCORE_0_19:
+        return 0
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear,

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from megatron_fastpath.compat.spec import dense_mlp_module, dense_mlp_submodules, replace_dense_mlp
 from megatron_fastpath.lora.adapter import LoRALinear
 from megatron_fastpath.lora.config import LORA_TARGETS, LoRAConfig
 
@@ -46,16 +47,17 @@ def with_lora(layer_spec, cfg: LoRAConfig):
         if owner == "self_attention":
             attn_changes[name] = _wrap(getattr(attn_subs, name), cfg, parallel)
         else:
-            mlp_subs = getattr(mlp, "submodules", None)
-            if mlp_subs is None or not hasattr(mlp_subs, name):
+            mlp_subs = dense_mlp_submodules(mlp)
+            if mlp_subs is None:
                 raise ValueError(
                     f"LoRA target {name} needs a dense MLP; this layer's mlp is "
-                    f"{getattr(mlp, 'module', mlp)} (MoE experts: target attention linears)"
+                    f"{dense_mlp_module(mlp)} (MoE experts: target attention linears)"
                 )
             mlp_changes[name] = _wrap(getattr(mlp_subs, name), cfg, parallel)
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn_subs, **attn_changes))
     if mlp_changes:
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **mlp_changes))
+        mlp = replace_dense_mlp(
+            mlp, submodules=dataclasses.replace(dense_mlp_submodules(mlp), **mlp_changes))
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(subs, self_attention=attn, mlp=mlp)
     )

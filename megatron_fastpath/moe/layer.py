@@ -63,7 +63,14 @@ class FastpathMoELayer(MoELayer):
         layer_number: Optional[int] = None,
         pg_collection=None,
         dispatch_config: Optional[MoEDispatchConfig] = None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
     ):
+        # megatron-core 0.19's TransformerLayer builds its MLP with ``is_mtp_layer`` and
+        # ``name`` (transformer/transformer_layer.py:433-438); ``name`` only labels TE modules
+        if is_mtp_layer:
+            raise ValueError("FastpathMoELayer: multi-token-prediction layers are not supported; "
+                             "use Megatron's MoELayer for the MTP block")
         submodules = submodules if submodules is not None else FastpathMoESubmodules()
         if pg_collection is None:
             pg_collection = get_default_pg_collection()

@@ -223,9 +223,9 @@ class SyncFreeOptimizer:
         grad-stats group, else the root of the sum of the squared leaf norms (in float64)."""
         groups = [leaf.get_grad_stats_parallel_group() for leaf in self.leaves]
         if len(self.leaves) == 1 or all(g == groups[0] for g in groups):
-            grads = [g for leaf in self.leaves for g in leaf.get_main_grads_for_grad_norm()]
+            grads = [g for leaf in self.leaves for g in optim_compat.leaf_grads_for_grad_norm(leaf)]
             return self._leaf_norm_sq(grads, groups[0] if groups else None).double().sqrt()
-        sq = [self._leaf_norm_sq(leaf.get_main_grads_for_grad_norm(), g).double().sqrt() ** 2
+        sq = [self._leaf_norm_sq(optim_compat.leaf_grads_for_grad_norm(leaf), g).double().sqrt() ** 2
               for leaf, g in zip(self.leaves, groups)]
         return torch.stack(sq).sum(0).sqrt()
 

@@ -178,6 +178,7 @@ def test_setup_transformer_engine_range_is_megatrons():
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
 
     megatron = next(Requirement(r) for r in requires("megatron-core")
                     if r.startswith("transformer-engine"))
@@ -186,7 +187,12 @@ def test_setup_transformer_engine_range_is_megatrons():
                   for kw in node.keywords if kw.arg == "extras_require")
     te = ast.literal_eval(extras)["te"]
     ours = Requirement(te[0])
-    assert ours.name == "transformer-engine" and ours.specifier == megatron.specifier
+    assert ours.name == "transformer-engine"
+    if str(megatron.specifier):
+        assert ours.specifier == megatron.specifier
+    else:  # megatron-core 0.19's "te" extra names no range: ours stays 0.16.1's
+        assert megatron.marker is not None and "te" in str(megatron.marker)
+        assert ours.specifier == SpecifierSet(">=2.9.0a0,<2.12.0")
 
 
 @pytest.mark.gpu

@@ -45,14 +45,15 @@ def test_megatron_save_needs_it_on_cpu_and_works_with_it(mcore_parallel, tmp_pat
     from megatron.core.dist_checkpointing import ShardedTensor
 
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3), replica_id=0)}
+    kw = dist_ckpt_compat.dist_checkpointing_save_kwargs()  # Megatron's own writer on 0.19
     (tmp_path / "a").mkdir()
     expected = _cuda_init_error()
     with pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$") as info:
-        dist_checkpointing.save(sd, str(tmp_path / "a"))
+        dist_checkpointing.save(sd, str(tmp_path / "a"), **kw)
     assert type(info.value) is type(expected)
     (tmp_path / "b").mkdir()
     with dist_ckpt_compat.dist_checkpointing_on_cpu():
-        dist_checkpointing.save(sd, str(tmp_path / "b"))
+        dist_checkpointing.save(sd, str(tmp_path / "b"), **kw)
         out = dist_checkpointing.load(
             {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)},
             str(tmp_path / "b"),
@@ -73,6 +74,17 @@ def test_inactive_when_cuda_is_available():
     with mock.patch.object(torch.cuda, "is_available", lambda: True):
         ctx = dist_ckpt_compat.dist_checkpointing_on_cpu()
     assert isinstance(ctx, contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("version,kwargs", [("0.16.1", {}), ("0.19.2", {"async_strategy": "mcore"})])
+def test_save_names_megatrons_own_writer_on_0_19(version, kwargs):
+    """0.19's save defaults to nvidia-resiliency-ext's writer (serialization.py:359); the shims
+    here are for Megatron's own, the only one 0.16.x has."""
+    assert dist_ckpt_compat.dist_checkpointing_save_kwargs(Version(version)) == kwargs
+    with mock.patch.object(compat, "MCORE_VERSION", Version(version)):
+        assert dist_ckpt_compat.dist_checkpointing_save_kwargs() == kwargs
+    with pytest.raises(ImportError, match="0.16.x, 0.19.x only.*0.18.0"):
+        dist_ckpt_compat.dist_checkpointing_save_kwargs(Version("0.18.0"))
 
 
 def test_other_megatron_line_is_refused():

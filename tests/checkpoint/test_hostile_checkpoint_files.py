@@ -80,3 +80,46 @@ def test_a_real_checkpoint_still_loads(mcore_parallel, tmp_path):
 
     _saved(tmp_path)
     assert Run(seed=3).load(tmp_path).step == 1
+
+
+class _PrintsWhenUnpickled:
+    """A common-state object whose unpickling calls a function (here a harmless print)."""
+
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+@pytest.mark.parametrize("evil", [False, True])
+def test_common_state_needing_arbitrary_unpickling_is_refused(mcore_parallel, tmp_path, evil):
+    """Megatron's common state: common.pt on 0.16.x; on 0.19.x one byte object inside the
+    torch_dist files (compat.dist_ckpt.megatron_common_state_key), which Megatron reads back
+    with full unpickling: let through only when its exact bytes load weights-only."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_fastpath import compat
+    from megatron_fastpath.checkpoint.safety import check_safe_to_load
+    from megatron_fastpath.compat.dist_ckpt import (
+        dist_checkpointing_on_cpu,
+        dist_checkpointing_save_kwargs,
+    )
+
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3), replica_id=0),
+          "step": 3}
+    if evil:
+        sd["extra"] = _PrintsWhenUnpickled()
+    model = tmp_path / "model"
+    model.mkdir()
+    with dist_checkpointing_on_cpu():
+        dist_checkpointing.save(sd, str(model), **dist_checkpointing_save_kwargs())
+    on_0_19 = compat.mcore_line() == (0, 19)
+    assert os.path.exists(model / "common.pt") is not on_0_19
+    if not evil:
+        check_safe_to_load(str(model))
+        return
+    where = (f"{model}/.metadata: Megatron's common state 'common_state/shard_0_1' needs "
+             "arbitrary unpickling" if on_0_19 else f"{model}/common.pt needs arbitrary unpickling")
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load$") as err:
+        check_safe_to_load(str(model))
+    assert str(err.value).startswith(where) and "\n" not in str(err.value)

@@ -4,7 +4,7 @@ base checkpoint loads into a LoRA model and a LoRA checkpoint's base into a plai
 
 import torch
 
-from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
+from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu, dist_checkpointing_save_kwargs
 from megatron_fastpath.lora import LoRAConfig, lora_modules
 from tests.support.tiny_gpt import SHAPE
 from tests.support.tiny_gpt import build_tiny_gpt as build
@@ -25,7 +25,7 @@ def save(sd, path):
 
     path.mkdir(parents=True, exist_ok=True)
     with dist_checkpointing_on_cpu():
-        dist_checkpointing.save(sd, str(path))
+        dist_checkpointing.save(sd, str(path), **dist_checkpointing_save_kwargs())
 
 
 def load(sd, path):

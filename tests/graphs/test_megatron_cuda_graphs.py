@@ -10,6 +10,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from megatron_fastpath import compat
 from tests.support.megatron_graphs import graph_runners, graph_session, max_rel_diff, run_steps
 
 # the integration tier: runs the main job, a benchmark script or several processes
@@ -58,7 +59,9 @@ def _eager_and_graphed(shim: bool):
     from megatron_fastpath.graphs import prepare_cuda_graphs
 
     setup = prepare_cuda_graphs(1234, use_te_rng_tracker=False)
-    assert setup.rng_tracker == "megatron-graphable" and setup.input_buffer_shim
+    # the shim is 0.16.x's; 0.19.x keeps forward-graph input buffers itself
+    assert setup.rng_tracker == "megatron-graphable"
+    assert setup.input_buffer_shim is (compat.mcore_line() == (0, 16))
     if not shim:
         from megatron_fastpath.compat.graphs import restore_cudagraph_input_recycling
 
@@ -74,6 +77,7 @@ def _eager_and_graphed(shim: bool):
 @pytest.mark.smoke
 @pytest.mark.usefixtures("mcore_parallel")
 def test_stock_gpt_megatron_graphs_equal_eager_with_the_shim():
+    """With the shim on 0.16.x; on 0.19.x with Megatron's own buffer handling, no shim."""
     with graph_session():
         (le, ge), (lg, gg), graphed = _eager_and_graphed(shim=True)
         runners = graph_runners(graphed)
@@ -171,6 +175,13 @@ def test_shim_checks_the_installed_source():
     from megatron_fastpath.compat.graphs import CudaGraphShimError, _check_fwd_input_recycling_source
     from megatron.core.transformer import cuda_graphs as cg
 
+    if compat.mcore_line() == (0, 19):
+        from megatron_fastpath.compat.graphs import _fwd_inputs_kept_upstream
+
+        _fwd_inputs_kept_upstream(cg)  # 0.19: mempool buffers, kept for backward
+        with pytest.raises(CudaGraphShimError, match="no longer contains"):
+            _check_fwd_input_recycling_source(cg)  # the recycling is gone upstream
+        return
     _check_fwd_input_recycling_source(cg)  # the installed 0.16.1 source has the recycling
 
     class Fixed:

@@ -676,8 +676,15 @@ def test_hook_layer_spec_installs_the_graph_buffer_shim_when_graphs_are_on(mcore
     installed when NeMo builds the model from the hooked spec."""
     from megatron.core.transformer import cuda_graphs as cg
 
+    from megatron_fastpath import compat
     from megatron_fastpath.compat.graphs import restore_cudagraph_input_recycling
 
+    if compat.mcore_line() == (0, 19):  # no reuse pool: 0.19 keeps the buffers, nothing installed
+        r = apply_fastpath(make_tiny(recipe()), max_seqs=16, cuda_graphs=True)
+        assert r.model.config.enable_cuda_graph
+        fdl.build(r.model.config.transformer_layer_spec)(fdl.build(r.model.config))
+        assert not hasattr(cg._CudagraphGlobalRecord, "tensor_reuse_pool")
+        return
     restore_cudagraph_input_recycling()
     try:
         r = apply_fastpath(make_tiny(recipe()), max_seqs=16)

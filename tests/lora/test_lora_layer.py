@@ -229,5 +229,5 @@ def test_layernorm_output_shims_refuse_an_unchecked_megatron(monkeypatch):
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
     for call in (lambda: te_compat.return_layernorm_output(_TELayerNormLinearStandIn(2, 2)),
                  lambda: te_compat.split_layernorm_linear_output(((1, 2), None))):
-        with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x only and megatron-core 0\.17\.0 is installed"):
+        with pytest.raises(ImportError, match=r"checked against megatron-core 0\.16\.x, 0\.19\.x only and megatron-core 0\.17\.0 is installed"):
             call()

@@ -79,11 +79,57 @@ def test_shims_refuse_an_unchecked_megatron_core(mcore_parallel, monkeypatch, sh
 
     build = FastpathRouter if shim == "init_topk_router_state" else FastpathMoELayer
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
-    expected = rf"compat\.{shim} was checked against megatron-core 0\.16\.x only and megatron-core 0\.17\.0 is installed"  # noqa: E501
+    expected = rf"compat\.{shim} was checked against megatron-core 0\.16\.x, 0\.19\.x only and megatron-core 0\.17\.0 is installed"  # noqa: E501
     with pytest.raises(ImportError, match=expected):
         build(_tc())
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.16.3"))
     build(_tc())  # any 0.16.x release is the checked line
+
+
+ONLY_0_19 = {"router": {"frozen_expert_bias", "qb_beta", "qb_beta_accum", "qb_beta_count"},
+             "layer": {"_delayed_wgrad_event", "_delayed_wgrad_stream"}}
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_shims_set_the_lines_attributes(mcore_parallel, monkeypatch, version):
+    """Each line's branch sets what that line's constructors set (the installed line's set is
+    compared with Megatron's own above): 0.19 adds frozen_expert_bias, the quantile-balancing
+    buffers (router.py:175, :250-253) and the delayed-wgrad event / stream (moe_layer.py:431)."""
+    import megatron_fastpath.compat as compat
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version(version))
+    on_0_19 = version.startswith("0.19")
+    router = FastpathRouter(_tc(), get_default_pg_collection())
+    layer = FastpathMoELayer(_tc(), layer_number=1, pg_collection=get_default_pg_collection())
+    for module, names in ((router, ONLY_0_19["router"]), (layer, ONLY_0_19["layer"])):
+        present = names & set(vars(module))
+        assert present == (names if on_0_19 else set())
+    if on_0_19:
+        assert router.frozen_expert_bias is False and router.qb_beta is None
+        assert layer._delayed_wgrad_event is None and layer._delayed_wgrad_stream is None
+
+
+def test_0_19_branch_refuses_what_it_does_not_copy(mcore_parallel, monkeypatch):
+    import megatron_fastpath.compat as compat
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_fastpath.moe.layer import FastpathMoELayer
+    from megatron_fastpath.moe.router import FastpathRouter
+
+    monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.19.2"))
+    tc = _tc(moe_aux_loss_coeff=0.0)
+    tc.moe_router_load_balancing_type = "quantile_balancing"
+    with pytest.raises(ValueError, match="does not support moe_router_load_balancing_type="
+                                         "'quantile_balancing'; use 'aux_loss' or 'none'"):
+        FastpathRouter(tc, get_default_pg_collection())
+    tc = _tc()
+    tc.overlap_dispatch_backward_with_experts_wgrad = True
+    with pytest.raises(ValueError, match="overlap_dispatch_backward_with_experts_wgrad"):
+        FastpathMoELayer(tc, layer_number=1, pg_collection=get_default_pg_collection())
 
 
 def test_expert_bias_counts_skip_cudagraph_warmup(mcore_parallel, monkeypatch):

@@ -195,7 +195,22 @@ def test_unchecked_megatron_version_fails_loudly(monkeypatch, mcore_parallel):
     with cuda_as_cpu():
         _, opt = _build("fp32")
     monkeypatch.setattr(compat, "MCORE_VERSION", Version("0.17.0"))
-    with pytest.raises(ImportError, match="optimizer_leaves was checked against megatron-core 0.16.x"):
+    with pytest.raises(ImportError, match="optimizer_leaves was checked against megatron-core 0.16.x, 0.19.x only"):
+        SyncFreeOptimizer(opt)
+
+
+@pytest.mark.skipif(__import__("megatron_fastpath.compat").compat.mcore_line() != (0, 19),
+                    reason="separate grad-norm groups exist from megatron-core 0.19 "
+                    "(megatron/core/optimizer/optimizer.py:150-152 GRAD_NORM_GROUP_ATTR)")
+def test_separate_grad_norm_group_refused_on_0_19(mcore_parallel):
+    """0.19's clip_grad_norm leaves parameters of a separate grad-norm group (MTP) out of the
+    main norm and clips them by their own; the sync-free step computes one norm: refused."""
+    with cuda_as_cpu():
+        ddp, opt = _build("fp32")
+    SyncFreeOptimizer(opt)
+    next(ddp.parameters()).grad_norm_group = "mtp"  # what Megatron tags MTP parameters with
+    with pytest.raises(ValueError, match="1 parameters carry a separate 'grad_norm_group'.*"
+                       "training.optimizer_step=megatron"):
         SyncFreeOptimizer(opt)
 
 

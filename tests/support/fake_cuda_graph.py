@@ -550,9 +550,12 @@ def reset_megatron_cuda_graphs() -> None:
     cg._CudagraphGlobalRecord.cudagraph_created = False
     cg._CudagraphGlobalRecord.cudagraph_record = []
     cg._CudagraphGlobalRecord.cudagraph_inference_record = []
-    cg.TensorReusePool.tensor_strong_refs = []
-    cg.TensorReusePool.tensor_strong_refs_dataptrs = set()
-    cg.TensorReusePool.pool = []
+    if hasattr(cg, "TensorReusePool"):  # 0.16.x; 0.19.x allocates from the graph mempool
+        cg.TensorReusePool.tensor_strong_refs = []
+        cg.TensorReusePool.tensor_strong_refs_dataptrs = set()
+        cg.TensorReusePool.pool = []
+    if hasattr(cg._CudagraphGlobalRecord, "_saved_tensors_observer"):  # 0.19.x
+        cg._CudagraphGlobalRecord._saved_tensors_observer = None
     cg.CudaGraphManager.global_mempool = None
     cg.fwd_buffer_reuse_ref_count = 0
     cg.bwd_buffer_reuse_ref_count = 0

@@ -23,15 +23,17 @@ def megatron_graph_state() -> Iterator[None]:
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.transformer import cuda_graphs as cg
 
+    record = cg._CudagraphGlobalRecord
     saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-             cg._CudagraphGlobalRecord.tensor_reuse_pool)
+             getattr(record, "tensor_reuse_pool", None))  # the pool: 0.16.x only
     reset_megatron_cuda_graphs()
     try:
         yield
     finally:
         reset_megatron_cuda_graphs()
-        (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-         cg._CudagraphGlobalRecord.tensor_reuse_pool) = saved
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED, pool = saved
+        if pool is not None:
+            record.tensor_reuse_pool = pool
 
 
 @contextlib.contextmanager

@@ -634,6 +634,8 @@ COMPAT_MODULES = {
     "moe.py": "MoELayer / TopKRouter state without their CUDA-only constructors; no GPU call",
     "offload.py": "RNG-state tools and TransformerLayer.forward's parameters; no GPU call",
     "optim.py": "Megatron optimizer internals; the TE / apex FusedAdam type pair (REGISTRY)",
+    "spec.py": "the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder); "
+               "no GPU call",
     "te.py": "TE LayerNormLinear for LoRA and FP8 meta tensors: duck-typed (INDIRECT)",
     "te_quantized.py": "TE quantized tensors (INDIRECT), FP8 autocast / recompute state "
                        "(REGISTRY)",
