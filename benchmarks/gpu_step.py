@@ -35,6 +35,7 @@ for the tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -131,7 +132,7 @@ def measure_ours(args, name: str, feature: list, warmup: int) -> dict:
         counted = step == warmup + args.reps  # the last step, inside the sentinel
         _sync(device)
         t0 = time.perf_counter()
-        with SyncSentinel() if counted else _null() as sentinel:
+        with SyncSentinel() if counted else contextlib.nullcontext() as sentinel:
             res = train_step(job, batch, check_syncs=False)
         _sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -147,16 +148,6 @@ def measure_ours(args, name: str, feature: list, warmup: int) -> dict:
     row = _row(name, times, lengths, args, device)
     row.update(first_loss=first_loss, host_syncs_per_step=syncs, graph_launches_per_step=launches)
     return row, job
-
-
-class _null:
-    num_syncs = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _row(name, times, lengths, args, device) -> dict:
@@ -221,7 +212,7 @@ def measure_megatron(args, ours_job, ours_state: dict) -> dict:
             counted = step == 1 + args.reps
             _sync(device)
             t0 = time.perf_counter()
-            with SyncSentinel() if counted else _null() as sentinel:
+            with SyncSentinel() if counted else contextlib.nullcontext() as sentinel:
                 loss = _megatron_step(ddp, optimizer, batch, device, thd)
             _sync(device)
             dt = (time.perf_counter() - t0) * 1e3
@@ -319,39 +310,39 @@ def main(argv=None) -> dict:
         print("gpu_step: no CUDA device on this machine: nothing was run (--device cpu runs the "
               "'ours' side on the CPU)", file=sys.stderr)
         sys.exit(NO_CUDA_EXIT)
-    meter = LoadMeter().__enter__()
-    results, skipped = [], {}
-    first_job = first_state = None
-    for name, feature, warmup, needs_cuda in SIDES:
-        if needs_cuda and args.device != "cuda":
-            skipped[name] = "needs CUDA (graphs capture on a GPU only)"
-            continue
-        row, job = measure_ours(args, name, feature, warmup)
-        results.append(row)
-        print(f"gpu_step: {name}: {row.get('step_ms_min')} ms, {row.get('tokens_per_s')} tok/s, "
-              f"MFU {row.get('mfu')}, syncs {row['host_syncs_per_step']}", flush=True)
-        if first_job is None:
-            first_job = job
-            first_state = {k: v.detach().cpu() for k, v in job.model.state_dict().items()
-                           if "_extra_state" not in k}
-        del job
-        gc.collect()
+    with LoadMeter() as meter:  # the sides measured, with the load around them
+        results, skipped = [], {}
+        first_job = first_state = None
+        for name, feature, warmup, needs_cuda in SIDES:
+            if needs_cuda and args.device != "cuda":
+                skipped[name] = "needs CUDA (graphs capture on a GPU only)"
+                continue
+            row, job = measure_ours(args, name, feature, warmup)
+            results.append(row)
+            print(f"gpu_step: {name}: {row.get('step_ms_min')} ms, {row.get('tokens_per_s')} tok/s, "
+                  f"MFU {row.get('mfu')}, syncs {row['host_syncs_per_step']}", flush=True)
+            if first_job is None:
+                first_job = job
+                first_state = {k: v.detach().cpu() for k, v in job.model.state_dict().items()
+                               if "_extra_state" not in k}
+            del job
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
         if args.device == "cuda":
-            torch.cuda.empty_cache()
-    if args.device == "cuda":
-        try:
-            row = measure_megatron(args, first_job, first_state)
-            results.insert(0, row)
-            print(f"gpu_step: megatron: {row.get('step_ms_min')} ms, {row.get('tokens_per_s')} "
-                  f"tok/s, syncs {row['host_syncs_per_step']}", flush=True)
-        except Exception as exc:  # reported beside ours: the stock side's own failure
-            skipped["megatron"] = f"failed: {type(exc).__name__}: {str(exc)[:400]}"
-    else:
-        skipped["megatron"] = "needs CUDA (megatron-core 0.16.1's GPTModel RoPE runs on CUDA)"
+            try:
+                row = measure_megatron(args, first_job, first_state)
+                results.insert(0, row)
+                print(f"gpu_step: megatron: {row.get('step_ms_min')} ms, {row.get('tokens_per_s')} "
+                      f"tok/s, syncs {row['host_syncs_per_step']}", flush=True)
+            except Exception as exc:  # reported beside ours: the stock side's own failure
+                skipped["megatron"] = f"failed: {type(exc).__name__}: {str(exc)[:400]}"
+        else:
+            skipped["megatron"] = "needs CUDA (megatron-core 0.16.1's GPTModel RoPE runs on CUDA)"
     out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "shape": dataclasses.asdict(_shape(args)),
            "peak_tflops": args.peak_tflops, "results": results, "skipped": skipped,
-           "load": (meter.__exit__(None, None, None), meter.report())[1]}
+           "load": meter.report()}
     by = {r["side"]: r for r in results}
     if "megatron" in by and "ours" in by and by["megatron"]["first_loss"]:
         out["first_loss_rel_diff"] = abs(by["ours"]["first_loss"] - by["megatron"]["first_loss"]) / abs(
