@@ -49,7 +49,7 @@ def _layer(t: int, max_seqs: int, max_seqlen: int, layout: str):
 
 
 def measure(t: int, n: int, reps: int) -> dict:
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    from megatron_fastpath.packed_seq.config import seqlen_bound
 
     lengths = _lengths(t, n)
     m = seqlen_bound(max(lengths), t)

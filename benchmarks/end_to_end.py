@@ -87,7 +87,7 @@ def build_sides(t: int, lengths: list, skip_packed: bool, layout: str = "auto") 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
     from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    from megatron_fastpath.packed_seq.config import seqlen_bound
 
     mcfg = _model_config()
     tcfg = build_transformer_config(mcfg)
@@ -260,7 +260,7 @@ def measure(t: int, mix: str, reps: int, layout: str = "auto") -> dict:
                 losses[n] = float(loss)
             else:
                 times[n].append(dt * 1e3)
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    from megatron_fastpath.packed_seq.config import seqlen_bound
 
     m = seqlen_bound(s, t)
     padded_view = built["cache"].config.sdpa_padded  # the layout ours ran

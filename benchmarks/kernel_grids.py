@@ -52,7 +52,7 @@ def _replay_bytes(params) -> int:
 
 
 def row(t: int) -> dict:
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    from megatron_fastpath.packed_seq.config import seqlen_bound
 
     seqs = t // LONGEST  # the most sequences of the data a pack holds
     _, hook = _params(t, t, None)

@@ -19,7 +19,7 @@ from megatron_fastpath._lazy import lazy_getattr  # noqa: E402
 
 _LAZY = {
     "PackedSeqCache": "megatron_fastpath.packed_seq.cache",
-    "PackedSeqConfig": "megatron_fastpath.packed_seq.cache",
+    "PackedSeqConfig": "megatron_fastpath.packed_seq.config",
     "get_fastpath_layer_spec": "megatron_fastpath.layer_spec",
 }
 

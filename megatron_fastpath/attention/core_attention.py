@@ -58,7 +58,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_fastpath._optional import require
 from megatron_fastpath.attention.context_parallel import all_gather_cp, context_parallel_group
 from megatron_fastpath.attention.rope import apply_rope_cached
-from megatron_fastpath.packed_seq.cache import CachedPackedSeqParams, block_mask_from
+from megatron_fastpath.packed_seq.params import CachedPackedSeqParams, block_mask_from
 
 __all__ = ["BACKENDS", "PackedCoreAttention", "ResolvedBackend", "resolve_backend"]
 
@@ -113,7 +113,7 @@ def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_li
     fp32 default on a GPU machine with TE installed used to stop at parse).
 
     ``sdpa_limit``: the most tokens the sdpa backend serves in its layout,
-    :func:`megatron_fastpath.packed_seq.cache.sdpa_max_tokens` (the one home of that rule):
+    :func:`megatron_fastpath.packed_seq.config.sdpa_max_tokens` (the one home of that rule):
     the [T, T] mask's limit when sdpa attends through the mask, None when its layout is or can
     be the padded view, which has no mask (then the mask's limit never pushes auto off sdpa).
 

@@ -172,7 +172,7 @@ def cache_for(settings: FastpathSettings, config=None, device: Optional[torch.de
     With ``config`` (a Megatron TransformerConfig) the cache is created on first use (RoPE from
     the config when ``settings.rope``); without it the cache must already exist (the data step
     runs after the model was built)."""
-    from megatron_fastpath.packed_seq.cache import PackedSeqCache, PackedSeqConfig
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
     entry = _CACHES.get(settings)
     if config is None:

@@ -167,8 +167,8 @@ def max_seqs_from_pack_metadata(path) -> int:
 def max_seqlen_from_pack_metadata(path) -> int:
     """``max_seqlen`` for :func:`apply_fastpath` from the same file: its ``dataset_max_seqlen``
     (the longest tokenized sample; the collate feeds one token less of it) rounded up by
-    ``packed_seq.cache.seqlen_bound`` and capped at the pack size."""
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    ``packed_seq.config.seqlen_bound`` and capped at the pack size."""
+    from megatron_fastpath.packed_seq.config import seqlen_bound
 
     meta = _pack_metadata(path, "dataset_max_seqlen")
     return max(seqlen_bound(int(m["dataset_max_seqlen"]), int(m.get("pack_size") or m["dataset_max_seqlen"]))

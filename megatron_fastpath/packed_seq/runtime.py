@@ -1,7 +1,7 @@
 """One packed microbatch through a model: the forward every entry point uses (the main job's
 CPU and GPU steps, the held-out evaluator, the NeMo and Megatron-Bridge forward steps).
 
-What the model reads comes from the cache slot's :class:`~megatron_fastpath.packed_seq.cache.PackedBatch`:
+What the model reads comes from the cache slot's :class:`~megatron_fastpath.packed_seq.params.PackedBatch`:
 the static ``PackedSeqParams``, the position ids and Megatron's MoE ``padding_mask`` (True on
 the padding tail, so padding tokens take no expert capacity and stay out of the aux loss).
 Only the token ids and labels come from the caller, already on the device (None on the

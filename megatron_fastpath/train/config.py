@@ -390,7 +390,7 @@ def _attention_backend(fast: FastpathConfig, par: ParallelConfig, device, max_to
     """``fastpath.attention_backend``'s choice (``core_attention.choose_backend``; checked by
     ``check_backend`` once the rules have read it)."""
     from megatron_fastpath.attention.core_attention import choose_backend
-    from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
+    from megatron_fastpath.packed_seq.config import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
 
     if fast.sdpa_layout not in SDPA_LAYOUTS:
         raise ValueError(f"fastpath.sdpa_layout must be one of {', '.join(SDPA_LAYOUTS)}; got {fast.sdpa_layout!r}")

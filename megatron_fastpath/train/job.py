@@ -103,11 +103,11 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
     """The packed-sequence cache: one slot per microbatch in flight -- on the GPU path as many
     as Megatron's 1F1B schedule holds between a forward and its backward on this pipeline
     stage (``slots_for_1f1b``: one without pipelining), one on the CPU path; its sequence bound
-    from the data (``packed_seq.cache.seqlen_bound``; T when not given)."""
+    from the data (``packed_seq.config.seqlen_bound``; T when not given)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from megatron_fastpath.packed_seq.cache import seqlen_bound
+    from megatron_fastpath.packed_seq.config import seqlen_bound
     from megatron_fastpath.packed_seq.inflight import slots_for_1f1b
 
     in_flight = 1

@@ -102,7 +102,7 @@ def test_auto_layout_takes_the_padded_view_above_the_mask_limit():
     """Issue 25 review: over ``sdpa_mask_max_tokens`` the mask is refused, so ``auto`` takes the
     padded view even without its 3x saving (M = T here) and the sdpa backend has no token limit
     (``sdpa_max_tokens``: the rule resolve_backend's auto reads); the mask layout keeps it."""
-    from megatron_fastpath.packed_seq.cache import sdpa_max_tokens
+    from megatron_fastpath.packed_seq.config import sdpa_max_tokens
 
     over = PackedSeqConfig(max_tokens=T, max_seqs=S, sdpa_mask_max_tokens=T // 2)
     assert over.sdpa_padded and over.sdpa_max_tokens is None

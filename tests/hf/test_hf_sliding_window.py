@@ -241,7 +241,7 @@ def test_windowed_masks_are_transformers(mcore_parallel):
     from torch.nn.attention.flex_attention import create_mask
 
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
-    from megatron_fastpath.packed_seq.cache import block_mask_from
+    from megatron_fastpath.packed_seq.params import block_mask_from
 
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=MAX_TOKENS, max_seqs=8))
     cache.register("sdpa_mask_window", window=W)

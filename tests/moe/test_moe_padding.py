@@ -173,7 +173,7 @@ def test_mask_convention_is_megatrons_router(mcore_parallel):
 def test_cache_padding_mask_routes_real_tokens(mcore_parallel):
     """End to end with the packed cache: the mask a PackedBatch offers for Megatron's
     ``GPTModel(padding_mask=...)`` leaves real tokens routed and padding tokens unrouted."""
-    from megatron_fastpath.packed_seq.cache import PackedSeqCache, PackedSeqConfig
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
 
     layer = _layer(_tc(), MODES["dropless"])
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=S * B, max_seqs=4))

@@ -1,11 +1,11 @@
-"""The cache's derived kinds are data (packed_seq.cache.DERIVED_KINDS): each registry entry
+"""The cache's derived kinds are data (packed_seq.derived.DERIVED_KINDS): each registry entry
 allocates and builds its fields; an unknown kind is refused naming the known ones."""
 
 import pytest
 import torch
 
 from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig, RopeConfig
-from megatron_fastpath.packed_seq.cache import DERIVED_KINDS, derived_kind
+from megatron_fastpath.packed_seq.derived import DERIVED_KINDS, derived_kind
 
 
 def test_unknown_derived_kind_is_refused_naming_the_known_kinds():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from megatron_fastpath.packed_seq.cache import packed_causal_mask_mod
+from megatron_fastpath.packed_seq.params import packed_causal_mask_mod
 from tests.support.flex_standin import REAL_FLEX, CompiledFlexStandin, flex_attention_standin
 
 T, HQ = 128 * 3, 4

@@ -11,7 +11,7 @@ from tests.support.main_job import train_in_process
 from megatron_fastpath import _optional
 from megatron_fastpath.train import parse_job_config
 from megatron_fastpath.packed_seq import PackedSeqConfig
-from megatron_fastpath.packed_seq.cache import DEFAULT_SDPA_MASK_MAX_TOKENS, seqlen_bound
+from megatron_fastpath.packed_seq.config import DEFAULT_SDPA_MASK_MAX_TOKENS, seqlen_bound
 
 # T = 512, up to 8 sequences of 8..48 tokens: bound 64, 3 * 8 * 64^2 < 512^2 -> padded view
 SMALL = ["training.steps=3", "data.num_samples=256", "data.max_len=48", "data.max_seqs=8",
@@ -51,10 +51,10 @@ def test_bad_layout_refused_at_parse():
 @pytest.mark.parametrize("layout, backend", [("auto", "sdpa"), ("padded", "sdpa"), ("mask", "flex")])
 def test_auto_backend_above_the_mask_limit_stays_on_sdpa_unless_the_layout_is_the_mask(
         monkeypatch, layout, backend):
-    """Issue 25 review: on CUDA without TE / flash-attn, attention_backend=auto above the [T, T]
-    mask's limit (16384 tokens) picked flex whatever fastpath.sdpa_layout said, though the
-    padded view has no mask. The limit now binds the mask layout only (packed_seq.cache.
-    sdpa_max_tokens); auto's layout takes the padded view there, so sdpa serves it."""
+    """On CUDA without TE / flash-attn, attention_backend=auto above the [T, T] mask's limit
+    (16384 tokens) picks flex only when fastpath.sdpa_layout is the mask: the padded view has no
+    mask, and the limit binds the mask layout only (packed_seq.config.sdpa_max_tokens); auto's
+    layout takes the padded view there, so sdpa serves it."""
     monkeypatch.setattr(_optional, "have", lambda name: False)  # no TE, no flash-attn
     t = 2 * DEFAULT_SDPA_MASK_MAX_TOKENS
     with cuda_as_cpu():
