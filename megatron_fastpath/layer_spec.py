@@ -19,7 +19,8 @@ import dataclasses
 from typing import Optional
 
 from megatron_fastpath import compat  # noqa: F401  (refuses megatron-core < 0.16.1 at import)
-from megatron_fastpath.attention.core_attention import PackedCoreAttention, backend_of
+from megatron_fastpath.attention.backend import backend_of
+from megatron_fastpath.attention.core_attention import PackedCoreAttention
 
 __all__ = ["get_fastpath_layer_spec", "megatron_base_spec"]
 
@@ -43,7 +44,7 @@ def get_fastpath_layer_spec(
         cache: the :class:`PackedSeqCache` shared by all layers (one per device).
         backend: core attention backend: "sdpa" (CPU default), "flex", "flash", "te", "auto".
             A backend whose package is missing is refused here, before any model is built; one
-            :func:`~megatron_fastpath.attention.core_attention.resolve_backend` returned (a
+            :func:`~megatron_fastpath.attention.backend.resolve_backend` returned (a
             ``ResolvedBackend``, e.g. the main job's ``JobConfig.attention_backend``) is taken
             as it is.
         normalization: "RMSNorm" (Llama) or "LayerNorm".

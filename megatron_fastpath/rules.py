@@ -200,7 +200,7 @@ class RunFacts:
 
 
 # The attention backends that run context parallelism with the packed cache (what
-# attention_backend=auto chooses from at CP > 1: core_attention.resolve_backend).
+# attention_backend=auto chooses from at CP > 1: attention/backend.py resolve_backend).
 CP_ATTENTION_BACKENDS = ("sdpa", "te")
 
 

@@ -100,12 +100,15 @@ def fake_flash(monkeypatch):
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """Transformer Engine's attention and fused RoPE stand-ins behind core_attention's seams."""
-    from megatron_fastpath.attention import core_attention
+    """Transformer Engine's attention and fused RoPE stand-ins behind the attention seams
+    (``core_attention``'s TE class, ``kernels``' fused RoPE, both modules' ``require``)."""
+    from megatron_fastpath.attention import backend as attention_backend
+    from megatron_fastpath.attention import core_attention, kernels
     from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
 
     monkeypatch.setattr(core_attention, "_te_dot_product_attention_cls",
                         lambda: TEDotProductAttentionStandIn)
-    monkeypatch.setattr(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
-    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb)
+    monkeypatch.setattr(attention_backend, "require", lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "require", lambda *a, **k: None)
     TEDotProductAttentionStandIn.calls = []

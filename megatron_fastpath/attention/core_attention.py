@@ -4,7 +4,9 @@
 signature as ``DotProductAttention`` / ``TEDotProductAttention``). It takes q/k/v of a packed
 microbatch and the batch's :class:`CachedPackedSeqParams`, applies RoPE from the params'
 per-token cos/sin (built once per batch by the cache, shared by all layers) and runs one of the
-backends over the params' static boundary metadata and masks:
+backends over the params' static boundary metadata and masks. The backend is chosen by name
+(``attention/backend.py``) and its kernel resolved once, at construction, from the table
+``attention/kernels.py`` ``ATTENTION_KERNELS``:
 
 =========  ==============================================================  =============
 backend    kernel                                                          device
@@ -48,32 +50,44 @@ D rotary dim.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_fastpath._optional import require
+from megatron_fastpath.attention.backend import (
+    BACKENDS,
+    ResolvedBackend,
+    backend_of,
+    check_backend,
+    check_backend_dtype,
+    choose_backend,
+    resolve_backend,
+)
 from megatron_fastpath.attention.context_parallel import all_gather_cp, context_parallel_group
+from megatron_fastpath.attention.kernels import attention_kernel
 from megatron_fastpath.attention.rope import apply_rope_cached
-from megatron_fastpath.packed_seq.params import CachedPackedSeqParams, block_mask_from
+from megatron_fastpath.packed_seq.params import CachedPackedSeqParams
 
-__all__ = ["BACKENDS", "PackedCoreAttention", "ResolvedBackend", "resolve_backend"]
-
-BACKENDS = ("sdpa", "flex", "flash", "te")
+__all__ = [
+    "BACKENDS",
+    "PackedCoreAttention",
+    "ResolvedBackend",
+    "backend_of",
+    "check_backend",
+    "check_backend_dtype",
+    "choose_backend",
+    "resolve_backend",
+]
 
 # cp_comm_type values TE 2.9-2.11 runs THD with (None: Megatron's TEDotProductAttention passes
 # "p2p"): context_parallel.py refuses THD under "all_gather" (AttnFuncWithCPAndKVAllGather:
 # "thd format is not supported!") and "a2a+p2p" ("... not supported with hierarchical CP
 # implementation yet!"), and under "a2a" before 2.10.
 _TE_THD_CP_COMM_TYPES = (None, "p2p")
-
-_ALTERNATIVES = {
-    "flash": "backend='sdpa' (CPU and GPU) or backend='flex'",
-    "te": "backend='flash', 'sdpa' or 'flex'",
-}
 
 
 def _flex_attention_fn(device: torch.device):
@@ -84,104 +98,6 @@ def _flex_attention_fn(device: torch.device):
 
     return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
 
-
-class ResolvedBackend(str):
-    """An attention backend name as :func:`resolve_backend` returns it: checked (its package,
-    the dtype) and ``auto`` resolved for the device, dtype and context-parallel size it was
-    given. The layer spec and :class:`PackedCoreAttention` take one as it is -- the main job
-    resolves its backend once, at parse, and carries it in ``JobConfig.attention_backend`` --
-    and resolve a plain name themselves (the spec once, for all its layers)."""
-
-    __slots__ = ()
-
-
-def backend_of(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
-               dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
-    """``backend`` when it is a :class:`ResolvedBackend`, else :func:`resolve_backend` of it."""
-    if isinstance(backend, ResolvedBackend):
-        return backend
-    return resolve_backend(backend, device, max_tokens, sdpa_limit, dtype=dtype,
-                           context_parallel_size=context_parallel_size)
-
-
-def resolve_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
-                    dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
-    """Validate ``backend`` (raising before any device work when its package is missing, or
-    when ``dtype`` is one its kernels lack) and resolve ``"auto"``: te > flash on CUDA when
-    installed and the dtype is one their kernels take (bf16 / fp16), else sdpa -- flex only on
-    CUDA when ``max_tokens`` is above ``sdpa_limit``: ``auto`` picks something that runs (the
-    fp32 default on a GPU machine with TE installed used to stop at parse).
-
-    ``sdpa_limit``: the most tokens the sdpa backend serves in its layout,
-    :func:`megatron_fastpath.packed_seq.config.sdpa_max_tokens` (the one home of that rule):
-    the [T, T] mask's limit when sdpa attends through the mask, None when its layout is or can
-    be the padded view, which has no mask (then the mask's limit never pushes auto off sdpa).
-
-    With ``context_parallel_size > 1`` ``auto`` picks only among the backends that run context
-    parallelism (:data:`megatron_fastpath.rules.CP_ATTENTION_BACKENDS`): te, else sdpa -- never
-    flash or flex, which the rules would refuse at CP > 1."""
-    resolved = choose_backend(backend, device, max_tokens, sdpa_limit, dtype=dtype,
-                              context_parallel_size=context_parallel_size)
-    return check_backend(resolved, device, dtype, chosen_by_auto=backend == "auto")
-
-
-def choose_backend(backend: str, device: torch.device, max_tokens: int, sdpa_limit: Optional[int],
-                   dtype: Optional[torch.dtype] = None, context_parallel_size: int = 1) -> str:
-    """:func:`resolve_backend`'s choice alone (``backend`` itself unless ``auto``), unchecked:
-    raises only for an unknown name (the main job hands it to the rules before
-    :func:`check_backend` asks for its package)."""
-    if backend == "auto":
-        from megatron_fastpath._optional import have
-        from megatron_fastpath.rules import CP_ATTENTION_BACKENDS
-
-        half = dtype is None or dtype in (torch.bfloat16, torch.float16)
-        usable = BACKENDS if context_parallel_size <= 1 else CP_ATTENTION_BACKENDS
-        if device.type == "cuda" and half and "te" in usable and have("transformer_engine.pytorch"):
-            resolved = "te"
-        elif device.type == "cuda" and half and "flash" in usable and have("flash_attn"):
-            resolved = "flash"
-        elif (device.type == "cuda" and "flex" in usable and sdpa_limit is not None
-              and max_tokens > sdpa_limit):
-            resolved = "flex"  # sdpa's layout is the [T, T] mask, refused above its limit
-        else:
-            # on CPU above the mask limit (sdpa_layout=mask) the cache refuses the mask, naming
-            # the alternatives (the padded view, flex / flash / te, a higher limit)
-            resolved = "sdpa"
-    elif backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'")
-    else:
-        resolved = backend
-    return resolved
-
-
-def check_backend(backend: str, device: torch.device, dtype: Optional[torch.dtype],
-                  chosen_by_auto: bool = False) -> ResolvedBackend:
-    """``backend`` (a :func:`choose_backend` choice) checked -- its package installed (an
-    explicit flash / te), the dtype one its kernels take -- as a :class:`ResolvedBackend`."""
-    if not chosen_by_auto and backend == "flash":
-        require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
-    if not chosen_by_auto and backend == "te":
-        require("transformer_engine.pytorch", "the 'te' attention backend", _ALTERNATIVES["te"])
-    check_backend_dtype(backend, device, dtype, chosen_by_auto=chosen_by_auto)
-    return ResolvedBackend(backend)
-
-
-def check_backend_dtype(backend: str, device: torch.device, dtype: Optional[torch.dtype],
-                        chosen_by_auto: bool = False) -> None:
-    """te / flash on CUDA need fp16 or bf16: TE has no fp32 THD backend and flash-attn takes
-    half precision only ("No dot product attention backend" at the first forward)."""
-    if dtype is None or device.type != "cuda" or backend not in ("te", "flash"):
-        return
-    if dtype not in (torch.bfloat16, torch.float16):
-        how = " (chosen by attention_backend=auto on CUDA)" if chosen_by_auto else ""
-        raise ValueError(
-            f"the '{backend}' attention backend{how} runs in bf16 / fp16 only, but the model "
-            f"dtype is {dtype}: set the model dtype to bfloat16 (dtype: bfloat16, i.e. "
-            "TransformerConfig params_dtype=torch.bfloat16 with bf16=True), or keep float32 "
-            "with attention_backend=sdpa"
-        )
-
-
 def _te_dot_product_attention_cls():
     """Megatron's ``TEDotProductAttention`` (a seam: CPU tests put a stand-in with its exact
     signature here)."""
@@ -189,12 +105,6 @@ def _te_dot_product_attention_cls():
 
     return TEDotProductAttention
 
-
-def _te_apply_rotary_pos_emb():
-    """Transformer Engine's fused RoPE (>= 2.3; a seam for CPU stand-ins)."""
-    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb
 
 
 class PackedCoreAttention(MegatronModule):
@@ -304,7 +214,7 @@ class PackedCoreAttention(MegatronModule):
                          "rope_cos_sin_local" if self.rope_local else "rope_cos_sin")
         for kind in needs:
             cache.register(kind, dtype=config.params_dtype)
-        self._band_MM = None  # the padded view's banded causal mask of a windowed layer
+        self.band_MM = None  # the padded view's banded causal mask of a windowed layer
         if self.window is not None:
             kind = {"sdpa": None if self.sdpa_padded else "sdpa_mask_window",
                     "flex": "flex_block_mask_window"}.get(self.backend)
@@ -313,8 +223,8 @@ class PackedCoreAttention(MegatronModule):
             if self.sdpa_padded:  # row position i keeps keys i - W < j <= i: a constant
                 m_1M = torch.arange(cache.config.max_seqlen_bound, device=cache.device).unsqueeze(0)
                 back_MM = m_1M.t() - m_1M
-                self._band_MM = (back_MM >= 0) & (back_MM < self.window)
-        self._te_attention = None
+                self.band_MM = (back_MM >= 0) & (back_MM < self.window)
+        self.te_attention = None
         if self.backend == "te":
             from megatron.core.transformer.enums import AttnMaskType
 
@@ -329,7 +239,7 @@ class PackedCoreAttention(MegatronModule):
             # while given ones make DotProductAttention compare both with torch.equal, a host
             # sync whenever they are not the same tensor (a per-layer graph copies each field
             # into its own buffer). docs/configuration.md "Context parallelism".
-            self._te_attention = _te_dot_product_attention_cls()(
+            self.te_attention = _te_dot_product_attention_cls()(
                 config=self._te_config(config),
                 layer_number=layer_number,
                 attn_mask_type=AttnMaskType.padding_causal,
@@ -347,17 +257,18 @@ class PackedCoreAttention(MegatronModule):
                 # arguments go through TE's set_context_parallel_group, as Megatron's forward
                 # sets a dynamic CP group (L1347-1353): group, global ranks, the stream shared
                 # by every layer (class attribute, L1149 / L1232-1233), comm type (None -> p2p)
-                te_cls = type(self._te_attention)
+                te_cls = type(self.te_attention)
                 if getattr(te_cls, "cp_stream", None) is None:
                     te_cls.cp_stream = torch.cuda.Stream()
                 group = context_parallel_group(pg_collection)
-                self._te_attention.set_context_parallel_group(
+                self.te_attention.set_context_parallel_group(
                     group, torch.distributed.get_process_group_ranks(group), te_cls.cp_stream,
                     "p2p" if cp_comm_type is None else cp_comm_type)
-        if self.backend == "flex":
-            self._flex = _flex_attention_fn(cache.device)
-            # the job's device (the cache's) decides the CPU refusal in _forward_flex
-            self._flex_on_cpu = cache.device.type == "cpu"
+        self.flex_fn = _flex_attention_fn(cache.device) if self.backend == "flex" else None
+        # the job's device (the cache's) decides the flex kernel's CPU refusal
+        self.flex_on_cpu = cache.device.type == "cpu"
+        # the backend's kernel, resolved once (kernels.ATTENTION_KERNELS)
+        self._attend = attention_kernel(self.backend, self.sdpa_padded)
 
     @staticmethod
     def _checked_softcap(cap: Optional[float], backend: str) -> Optional[float]:
@@ -404,8 +315,6 @@ class PackedCoreAttention(MegatronModule):
                 "which do not run packed (THD) sequences here ('p2p' only); use "
                 "attention_backend=sdpa (its CP mask applies the window), or keep every sequence "
                 f"within the window (max_seqlen <= {self.window})")
-        import copy
-
         te_config = copy.copy(config)
         te_config.window_size, te_config.window_attn_skip_freq = (self.window - 1, 0), None
         return te_config
@@ -460,7 +369,7 @@ class PackedCoreAttention(MegatronModule):
             # their global positions), in rank order -- the order of the params' cp_kv_* fields.
             key, value = all_gather_cp(key, self.cp_group), all_gather_cp(value, self.cp_group)
 
-        out_THd = getattr(self, f"_forward_{self.backend}")(query, key, value, params)
+        out_THd = self._attend(self, query, key, value, params)
         out = out_THd.reshape(t, -1)
         return out.unsqueeze(1) if sbhd else out
 
@@ -489,159 +398,17 @@ class PackedCoreAttention(MegatronModule):
             )
         return params
 
-    # Each backend: q [T, np, hn], k/v [T, ng, hn] -> [T, np, hn].
-    @staticmethod
-    def _as_1HTd(*xs_THd):
-        """[T, heads, d] -> [1, heads, T, d] (SDPA / flex layout)."""
-        return tuple(x.transpose(0, 1).unsqueeze(0) for x in xs_THd)
-
-    def _dropout(self) -> float:
+    def dropout_prob(self) -> float:
+        """The attention dropout probability of this call (0 outside training)."""
         return self.dropout_p if self.training else 0.0
 
-    def _dropout_rng(self):
+    def dropout_rng(self):
         """Where attention dropout draws: Megatron's model-parallel RNG stream (a different mask
         per TP rank, whose heads differ), as its DotProductAttention does outside sequence
         parallelism (transformer/dot_product_attention.py) and TE's attention through its
         tracker; the default generator otherwise (and on CPU, which has no CUDA tracker)."""
-        import contextlib
-
-        if self._dropout() == 0 or self.config.sequence_parallel or not torch.cuda.is_available():
+        if self.dropout_prob() == 0 or self.config.sequence_parallel or not torch.cuda.is_available():
             return contextlib.nullcontext()
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         return get_cuda_rng_tracker().fork()
-
-    def _forward_sdpa(self, q, k, v, params):
-        if self.sdpa_padded:
-            return self._forward_sdpa_padded(q, k, v, params)
-        # additive, q's dtype: used as is, saved once per step (windowed layers: their own one)
-        mask_TT = params.sdpa_mask_TT if self.window is None else params.sdpa_mask_window_TT
-        if mask_TT.dtype != q.dtype:
-            raise ValueError(
-                f"the packed cache built the SDPA mask in {mask_TT.dtype} (TransformerConfig."
-                f"params_dtype) but attention runs in {q.dtype}; set params_dtype to the compute dtype"
-            )
-        if self.softcap is not None:
-            out_1HTd = self._softcapped_attention(*self._as_1HTd(q, k, v), mask_TT)
-            return out_1HTd.squeeze(0).transpose(0, 1)
-        with self._dropout_rng():
-            out_1HTd = F.scaled_dot_product_attention(
-                *self._as_1HTd(q, k, v),
-                attn_mask=mask_TT,
-                dropout_p=self._dropout(),
-                scale=self.softmax_scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-        return out_1HTd.squeeze(0).transpose(0, 1)
-
-    def _softcapped_attention(self, q_BHQd, k_BGKd, v_BGKd, mask_QK):
-        """Explicit attention with logit soft-capping (torch SDPA takes no score function), as
-        transformers' ``eager_attention_forward`` of Gemma 2: scores = q k^T * scale, cap *
-        tanh(scores / cap), + the mask (additive, or a bool keep-mask), softmax in float32 cast
-        to q's dtype, dropout, @ v. GQA: query head h reads key / value group h // (H / G)."""
-        rep = q_BHQd.shape[1] // k_BGKd.shape[1]
-        if rep > 1:
-            k_BGKd, v_BGKd = (x.repeat_interleave(rep, 1) for x in (k_BGKd, v_BGKd))
-        scores = torch.matmul(q_BHQd, k_BGKd.transpose(-2, -1)) * self.softmax_scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        if mask_QK.dtype == torch.bool:
-            scores = scores.masked_fill(mask_QK.logical_not(), float("-inf"))
-        else:
-            scores = scores + mask_QK
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHQd.dtype)
-        if self._dropout() > 0:
-            with self._dropout_rng():
-                probs = F.dropout(probs, p=self._dropout())
-        return torch.matmul(probs, v_BGKd)
-
-    def _forward_sdpa_padded(self, q, k, v, params):
-        """Causal SDPA on the packed-to-padded view: S rows of M tokens, one sequence per row,
-        left-aligned (q, k, v gathered through ``pad_gather_SM``, whose indices all lie in
-        [0, T): no zero row is appended, i.e. no [T + 1, h, d] copy per tensor and layer).
-        Right padding needs no mask under causality: a real query at position i sees keys
-        0..i of its own row, all real, so what an empty cell holds (token 0) reaches no real
-        output, and its gradient is exactly zero. Outputs of empty cells are dropped by the
-        scatter back (``pad_scatter_T``); padding tokens get zeros (one in-place fill)."""
-        gather_SM = params.pad_gather_SM
-        s_rows, m = gather_SM.shape
-
-        def padded(x_THd):  # [T, h, d] -> [S, h, M, d]
-            return x_THd[gather_SM].transpose(1, 2)
-
-        if self.softcap is not None:
-            m_M = torch.arange(m, device=q.device)
-            keep_MM = self._band_MM if self._band_MM is not None else m_M[:, None] >= m_M[None, :]
-            out_ShMd = self._softcapped_attention(padded(q), padded(k), padded(v), keep_MM)
-        else:
-            with self._dropout_rng():
-                out_ShMd = F.scaled_dot_product_attention(
-                    padded(q), padded(k), padded(v), attn_mask=self._band_MM,
-                    is_causal=self._band_MM is None, dropout_p=self._dropout(),
-                    scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-        out_flat = out_ShMd.transpose(1, 2).reshape(s_rows * m, q.shape[1], -1)
-        out_THd = out_flat[params.pad_scatter_T]  # a fresh tensor: filled in place
-        return out_THd.masked_fill_(params.real_token_mask_T.logical_not().view(-1, 1, 1), 0)
-
-    def _forward_flex(self, q, k, v, params):
-        if self._dropout() > 0:
-            raise ValueError("the 'flex' backend does not support attention dropout; use 'sdpa'")
-        if self._flex_on_cpu and torch.is_grad_enabled() and q.requires_grad:
-            raise ValueError(
-                "the 'flex' backend has no backward on CPU (torch FlexAttention limitation); "
-                "train with backend='sdpa' on CPU, use 'flex' there for forward-only evaluation"
-            )
-        block_mask = block_mask_from(params, self.window)
-        extra = {}
-        if self.softcap is not None:  # flex scales q.k first, then applies score_mod
-            cap = self.softcap
-
-            def softcap_score(score, b, h, q_idx, kv_idx):
-                return torch.tanh(score / cap) * cap
-
-            extra["score_mod"] = softcap_score
-        out_1HTd = self._flex(
-            *self._as_1HTd(q, k, v),
-            block_mask=block_mask,
-            **extra,
-            scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out_1HTd.squeeze(0).transpose(0, 1)
-
-    def _forward_flash(self, q, k, v, params):
-        flash_attn = require("flash_attn", "the 'flash' attention backend", _ALTERNATIVES["flash"])
-        with self._dropout_rng():
-            out = flash_attn.flash_attn_varlen_func(
-                q, k, v,
-                cu_seqlens_q=params.cu_seqlens_q,
-                cu_seqlens_k=params.cu_seqlens_kv,
-                max_seqlen_q=params.max_seqlen_q,
-                max_seqlen_k=params.max_seqlen_kv,
-                dropout_p=self._dropout(),
-                softmax_scale=self.softmax_scale,
-                causal=True,
-                # flash-attn 2.8 keeps the keys in [i - window_size[0], i + window_size[1]]
-                # (equal q / k lengths; -1: unbounded): (W - 1, 0) is transformers' window
-                window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
-                # flash-attn >= 2.6: softcap > 0 caps the scaled scores, cap * tanh(s / cap)
-                **({} if self.softcap is None else {"softcap": self.softcap}),
-            )
-        # cu_seqlens close the padding tail at T: the kernel writes every row of out and, in
-        # backward, of dq / dk / dv (FA2 leaves rows after the last boundary uninitialised).
-        return out
-
-    def _forward_te(self, q, k, v, params):
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if self.apply_rope:
-            te_rope = _te_apply_rotary_pos_emb()
-            freqs_T11D = params.rope_freqs_T11D
-            # sbhd with s = packed token, b = 1: per-token angles, fused kernel, no cu_seqlens.
-            q = te_rope(q.unsqueeze(1), freqs_T11D, tensor_format="sbhd", fused=True,
-                        interleaved=self.rope_interleaved).squeeze(1)
-            k = te_rope(k.unsqueeze(1), freqs_T11D, tensor_format="sbhd", fused=True,
-                        interleaved=self.rope_interleaved).squeeze(1)
-        # Megatron's TEDotProductAttention.forward takes attn_mask_type positionally required.
-        out = self._te_attention(q, k, v, None, attn_mask_type=AttnMaskType.padding_causal,
-                                 packed_seq_params=params)
-        return out.view(q.shape[0], q.shape[1], -1)

@@ -389,7 +389,7 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
     if request.attention_backend in ("te", "flash"):  # auto resolves by the dtype at build
         import torch
 
-        from megatron_fastpath.attention.core_attention import check_backend_dtype
+        from megatron_fastpath.attention.backend import check_backend_dtype
 
         try:  # the hooks' frameworks train on GPUs: the layer spec would refuse it at build
             check_backend_dtype(request.attention_backend, torch.device("cuda"), run_facts(facts, request).dtype)

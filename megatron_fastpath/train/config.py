@@ -387,9 +387,9 @@ def refuse(reasons: list) -> None:
 
 def _attention_backend(fast: FastpathConfig, par: ParallelConfig, device, max_tokens: int,
                        dtype: str) -> str:
-    """``fastpath.attention_backend``'s choice (``core_attention.choose_backend``; checked by
+    """``fastpath.attention_backend``'s choice (``attention.backend.choose_backend``; checked by
     ``check_backend`` once the rules have read it)."""
-    from megatron_fastpath.attention.core_attention import choose_backend
+    from megatron_fastpath.attention.backend import choose_backend
     from megatron_fastpath.packed_seq.config import DEFAULT_SDPA_MASK_MAX_TOKENS, SDPA_LAYOUTS, sdpa_max_tokens
 
     if fast.sdpa_layout not in SDPA_LAYOUTS:
@@ -437,7 +437,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     facts = _run_facts(model, data, train, fast, par, features, device, backend, linear_impl)
     refuse(rules.refusals(facts))  # the rules shared with the hooks, called once
     _check_parallel(par, fast, is_moe, device)
-    from megatron_fastpath.attention.core_attention import check_backend
+    from megatron_fastpath.attention.backend import check_backend
 
     # resolved once: its package and the dtype (te/flash refuse fp32 on CUDA)
     backend = check_backend(backend, device, getattr(torch, train.dtype),

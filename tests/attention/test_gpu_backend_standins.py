@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_fastpath import _optional
+from megatron_fastpath.attention import backend as attention_backend
 from megatron_fastpath.attention import core_attention
 from megatron_fastpath.layer_spec import get_fastpath_layer_spec
 from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
@@ -153,7 +154,7 @@ def test_layer_spec_auto_above_the_mask_limit_keeps_sdpa_for_the_padded_view(mon
 @pytest.mark.parametrize("backend", ["te", "flash"])
 def test_fp32_with_te_or_flash_on_cuda_refused_before_building(fake_flash, monkeypatch, backend):
     """Finding 4: TE has no fp32 THD backend and flash-attn takes fp16 / bf16 only."""
-    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    monkeypatch.setattr(attention_backend, "require", lambda *a, **k: None)
     monkeypatch.setattr(_optional, "have", lambda name: True)  # auto on CUDA picks te
     with pytest.raises(ValueError, match=r"bf16 / fp16 only.*set the model dtype to bfloat16"):
         get_fastpath_layer_spec(_cuda_cache(), backend=backend, linear_impl="local",

@@ -117,7 +117,7 @@ def test_mistral_window_flash_standin_equals_transformers(mcore_parallel, checkp
 def test_mistral_window_te_standin_equals_transformers(mcore_parallel, checkpoints, fake_te):
     path, ref = checkpoints("mistral")
     model, cache, _ = build(path, "te")
-    te = [layer.self_attention.core_attention._te_attention for layer in model.decoder.layers]
+    te = [layer.self_attention.core_attention.te_attention for layer in model.decoder.layers]
     assert [m.window_size for m in te] == [(W - 1, 0)] * 2
     assert_parity(model, cache, ref, "mistral")
 

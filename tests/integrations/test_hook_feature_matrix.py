@@ -342,12 +342,12 @@ def hook_messages() -> dict:
                 elif isinstance(node, (ast.Return, ast.AugAssign)) and isinstance(node.value, ast.List):
                     for elt in node.value.elts:
                         add(fn.name, elt)
-    from megatron_fastpath.attention import core_attention
+    from megatron_fastpath.attention import backend as attention_backend
 
     # the ValueErrors core.py appends as they are: MoEDispatchConfig's, and the attention
     # backend x dtype check the layer spec would apply at build (check_backend_dtype)
     for where, obj in (("MoEDispatchConfig", moe_config.MoEDispatchConfig),
-                       ("check_backend_dtype", core_attention.check_backend_dtype)):
+                       ("check_backend_dtype", attention_backend.check_backend_dtype)):
         for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(obj)))):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
                 add(where, node.exc.args[0])

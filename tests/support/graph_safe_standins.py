@@ -166,7 +166,7 @@ NVTX = NvtxRanges()
 
 
 def _require_with_te_standins(real_require):
-    """``core_attention.require`` with Transformer Engine answered by the stand-ins (its
+    """The attention modules' ``require`` with Transformer Engine answered by the stand-ins (its
     attention and fused RoPE only: TE's linears, FP8 and RNG tracker stay missing)."""
 
     def require(name, feature, alternatives=""):
@@ -194,13 +194,14 @@ def gpu_standins() -> Iterator[None]:
       (the real flex forward, a dense backward, the CUDA kernel's contracts), through
       ``core_attention._flex_attention_fn``;
     * Transformer Engine's attention: ``gpu_standins.TEDotProductAttentionStandIn`` and its
-      fused RoPE, through ``core_attention``'s seams (TE's linears, FP8 and RNG tracker are
-      not stood in: what needs them stays refused as missing);
+      fused RoPE, through the seams of ``core_attention`` and ``kernels`` (TE's linears, FP8 and
+      RNG tracker are not stood in: what needs them stays refused as missing);
     * the environment variables a graph plan sets (``apply_env``) are restored on exit.
     """
     global NVTX
     from megatron_fastpath import _optional
-    from megatron_fastpath.attention import core_attention
+    from megatron_fastpath.attention import backend as attention_backend
+    from megatron_fastpath.attention import core_attention, kernels
     from tests.support.gpu_standins import TEDotProductAttentionStandIn, te_apply_rotary_pos_emb
     from tests.support.megatron_graphs import graph_session
 
@@ -210,8 +211,9 @@ def gpu_standins() -> Iterator[None]:
         mock.patch.dict(os.environ),
         mock.patch.object(core_attention, "_te_dot_product_attention_cls",
                           lambda: TEDotProductAttentionStandIn),
-        mock.patch.object(core_attention, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb),
-        mock.patch.object(core_attention, "require", _require_with_te_standins(core_attention.require)),
+        mock.patch.object(kernels, "_te_apply_rotary_pos_emb", lambda: te_apply_rotary_pos_emb),
+        mock.patch.object(attention_backend, "require", _require_with_te_standins(attention_backend.require)),
+        mock.patch.object(kernels, "require", _require_with_te_standins(kernels.require)),
         mock.patch.object(core_attention, "_flex_attention_fn", flex_attention_fn_standin),
     ]
     with contextlib.ExitStack() as stack:

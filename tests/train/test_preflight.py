@@ -118,17 +118,18 @@ def test_the_preflight_refuses_what_the_machine_cannot_run(tmp_path, stand_in_gp
 def test_the_attention_backend_is_resolved_once(mcore_parallel, monkeypatch):
     """At parse; the layer spec and each layer's core attention take the JobConfig's backend
     as it is (counted at the dtype check every resolution runs)."""
+    from megatron_fastpath.attention import backend as attention_backend
     from megatron_fastpath.attention import core_attention
     from megatron_fastpath.train.job import build_cache, build_model, build_transformer
 
     checked = []
-    real = core_attention.check_backend_dtype
+    real = attention_backend.check_backend_dtype
 
     def counted(backend, *args, **kwargs):
         checked.append(backend)
         return real(backend, *args, **kwargs)
 
-    monkeypatch.setattr(core_attention, "check_backend_dtype", counted)
+    monkeypatch.setattr(attention_backend, "check_backend_dtype", counted)
     job = parse_job_config(compose_job(SMALL + ["model=tiny_dense", "training.device=cpu"]))
     assert checked == ["sdpa"] and job.attention_backend == "sdpa"
     model, _, _ = build_model(job, build_transformer(job), build_cache(job))

@@ -181,13 +181,13 @@ def test_cuda_only_packages_on_a_cpu_refused_at_parse(monkeypatch, overrides, na
     was accepted and failed at its first forward (TE: 'TransformerEngine needs CUDA.'); found by
     running the main job on the fake Transformer Engine (tests/te_standin)."""
     from megatron_fastpath import _optional
-    from megatron_fastpath.attention import core_attention
+    from megatron_fastpath.attention import backend as attention_backend
     from megatron_fastpath.train import parse_job_config
     from tests.support.hydra_compose import compose_job
 
     monkeypatch.setattr(_optional, "have", lambda name: True)  # TE and flash-attn installed
     monkeypatch.setattr(_optional, "require", lambda *a, **k: None)
-    monkeypatch.setattr(core_attention, "require", lambda *a, **k: None)
+    monkeypatch.setattr(attention_backend, "require", lambda *a, **k: None)
     with pytest.raises(ValueError, match="run on CUDA only") as err:
         parse_job_config(compose_job(["training.device=cpu", "training.dtype=bfloat16", *overrides]))
     assert str(err.value).startswith(named)
