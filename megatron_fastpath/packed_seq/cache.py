@@ -315,10 +315,10 @@ class PackedSeqCache:
                  window: Optional[int] = None) -> None:
         """Declare that a consumer needs the derived tensors ``kind`` (a key of
         :data:`DERIVED_KINDS`), computed in ``dtype`` (kinds with ``compute_dtype``:
-        "rope_cos_sin", "sdpa_mask" and "sdpa_mask_window"; default float32; the
-        ``"kind:dtype"`` form is accepted). The windowed kinds take the sliding ``window``
+        "rope_cos_sin", "rope_cos_sin_local", "sdpa_mask" and "sdpa_mask_window"; default
+        float32; the ``"kind:dtype"`` form is accepted). The windowed kinds take the sliding ``window``
         (one per cache: every windowed layer of a checkpoint has the same).
-        Allocates the field in every slot's params now (the address never changes afterwards)
+        Allocates the field in every slot's params at once (its address never changes)
         and builds it for batches already loaded."""
         kind, _, dtype_name = kind.partition(":")
         spec = derived_kind(kind)

@@ -124,9 +124,9 @@ def test_gpu_backends_match_cpu_reference_and_are_sync_free(mcore_parallel, back
 
 @pytest.mark.parametrize("layers", [2, 4])
 def test_sdpa_saves_one_mask_per_step_shared_by_all_layers(build_pair, layers):
-    """Issue 14: SDPA converted the cached bool mask with a `where` in every layer and autograd
-    saved each copy (L distinct [T, T] tensors per step). The additive mask in the compute dtype
-    is used as is: ONE [T, T] storage saved for backward per step, whatever L."""
+    """The additive mask in the compute dtype is used as is: ONE [T, T] storage saved for
+    backward per step, whatever L (a bool mask converted with a `where` in every layer would
+    have autograd save L distinct [T, T] tensors per step)."""
     import dataclasses
 
     from tests.support.packed_reference import TINY

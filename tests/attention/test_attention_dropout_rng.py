@@ -1,9 +1,8 @@
-"""G18: attention dropout draws from Megatron's model-parallel RNG stream, as Megatron's
+"""Attention dropout draws from Megatron's model-parallel RNG stream, as Megatron's
 DotProductAttention does outside sequence parallelism (transformer/dot_product_attention.py:
 ``with tensor_parallel.get_cuda_rng_tracker().fork(): attention_probs =
 self.attention_dropout(...)``): each TP rank (a different set of heads) gets its own mask, and
-the default (data-parallel) stream is not consumed. It drew from the default generator, seeded
-alike on every TP rank. Run under the test-only CUDA-as-CPU mode with Megatron's real tracker."""
+the default (data-parallel) stream, seeded alike on every TP rank, is not consumed. Run under the test-only CUDA-as-CPU mode with Megatron's real tracker."""
 
 import torch
 from tests.support.megatron_rng import run_as_rank

@@ -1,4 +1,4 @@
-"""Issue 9 findings 1-5 and 8 on CPU: the te / flash backends run over stand-ins that honour
+"""On CPU: the te / flash backends run over stand-ins that honour
 the real libraries' contracts (tests/support/gpu_standins.py), and the configuration errors a
 first GPU run would hit are refused before anything is built."""
 
@@ -54,9 +54,9 @@ def assert_same_as_sdpa(out, grads, lengths, max_seqlen=None):
 
 @pytest.mark.parametrize("max_seqlen", [None, 12], ids=["bound_T", "bound_12"])
 def test_flash_backward_with_padding_tail_has_no_uninitialised_rows(mcore_parallel, fake_flash, max_seqlen):
-    """Finding 3: FA2's varlen backward leaves dq / dk / dv rows after the last boundary
-    uninitialised (NaN in the stand-in) and they flowed into linear_qkv's weight gradient. The
-    cache closes the tail at T (in pieces of at most max_seqlen), so every row is written."""
+    """FA2's varlen backward leaves dq / dk / dv rows after the last boundary uninitialised
+    (NaN in the stand-in), which would flow into linear_qkv's weight gradient. The cache closes
+    the tail at T (in pieces of at most max_seqlen), so every row is written."""
     lengths = [5, 11, 7]  # 23 of 32 tokens: a 9-token padding tail
     model, cache = build("flash", max_seqlen)
     out, grads, _ = step(model, cache, lengths)
@@ -83,9 +83,8 @@ def test_te_stand_in_has_megatrons_exact_signature(method):
 
 
 def test_te_backend_passes_attn_mask_type_and_no_padded_cu_seqlens(mcore_parallel, fake_te):
-    """Finding 1: Megatron's TEDotProductAttention.forward requires attn_mask_type (TypeError
-    on the first forward before). Finding 2: cu_seqlens_*_padded that differ from cu_seqlens make
-    TE decide pad_between_seqs with torch.equal on device tensors, a host sync per layer that
+    """Megatron's TEDotProductAttention.forward requires attn_mask_type (a TypeError at the
+    first forward without it). cu_seqlens_*_padded that differ from cu_seqlens make TE decide pad_between_seqs with torch.equal on device tensors, a host sync per layer that
     aborts a capture: the cache passes none (its cu_seqlens close the tail at T)."""
     lengths = [5, 11, 7]
     model, cache = build("te")
@@ -123,9 +122,9 @@ def _cuda_cache(config=None):
 
 
 def test_auto_picks_a_backend_that_runs_the_dtype(monkeypatch):
-    """G19: the default config (fp32, attention auto) on a GPU machine with TE and flash-attn
-    installed stopped at parse (auto picked te, which refuses fp32); auto now picks te / flash
-    only for bf16 / fp16 and sdpa (flex above the mask limit) otherwise."""
+    """The default config (fp32, attention auto) on a GPU machine with TE and flash-attn
+    installed parses: auto picks te / flash only for bf16 / fp16 (te refuses fp32) and sdpa
+    (flex above the mask limit) otherwise."""
     monkeypatch.setattr(_optional, "have", lambda name: True)  # TE and flash-attn installed
     cuda = torch.device("cuda")
     assert core_attention.resolve_backend("auto", cuda, T, 16384, dtype=torch.float32) == "sdpa"
@@ -139,9 +138,9 @@ def test_auto_picks_a_backend_that_runs_the_dtype(monkeypatch):
 
 @pytest.mark.parametrize("layout, backend", [("auto", "sdpa"), ("padded", "sdpa"), ("mask", "flex")])
 def test_layer_spec_auto_above_the_mask_limit_keeps_sdpa_for_the_padded_view(monkeypatch, layout, backend):
-    """Issue 25 review: the layer spec gave resolve_backend the mask's size limit whatever the
-    layout, so auto on CUDA (no TE / flash-attn) took flex above it though the padded view has
-    no mask; only the mask layout is bound by it (``PackedSeqConfig.sdpa_max_tokens``)."""
+    """The layer spec gives resolve_backend the mask's size limit of the mask layout only
+    (``PackedSeqConfig.sdpa_max_tokens``): above it auto on CUDA (no TE / flash-attn) keeps sdpa
+    in the layouts that take the padded view, which has no mask, and takes flex in the mask's."""
     monkeypatch.setattr(_optional, "have", lambda name: False)
     cfg = PackedSeqConfig(max_tokens=40000, max_seqs=8, sdpa_layout=layout)
     spec = get_fastpath_layer_spec(_cuda_cache(cfg), backend="auto", linear_impl="local",
@@ -153,7 +152,7 @@ def test_layer_spec_auto_above_the_mask_limit_keeps_sdpa_for_the_padded_view(mon
 
 @pytest.mark.parametrize("backend", ["te", "flash"])
 def test_fp32_with_te_or_flash_on_cuda_refused_before_building(fake_flash, monkeypatch, backend):
-    """Finding 4: TE has no fp32 THD backend and flash-attn takes fp16 / bf16 only."""
+    """TE has no fp32 THD backend and flash-attn takes fp16 / bf16 only."""
     monkeypatch.setattr(attention_backend, "require", lambda *a, **k: None)
     monkeypatch.setattr(_optional, "have", lambda name: True)  # auto on CUDA picks te
     with pytest.raises(ValueError, match=r"bf16 / fp16 only.*set the model dtype to bfloat16"):
@@ -167,14 +166,14 @@ def test_fp32_with_te_or_flash_on_cuda_refused_before_building(fake_flash, monke
 
 
 def test_pipeline_parallel_config_carries_pipeline_dtype():
-    """Finding 5: megatron-core refuses PP > 1 without TransformerConfig.pipeline_dtype."""
+    """megatron-core refuses PP > 1 without TransformerConfig.pipeline_dtype."""
     for dtype in (torch.float32, torch.bfloat16):
         cfg = build_transformer_config(TINY, params_dtype=dtype, pipeline_model_parallel_size=2)
         assert cfg.pipeline_dtype == dtype
 
 
 def test_setup_transformer_engine_range_is_megatrons():
-    """Finding 8: transformer_engine.pytorch.attention.rope exists from TE 2.3; megatron-core
+    """transformer_engine.pytorch.attention.rope exists from TE 2.3; megatron-core
     0.16.1 itself pins transformer-engine >= 2.9.0a0, < 2.12.0."""
     from importlib.metadata import requires
 
@@ -229,9 +228,9 @@ def test_gpu_bf16_backward_with_padding_tail_matches_cpu_sdpa(mcore_parallel, ba
 
 
 def test_auto_at_context_parallel_picks_a_backend_cp_runs(monkeypatch):
-    """attention_backend=auto at CP > 1 chose flash (flash-attn installed, no TE) or flex
-    (above the mask limit), both of which the context-parallel rule then refused: auto now
-    picks among rules.CP_ATTENTION_BACKENDS only (te, else sdpa)."""
+    """attention_backend=auto at CP > 1 picks among rules.CP_ATTENTION_BACKENDS only (te, else
+    sdpa), never flash (flash-attn installed, no TE) or flex (above the mask limit), which the
+    context-parallel rule refuses."""
     from megatron_fastpath import rules
 
     cuda = torch.device("cuda")

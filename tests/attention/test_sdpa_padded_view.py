@@ -1,4 +1,4 @@
-"""The sdpa backend's packed-to-padded view (issue 25 item 2): S rows of M tokens, one sequence
+"""The sdpa backend's packed-to-padded view: S rows of M tokens, one sequence
 per row, plain causal attention per row, no [T, T] mask. Against torch's own causal SDPA on
 each sequence alone (the reference nobody here wrote) and against the [T, T] mask layout; the
 index buffers built on the device from the slot's ids; the rule that picks the layout."""
@@ -99,7 +99,7 @@ def test_layout_rule(layout, max_seqs, max_seqlen, padded):
 
 
 def test_auto_layout_takes_the_padded_view_above_the_mask_limit():
-    """Issue 25 review: over ``sdpa_mask_max_tokens`` the mask is refused, so ``auto`` takes the
+    """Over ``sdpa_mask_max_tokens`` the mask is refused, so ``auto`` takes the
     padded view even without its 3x saving (M = T here) and the sdpa backend has no token limit
     (``sdpa_max_tokens``: the rule resolve_backend's auto reads); the mask layout keeps it."""
     from megatron_fastpath.packed_seq.config import sdpa_max_tokens
@@ -129,7 +129,7 @@ def test_padded_view_lifts_the_mask_size_limit():
 
 
 def test_padded_view_saves_no_t_by_t_tensor_for_backward():
-    """Issue 25: the padded-view path keeps nothing of T x T elements for backward (the mask
+    """The padded-view path keeps nothing of T x T elements for backward (the mask
     layout saves its [T, T] mask), checked with autograd's saved-tensor hooks."""
     saved = {}
     for layout in ("padded", "mask"):
@@ -158,10 +158,10 @@ class _AtenOps(TorchDispatchMode):
 
 
 def test_padded_view_appends_no_zero_row():
-    """Issue 25 review: the padded view appended a zero row to q, k, v and the output with
-    ``torch.cat`` in every layer -- four [T + 1, h, d] / [S M + 1, h, d] copies. Its indices now
-    never point past the tensors they index: in one forward + backward no aten op concatenates
-    (the exact count: 0, was 4) and none makes a tensor of T + 1 or S M + 1 rows."""
+    """The padded view's indices never point past the tensors they index, so it appends no
+    zero row to q, k, v or the output (a ``torch.cat`` per tensor and layer: four [T + 1, h, d]
+    / [S M + 1, h, d] copies): in one forward + backward no aten op concatenates (the exact
+    count: 0) and none makes a tensor of T + 1 or S M + 1 rows."""
     attn, cache = attention("padded")
     q, k, v = qkv()
     mode = _AtenOps()
@@ -179,7 +179,7 @@ def test_padded_view_appends_no_zero_row():
 
 
 def _padded_with_a_zero_row(attn, q, k, v, params):
-    """The padded view as it was (a zero row appended to q, k, v and the output), from the same
+    """The padded view with a zero row appended to q, k, v and the output, from the same
     params: empty cells read row T, padding tokens cell S * M."""
     gather_SM = params.pad_gather_SM.clone()
     gather_SM[gather_SM == 0] = T

@@ -1,4 +1,4 @@
-"""Issue 10 point 6: two microbatches in flight (1F1B order) with activation-offload recompute.
+"""Two microbatches in flight (1F1B order) with activation-offload recompute.
 
 The layer a recompute re-runs in backward must read the batch of ITS forward. The core
 attention reads everything per batch from the ``packed_seq_params`` it is given (the recompute
@@ -84,8 +84,8 @@ def test_1f1b_order_with_recompute_equals_one_after_the_other(mcore_parallel, mo
 
 
 def test_recompute_without_params_is_refused(mcore_parallel):
-    """The old implicit fallback (None -> the batch current when the layer runs) is what gave
-    the wrong gradients: a recompute in backward ran while B was current."""
+    """An implicit fallback (None -> the batch current when the layer runs) would give wrong
+    gradients: a recompute of A's layers in backward runs while B is current."""
     model, cache, manager = build(moe=False)
     tokens, labels, _ = inputs("A")
     manager.begin_step()

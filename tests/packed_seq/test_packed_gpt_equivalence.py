@@ -175,8 +175,8 @@ def test_zero_host_syncs_static_buffers_and_l_independent_metadata(build_pair):
 
 
 def test_no_params_is_refused_not_read_from_a_current_batch(build_pair):
-    """Issue 10 point 6: the implicit "current batch" fallback read the batch current when a
-    recompute ran in backward. Without params there is nothing to read: refused."""
+    """A "current batch" fallback would read whatever batch is current when a recompute runs
+    in backward. Without params there is nothing to read: refused."""
     packed, _, cache = build_pair(max_tokens=16, max_seqs=4)
     lengths = [5, 11]
     tokens, labels, mask = packed_inputs(lengths, 16, 97, torch.Generator().manual_seed(0))
@@ -186,8 +186,8 @@ def test_no_params_is_refused_not_read_from_a_current_batch(build_pair):
 
 
 def test_stale_boundaries_impossible_after_in_place_update(build_pair):
-    """unsloth#10879: an identity-keyed cache returned stale boundaries after the caller's
-    lengths array was updated in place. We re-derive from values on every set_batch."""
+    """A cache keyed on the identity of the caller's lengths would return stale boundaries
+    after the array is updated in place; set_batch re-derives them from the values."""
     packed, ref, cache = build_pair(max_tokens=16, max_seqs=4)
     lengths = np.array([8, 8])
     with cache.batch(lengths) as pb:

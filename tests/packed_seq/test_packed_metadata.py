@@ -58,7 +58,8 @@ def test_record_matches_per_token_reference(lengths, bound):
     ],
 )
 def test_ragged_and_huge_lengths_say_what_is_wrong(lengths, match):
-    """Issue 10 point 8: numpy's ragged-array message and 'TypeError ... got []' before."""
+    """Ragged and huge lengths are refused with a message naming the problem (not numpy's
+    ragged-array message or a bare 'TypeError ... got []')."""
     with pytest.raises(ValueError, match=match):
         build_host_metadata(lengths, 16, 8, 16)
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=16, max_seqs=4))
@@ -210,7 +211,7 @@ def test_sdpa_mask_is_additive_block_diagonal_causal_with_padding_on_the_diagona
 
 
 def test_cache_holds_no_causal_constant_and_derived_fields_are_static():
-    """Issue 14: no T x T constant beside the per-slot mask; every field keeps its address."""
+    """No T x T constant beside the per-slot mask; every field keeps its address."""
     cache = PackedSeqCache(PackedSeqConfig(max_tokens=256, max_seqs=8, num_slots=2,
                                            rope=RopeConfig(dim=4)))
     for kind in ("sdpa_mask", "rope_cos_sin", "flex_block_mask"):

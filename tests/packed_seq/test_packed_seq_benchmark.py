@@ -64,7 +64,7 @@ def test_json_schema(quick_report, bench):
 
 
 def test_one_mask_saved_per_step_and_cache_bytes(quick_report, bench):
-    """Issue 14: ours saves ONE [T, T] mask for backward per step whatever L; a per-layer
+    """Ours saves ONE [T, T] mask for backward per step whatever L; a per-layer
     rebuild saves L. The cache holds the record, the [T, T] fp32 mask and the RoPE tables."""
     rows = _rows(quick_report)
     t = bench.QUICK["tokens"]

@@ -1,4 +1,4 @@
-"""PinnedStaging (issue 22 G16): each microbatch's token ids, labels and loss mask reach the
+"""PinnedStaging: each microbatch's token ids, labels and loss mask reach the
 device through a ring of pinned buffers, so no host->device copy of the GPU step is from
 pageable memory (a stream sync per copy on CUDA). Under the CUDA-as-CPU mode with the
 PageableCopies stand-in, which records what CUDA would synchronise."""
