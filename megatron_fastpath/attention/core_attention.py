@@ -98,13 +98,13 @@ def _flex_attention_fn(device: torch.device):
 
     return torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
 
+
 def _te_dot_product_attention_cls():
     """Megatron's ``TEDotProductAttention`` (a seam: CPU tests put a stand-in with its exact
     signature here)."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     return TEDotProductAttention
-
 
 
 class PackedCoreAttention(MegatronModule):
@@ -120,7 +120,8 @@ class PackedCoreAttention(MegatronModule):
         key/value: [T, ng, hn] or [T, 1, ng, hn] (GQA: ng divides np).
         returns [T, np*hn] (THD) or [T, 1, np*hn].
 
-    T must equal the cache's ``max_tokens`` (pad the packed batch to it: static shapes).
+    T must equal the cache's ``max_tokens`` (pad the packed batch to it: static shapes; with
+    context parallelism this rank's ``local_tokens``).
     ``attention_mask`` must be None: the mask rides in ``packed_seq_params``, which is required.
     """
 

@@ -152,6 +152,8 @@ def attend_sdpa_padded(layer: AttentionLayer, q, k, v, params):
 
 
 def attend_flex(layer: AttentionLayer, q, k, v, params):
+    """``flex_attention`` over the params' BlockMask (the windowed one of a windowed layer);
+    soft-capping as a ``score_mod``. No dropout; no backward on CPU."""
     if layer.dropout_prob() > 0:
         raise ValueError("the 'flex' backend does not support attention dropout; use 'sdpa'")
     if layer.flex_on_cpu and torch.is_grad_enabled() and q.requires_grad:
@@ -179,6 +181,7 @@ def attend_flex(layer: AttentionLayer, q, k, v, params):
 
 
 def attend_flash(layer: AttentionLayer, q, k, v, params):
+    """flash-attn's varlen kernel over the params' static ``cu_seqlens`` / ``max_seqlen``."""
     flash_attn = require("flash_attn", "the 'flash' attention backend", ALTERNATIVES["flash"])
     with layer.dropout_rng():
         out = flash_attn.flash_attn_varlen_func(
@@ -202,6 +205,8 @@ def attend_flash(layer: AttentionLayer, q, k, v, params):
 
 
 def attend_te(layer: AttentionLayer, q, k, v, params):
+    """TE's fused RoPE from the params' ``rope_freqs_T11D``, then the layer's Megatron
+    ``TEDotProductAttention`` (THD, padding-causal) over the params as they are."""
     from megatron.core.transformer.enums import AttnMaskType
 
     if layer.apply_rope:
@@ -216,7 +221,6 @@ def attend_te(layer: AttentionLayer, q, k, v, params):
     out = layer.te_attention(q, k, v, None, attn_mask_type=AttnMaskType.padding_causal,
                              packed_seq_params=params)
     return out.view(q.shape[0], q.shape[1], -1)
-
 
 
 # Backend name -> its kernel: the one table PackedCoreAttention resolves its backend through.
