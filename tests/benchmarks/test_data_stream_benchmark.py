@@ -43,7 +43,7 @@ def reference_splits(path, tok, cfg):
     """(train, eval) as [(line, tokens int64, loss float32)] and the too-long / malformed counts,
     the way the committed code made them: every line of the file at once, one array pair per
     record, records grouped by line in a dict, the held-out groups sorted back."""
-    from megatron_fastpath.hf.data import _validate
+    from megatron_fastpath.hf.data.records import _validate
 
     ids, masks, nums, malformed = [], [], [], 0
     for k, raw in enumerate(open(path, "rb").read().split(b"\n"), start=1):
