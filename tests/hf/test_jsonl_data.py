@@ -236,7 +236,7 @@ def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_pat
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-# --------------------------------------------------------------------------- formats (issue 26 item 3)
+# --------------------------------------------------------------------------- formats
 def _records(tagged, tmp_path, records, **cfg):
     path = write_jsonl(tmp_path / "f.jsonl", records)
     return load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False, **cfg), tagged,

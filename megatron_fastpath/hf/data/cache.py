@@ -81,7 +81,7 @@ def _load_cache(path: str) -> TokenizedData:
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:
-    """Tokenized records from the cache beside the data, or tokenize (and cache) now."""
+    """Tokenized records from the cache beside the data, or tokenize (and cache) them."""
     resolve_source(cfg.path)  # no such file, empty directory, mixed shards: before any work
     cache = _cache_path(cfg, tok_dir) if cfg.cache else None
     if cache and os.path.isfile(cache):
