@@ -168,6 +168,9 @@ class TokenizedData:
     lines: Column
     malformed: list
     wheres: Wheres
+    # the key sets of the records of no known format: ((keys as written), count), most common first
+    # (tokenizing gives them; a cache, written only for data with usable records, does not)
+    unknown_keys: tuple = ()
 
     @property
     def lengths(self) -> np.ndarray:

@@ -16,7 +16,7 @@ from megatron_fastpath.hf.data.tokenize import _tokenized, tokenize_jsonl
 
 __all__ = ["CACHE_VERSION", "load_tokenized"]
 
-CACHE_VERSION = 6  # bump when tokenization, masking or the cache layout changes
+CACHE_VERSION = 7  # bump when tokenization, masking or the cache layout changes
 
 
 def _digest(source: DataSource, *settings: str) -> str:
@@ -92,7 +92,7 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
         except ValueError as exc:
             log(f"data: {exc}; tokenizing again")
     data = tokenize_jsonl(cfg.path, tokenizer, cfg.format, cfg.max_tokens)
-    if cache:
+    if cache and len(data.ids):  # data that gave nothing is refused: no cache of it
         try:
             _save_cache(cache, data)
             log(f"data: tokenized {len(data.ids)} records, cached in {cache}")

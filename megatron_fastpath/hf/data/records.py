@@ -101,6 +101,9 @@ def _normalise(rec, fmt: str):
     elif fmt == "prompt_completion":
         prompt, completion = rec.get("prompt"), rec.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion.strip():
+                return None, None, ("no_loss_token", "an empty 'completion': nothing to learn but the "
+                                    "EOS token")
             return "pc", (prompt, completion), None
         if not (isinstance(prompt, list) and isinstance(completion, list)):
             return None, None, ("bad_fields", "'prompt' and 'completion' must both be strings or both "
@@ -125,7 +128,25 @@ def _normalise(rec, fmt: str):
         return None, None, why
     if not any(m["role"] == "assistant" for m in msgs):
         return None, None, ("no_assistant", "no assistant message (nothing to learn)")
+    empty = [j for j, m in enumerate(msgs) if m["role"] == "assistant" and not m["content"].strip()]
+    if empty:  # only the template's end-of-turn token would carry its loss
+        return None, None, ("no_loss_token", f"an empty assistant reply (message {empty[0] + 1} of the "
+                            "conversation): nothing to learn but the template's end-of-turn token")
     return "chat", msgs, None
+
+
+# what data.format=auto reads, by the keys of a record (as _detect tells them apart)
+ACCEPTED = ("'messages' (chat: a list of {\"role\", \"content\"}), 'conversations' (ShareGPT: "
+            "{\"from\", \"value\"}), 'prompt' + 'completion', 'instruction' + 'output' (Alpaca, "
+            "optional 'input') or 'text' (plain text)")
+
+
+def keys_text(keys, limit: int = 8) -> str:
+    """A record's keys as a message shows them, in the record's order ('question', 'answer'; at
+    most ``limit``)."""
+    keys = [str(k) for k in keys]
+    shown = ", ".join(repr(k[:40]) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "") if keys else "none"
 
 
 def _validate(rec, forced: str = "auto", family: Optional[str] = None):
@@ -138,7 +159,8 @@ def _validate(rec, forced: str = "auto", family: Optional[str] = None):
     fmt = forced if forced != "auto" else _detect(rec)
     if fmt is None:
         return None, None, ("unknown_format", "no 'messages' key (nor 'conversations', string or "
-                            "message-list 'prompt' and 'completion', 'instruction' and 'output', or 'text')")
+                            "message-list 'prompt' and 'completion', 'instruction' and 'output', or "
+                            f"'text'; its keys: {keys_text(rec)})")
     if forced == "auto" and family is not None and (fmt == "text") != (family == "text"):
         return None, None, ("mixed_format", f"a {fmt} record in a {family} file (the format of its "
                             "first record); set data.format to train one format")

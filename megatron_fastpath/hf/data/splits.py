@@ -5,12 +5,15 @@ packs."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from megatron_fastpath.hf.data.arrays import Column, Ragged, TokenizedData, _View
 from megatron_fastpath.hf.data.cache import load_tokenized
 from megatron_fastpath.hf.data.config import JsonlDataConfig
-from megatron_fastpath.hf.data.sources import DataError
+from megatron_fastpath.hf.data.records import ACCEPTED, keys_text
+from megatron_fastpath.hf.data.sources import DataError, resolve_source
 
 __all__ = ["JsonlDataset", "load_jsonl_splits", "bad_record_counts"]
 
@@ -28,6 +31,31 @@ def bad_record_counts(data: TokenizedData, too_long: list) -> dict:
 def _split_too_long(malformed: list) -> tuple:
     """(malformed records, records refused as too long before tokenizing) of ``malformed``."""
     return ([m for m in malformed if m[1] != "too_long"], [m for m in malformed if m[1] == "too_long"])
+
+
+def _refuse_nothing(cfg: JsonlDataConfig, data: TokenizedData) -> None:
+    """DataError, in one line, for data that gave no record: it is empty, or none of its records
+    is in a format data=jsonl reads (what data.max_tokens or bad_records=skip cannot help)."""
+    if not data.malformed:
+        source = resolve_source(cfg.path)
+        size = sum(os.path.getsize(f) for f in source.digest_files if os.path.isfile(f))
+        what = ("0 bytes" if size == 0 else "blank lines only" if source.kind == "jsonl" else "0 rows")
+        raise DataError(f"data.path {cfg.path!r} is empty ({what}): there are no records to train on; "
+                        "point data.path at the data (JSONL: one JSON object a line)")
+    if {code for _, code, _ in data.malformed} != {"unknown_format"} or not data.unknown_keys:
+        return  # the report names each record and why
+    n = len(data.malformed)
+    found = "; ".join(f"{keys_text(keys)} ({count} record{'s' if count > 1 else ''})"
+                      for keys, count in data.unknown_keys[:3])
+    if len(data.unknown_keys) > 3:
+        found += f"; ... ({len(data.unknown_keys) - 3} more key sets)"
+    keys = data.unknown_keys[0][0]
+    example = (f"rename {keys[0]!r} to 'prompt' and {keys[1]!r} to 'completion'" if len(keys) == 2 else
+               "rename the prompt's key to 'prompt' and the reply's to 'completion'")
+    raise DataError(
+        f"{cfg.path}: none of its {n} record{'s' if n > 1 else ''} is in a format data=jsonl "
+        f"reads; the keys found: {found}. A record needs {ACCEPTED}: map the keys to "
+        f"one of these, e.g. {example}")
 
 
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:
@@ -48,7 +76,8 @@ def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> N
     counts = ", ".join(f"{k}={v}" for k, v in bad_record_counts(data, too_long).items())
     msg = f"{cfg.path}: " + "; ".join(problems) + f" [by reason: {counts}]"
     if cfg.bad_records == "error":
-        raise DataError(msg + ". Fix the records, raise data.max_tokens, or set data.bad_records=skip")
+        longer = ", raise data.max_tokens" if longest or too_long else ""  # only over-long records need it
+        raise DataError(msg + f". Fix the records{longer}, or set data.bad_records=skip")
     log(f"data: skipped {msg}")
 
 
@@ -106,6 +135,8 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     tok_dir = cfg.tokenizer_path or tokenizer_path
     tokenizer = ChatTokenizer(tok_dir)
     data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
+    if not len(data.ids):
+        _refuse_nothing(cfg, data)
     lengths = data.lengths
     too_long = [(data.wheres[k], "too_long", f"{int(lengths[k])} tokens")
                 for k in np.flatnonzero(lengths > cfg.max_tokens)]

@@ -5,6 +5,7 @@ buffers; bad records are collected with their place and reason, never raised one
 from __future__ import annotations
 
 import array
+import collections
 import json
 import sys
 from typing import Optional
@@ -66,6 +67,7 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
     # and where per sample: no Python object per record survives its tokenization
     ids, masks, lengths, nums = array.array("i"), array.array("B"), array.array("q"), array.array("q")
     wheres, malformed = _WheresBuilder(), []
+    unknown_keys = collections.Counter()
     chat_seen = False
     family = None  # "text" or "conversational": the file's, from its first good record
     bar = _progress(None, "tokenizing")
@@ -100,6 +102,8 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((where, *why))
+            if why[0] == "unknown_format":
+                unknown_keys[tuple(str(k) for k in rec)] += 1
             continue
         chars = _text_chars(kind, payload)
         if max_tokens is not None and chars > record_char_limit(max_tokens):
@@ -138,7 +142,8 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
     if bar is not None:
         bar.close()
     return _tokenized(_as_array(ids, np.int32), _as_array(masks, np.uint8),
-                      _as_array(lengths, np.int64), _as_array(nums, np.int64), malformed, wheres.build())
+                      _as_array(lengths, np.int64), _as_array(nums, np.int64), malformed, wheres.build(),
+                      unknown_keys.most_common())
 
 
 def _as_array(buf: array.array, dtype) -> np.ndarray:
@@ -150,6 +155,7 @@ def _as_array(buf: array.array, dtype) -> np.ndarray:
     return out if out.dtype == np.dtype(dtype) else out.astype(dtype)
 
 
-def _tokenized(ids, masks, lengths, lines, malformed, wheres) -> TokenizedData:
+def _tokenized(ids, masks, lengths, lines, malformed, wheres, unknown_keys=()) -> TokenizedData:
     ids = Ragged.from_lengths(ids, lengths)
-    return TokenizedData(ids, Ragged(masks, ids.starts, ids.ends), Column(lines), malformed, wheres)
+    return TokenizedData(ids, Ragged(masks, ids.starts, ids.ends), Column(lines), malformed, wheres,
+                         tuple(unknown_keys))
