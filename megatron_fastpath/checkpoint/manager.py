@@ -1,24 +1,9 @@
 """Save and resume a training run through Megatron's distributed checkpointing (torch_dist).
 
-Layout of ``checkpoint.dir``::
-
-    latest                      name of the newest complete checkpoint (written last)
-    best                        checkpoint.keep_best: name of the lowest held-out loss's one
-    step_00000010/
-        model/                  torch_dist: model + optimizer state as sharded tensors
-        train_state.json        format version, step, world size, config fingerprint and
-                                "parts": the trainer's JSON state, one entry per named part
-                                (main job: "optimizer" step and hyper-parameters, "scheduler",
-                                "data" position, "history": per-step records and evaluations)
-        rng/rank_00000.json     every RNG of each rank
-        fp8/rank_00000.safetensors  TE FP8 delayed-scaling state of each rank (FP8 runs only)
-        manifest.json           size and CRC32 of every file (written by rank 0 last)
-    .tmp.step_00000012/         a save in progress (never taken as a checkpoint)
-    .trash.step_00000008/       a checkpoint being deleted by rotation
-    .lock                       held by the run writing here (main job)
-
-Entries with other names are not this package's: no save, rotation or clean-up touches them
-(a ``step_notes`` or ``.tmp.mine`` of the user stays as it is).
+:class:`CheckpointManager` saves a run's parts (:mod:`.parts`: each with ``state_dict`` /
+``load_state_dict``; tensors through dist_checkpointing, the rest as JSON in
+``train_state.json``, :mod:`.train_state`), every rank's RNGs and FP8 scaling state, into the
+layout of :mod:`.files`, and resumes from the latest complete checkpoint.
 
 A save goes to ``.tmp.step_N``, is published by ``rename`` to ``step_N`` and only then
 ``latest`` is replaced (write + ``os.replace``): a crash at any point leaves the previous
@@ -29,14 +14,9 @@ newest others that did not fail verification in this run; a checkpoint leaves th
 set by ``rename`` to ``.trash.step_N`` before it is deleted (a kill mid-delete leaves no
 half-deleted ``step_N``; trash is cleared at the next save).
 
-Format versions (``train_state.json``'s ``format_version``): 1 kept the trainer's JSON state in
-one ``extra`` dict (optimizer, scheduler, data position and the run history's ``records`` /
-``evals`` / ``eval_accuracy`` side by side); 2 keeps it in ``parts``, each part under its own
-name. A format-1 checkpoint is read as format 2 (:func:`upgrade_train_state`: the history keys
-become the ``history`` part); any other format is refused (:class:`CheckpointFormatError`).
-Parts are JSON: nothing of a checkpoint is unpickled (``safety.py``). A load opens only regular
-files of the checkpoint that its manifest lists, ``.metadata``'s storage entries included
-(``storage.py``).
+A load opens only regular files of the checkpoint that its manifest lists, ``.metadata``'s
+storage entries included (``storage.py``), after checking that ``.metadata`` unpickles safely
+(``safety.py``).
 """
 
 from __future__ import annotations
@@ -44,17 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import stat
 import time
-import zlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_fastpath.checkpoint.config import CheckpointConfig
-from megatron_fastpath.checkpoint.errors import (  # noqa: F401 (their home; named here too)
+from megatron_fastpath.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointDirError,
     CheckpointError,
@@ -62,36 +40,36 @@ from megatron_fastpath.checkpoint.errors import (  # noqa: F401 (their home; nam
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
+from megatron_fastpath.checkpoint.files import (
+    LOCK_FILE,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    _crc32,
+    _dir_bytes,
+    _disk_problem,
+    _files,
+    _fsync_dir,
+    _read_manifest,
+    _write_json,
+    _write_pointer,
+    complete_checkpoints,
+    latest_checkpoint,
+    remove_leftovers,
+    step_dir,
+    step_of,
+    trash,
+)
+from megatron_fastpath.checkpoint.parts import SHARDED, sharded_to_load, split_state
+from megatron_fastpath.checkpoint.train_state import (
+    FORMAT_VERSION,
+    check_json,
+    config_diff,
+    config_fingerprint,
+    eval_loss_of,
+    upgrade_train_state,
+)
 
-__all__ = [
-    "CheckpointManager", "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError",
-    "CheckpointDirError", "CheckpointFormatError", "SaveResult", "ResumeState", "config_fingerprint",
-    "check_checkpoint_dir", "upgrade_train_state", "FORMAT_VERSION", "HISTORY_PART",
-]
-
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp."
-TRASH_PREFIX = ".trash."
-FORMAT_VERSION = 2  # see the module docstring
-# the names this package gives the entries of checkpoint.dir (``{step:08d}``: 8 digits or more);
-# rotation and clean-up touch nothing else
-_STEP_NAME = re.compile(re.escape(STEP_PREFIX) + r"[0-9]{8,}")
-_OWN_LEFTOVER = re.compile(rf"(?:{re.escape(TMP_PREFIX)}|{re.escape(TRASH_PREFIX)}){_STEP_NAME.pattern}")
-HISTORY_PART = "history"  # the run history's part (checkpoint.keep_best reads its evaluations)
-_V1_HISTORY_KEYS = ("records", "evals", "eval_accuracy")
-
-
-LOCK_FILE = ".lock"
-
-
-def check_checkpoint_dir(path: str) -> None:
-    """Refuse, before anything is built, a ``checkpoint.dir`` the run could not save into: a
-    file, a directory that cannot be created, or one that cannot be written (read-only disk).
-    Creates the directory and writes / removes a probe file (:func:`megatron_fastpath.paths.
-    check_output_dir`, which checks the export directories too)."""
-    from megatron_fastpath.paths import check_output_dir
-
-    check_output_dir(path, "checkpoint.dir", CheckpointDirError)
+__all__ = ["CheckpointManager", "SaveResult", "ResumeState"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,54 +92,6 @@ class ResumeState:
     notes: tuple = ()
 
 
-def config_fingerprint(config: dict) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def upgrade_train_state(state: dict, path: str = "checkpoint") -> dict:
-    """``train_state.json`` of a format this version reads, as the current format (see the
-    module docstring); CheckpointFormatError for any other."""
-    version = state.get("format_version")
-    if type(version) is int and version == FORMAT_VERSION:
-        return state
-    if type(version) is int and version == 1:
-        parts = dict(state.get("extra") or {})
-        history = {k: parts.pop(k) for k in _V1_HISTORY_KEYS if k in parts}
-        if history:
-            parts[HISTORY_PART] = history
-        upgraded = {k: v for k, v in state.items() if k != "extra"}
-        upgraded.update(format_version=FORMAT_VERSION, parts=parts)
-        return upgraded
-    newer = isinstance(version, int) and version > FORMAT_VERSION
-    raise CheckpointFormatError(
-        f"{os.path.join(path, 'train_state.json')} is checkpoint format {version!r}; this "
-        f"megatron_fastpath reads formats 1 to {FORMAT_VERSION}, "
-        + ("and this one was written by a newer version: resume it with that version (or "
-           "upgrade megatron_fastpath)" if newer else
-           "and this one was not written by megatron_fastpath")
-        + ", or point checkpoint.dir at another directory to start a new run")
-
-
-def _check_json(name: str, value, where: str = "") -> None:
-    """Refuse (TypeError) a part that is not plain JSON: parts are never pickled."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_json(name, v, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not (k is None or isinstance(k, (bool, int, float, str))):
-                raise TypeError(f"checkpoint part {name!r}{where} has the key {k!r}: parts are "
-                                "saved as JSON, whose keys are strings")
-            _check_json(name, v, f"{where}[{k!r}]")
-        return
-    raise TypeError(f"checkpoint part {name!r}{where} is a {type(value).__qualname__}: parts are "
-                    "saved as JSON, never pickled; give its state_dict() of plain values")
-
 
 def _dist():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -178,99 +108,6 @@ def _world() -> int:
 def _barrier() -> None:
     if _dist():
         torch.distributed.barrier()
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.part"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_pointer(pointer: str, name: str) -> None:
-    """Atomically make the file ``pointer`` hold ``name`` (``latest``, ``best``)."""
-    with open(f"{pointer}.part", "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{pointer}.part", pointer)
-    _fsync_dir(os.path.dirname(pointer))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _disk_problem(root: str, exc: BaseException) -> Optional[str]:
-    """Why a save failed when it is the disk: the OS error (ENOSPC, EFBIG, EDQUOT) in the chain,
-    or -- torch's zip writer reports a short write only as 'unexpected pos N vs M' -- a file
-    system left with (almost) no free space. None otherwise. torch's CheckpointException (an
-    async writer's 'Worker failure: [Errno 28] ...') holds each rank's exception in ``failures``,
-    the OS error only as text (it crossed a process)."""
-    import errno
-    import re
-
-    todo, done = [exc], set()
-    while todo:
-        seen = todo.pop(0)
-        if seen is None or id(seen) in done:
-            continue
-        done.add(id(seen))
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            where = f" writing {seen.filename}" if seen.filename else ""
-            return f"{os.strerror(seen.errno)}{where}"
-        code = re.search(r"\[Errno (\d+)\]", str(seen)) if not isinstance(seen, OSError) else None
-        if code and int(code.group(1)) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            return os.strerror(int(code.group(1)))
-        failures = getattr(seen, "failures", None)
-        if isinstance(failures, dict):  # {rank: (exception, traceback)}
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [seen.__cause__, seen.__context__]
-    try:
-        free = shutil.disk_usage(root).free
-    except OSError:
-        return None
-    if free < (1 << 20):
-        return f"the disk holding it is full ({free} bytes free)"
-    return None
-
-
-def _read_manifest(path: str) -> dict:
-    """``manifest.json`` of checkpoint ``path`` ({file: {"bytes", "crc32"}})."""
-    manifest_path = os.path.join(path, "manifest.json")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    if not isinstance(manifest, dict):
-        raise CheckpointCorruptError(f"{manifest_path}: not a manifest object")
-    return manifest
-
-
-def _files(root: str) -> list[str]:
-    out = []
-    for d, _, names in os.walk(root):
-        out += [os.path.relpath(os.path.join(d, n), root) for n in names]
-    return sorted(out)
-
-
-def _dir_bytes(root: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for f in _files(root))
 
 
 def _tensor_entries(sharded_sd) -> dict:
@@ -294,11 +131,11 @@ def _drop_objects(sharded_sd):
 class CheckpointManager:
     """Checkpoints of one run (see the module docstring).
 
-    ``state_fn(loading) -> sharded state dict`` builds ``{"model": ..., "optimizer": ...}``
-    (``loading``: with fresh tensors to load into); ``apply_fn(loaded, parts)`` puts a loaded
-    dict back into the model and optimizer. A save's ``parts`` ({name: JSON state}) come back
-    as :attr:`ResumeState.parts`. ``fingerprint_config``: the JSON-able settings that
-    must match for a resume (compared key by key on mismatch).
+    :meth:`save` and :meth:`load` take the run's parts, ``{name: part}`` (:mod:`.parts`), and
+    treat each the same: its tensors go through dist_checkpointing, its JSON state into
+    ``train_state.json`` under its name (and back as :attr:`ResumeState.parts`).
+    ``fingerprint_config``: the JSON-able settings that must match for a resume (compared key by
+    key on mismatch).
     """
 
     def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print):
@@ -360,43 +197,28 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ discovery
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.root, f"{STEP_PREFIX}{step:08d}")
+        return step_dir(self.root, step)
 
     def complete_checkpoints(self) -> list[str]:
         """Published checkpoints, newest first."""
-        if not os.path.isdir(self.root):
-            return []
-        names = [n for n in os.listdir(self.root) if _STEP_NAME.fullmatch(n)
-                 and os.path.exists(os.path.join(self.root, n, "manifest.json"))]
-        return [os.path.join(self.root, n) for n in sorted(names, key=lambda n: int(n[len(STEP_PREFIX):]),
-                                                           reverse=True)]
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Optional[str]:
-        pointer = os.path.join(self.root, "latest")
-        if os.path.exists(pointer):
-            with open(pointer) as f:
-                name = f.read().strip()
-            if not name.startswith(STEP_PREFIX) or os.sep in name or name in (".", ".."):
-                raise CheckpointCorruptError(
-                    f"{pointer} holds {name[:80]!r}, not a checkpoint name (set "
-                    "checkpoint.fallback_to_previous=true to resume from the newest complete one)")
-            return os.path.join(self.root, name)
-        done = self.complete_checkpoints()  # crash between publish and pointer: newest complete
-        return done[0] if done else None
+        return latest_checkpoint(self.root)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict] = None) -> SaveResult:
+    def save(self, step: int, parts: dict, fp8_state: Optional[dict] = None) -> SaveResult:
         """Write checkpoint ``step`` (all ranks call it). Returns once the step may continue:
         at once for a sync save, after staging for an async one (published later by
-        :meth:`poll`). ``parts``: {name: JSON state} of the trainer's stateful parts (each
-        under its own name in ``train_state.json``; a value that is not plain JSON is refused).
+        :meth:`poll`). ``parts``: {name: part} (:mod:`.parts`; a part's JSON state that is not
+        plain JSON is refused before anything is written).
         ``fp8_state``: this rank's TE FP8 tensors (``fp8.state``).
         A full disk (or a file-size limit) raises CheckpointDirError saying so and where; the
         earlier checkpoints are untouched (nothing is published)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            return self._save(step, state_fn, parts, fp8_state)
+            return self._save(step, parts, fp8_state)
         except (OSError, RuntimeError, CheckpointException) as exc:
             self._raise_if_disk(step, exc)
             raise
@@ -416,7 +238,7 @@ class CheckpointManager:
             f"{detail}); the earlier checkpoints are intact. Free space (or raise the file-size "
             "limit) and resume, or lower checkpoint.keep") from exc
 
-    def _save(self, step: int, state_fn, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
+    def _save(self, step: int, parts: dict, fp8_state: Optional[dict]) -> SaveResult:
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.compat.dist_ckpt import (
@@ -425,15 +247,21 @@ class CheckpointManager:
             preemption_proof_results_queue,
         )
 
-        for name, value in parts.items():  # before anything is written, on every rank
-            _check_json(name, value)
+        tensors, states = {}, {}
+        for name, part in parts.items():  # before anything is written, on every rank
+            sharded, state = split_state(part.state_dict())
+            check_json(name, state)
+            if sharded is not None:
+                tensors[name] = sharded
+            if sharded is None or state:  # a part of tensors only has no JSON entry
+                states[name] = state
         self.poll(blocking=True)  # one save in flight at a time
         preemption_proof_results_queue()  # its helper survives the group's SIGTERM / SIGUSR1
         t0 = time.perf_counter()
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}")
         if _rank() == 0:
             os.makedirs(self.root, exist_ok=True)
-            self._remove_partial()
+            remove_leftovers(self.root)
             os.makedirs(os.path.join(tmp, "model"))
             os.makedirs(os.path.join(tmp, "rng"))
         _barrier()
@@ -444,8 +272,8 @@ class CheckpointManager:
 
         save_fp8_state(os.path.join(tmp, "fp8"), _rank(), fp8_state or {})
         if _rank() == 0:
-            _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, parts))
-        sharded = _drop_objects(state_fn(False))
+            _write_json(os.path.join(tmp, "train_state.json"), self._train_state(step, states))
+        sharded = _drop_objects(tensors)
         with dist_checkpointing_on_cpu():
             request = dist_checkpointing.save(
                 sharded, os.path.join(tmp, "model"), async_sharded_save=self.cfg.async_save,
@@ -506,18 +334,6 @@ class CheckpointManager:
             "parts": parts,
         }
 
-    def _remove_partial(self) -> None:
-        """Remove this package's own leftovers: saves in progress (``.tmp.step_N``) and
-        checkpoints rotated out (``.trash.step_N``) of an earlier (killed) run. Any other entry
-        of the directory -- ``.tmp.mine``, ``.trash`` -- is the user's and left alone."""
-        for n in os.listdir(self.root):
-            if _OWN_LEFTOVER.fullmatch(n):
-                p = os.path.join(self.root, n)
-                if os.path.islink(p):  # a planted link: never write (or delete) through it
-                    os.unlink(p)
-                else:
-                    shutil.rmtree(p, ignore_errors=True)
-
     def _rotate(self, written: str) -> None:
         """Keep ``written``, the checkpoint resumed from and the newest ``keep`` of the others
         that did not fail in this run; move the rest out of the published set, then delete."""
@@ -530,30 +346,16 @@ class CheckpointManager:
                 _write_pointer(os.path.join(self.root, "best"), os.path.basename(best))
         for old in self.complete_checkpoints():
             if old not in kept:
-                trash = os.path.join(self.root, TRASH_PREFIX + os.path.basename(old))
-                os.rename(old, trash)  # out of the published set first: atomic
-                _fsync_dir(self.root)
-                shutil.rmtree(trash, ignore_errors=True)
+                trash(self.root, old)
 
-    @staticmethod
-    def eval_loss_of(path: str) -> Optional[float]:
-        """The held-out loss measured right after the step ``path`` saved (its run history's
-        last evaluation, when that is at the checkpoint's step), else None."""
-        try:
-            with open(os.path.join(path, "train_state.json")) as f:
-                state = upgrade_train_state(json.load(f), path)
-            evals = state["parts"][HISTORY_PART].get("evals") or []
-            step, loss = evals[-1][0], evals[-1][1]
-        except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, CheckpointFormatError):
-            return None
-        return float(loss) if step == state.get("step") else None
+    eval_loss_of = staticmethod(eval_loss_of)
 
     def best_checkpoint(self, candidates: Optional[list] = None) -> Optional[str]:
         """Of ``candidates`` (default: the complete checkpoints), the one with the lowest
         held-out loss at its step (the newest on a tie); None when none was evaluated."""
         scored = [(loss, p) for p in (candidates if candidates is not None else self.complete_checkpoints())
                   if (loss := self.eval_loss_of(p)) is not None]
-        return min(scored, key=lambda lp: (lp[0], -int(os.path.basename(lp[1])[len(STEP_PREFIX):])))[1] \
+        return min(scored, key=lambda lp: (lp[0], -step_of(lp[1])))[1] \
             if scored else None
 
     def _publish(self, tmp: str, step: int) -> None:
@@ -614,7 +416,7 @@ class CheckpointManager:
                                 f"this model {tuple(ten.global_shape)}")
         if state.get("adapters_only") != self.cfg.adapters_only:
             problems.append(f"  checkpoint.adapters_only: saved {state.get('adapters_only')}, now {self.cfg.adapters_only}")
-        diffs = _config_diff(state.get("config", {}), self.fingerprint_config)
+        diffs = config_diff(state.get("config", {}), self.fingerprint_config)
         if problems or diffs:
             lines = problems[:40] + ([f"  ... {len(problems) - 40} more"] if len(problems) > 40 else [])
             raise CheckpointMismatchError(
@@ -622,9 +424,10 @@ class CheckpointManager:
                 + "\nuse another checkpoint.dir or the settings it was written with"
             )
 
-    def load(self, state_fn, apply_fn, restore_fp8=None) -> Optional[ResumeState]:
-        """Resume from the latest complete checkpoint (None: the directory has none).
-        ``restore_fp8(tensors) -> modules restored``: where this rank's FP8 state goes."""
+    def load(self, parts: dict, restore_fp8=None) -> Optional[ResumeState]:
+        """Resume ``parts`` ({name: part}, :mod:`.parts`) from the latest complete checkpoint
+        (None: the directory has none). ``restore_fp8(tensors) -> modules restored``: where this
+        rank's FP8 state goes."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         notes = []
@@ -643,7 +446,7 @@ class CheckpointManager:
             [p for p in complete if p != latest] if self.cfg.fallback_to_previous else [])
         for path in candidates:
             try:
-                loaded = self._load_one(path, state_fn, apply_fn, restore_fp8)
+                loaded = self._load_one(path, parts, restore_fp8)
                 self.resumed_path = path
                 return dataclasses.replace(loaded, notes=tuple(notes) + loaded.notes)
             except (CheckpointMismatchError, CheckpointFormatError, UnsafeCheckpointError):
@@ -662,7 +465,7 @@ class CheckpointManager:
                 self.log(f"checkpoint: {notes[-1]}; trying the previous one")
         raise CheckpointCorruptError("no loadable checkpoint in " + self.root + ":\n  " + "\n  ".join(notes))
 
-    def _load_one(self, path: str, state_fn, apply_fn, restore_fp8=None) -> ResumeState:
+    def _load_one(self, path: str, parts: dict, restore_fp8=None) -> ResumeState:
         from megatron.core import dist_checkpointing
 
         from megatron_fastpath.checkpoint.rng import restore_rng
@@ -676,11 +479,22 @@ class CheckpointManager:
         check_storage_files(model_dir, {os.path.relpath(os.path.join(path, n), model_dir)
                                         for n in _read_manifest(path)})
         check_safe_to_load(model_dir)
-        sharded = _drop_objects(state_fn(True, state))
+        saved = state["parts"]
+        missing = [name for name, part in parts.items() if name not in saved  # a part of tensors only has none
+                   and (hasattr(part, "sharded_to_load") or split_state(part.state_dict())[0] is None)]
+        if missing:
+            raise CheckpointCorruptError(f"{path}/train_state.json has no part {', '.join(map(repr, missing))}")
+        sharded = {}
+        for name, part in parts.items():
+            tensors = sharded_to_load(part, saved.get(name, {}))
+            if tensors is not None:
+                sharded[name] = tensors
+        sharded = _drop_objects(sharded)
         self.check_compatible(path, state, sharded)
         with dist_checkpointing_on_cpu():
             loaded = dist_checkpointing.load(sharded, model_dir)
-        apply_fn(loaded, state["parts"])
+        for name, part in parts.items():  # in order: the model before its optimizer
+            part.load_state_dict({**saved.get(name, {}), **({SHARDED: loaded[name]} if name in loaded else {})})
         notes = []
         rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.json")
         if state["world_size"] == _world() and os.path.exists(rng_file):
@@ -698,13 +512,3 @@ class CheckpointManager:
                 notes.append(load_fp8_state(fp8_dir, _rank(), restore_fp8))
         return ResumeState(step=state["step"], path=path, parts=state["parts"], notes=tuple(notes))
 
-
-def _config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(saved) | set(now)):
-        a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"  config {prefix}{k}: saved {a!r}, now {b!r}")
-    return out

@@ -1,18 +1,17 @@
-"""The model / optimizer / LR-scheduler side of a checkpoint, for :class:`CheckpointManager`.
+"""The model, optimizer and LR-scheduler parts of a checkpoint (:mod:`.parts`).
 
-``training_state(model, optimizer, scheduler, adapters_only)`` returns
-``(state_fn, apply_fn, parts_fn)``:
+``training_parts(model, optimizer, scheduler, adapters_only)`` returns ``{"model": ...,
+"optimizer": ..., "scheduler": scheduler}``, in the order they load:
 
-* ``state_fn(loading, saved=None)``: the tensors, ``{"model": sharded model state,
-  "optimizer": sharded optimizer state}`` (adapters only: the LoRA tensors and their optimizer
-  state); ``saved``: the checkpoint's ``train_state.json`` when loading;
-* ``apply_fn(loaded, parts)``: load them back (model, optimizer, scheduler), checking that only
-  what a checkpoint legitimately leaves out is missing;
-* ``parts_fn()``: the JSON parts, each under its own name: ``{"optimizer": its step and
-  hyper-parameters, "scheduler": the LR scheduler's state_dict}``.
+* ``model``: the sharded model state (adapters only: the LoRA tensors), loaded back checking
+  that only what a checkpoint legitimately leaves out is missing;
+* ``optimizer``: its step and hyper-parameters (JSON) and its sharded state (keyed like the
+  parameters; none before the first step of a torch optimizer);
+* ``scheduler``: Megatron's ``OptimizerParamScheduler`` as it is (its own ``state_dict`` /
+  ``load_state_dict``).
 
-They go together: loading the optimizer's tensors needs its saved step (no state before the
-first step), and the scheduler's state is the optimizer's learning rate.
+The optimizer's tensors to load into depend on the checkpoint's saved step (no state before the
+first step, read from the part's saved JSON), and they are keyed by the model's sharded state.
 """
 
 from __future__ import annotations
@@ -24,47 +23,67 @@ from megatron_fastpath.checkpoint.optim import (
     optimizer_hyperparams,
     optimizer_sharded_state,
 )
+from megatron_fastpath.checkpoint.parts import SHARDED
 
-__all__ = ["training_state", "is_adapter_key"]
+__all__ = ["training_parts", "is_adapter_key", "ModelPart", "OptimizerPart"]
 
 
 def is_adapter_key(key: str) -> bool:
     return key.endswith((".lora_A", ".lora_B"))
 
 
-def training_state(model, optimizer, scheduler, adapters_only: bool = False):
-    def model_sd():
-        sd = model.sharded_state_dict()
-        if adapters_only:
+class ModelPart:
+    """The model's sharded state (``adapters_only``: its LoRA tensors only)."""
+
+    def __init__(self, model, adapters_only: bool = False):
+        self.model, self.adapters_only = model, adapters_only
+
+    def sharded(self) -> dict:
+        sd = self.model.sharded_state_dict()
+        if self.adapters_only:
             sd = {k: v for k, v in sd.items() if is_adapter_key(k)}
             if not sd:
                 raise ValueError("checkpoint.adapters_only=true but the model has no LoRA adapters")
         return sd
 
-    def state_fn(loading: bool, saved: dict = None):
-        msd = model_sd()
-        step = saved["parts"]["optimizer"]["step"] if loading else common_step(optimizer)
-        stepped = step > 0 or _is_megatron(optimizer)  # Megatron's holds its own step
-        opt = optimizer_sharded_state(optimizer, msd, loading=loading) if stepped else {}
-        return {"model": msd, "optimizer": opt}
+    def state_dict(self) -> dict:
+        return {SHARDED: self.sharded()}
 
-    def apply_fn(loaded: dict, parts: dict) -> None:
-        result = model.load_state_dict(loaded["model"], strict=False)
+    def load_state_dict(self, state_dict: dict) -> None:
+        result = self.model.load_state_dict(state_dict[SHARDED], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
-                   and not (adapters_only and not is_adapter_key(k))]
+                   and not (self.adapters_only and not is_adapter_key(k))]
         if missing or result.unexpected_keys:
             raise RuntimeError(
                 f"checkpoint model state does not match the model: missing {missing[:10]}, "
                 f"unexpected {result.unexpected_keys[:10]}"
             )
-        opt = parts["optimizer"]
-        load_optimizer_state(optimizer, loaded["optimizer"], opt["step"], opt["groups"])
-        scheduler.load_state_dict(parts["scheduler"])
 
-    def parts_fn() -> dict:
-        return {
-            "optimizer": {"step": common_step(optimizer), "groups": optimizer_hyperparams(optimizer)},
-            "scheduler": scheduler.state_dict(),
-        }
 
-    return state_fn, apply_fn, parts_fn
+class OptimizerPart:
+    """The optimizer: ``step`` and ``groups`` (hyper-parameters) as JSON, its state as sharded
+    tensors keyed like the parameters of ``model`` (a :class:`ModelPart`)."""
+
+    def __init__(self, optimizer, model: ModelPart):
+        self.optimizer, self.model = optimizer, model
+
+    def _sharded(self, step: int, loading: bool) -> dict:
+        stepped = step > 0 or _is_megatron(self.optimizer)  # Megatron's holds its own step
+        return optimizer_sharded_state(self.optimizer, self.model.sharded(), loading=loading) if stepped else {}
+
+    def state_dict(self) -> dict:
+        step = common_step(self.optimizer)
+        return {"step": step, "groups": optimizer_hyperparams(self.optimizer),
+                SHARDED: self._sharded(step, loading=False)}
+
+    def sharded_to_load(self, saved: dict) -> dict:
+        return self._sharded(saved["step"], loading=True)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_optimizer_state(self.optimizer, state_dict[SHARDED], state_dict["step"], state_dict["groups"])
+
+
+def training_parts(model, optimizer, scheduler, adapters_only: bool = False) -> dict:
+    """``{"model", "optimizer", "scheduler"}`` parts of a checkpoint (module docstring)."""
+    model_part = ModelPart(model, adapters_only)
+    return {"model": model_part, "optimizer": OptimizerPart(optimizer, model_part), "scheduler": scheduler}

@@ -1,12 +1,12 @@
 """Checkpoints of the main job: resume, periodic / final / stop saves, preemption signals.
 
 * :meth:`JobCheckpointer.resume` loads the latest complete checkpoint of ``checkpoint.dir``
-  and returns the first step to run; the caller prints its line first. A checkpoint holds named
-  stateful parts, each under its own key: ``model`` and ``optimizer`` tensors (torch_dist) and
-  the JSON parts ``optimizer`` (step, hyper-parameters), ``scheduler`` (the LR schedule) --
-  :func:`~megatron_fastpath.checkpoint.training.training_state` -- ``data``
+  and returns the first step to run; the caller prints its line first. A checkpoint holds the
+  job's parts (:mod:`megatron_fastpath.checkpoint.parts`), each under its own name: ``model``
+  (tensors), ``optimizer`` (tensors, step, hyper-parameters), ``scheduler`` (the LR schedule) --
+  :func:`~megatron_fastpath.checkpoint.training.training_parts` -- ``data``
   (:class:`DataPosition`) and ``history`` (the logger's
-  :class:`~megatron_fastpath.train.history.RunHistory`); besides them the step, RNG and counters.
+  :class:`~megatron_fastpath.train.history.RunHistory`); besides them the step and the RNGs.
 * :meth:`JobCheckpointer.after_step` saves when due (every ``checkpoint.interval`` steps, at the
   last step, at ``training.stop_at_step``, after a SIGTERM / SIGUSR1) and says whether to stop.
 * :class:`PreemptionSignals`: SIGTERM / SIGUSR1 only set a flag; the job finishes the current
@@ -75,7 +75,7 @@ def announce_resume(cfg) -> Optional[str]:
                     if steps is None or done < steps else
                     f"resuming from {path}: all {steps} steps already done (nothing to train)")
             if steps is None:  # training.epochs: the steps are known once the data is packed
-                from megatron_fastpath.checkpoint.manager import upgrade_train_state
+                from megatron_fastpath.checkpoint.train_state import upgrade_train_state
 
                 data = upgrade_train_state(state, path)["parts"].get("data") or {}
                 line = (f"resuming from {path}: {done} steps of {epochs} epochs done, continuing at "
@@ -195,8 +195,10 @@ class DataPosition:
         epoch, expected = self._next(step)
         saved = (state.get("epoch"), state["next_first_microbatch"])
         if state["per_step"] == self.data.per_step and saved != (epoch, expected):
-            raise RuntimeError(f"data position {state} does not match this run's "
-                               f"(epoch {epoch}, microbatch {expected})")
+            from megatron_fastpath.checkpoint import CheckpointMismatchError
+
+            raise CheckpointMismatchError(f"data position {state} does not match this run's "
+                                          f"(epoch {epoch}, microbatch {expected})")
         self.step = step
 
 
@@ -204,16 +206,14 @@ class JobCheckpointer:
     """Checkpoints of one job (``job.cfg.checkpoint.dir`` set)."""
 
     def __init__(self, job, logger):
-        from megatron_fastpath.checkpoint import CheckpointManager, training_state
+        from megatron_fastpath.checkpoint import CheckpointManager, training_parts
 
         self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
         self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print)
-        # model / optimizer / scheduler (loaded together by the manager) ...
-        self.state_fn, self.apply_fn, self.parts_fn = training_state(
-            job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only)
-        # ... and the job's other stateful parts, by the name each is saved under
+        # every part, by the name it is saved under, in the order it loads
         self.data_position = DataPosition(job.data, job.cfg.training.steps)
-        self.parts = {"data": self.data_position, "history": logger.history}
+        self.parts = {**training_parts(job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only),
+                      "data": self.data_position, "history": logger.history}
         self.signals = PreemptionSignals()
         self.resumed = None
         self.manager.lock()  # one writer per directory, before anything is read or written
@@ -227,7 +227,7 @@ class JobCheckpointer:
         """About how many bytes one checkpoint of this run takes: the newest one's, or this
         replica's saved parameters plus Adam's two fp32 moments (and an fp32 master copy when
         the parameters are not fp32) for the trainable ones."""
-        from megatron_fastpath.checkpoint.manager import _dir_bytes
+        from megatron_fastpath.checkpoint.files import _dir_bytes
 
         done = self.manager.complete_checkpoints()
         if done:
@@ -273,15 +273,13 @@ class JobCheckpointer:
     def resume(self) -> int:
         """Load the latest complete checkpoint; returns the first step to run (1: fresh)."""
         base = self.load_base()
-        resumed = self.manager.load(self.state_fn, self.apply_fn, self._restore_fp8())
+        resumed = self.manager.load(self.parts, self._restore_fp8())
         total = self.job.cfg.training.steps
         if base:
             self.logger.print(f"checkpoint: {base}")
         if resumed is None:
             return 1
         self.resumed = resumed
-        for name, part in self.parts.items():  # the data position first: it checks this run's data
-            part.load_state_dict(resumed.parts[name])
         data = resumed.parts["data"]
         epoch = "" if data.get("epoch") is None else f" of epoch {data['epoch'] + 1}"
         self.logger.print(
@@ -325,11 +323,10 @@ class JobCheckpointer:
         for r in self.manager.poll(blocking=True):  # one save in flight: wait for the previous
             self._report(r, published=True)
         self.data_position.step = step
-        parts = {**self.parts_fn(), **{name: part.state_dict() for name, part in self.parts.items()}}
         from megatron_fastpath.fp8 import collect_fp8_state
 
         fp8 = collect_fp8_state(self.job.model)
-        self._report(self.manager.save(step, self.state_fn, parts, fp8_state=fp8), published=False)
+        self._report(self.manager.save(step, self.parts, fp8_state=fp8), published=False)
 
     def _report(self, r, published: bool) -> None:
         if r.is_async and not published:

@@ -42,7 +42,7 @@ def check_output_dirs(job: JobConfig) -> None:
     from megatron_fastpath.paths import check_output_dir
 
     if job.checkpoint is not None and job.checkpoint.enabled:
-        from megatron_fastpath.checkpoint.manager import check_checkpoint_dir
+        from megatron_fastpath.checkpoint.files import check_checkpoint_dir
 
         check_checkpoint_dir(job.checkpoint.dir)
     if job.export is not None:

@@ -1,7 +1,6 @@
-"""Bounded-memory tokenize-and-pack (issue 26 item 3): the streamed data path gives the SAME
-samples, held-out split and bins as the path before it (reconstructed below from that commit:
-the whole file split into lines, a list of arrays per record, groups in a dict, first-fit
-scanning every open bin), and ``benchmarks/data_stream.py`` reports records/s, bins and peak
+"""Bounded-memory tokenize-and-pack: the streamed data path gives the SAME
+samples, held-out split and bins as a plain in-memory reference (below: the whole file split
+into lines, a list of arrays per record, groups in a dict, first-fit scanning every open bin), and ``benchmarks/data_stream.py`` reports records/s, bins and peak
 RSS for what it generated."""
 
 import json
@@ -43,7 +42,7 @@ def reference_splits(path, tok, cfg):
     """(train, eval) as [(line, tokens int64, loss float32)] and the too-long / malformed counts,
     the way the committed code made them: every line of the file at once, one array pair per
     record, records grouped by line in a dict, the held-out groups sorted back."""
-    from megatron_fastpath.hf.data import _validate
+    from megatron_fastpath.hf.data.records import _validate
 
     ids, masks, nums, malformed = [], [], [], 0
     for k, raw in enumerate(open(path, "rb").read().split(b"\n"), start=1):

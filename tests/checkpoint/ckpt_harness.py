@@ -54,26 +54,58 @@ class Run:
     def params(self):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
 
+    def parts(self, adapters_only=False, **extra):
+        """The run's checkpoint parts: model, optimizer, scheduler, its losses and ``extra``
+        ({name: part})."""
+        from megatron_fastpath.checkpoint import training_parts
+
+        return {**training_parts(self.model, self.optimizer, self.scheduler, adapters_only),
+                "losses": Losses(self), **extra}
+
     def manager(self, directory, adapters_only=False, **kw):
-        from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_state
+        from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager
 
         kw.setdefault("async_save", False)
         cfg = CheckpointConfig(dir=str(directory), adapters_only=adapters_only, **kw)
-        fns = training_state(self.model, self.optimizer, self.scheduler, adapters_only)
         mgr = CheckpointManager(cfg, {"shape": str(self.shape)}, log=lambda s: None)
-        return mgr, fns
+        return mgr, self.parts(adapters_only)
 
     def save(self, directory, **kw):
-        mgr, (state_fn, _, parts_fn) = self.manager(directory, **kw)
-        return mgr.save(self.step, state_fn, {**parts_fn(), "losses": self.losses})
+        mgr, parts = self.manager(directory, **kw)
+        return mgr.save(self.step, parts)
 
     def load(self, directory, **kw):
-        mgr, (state_fn, apply_fn, _) = self.manager(directory, **kw)
-        resumed = mgr.load(state_fn, apply_fn)
+        mgr, parts = self.manager(directory, **kw)
+        resumed = mgr.load(parts)
         if resumed is not None:
             self.step = resumed.step
-            self.losses = list(resumed.parts["losses"])
         return resumed
+
+
+class Losses:
+    """The run's per-step losses as a checkpoint part."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.run.losses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run.losses = list(state["losses"])
+
+
+class JsonPart:
+    """A part of given JSON state (what it loads replaces it)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
 
 
 LORA = LoRAConfig(rank=4, alpha=8, dropout=0.1)

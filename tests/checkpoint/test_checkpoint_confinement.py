@@ -34,7 +34,7 @@ def deadline(seconds=60):
 
 def _relist(path, *names):
     """Record ``names`` (files of checkpoint ``path``) in its manifest as they are now."""
-    from megatron_fastpath.checkpoint.manager import _crc32
+    from megatron_fastpath.checkpoint.files import _crc32
 
     mpath = os.path.join(path, "manifest.json")
     manifest = json.load(open(mpath))

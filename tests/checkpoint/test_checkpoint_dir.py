@@ -1,4 +1,4 @@
-"""checkpoint.dir is checked before step 1 (issue 27 items 3 and 4): a file, a path under a file,
+"""checkpoint.dir is checked before step 1: a file, a path under a file,
 a read-only disk and a disk without room for one checkpoint are refused at start, naming the
 directory; a second writer of a directory is refused naming the holder."""
 
@@ -111,8 +111,8 @@ def test_a_full_disk_during_an_async_save_is_named_as_for_a_sync_one(mcore_paral
     from tests.checkpoint.ckpt_harness import Run
 
     with _disk_with_room_for_half_a_checkpoint(tmp_path) as (disk, run, filler):
-        mgr, (state_fn, _, parts_fn) = run.train(1).manager(disk, keep=3, async_save=True)
-        assert mgr.save(run.step, state_fn, {**parts_fn(), "losses": run.losses}).is_async
+        mgr, parts = run.train(1).manager(disk, keep=3, async_save=True)
+        assert mgr.save(run.step, parts).is_async
         with pytest.raises(CheckpointDirError) as e:
             mgr.poll(blocking=True)
         # the full disk as torch's zip writer reports it: ENOSPC (torch 2.13), a write cut short

@@ -8,11 +8,12 @@ import os
 
 import pytest
 import torch
-from tests.checkpoint.ckpt_harness import Run
+from tests.checkpoint.ckpt_harness import JsonPart, Run
 from tests.support.checkpoint_files import as_format_1, records, rewrite_train_state
 from tests.support.hydra_compose import compose_job
 
-from megatron_fastpath.checkpoint.manager import FORMAT_VERSION, CheckpointFormatError
+from megatron_fastpath.checkpoint import CheckpointFormatError
+from megatron_fastpath.checkpoint.train_state import FORMAT_VERSION
 from megatron_fastpath.train import run
 
 STEPS, STOP = 6, 3
@@ -89,8 +90,8 @@ def test_format_1_of_the_checkpoint_manager_loads(mcore_parallel, tmp_path):
 
 def test_a_part_that_is_not_plain_json_is_refused_before_writing(mcore_parallel, tmp_path):
     run_ = Run().train(1)
-    mgr, (state_fn, _, parts_fn) = run_.manager(tmp_path)
+    mgr, parts = run_.manager(tmp_path)
     with pytest.raises(TypeError, match=r"checkpoint part 'history'\['records'\]\[0\] is a Tensor: "
                                         "parts are saved as JSON, never pickled"):
-        mgr.save(1, state_fn, {**parts_fn(), "history": {"records": [torch.zeros(1)]}})
+        mgr.save(1, {**parts, "history": JsonPart({"records": [torch.zeros(1)]})})
     assert os.listdir(tmp_path) == []  # nothing written

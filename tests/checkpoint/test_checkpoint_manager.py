@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from tests.checkpoint.ckpt_harness import LORA, SHAPE, STEPS, Run
+from tests.checkpoint.ckpt_harness import LORA, SHAPE, STEPS, JsonPart, Run
 from megatron_fastpath.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -142,7 +142,7 @@ class _Evil:
 
 
 def _rewrite_manifest(path, name):
-    from megatron_fastpath.checkpoint.manager import _crc32
+    from megatron_fastpath.checkpoint.files import _crc32
 
     mpath = os.path.join(path, "manifest.json")
     manifest = json.load(open(mpath))
@@ -178,8 +178,8 @@ def test_real_metadata_passes_the_allow_list(mcore_parallel, tmp_path):
 
 def test_async_save_round_trip(mcore_parallel, tmp_path):
     run = Run().train(2)
-    mgr, (state_fn, _, parts_fn) = run.manager(tmp_path, async_save=True)
-    pending = mgr.save(run.step, state_fn, {**parts_fn(), "losses": run.losses})
+    mgr, parts = run.manager(tmp_path, async_save=True)
+    pending = mgr.save(run.step, parts)
     run.train(1)  # the step continues while the background process writes
     assert not os.path.exists(tmp_path / "latest") or open(tmp_path / "latest").read() != "step_00000002"
     published = mgr.poll(blocking=True)
@@ -228,12 +228,12 @@ def test_rotation_keeps_the_resumed_and_the_written_checkpoint(mcore_parallel, t
     loaded_path = os.path.join(tmp_path, "step_00000001")
     _corrupt(os.path.join(tmp_path, "step_00000002"))
     resumed = Run(seed=4)
-    mgr, (state_fn, apply_fn, parts_fn) = resumed.manager(tmp_path, keep=1, fallback_to_previous=True)
-    state = mgr.load(state_fn, apply_fn)
+    mgr, parts = resumed.manager(tmp_path, keep=1, fallback_to_previous=True)
+    state = mgr.load(parts)
     assert state.path == loaded_path
     resumed.step = state.step
     resumed.train(2)  # step 3
-    mgr.save(resumed.step, state_fn, {**parts_fn(), "losses": []})
+    mgr.save(resumed.step, parts)
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
     assert names == ["step_00000001", "step_00000003"]  # the corrupt step 2 rotated away
     assert open(tmp_path / "latest").read() == "step_00000003"
@@ -327,8 +327,8 @@ def test_keep_best_keeps_the_lowest_held_out_loss(mcore_parallel, tmp_path, keep
         run.train(1)
         if step_loss is not None:
             evals.append([run.step, step_loss])
-        mgr, (state_fn, _, parts_fn) = run.manager(tmp_path, keep=1, keep_best=keep_best)
-        mgr.save(run.step, state_fn, {**parts_fn(), "losses": run.losses, "history": {"evals": list(evals)}})
+        mgr, parts = run.manager(tmp_path, keep=1, keep_best=keep_best)
+        mgr.save(run.step, {**parts, "history": JsonPart({"evals": list(evals)})})
     kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
     if keep_best:
         assert kept == ["step_00000002", "step_00000005"]

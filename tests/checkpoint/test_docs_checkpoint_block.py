@@ -1,6 +1,6 @@
 """docs/checkpoints.md's first commands, run in the order printed, print the lines the page
-says they print (the page's block used to reach 'all 40 steps already done' on its second
-command). Each command gets the same small-model overrides appended (they change nothing the
+says they print (the second command resumes a run that is not done: it must not print 'all 40
+steps already done'). Each command gets the same small-model overrides appended (they change nothing the
 first line says)."""
 
 import re

@@ -114,8 +114,8 @@ def test_collect_takes_delayed_scaling_modules_only():
 def test_round_trip_through_the_checkpoint(mcore_parallel, tmp_path):
     saved = _with_te(Run().train(1), {"te_a": StandInTEModule(2).after_steps(1),
                                      "te_b": StandInTEModule(1).after_steps(2)})
-    mgr, (state_fn, _, extra_fn) = saved.manager(tmp_path)
-    mgr.save(1, state_fn, extra_fn(), fp8_state=collect_fp8_state(saved.model))
+    mgr, parts = saved.manager(tmp_path)
+    mgr.save(1, parts, fp8_state=collect_fp8_state(saved.model))
     step_dir = os.path.join(tmp_path, "step_00000001")
     assert os.listdir(os.path.join(step_dir, "fp8")) == ["rank_00000.safetensors"]
     with open(os.path.join(step_dir, "manifest.json")) as f:
@@ -123,8 +123,8 @@ def test_round_trip_through_the_checkpoint(mcore_parallel, tmp_path):
 
     fresh = _with_te(Run(seed=3), {"te_a": StandInTEModule(), "te_b": StandInTEModule()})
     recipe = DelayedRecipe()
-    mgr, (state_fn, apply_fn, _) = fresh.manager(tmp_path)
-    resumed = mgr.load(state_fn, apply_fn, lambda t: restore_fp8_state(fresh.model, t, recipe))
+    mgr, parts = fresh.manager(tmp_path)
+    resumed = mgr.load(parts, lambda t: restore_fp8_state(fresh.model, t, recipe))
     assert "FP8 scaling history restored for 2 Transformer Engine modules" in resumed.notes
     for name in ("te_a", "te_b"):
         a, b = getattr(saved.model, name), getattr(fresh.model, name)
@@ -138,12 +138,12 @@ def test_other_layout_is_not_restored_and_says_so(mcore_parallel, tmp_path, monk
     import megatron_fastpath.fp8.state as fp8_state
 
     saved = _with_te(Run().train(1), {"te": StandInTEModule().after_steps(1)})
-    mgr, (state_fn, _, extra_fn) = saved.manager(tmp_path)
-    mgr.save(1, state_fn, extra_fn(), fp8_state=collect_fp8_state(saved.model))
+    mgr, parts = saved.manager(tmp_path)
+    mgr.save(1, parts, fp8_state=collect_fp8_state(saved.model))
     monkeypatch.setattr(fp8_state, "layout", lambda: "world=2 tp=1 pp=1 ep=2")
     fresh = _with_te(Run(), {"te": StandInTEModule()})
-    mgr, (state_fn, apply_fn, _) = fresh.manager(tmp_path)
-    resumed = mgr.load(state_fn, apply_fn, lambda t: restore_fp8_state(fresh.model, t, DelayedRecipe()))
+    mgr, parts = fresh.manager(tmp_path)
+    resumed = mgr.load(parts, lambda t: restore_fp8_state(fresh.model, t, DelayedRecipe()))
     assert any(n.startswith("FP8 scaling history not restored: saved at world=1") for n in resumed.notes)
     assert not fresh.model.te.fp8_meta_tensors_initialized
 

@@ -7,8 +7,8 @@ Manager), so the save failed and the job exited 1 (6 of 30 trials in the issue; 
 trial after the first save).
 
 Unit tier: two trials (SIGTERM with async saves, SIGUSR1 with sync ones). Integration tier (``integration``): 20 trials at seeded
-random moments, two at once. And a SIGKILL of the main process alone: its helpers exit too (they used to stay,
-about 280 MB each)."""
+random moments, two at once. And a SIGKILL of the main process alone: its helpers exit too (none stays behind
+holding about 280 MB)."""
 
 import json
 import os

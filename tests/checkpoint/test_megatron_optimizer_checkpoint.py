@@ -1,7 +1,7 @@
 """The GPU step path's optimizer in a checkpoint: Megatron DDP + ``get_megatron_optimizer`` (run on
 CPU through the test-only CUDA-as-CPU mode) saved after 2 steps and loaded into a model built
 from another seed continue with bit-identical losses (Megatron's own optimizer
-``sharded_state_dict`` / ``load_state_dict`` behind ``checkpoint.training_state``)."""
+``sharded_state_dict`` / ``load_state_dict`` behind ``checkpoint.training_parts``)."""
 
 import torch
 
@@ -47,7 +47,7 @@ def _step(model, ddp, opt, sched, cache, i):
 
 
 def test_megatron_optimizer_round_trip_is_exact(mcore_parallel, tmp_path):
-    from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_state
+    from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_parts
 
     cfg = CheckpointConfig(dir=str(tmp_path), async_save=False)
     with cuda_as_cpu():
@@ -55,11 +55,10 @@ def test_megatron_optimizer_round_trip_is_exact(mcore_parallel, tmp_path):
         expected = [_step(*straight, i) for i in range(1, 5)]
         first = _make(0)
         got = [_step(*first, i) for i in range(1, 3)]
-        state_fn, _, extra_fn = training_state(first[0], first[2], first[3])
-        CheckpointManager(cfg, {}, log=lambda s: None).save(2, state_fn, extra_fn())
+        CheckpointManager(cfg, {}, log=lambda s: None).save(2, training_parts(first[0], first[2], first[3]))
         resumed = _make(5)
-        state_fn, apply_fn, _ = training_state(resumed[0], resumed[2], resumed[3])
-        assert CheckpointManager(cfg, {}, log=lambda s: None).load(state_fn, apply_fn).step == 2
+        parts = training_parts(resumed[0], resumed[2], resumed[3])
+        assert CheckpointManager(cfg, {}, log=lambda s: None).load(parts).step == 2
         got += [_step(*resumed, i) for i in range(3, 5)]
     assert got == expected
     for (k, a), (_, b) in zip(straight[0].state_dict().items(), resumed[0].state_dict().items()):

@@ -1,10 +1,10 @@
 """Checkpoints under torchrun (2 processes, gloo, CPU).
 
 * Exact resume at DP=2, EP=2 and TP=2: straight vs stop_at_step + rerun, bit-identical records. (At
-  EP=2 this once held for the first resumed step only: each rank clipped with its own gradient
-  norm, so the replicated dense parameters drifted apart and the checkpoint, which keeps one
-  replica, handed rank 1 rank 0's copy. The CPU path now clips with the global norm,
-  ``train.step.global_grad_norm``; tests/optim/test_global_grad_norm.py.)
+  EP=2 every rank clips with the global gradient norm, ``train.step.global_grad_norm``
+  (tests/optim/test_global_grad_norm.py): with each rank's own norm the replicated dense
+  parameters would drift apart, and the checkpoint, which keeps one replica, would hand rank 1
+  rank 0's copy.)
 * Resharding: saved at world 1 (EP=1, 2 microbatches per step), resumed at world 2 with DP=2,
   EP=2 (1 microbatch per rank: the same global batch) or TP=2 (each rank loads its shards). The resumed steps equal an uninterrupted
   run at that layout within fp32 tolerance (rel 2e-4: world 1 and world 2 sum gradients in a

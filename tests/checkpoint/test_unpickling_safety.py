@@ -133,7 +133,7 @@ def test_main_job_resume_refuses_the_reported_exploit(mcore_parallel, tmp_path):
     resume is refused naming the file; the untouched checkpoint of a second run still resumes."""
     from tests.support.hydra_compose import compose_job
 
-    from megatron_fastpath.checkpoint.manager import _crc32
+    from megatron_fastpath.checkpoint.files import _crc32
     from megatron_fastpath.train import run
 
     def cfg(*extra):

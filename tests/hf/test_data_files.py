@@ -1,4 +1,4 @@
-"""data=jsonl beyond JSONL (issue 26 item 3): a JSON array, Parquet, Arrow, a datasets
+"""data=jsonl beyond JSONL: a JSON array, Parquet, Arrow, a datasets
 ``save_to_disk`` directory and a directory of shards, read through ``datasets`` into the same
 record -> format -> tokenization path, give the JSONL file's token ids and loss masks; bad rows
 are reported with file and row; the token cache key covers every shard; every refused or dropped

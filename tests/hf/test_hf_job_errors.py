@@ -104,3 +104,40 @@ def test_moved_export_keys_name_the_new_key(mcore_parallel, capsys, old, new):
 def test_adapter_export_needs_lora(mcore_parallel, tiny, capsys):
     run_expecting(["model=hf", f"model.path={tiny}", "export.adapter_dir=/tmp/x"], ValueError,
                   "export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true", capsys)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", ["unknown_format", "empty_file", "empty_reply"])
+def test_data_that_trains_nothing_stops_the_main_job_in_one_line(tiny, tmp_path, case):
+    """Records of no known format, an empty file and an empty assistant reply: the main job
+    exits 2 with one ``error:`` line saying so, before any step; data that gave no record leaves
+    no token cache."""
+    from tests.support.main_job import run_main_job
+
+    data = tmp_path / "data" / "d.jsonl"
+    data.parent.mkdir()
+    if case == "unknown_format":
+        data.write_text("".join(json.dumps({"question": f"{k} + 1?", "answer": str(k + 1)}) + "\n"
+                                for k in range(12)))
+        want = (f"error: {data}: none of its 12 records is in a format data=jsonl reads; the keys "
+                "found: 'question', 'answer' (12 records). A record needs 'messages'")
+    elif case == "empty_file":
+        data.write_text("")
+        want = (f"error: data.path {str(data)!r} is empty (0 bytes): there are no records to train "
+                "on; point data.path at the data")
+    else:
+        lines = open(DATA).read().splitlines()[:20]
+        lines[4] = json.dumps({"messages": [{"role": "user", "content": "2 + 2?"},
+                                            {"role": "assistant", "content": ""}]})
+        data.write_text("\n".join(lines) + "\n")
+        want = (f"error: {data}: 1 malformed record(s): line 5 (an empty assistant reply (message 2 "
+                "of the conversation): nothing to learn but the template's end-of-turn token) "
+                "[by reason: no_loss_token=1]. Fix the records, or set data.bad_records=skip\n")
+    job = run_main_job(["model=hf", f"model.path={tiny}", "data=jsonl", f"data.path={data}",
+                        "training.steps=2", "metrics.wandb=off"], tmp_path, check=False, timeout=600)
+    assert job.returncode == 2, job.stdout[-3000:] + job.stderr[-3000:]
+    errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and (errors[0] + "\n").startswith(want), job.stderr[-3000:]
+    assert "Traceback" not in job.stderr and "| loss " not in job.stdout
+    if case != "empty_reply":  # data that gave nothing: no token cache beside it
+        assert "tokenized 0 records" not in job.stdout and os.listdir(data.parent) == ["d.jsonl"]

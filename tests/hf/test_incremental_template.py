@@ -1,4 +1,4 @@
-"""Chat templates that render earlier turns differently from the last one (issue 26 item 3).
+"""Chat templates that render earlier turns differently from the last one.
 
 Qwen3's template drops the ``<think>`` reasoning of every assistant turn before the last user
 message and keeps it on the last one, so a conversation's prefixes do not render as prefixes of
@@ -174,8 +174,8 @@ def test_one_assistant_turn_is_one_sample_as_before(qwen3):
     assert ids == ref.apply_chat_template(ONE_TURN, tokenize=True)
     trained = [t for t, m in zip(ids, mask) if m]
     assert ref.decode(trained, skip_special_tokens=False) == _last_turn_text(ONE_TURN[1])
-    # a user turn after it: the full rendering drops the think block (refused before), now
-    # one sample up to the assistant turn, rendered as the last turn
+    # a user turn after it: the full rendering drops the think block; the sample ends at the
+    # assistant turn, rendered as the last turn
     msgs = ONE_TURN + [{"role": "user", "content": "ok"}]
     assert "<think>" not in ref.apply_chat_template(msgs, tokenize=False)
     assert tok.encode_chat_samples(msgs) == samples

@@ -236,7 +236,7 @@ def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_pat
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-# --------------------------------------------------------------------------- formats (issue 26 item 3)
+# --------------------------------------------------------------------------- formats
 def _records(tagged, tmp_path, records, **cfg):
     path = write_jsonl(tmp_path / "f.jsonl", records)
     return load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False, **cfg), tagged,
@@ -308,3 +308,72 @@ def dataclasses_replace(cfg, **kw):
     import dataclasses
 
     return dataclasses.replace(cfg, **kw)
+
+
+# --------------------------------------------------------------------------- data that gives nothing
+def test_records_of_no_known_format_are_refused_once_naming_their_keys(tok_dirs, tmp_path):
+    """A file of {"question", "answer"} records: one short line naming the keys found, the
+    formats read and how to map them (not one reason per record, nor data.max_tokens /
+    bad_records=skip, which cannot help); no token cache is written for it."""
+    tagged, _ = tok_dirs
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": f"{k} + 1?", "answer": f"{k + 1}"} for k in range(12)])
+    for bad_records in ("error", "skip"):
+        logs = []
+        cfg = JsonlDataConfig(path=path, bad_records=bad_records)
+        with pytest.raises(DataError) as e:
+            load_jsonl_splits(cfg, tagged, log=logs.append)
+        assert str(e.value) == (
+            f"{path}: none of its 12 records is in a format data=jsonl reads; the keys found: "
+            "'question', 'answer' (12 records). A record needs 'messages' (chat: a list of "
+            "{\"role\", \"content\"}), 'conversations' (ShareGPT: {\"from\", \"value\"}), 'prompt' + "
+            "'completion', 'instruction' + 'output' (Alpaca, optional 'input') or 'text' (plain "
+            "text): map the keys to one of these, e.g. rename 'question' to 'prompt' and 'answer' to "
+            "'completion'")
+        assert logs == []  # nothing tokenized, nothing cached
+    assert sorted(os.listdir(tmp_path)) == ["qa.jsonl"]
+
+
+def test_an_empty_data_file_is_refused_saying_it_is_empty(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    for name, text, what in (("empty.jsonl", "", "0 bytes"), ("blank.jsonl", "\n \n\n", "blank lines only")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(DataError) as e:
+            load_jsonl_splits(JsonlDataConfig(path=str(path)), tagged, log=lambda m: None)
+        assert str(e.value) == (f"data.path {str(path)!r} is empty ({what}): there are no records to "
+                                "train on; point data.path at the data (JSONL: one JSON object a line)")
+    assert sorted(os.listdir(tmp_path)) == ["blank.jsonl", "empty.jsonl"]  # no cache
+
+
+def test_an_empty_assistant_reply_is_a_bad_record(tok_dirs, tmp_path):
+    """``"content": ""`` would train only the template's end-of-turn token: a bad record
+    (no_loss_token) under data.bad_records, named by its line; so is an empty completion."""
+    tagged, _ = tok_dirs
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1 + 1 = 2."}]}
+    empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    blank_turn = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                               {"role": "user", "content": "c"}, {"role": "assistant", "content": " "}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, empty, good, blank_turn, good])
+    cfg = JsonlDataConfig(path=path, eval_fraction=0.0, cache=False)
+    with pytest.raises(DataError) as e:
+        load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    assert str(e.value) == (
+        f"{path}: 2 malformed record(s): line 2 (an empty assistant reply (message 2 of the "
+        "conversation): nothing to learn but the template's end-of-turn token), line 4 (an empty "
+        "assistant reply (message 4 of the conversation): nothing to learn but the template's "
+        "end-of-turn token) [by reason: no_loss_token=2]. Fix the records, or set "
+        "data.bad_records=skip")
+    logs = []
+    train, held, report = load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False,
+                                                            bad_records="skip"), tagged, log=logs.append)
+    assert len(train) == 3 and held is None
+    assert report["bad_records"] == {"no_loss_token": 2} and report["records"] == 5
+    assert [m for m in logs if m.startswith("data: skipped")] == [
+        f"data: skipped {path}: 2 malformed record(s): line 2 (an empty assistant reply (message 2 of "
+        "the conversation): nothing to learn but the template's end-of-turn token), line 4 (an empty "
+        "assistant reply (message 4 of the conversation): nothing to learn but the template's "
+        "end-of-turn token) [by reason: no_loss_token=2]"]
+    pc = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "1 + 1 =", "completion": " 2"},
+                                             {"prompt": "2 + 2 =", "completion": ""}])
+    with pytest.raises(DataError, match=r"line 2 \(an empty 'completion': nothing to learn but the EOS token\)"):
+        load_jsonl_splits(JsonlDataConfig(path=pc, eval_fraction=0.0, cache=False), tagged, log=lambda m: None)

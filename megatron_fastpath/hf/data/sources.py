@@ -1,8 +1,8 @@
 """What ``data.path`` names and its records, read lazily: a JSONL file line by line (a line
 too long for the line limit read past in chunks, never held whole), or a JSON array, Parquet,
 Arrow, ``save_to_disk`` directory or directory of shards row by row through the ``datasets``
-library (memory-mapped Arrow, imported only then). :mod:`megatron_fastpath.hf.data` parses,
-checks and tokenizes the records.
+library (memory-mapped Arrow, imported only then). :mod:`.records` checks
+the records and :mod:`.tokenize` tokenizes them.
 """
 
 from __future__ import annotations

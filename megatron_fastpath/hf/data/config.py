@@ -1,0 +1,64 @@
+"""The ``data`` group of ``data=jsonl``: :class:`JsonlDataConfig`, checked when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_fastpath.hf.data.records import FORMATS
+from megatron_fastpath.hf.data.sources import DataError
+
+__all__ = ["JsonlDataConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlDataConfig:
+    """The ``data`` group for ``data=jsonl``.
+
+    path: the data file or directory (:func:`resolve_source`). tokenizer_path: directory with tokenizer.json (default model.path).
+    max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
+    eval_fraction: held-out share of records (at least one record when > 0).
+    eval_every: held-out loss every this many steps (0: only before and after training).
+    eval_samples: at each evaluation, the model's greedy completion of the first this many
+        held-out prompts, printed and written to the metrics directory (0: none).
+    eval_max_new_tokens: the most tokens each completion runs to (it stops earlier at EOS).
+    bad_records: error | skip (bad records and records longer than max_tokens; counted by reason).
+    cache: cache tokenized records beside the data file.
+    format: auto (detected per record from its keys, as TRL does) | messages |
+        prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
+    """
+
+    path: str = ""
+    tokenizer_path: Optional[str] = None
+    max_tokens: int = 512
+    max_seqs: int = 32
+    eval_fraction: float = 0.1
+    eval_every: int = 10
+    eval_samples: int = 0
+    eval_max_new_tokens: int = 32
+    bad_records: str = "error"
+    cache: bool = True
+    seed: int = 1234
+    format: str = "auto"
+
+    def __post_init__(self):
+        if not self.path:
+            raise DataError("data.path must name the data (data=jsonl data.path=<file.jsonl, .json, "
+                            ".parquet, .arrow, or a directory>)")
+        if self.format not in FORMATS:
+            raise DataError(f"data.format must be one of {', '.join(FORMATS)}; got {self.format!r}")
+        if self.bad_records not in ("error", "skip"):
+            raise DataError(f"data.bad_records must be 'error' or 'skip'; got {self.bad_records!r}")
+        if self.eval_every < 0:
+            raise DataError(f"data.eval_every must be >= 0; got {self.eval_every}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise DataError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
+        if self.eval_samples < 0:
+            raise DataError(f"data.eval_samples must be >= 0 (0: no samples); got {self.eval_samples}")
+        if self.eval_max_new_tokens < 1:
+            raise DataError(f"data.eval_max_new_tokens must be >= 1; got {self.eval_max_new_tokens}")
+        if self.eval_samples and self.eval_fraction == 0:
+            raise DataError(
+                f"data.eval_samples={self.eval_samples} completes held-out prompts, but "
+                "data.eval_fraction=0 holds out no records: set data.eval_fraction > 0 (e.g. 0.1) "
+                "or data.eval_samples=0")
