@@ -27,6 +27,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.nemo  # CI's legacy target (Python 3.11) runs these: NeMo 2.7 installs there only
+
 pytest.importorskip("nemo.collections.llm", reason="NeMo 2 is not installed (nemo-toolkit[llm] 2.7)")
 pytest.importorskip("nemo_run", reason="nemo_run (NeMo-Run recipes) is not installed")
 pytest.importorskip("transformers")

@@ -1,5 +1,5 @@
-"""Test-only: what the two feature matrices share (tests/train/test_feature_matrix.py for the
-main job, tests/integrations/test_hook_feature_matrix.py for the hooks): the value of an axis
+"""Test-only: what the two feature matrices share (tests/train/feature_matrix/ for the
+main job, tests/integrations/hook_feature_matrix/ for the hooks): the value of an axis
 that does not apply, and a combination -- a value per axis, in its matrix's axis order."""
 
 import dataclasses

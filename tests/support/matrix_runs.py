@@ -1,4 +1,4 @@
-"""Test-only: one combination of the feature matrix (tests/train/test_feature_matrix.py)
+"""Test-only: one combination of the feature matrix (tests/train/feature_matrix/)
 trained straight and across a checkpoint, in this process: a worker process
 (tests/support/matrix_worker.py; every rank of a ``torchrun`` launch for a world of 2), or the
 pytest process under the ``mcore_parallel`` fixture.

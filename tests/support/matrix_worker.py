@@ -1,4 +1,4 @@
-"""Test-only worker of the feature matrix (tests/train/test_feature_matrix.py): trains many
+"""Test-only worker of the feature matrix (tests/train/feature_matrix/): trains many
 combinations one after the other in this process, each straight and across a checkpoint
 (tests/support/matrix_runs.py ``straight_vs_resumed``), under ``torchrun`` for the combinations
 that need a world of 2::
