@@ -67,7 +67,8 @@ its graph-safe RNG tracker runs on fake generators. Megatron's ``FullCudaGraphWr
 (``megatron/core/full_cuda_graph.py``) needs nothing more: its ``torch.cuda.Stream`` /
 ``stream`` / ``synchronize`` / ``current_stream().wait_stream`` are ``cuda_as_cpu``'s.
 
-Megatron-Core 0.16.1 sites this covers (checked by ``tests/graphs/test_fake_cuda_graph.py``):
+Megatron-Core sites this covers (file:line in 0.16.1|0.19.2, the installed release's checked by
+``tests/graphs/test_fake_cuda_graph.py``):
 """
 
 from __future__ import annotations
@@ -85,24 +86,26 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin
+from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin, sites_doc
 from megatron_fastpath.compat import TORCH_RELEASE
 from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
 
-# (file relative to megatron/core, line, text expected on that line)
+# (file relative to megatron/core, (line in 0.16.1, line in 0.19.2), text expected on that line;
+# None: the release makes no such call)
 MEGATRON_SITES = (
-    ("transformer/cuda_graphs.py", 830, "self.fwd_graph = torch.cuda.CUDAGraph()"),
-    ("transformer/cuda_graphs.py", 948, "with torch.cuda.graph("),
-    ("transformer/cuda_graphs.py", 1064, "with torch.cuda.graph(self.bwd_graph, pool=self.mempool)"),
-    ("transformer/cuda_graphs.py", 939, "torch.cuda.default_generators[device_idx]"),
-    ("transformer/cuda_graphs.py", 373, "torch.cuda.memory_stats()"),
-    ("transformer/cuda_graphs.py", 471, "torch.cuda.set_stream(torch.cuda.default_stream())"),
-    ("transformer/cuda_graphs.py", 1413, "torch.cuda.get_device_capability()[0] < 10"),
-    ("transformer/cuda_graphs.py", 1431, "torch.cuda.graph_pool_handle()"),
-    ("tensor_parallel/random.py", 12, "from torch.cuda import _lazy_call, _lazy_init"),
-    ("tensor_parallel/random.py", 66, "torch.cuda.default_generators[idx]"),
+    ("transformer/cuda_graphs.py", (830, 1187), "self.fwd_graph = torch.cuda.CUDAGraph()"),
+    ("transformer/cuda_graphs.py", (948, 1305), "with torch.cuda.graph("),
+    ("transformer/cuda_graphs.py", (1064, 1428), "with torch.cuda.graph(self.bwd_graph, pool=self.mempool)"),
+    ("transformer/cuda_graphs.py", (939, 1296), "torch.cuda.default_generators[device_idx]"),
+    ("transformer/cuda_graphs.py", (373, 567), "torch.cuda.memory_stats()"),
+    ("transformer/cuda_graphs.py", (471, 662), "torch.cuda.set_stream(torch.cuda.default_stream())"),
+    # CudaGraphManager.__init__'s expandable-segments check on pre-Blackwell GPUs (0.19 drops it)
+    ("transformer/cuda_graphs.py", (1413, None), "torch.cuda.get_device_capability()[0] < 10"),
+    ("transformer/cuda_graphs.py", (1431, 1838), "torch.cuda.graph_pool_handle()"),
+    ("tensor_parallel/random.py", (12, 14), "from torch.cuda import _lazy_call, _lazy_init"),
+    ("tensor_parallel/random.py", (66, 129), "torch.cuda.default_generators[idx]"),
 )
-__doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
+__doc__ += sites_doc(MEGATRON_SITES)
 
 # Files whose host reads touch tensors that are on the host on a GPU too.
 HOST_SIDE_FILES = ("megatron/core/tensor_parallel/random.py",)
