@@ -102,6 +102,9 @@ MEGATRON_SITES = (
     # CudaGraphManager.__init__'s expandable-segments check on pre-Blackwell GPUs (0.19 drops it)
     ("transformer/cuda_graphs.py", (1413, None), "torch.cuda.get_device_capability()[0] < 10"),
     ("transformer/cuda_graphs.py", (1431, 1838), "torch.cuda.graph_pool_handle()"),
+    # 0.19's forward-graph input buffers, allocated into the graph mempool (alloc_tensor_from_graph_mempool)
+    ("transformer/cuda_graphs.py", (None, 282), "torch._C._cuda_beginAllocateCurrentThreadToPool("),
+    ("transformer/cuda_graphs.py", (None, 289), "torch._C._cuda_endAllocateToPool("),
     ("tensor_parallel/random.py", (12, 14), "from torch.cuda import _lazy_call, _lazy_init"),
     ("tensor_parallel/random.py", (66, 129), "torch.cuda.default_generators[idx]"),
 )
@@ -253,6 +256,34 @@ class _PoolHandle:
 
 
 _capturing: list = []
+
+
+class _PoolAllocation(threading.local):
+    pools: list = []
+
+
+_ALLOCATING = _PoolAllocation()
+
+
+def _begin_allocate_to_pool(device, pool) -> None:
+    """``torch._C._cuda_beginAllocateCurrentThreadToPool(device, mempool_id)`` (torch 2.13's
+    binding: ``(int, tuple[int, int]) -> None``, a TypeError for other arguments; megatron-core
+    0.19.2 transformer/cuda_graphs.py:282 calls it with ``torch.cuda.current_device()`` and
+    ``CudaGraphManager.global_mempool``): this thread's allocations go to the pool until the
+    matching end. The stand-in's pool id is a :class:`_PoolHandle` (``graph_pool_handle()``
+    here); the allocations are host memory either way, so only the pairing is kept."""
+    if not isinstance(device, int) or not isinstance(pool, _PoolHandle):
+        raise TypeError("_cuda_beginAllocateCurrentThreadToPool(): incompatible function "
+                        f"arguments. Invoked with: {device!r}, {pool!r}")
+    _ALLOCATING.pools = _ALLOCATING.pools + [(device, pool)]
+
+
+def _end_allocate_to_pool(device, pool) -> None:
+    """``torch._C._cuda_endAllocateToPool(device, mempool_id)`` (0.19.2 cuda_graphs.py:289): ends
+    the allocation to that pool begun on this thread; ending one never begun is an error."""
+    if (device, pool) not in _ALLOCATING.pools:
+        raise RuntimeError(f"endAllocateToPool: not allocating to {pool!r} on device {device}")
+    _ALLOCATING.pools = [p for p in _ALLOCATING.pools if p != (device, pool)]
 
 
 class FakeCUDAGraph:
@@ -526,6 +557,8 @@ def fake_cuda_graphs() -> Iterator[None]:
         mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraph),
         mock.patch("torch.cuda.graph", fake_graph),
         mock.patch("torch.cuda.graph_pool_handle", _PoolHandle),
+        mock.patch("torch._C._cuda_beginAllocateCurrentThreadToPool", _begin_allocate_to_pool, create=True),
+        mock.patch("torch._C._cuda_endAllocateToPool", _end_allocate_to_pool, create=True),
         mock.patch("torch.cuda.is_current_stream_capturing", lambda: bool(_capturing)),
         mock.patch("torch.cuda.memory_stats", _memory_stats),
         mock.patch("torch.cuda.get_device_capability", device_capability_standin((9, 0))),
@@ -543,6 +576,7 @@ def fake_cuda_graphs() -> Iterator[None]:
             yield
         finally:
             _capturing.clear()
+            _ALLOCATING.pools = []
 
 
 def reset_megatron_cuda_graphs() -> None:
