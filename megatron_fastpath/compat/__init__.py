@@ -8,7 +8,8 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 ``megatron.core`` / ``transformer_engine`` name is imported anywhere else.
 
 * :mod:`.graphs` -- CudaGraphManager's argument rules; the 0.16.x input-buffer shim (0.19
-  allocates and keeps forward-graph input buffers itself)
+  allocates and keeps forward-graph input buffers itself); on 0.19 the packed cache's record fields
+  as separate graph inputs (0.19 gives all views of one base one capture buffer)
 * :mod:`.tensor_parallel` -- TP marks and partial-gradient all-reduce
 * :mod:`.offload` -- RNG-state tools and TransformerLayer.forward's parameters
 * :mod:`.moe` -- MoELayer / TopKRouter state without their CUDA-only constructors

@@ -108,12 +108,22 @@ def megatron_common_state_key(version=None):
 # main process decides what a signal means) and exits when its parent is gone; the resource
 # tracker multiprocessing starts with it (which ignores SIGINT / SIGTERM itself) is started with
 # SIGUSR1 blocked, which it keeps. Megatron then uses the installed queue as its own. Same in
-# 0.19.x (0.19.2 strategies/filesystem_async.py:65).
+# 0.19.x (0.19.2 strategies/filesystem_async.py:65), whose getter is public and takes the
+# context's name: ``get_write_results_queue(mp_mode='spawn')`` (:53-66; :200 calls it).
 # ---------------------------------------------------------------------------------------------
 
 RESULTS_QUEUE_SITE = ("dist_checkpointing/strategies/filesystem_async.py",
                       "_results_queue = ctx.Manager().Queue()")
 HELPER_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+def results_queue_getter_name(version=None) -> str:
+    """The name of megatron-core's own getter of that queue in ``strategies/filesystem_async``:
+    ``_get_write_results_queue`` on 0.16.x (0.16.1 :51), ``get_write_results_queue`` on 0.19.x
+    (0.19.2 :53)."""
+    line = _require_checked_mcore(
+        "results_queue_getter_name", f"the getter that sets {RESULTS_QUEUE_SITE[1]}", version=version)
+    return "get_write_results_queue" if line == MCORE_0_19 else "_get_write_results_queue"
 _helper_manager = None  # the Manager serving the installed queue (kept alive with the process)
 
 

@@ -250,3 +250,40 @@ def full_cuda_graph_captured(stage: str = "training"):
     from megatron.core import full_cuda_graph as fcg
 
     return fcg.FullCudaGraphWrapper.cuda_graph[stage]
+
+
+# =============================================================================================
+# Graph inputs that are views of one buffer (0.19.x)
+# =============================================================================================
+#
+# 0.19.x's CudaGraphManager tells a layer's input buffers apart by a metadata object it attaches
+# to each input tensor AND to every tensor on its ``_base`` chain
+# (``_apply_cudagraph_buffer_metadata``, 0.19.2 transformer/cuda_graphs.py:109-125, called for
+# every input by ``apply_cudagraph_record_metadata``, :1553-1561): two views of one base share
+# that object, so they count as one input used twice, and ``create_fwd_graph`` gives both ONE
+# buffer from the graph mempool, shaped as the first (:1229-1243). The packed cache keeps
+# ``cu_seqlens`` / ``position_ids_T`` / ``seq_ids_T`` (and the CP fields) as views of one flat
+# record filled by one host-to-device copy; as views they would all be captured into the
+# cu_seqlens-sized buffer and the first replay fails to copy a [T] field into it. The tensors
+# below alias the record's storage at the same offsets with no ``_base`` (``Tensor.set_``), so
+# the one copy still fills them and Megatron sees separate inputs. 0.16.x keys its buffers by the
+# tensor itself (``TensorReusePool``), so the views stay views there.
+# ---------------------------------------------------------------------------------------------
+
+def separate_graph_inputs(views: tuple, version: Optional["Version"] = None) -> tuple:
+    """``views`` of one buffer as tensors Megatron's graphs take for separate inputs (0.19.x:
+    same storage and offsets, no ``_base``); unchanged on 0.16.x."""
+    import torch
+
+    line = _require_checked_mcore(
+        "separate_graph_inputs", "CudaGraphManager shares one buffer among the views of a base "
+        "(_apply_cudagraph_buffer_metadata)", version=version)
+    if line != MCORE_0_19:
+        return tuple(views)
+    out = []
+    for v in views:
+        t = torch.empty(0, dtype=v.dtype, device=v.device)
+        with torch.no_grad():
+            t.set_(v.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        out.append(t)
+    return tuple(out)

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath.compat.graphs import separate_graph_inputs
 from megatron_fastpath.packed_seq.config import PackedSeqConfig
 from megatron_fastpath.packed_seq.context_parallel import cp_record_size, split_cp_record
 from megatron_fastpath.packed_seq.metadata import HostPackedMetadata, record_size, split_record
@@ -42,10 +43,11 @@ class Slot:
         self.copy_done = torch.cuda.Event() if device.type == "cuda" else None
         cp_fields = {}
         if cp == 1:
-            cu_C, pos_T, sid_T = split_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound)
+            cu_C, pos_T, sid_T = separate_graph_inputs(
+                split_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound))
         else:
-            cu_C, pos_T, sid_T, tok_T, kv_pos_K, kv_sid_K, cu_local_C = split_cp_record(
-                self.record_R, cfg.max_tokens, cfg.max_seqs, bound, cp)
+            cu_C, pos_T, sid_T, tok_T, kv_pos_K, kv_sid_K, cu_local_C = separate_graph_inputs(
+                split_cp_record(self.record_R, cfg.max_tokens, cfg.max_seqs, bound, cp))
             cp_fields = dict(
                 cp_token_index_T=torch.zeros(cfg.local_tokens, dtype=torch.int64, device=device),
                 cp_kv_position_ids_K=kv_pos_K, cp_kv_seq_ids_K=kv_sid_K,

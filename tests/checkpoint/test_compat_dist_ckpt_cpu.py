@@ -101,6 +101,20 @@ def test_results_queue_site_still_exists_in_installed_megatron():
         assert text in f.read(), f"{rel} no longer contains {text!r}: re-check the shim"
 
 
+@pytest.mark.parametrize("version,name", [("0.16.1", "_get_write_results_queue"),
+                                          ("0.19.2", "get_write_results_queue")])
+def test_results_queue_getter_is_named_per_line(version, name):
+    assert dist_ckpt_compat.results_queue_getter_name(Version(version)) == name
+    with pytest.raises(ImportError, match="0.16.x, 0.19.x only.*0.18.0"):
+        dist_ckpt_compat.results_queue_getter_name(Version("0.18.0"))
+
+
+def test_installed_megatron_has_the_getter_named():
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert callable(getattr(filesystem_async, dist_ckpt_compat.results_queue_getter_name()))
+
+
 def test_results_queue_shim_is_version_gated():
     with mock.patch.object(compat, "MCORE_VERSION", Version("0.17.0")):
         with pytest.raises(ImportError, match="0.16.x.*0.17.0"):
@@ -119,12 +133,13 @@ def masks(pid):
     return {k: int(rows[k].strip(), 16) for k in ("SigIgn", "SigBlk")}
 
 mode = os.environ["PROBE"]
-if mode == "megatron":  # what megatron-core 0.16.1 starts by itself
-    q = filesystem_async._get_write_results_queue()
+megatrons_getter = getattr(filesystem_async, dist_ckpt.results_queue_getter_name())
+if mode == "megatron":  # what megatron-core starts by itself
+    q = megatrons_getter()
     server = [p for p in __import__("multiprocessing").active_children()][0].pid
 else:
     q = dist_ckpt.preemption_proof_results_queue()
-    assert filesystem_async._get_write_results_queue() is q  # Megatron uses the installed one
+    assert megatrons_getter() is q  # Megatron uses the installed one
     server = dist_ckpt.writer_helper_pid()
 out = {"server": masks(server), "tracker": masks(resource_tracker._resource_tracker._pid)}
 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):

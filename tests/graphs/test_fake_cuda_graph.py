@@ -478,3 +478,37 @@ def test_capture_end_leaves_a_collective_output_saved_for_backward_at_its_versio
         assert out._version == version
         (grad,) = torch.autograd.grad(loss, w)
         assert torch.equal(grad, out)
+
+
+def test_graph_mempool_allocation_pairs_begin_and_end():
+    import torch as _torch
+
+    from tests.support.fake_cuda_graph import _ALLOCATING
+
+    with fake_cuda_graphs():
+        pool = _torch.cuda.graph_pool_handle()
+        _torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+        _torch._C._cuda_endAllocateToPool(0, pool)
+        with pytest.raises(RuntimeError, match="not allocating to"):
+            _torch._C._cuda_endAllocateToPool(0, pool)
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            _torch._C._cuda_beginAllocateCurrentThreadToPool(0, (0, 1))
+        assert _ALLOCATING.pools == []
+
+
+def test_megatrons_graph_mempool_buffers_on_the_stand_in():
+    """0.19's forward-graph input buffers come from the graph mempool (0.19.2
+    transformer/cuda_graphs.py:279-290); 0.16.1 has no such allocation (it reuses its
+    TensorReusePool's buffers), so there is nothing to run there."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    if not hasattr(cg, "alloc_tensor_from_graph_mempool"):
+        pytest.skip("megatron-core 0.16.x has no graph-mempool buffer allocation (TensorReusePool)")
+    meta = cg.ArgMetadata(torch.ones(2, 3, requires_grad=True))
+    with fake_cuda_graphs():
+        cg.CudaGraphManager.global_mempool = torch.cuda.graph_pool_handle()
+        try:
+            out = cg.alloc_tensor_from_graph_mempool(meta)
+        finally:
+            cg.CudaGraphManager.global_mempool = None
+    assert torch.equal(out, torch.zeros(2, 3)) and out.requires_grad and out.is_from_global_mempool

@@ -61,3 +61,26 @@ def test_one_runner_matches_any_slot_and_batch(two_batches):
         other.register(kind)
     errors = mismatch_errors(ref, (), {"packed_seq_params": other.set_batch([5]).packed_seq_params})
     assert any("sdpa_mask_TT" in e for e in errors)
+
+
+def test_record_fields_are_separate_graph_inputs_that_share_the_record(two_batches):
+    """0.19.x shares one capture buffer among the views of one base (0.19.2
+    transformer/cuda_graphs.py:109-125, :1229-1243): the record's fields reach the layers as
+    separate tensors there, still filled by the record's one copy; 0.16.x keeps them views."""
+    from megatron.core.transformer import cuda_graphs as cg
+
+    from megatron_fastpath import compat
+
+    cache, pa, _ = two_batches
+    fields = (pa.cu_seqlens_q, pa.position_ids_T, pa.seq_ids_T)
+    record = next(s for s in cache.slots if s.params is pa).record_R
+    assert all(f.untyped_storage().data_ptr() == record.untyped_storage().data_ptr() for f in fields)
+    lengths = [100, 3, 60]
+    assert pa.cu_seqlens_q[:4].tolist() == [0, 100, 103, 163]
+    assert torch.equal(pa.position_ids_T[:163], torch.cat([torch.arange(n) for n in lengths]).int())
+    if compat.mcore_line() == compat.MCORE_0_19:
+        assert all(f._base is None for f in fields)
+        metas = [cg._apply_cudagraph_buffer_metadata(f) for f in fields]
+        assert len({id(m) for m in metas}) == 3
+    else:
+        assert all(f._base is record for f in fields)

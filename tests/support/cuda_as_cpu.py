@@ -33,8 +33,9 @@ What it does while active:
   ``CudaRNGStatesTracker`` (``model_parallel_cuda_manual_seed``, ``fork()``) works and a
   dropout inside ``fork()`` draws from the forked state.
 
-Megatron-Core 0.16.1 sites this covers (file:line, checked against the installed package by
-``test_cuda_as_cpu.py::test_covered_sites_still_exist``, so an upgrade shows what moved):
+Megatron-Core sites this covers (file:line in 0.16.1|0.19.2, the installed release's line
+checked by ``test_cuda_as_cpu.py::test_covered_sites_still_exist``, so an upgrade shows what
+moved):
 """
 
 from __future__ import annotations
@@ -51,32 +52,41 @@ import torch
 from torch.cuda._utils import _get_device_index as _real_get_device_index
 from torch.overrides import TorchFunctionMode
 
-# (file relative to megatron/core, line, text expected on that line)
+# (file relative to megatron/core, (line in 0.16.1, line in 0.19.2), text expected on that line)
 MEGATRON_SITES = (
-    ("optimizer/optimizer.py", 907, "device='cuda'"),
-    ("optimizer/optimizer.py", 473, "device='cuda'"),
-    ("optimizer/clip_grads.py", 90, "device='cuda'"),
-    ("optimizer/clip_grads.py", 103, "device='cuda'"),
-    ("optimizer/clip_grads.py", 115, "device='cuda'"),
-    ("optimizer/clip_grads.py", 167, "torch.cuda.FloatTensor"),
-    ("optimizer/clip_grads.py", 174, "device='cuda'"),
-    ("optimizer/clip_grads.py", 207, "device='cuda'"),
-    ("dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"),
-    ("dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device()"),
+    ("optimizer/optimizer.py", (907, 1249), "device='cuda'"),  # FP32Optimizer._scale
+    ("optimizer/optimizer.py", (473, 690), "device='cuda'"),  # found_inf
+    ("optimizer/clip_grads.py", (90, 96), "device='cuda'"),  # inf norm
+    ("optimizer/clip_grads.py", (103, 112), "device='cuda'"),  # L2 norm's overflow buffer
+    ("optimizer/clip_grads.py", (115, 108), "device='cuda'"),  # the norm without grads
+    ("optimizer/clip_grads.py", (167, 174), "torch.cuda.FloatTensor"),
+    ("optimizer/clip_grads.py", (174, 180), "device='cuda'"),  # clip's overflow buffer
+    ("optimizer/clip_grads.py", (207, 231), "device='cuda'"),  # zero count
+    ("dist_checkpointing/strategies/filesystem_async.py", (230, 248), "torch.cuda.synchronize()"),
+    ("dist_checkpointing/strategies/state_dict_saver.py", (252, 252), "torch.cuda.current_device()"),
     # the main job's GPU step path (tests/train/test_gpu_step_path.py, test_pipeline_parallel.py)
-    ("pipeline_parallel/schedules.py", 596, 'device="cuda"'),  # no pipelining: token count
-    ("pipeline_parallel/schedules.py", 2138, 'device="cuda"'),  # 1F1B: token count
-    ("pipeline_parallel/p2p_communication.py", 313, "device=torch.cuda.current_device()"),  # recv
-    ("pipeline_parallel/p2p_communication.py", 398, "torch.cuda.synchronize()"),  # batched p2p
+    ("pipeline_parallel/schedules.py", (596, 749), 'device="cuda"'),  # no pipelining: token count
+    ("pipeline_parallel/schedules.py", (2138, 2292), 'device="cuda"'),  # 1F1B: token count
+    ("pipeline_parallel/p2p_communication.py", (313, 334), "device=torch.cuda.current_device()"),  # recv
+    ("pipeline_parallel/p2p_communication.py", (398, 419), "torch.cuda.synchronize()"),  # batched p2p
     # sequence parallelism (tests/lora/test_lora_sequence_parallel.py)
-    ("tensor_parallel/mappings.py", 141, "device=torch.cuda.current_device()"),  # all-gather
-    ("tensor_parallel/layers.py", 552, "device=torch.cuda.current_device()"),  # bwd: in backward
-    ("tensor_parallel/random.py", 422, "torch.cuda.manual_seed(data_parallel_seed)"),
-    ("tensor_parallel/random.py", 235, "torch.cuda.get_rng_state()"),  # tracker.add
-    ("tensor_parallel/random.py", 250, "_get_cuda_rng_state("),  # tracker.fork
-    ("tensor_parallel/random.py", 255, "_set_cuda_rng_state("),
+    ("tensor_parallel/mappings.py", (141, 145), "device=torch.cuda.current_device()"),  # all-gather
+    ("tensor_parallel/layers.py", (552, 647), "device=torch.cuda.current_device()"),  # bwd: in backward
+    ("tensor_parallel/random.py", (422, 490), "torch.cuda.manual_seed(data_parallel_seed)"),
+    ("tensor_parallel/random.py", (235, 303), "torch.cuda.get_rng_state()"),  # tracker.add
+    ("tensor_parallel/random.py", (250, 318), "_get_cuda_rng_state("),  # tracker.fork
+    ("tensor_parallel/random.py", (255, 323), "_set_cuda_rng_state("),
 )
-__doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
+
+
+def sites_doc(sites) -> str:
+    """The docstring lines naming each site at both releases' lines ("-": not in that release)."""
+    return "\n".join(
+        f"    megatron/core/{f}:{n16}|{n19 if n19 is not None else '-'}  {t}"
+        for f, (n16, n19), t in sites) + "\n"
+
+
+__doc__ += sites_doc(MEGATRON_SITES)
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -204,7 +214,11 @@ def _is_current_stream_capturing() -> bool:
     ``Optimizer._accelerator_graph_capture_health_check`` (optim/optimizer.py:451-474) calls it
     once ``torch.cuda.is_available()`` answers True, as it does here (the real one raises
     without a GPU). Torch 2.13's check (optimizer.py:448-466) asks ``torch.accelerator``
-    instead, which no stand-in patches: no accelerator on a CPU, so no check."""
+    instead: no accelerator on a CPU build (``current_accelerator`` is the compile-time one,
+    accelerator/__init__.py:102-131), so no check; on a CUDA build it is ``cuda``, available as
+    ``torch.cuda.is_available()`` answers, and the check asks
+    ``torch.accelerator.current_stream().is_capturing()`` (:func:`_accelerator_current_stream`,
+    :meth:`_FakeStream.is_capturing`)."""
     return False
 
 
@@ -279,6 +293,13 @@ class _FakeStream:
 
     def query(self):
         return True
+
+    def is_capturing(self):
+        """``torch.Stream.is_capturing()`` (torch 2.13; c10 ``cudaStreamIsCapturing`` of this
+        stream): no argument; a capture runs on the current stream
+        (:func:`_is_current_stream_capturing`, the fake graph's during its capture), so only the
+        current stream can be capturing."""
+        return self is _CURRENT.stream and torch.cuda.is_current_stream_capturing()
 
     def __enter__(self):
         ctx = _stream_context(self)
@@ -392,6 +413,44 @@ class _stream_context:
         return False
 
 
+# torch.accelerator (torch 2.13 accelerator/__init__.py, accelerator/_utils.py): on a CPU build
+# ``current_accelerator()`` is None and nothing below is reached; on a CUDA build (torch 2.13's
+# cu130 wheel, GPU or not) it is ``cuda`` and these go to torch._C, which initialises CUDA and
+# raises without a driver. Torch 2.11's optimizer does not call them (see
+# :func:`_is_current_stream_capturing`).
+def _accelerator_device_index(device) -> int:
+    """``torch.accelerator._utils._get_device_index(device, optional=True)`` (_utils.py:5-26): an
+    int is returned as it is; a str becomes a ``torch.device``; a device of another type than
+    the accelerator's raises ``ValueError("{type} doesn't match the current accelerator
+    cuda.")`` (:15-18); no index: the current device index (:20-25)."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"{device.type} doesn't match the current accelerator cuda.")
+        if device.index is not None:
+            return device.index
+    return _current_device()
+
+
+def _accelerator_current_stream(device=None, /):
+    """``torch.accelerator.current_stream(device=None)`` (accelerator/__init__.py:220-232):
+    :func:`_accelerator_device_index`, then ``_accelerator_getStream`` -> c10
+    ``getCurrentCUDAStream`` (the index checked as :func:`_check_gpu` does); the stream
+    ``torch.cuda.current_stream()`` answers."""
+    _check_gpu(_accelerator_device_index(device))
+    return _CURRENT.stream
+
+
+def _accelerator_synchronize(device=None, /) -> None:
+    """``torch.accelerator.synchronize(device=None)`` (accelerator/__init__.py:246-270):
+    :func:`_accelerator_device_index`, then a device-wide wait, as ``torch.cuda.synchronize``
+    (:func:`_synchronize`, counted there)."""
+    _synchronize(_accelerator_device_index(device))
+
+
 def _device_properties_index(device) -> int:
     """``torch.cuda.get_device_properties(device)`` (cuda/__init__.py:725-741), which
     ``get_device_capability`` (:707-722) and ``get_device_name`` (:692-705) call:
@@ -478,6 +537,10 @@ def cuda_as_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.set_device", _set_device),
         mock.patch("torch.cuda.empty_cache", lambda: None),
         mock.patch("torch.cuda.is_current_stream_capturing", _is_current_stream_capturing),
+        # torch.accelerator on a CUDA build (see _accelerator_device_index): the stand-in GPU's
+        mock.patch("torch.accelerator.current_device_index", _current_device),
+        mock.patch("torch.accelerator.current_stream", _accelerator_current_stream),
+        mock.patch("torch.accelerator.synchronize", _accelerator_synchronize),
         mock.patch("torch.cuda.Stream", _FakeStream),
         mock.patch("torch.cuda.Event", _FakeEvent),
         mock.patch("torch.cuda.stream", _stream_context),
@@ -501,17 +564,26 @@ def cuda_as_cpu() -> Iterator[None]:
 
 
 def moved_megatron_sites(sites) -> list:
-    """The (file under megatron/core, line, text) sites whose line no longer contains the text
-    in the installed megatron-core: what an upgrade moved (empty when every site still holds)."""
+    """The ``(file under megatron/core, (line in 0.16.1, line in 0.19.2), text)`` sites that do
+    not hold in the installed megatron-core: its line (by ``compat.mcore_line()``) no longer
+    contains the text, or -- where that release's line is ``None``, the call being absent from
+    it -- the text is in the file after all. Empty when every site holds."""
     import os
 
     import megatron.core
 
+    from megatron_fastpath import compat
+
+    release = compat.CHECKED_MCORE_LINES.index(compat.mcore_line())
     root = os.path.dirname(megatron.core.__file__)
     moved = []
-    for rel, line_no, text in sites:
+    for rel, line_nos, text in sites:
+        line_no = line_nos[release]
         lines = open(os.path.join(root, rel), encoding="utf-8").read().splitlines()
-        if line_no > len(lines) or text not in lines[line_no - 1]:
+        if line_no is None:
+            if any(text in line for line in lines):
+                moved.append(f"megatron/core/{rel} contains {text!r}, listed as absent")
+        elif line_no > len(lines) or text not in lines[line_no - 1]:
             moved.append(f"megatron/core/{rel}:{line_no} no longer contains {text!r}")
     return moved
 

@@ -67,7 +67,8 @@ its graph-safe RNG tracker runs on fake generators. Megatron's ``FullCudaGraphWr
 (``megatron/core/full_cuda_graph.py``) needs nothing more: its ``torch.cuda.Stream`` /
 ``stream`` / ``synchronize`` / ``current_stream().wait_stream`` are ``cuda_as_cpu``'s.
 
-Megatron-Core 0.16.1 sites this covers (checked by ``tests/graphs/test_fake_cuda_graph.py``):
+Megatron-Core sites this covers (file:line in 0.16.1|0.19.2, the installed release's checked by
+``tests/graphs/test_fake_cuda_graph.py``):
 """
 
 from __future__ import annotations
@@ -85,24 +86,29 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin
+from tests.support.cuda_as_cpu import cuda_as_cpu, device_capability_standin, sites_doc
 from megatron_fastpath.compat import TORCH_RELEASE
 from megatron_fastpath.sync.sentinel import DATA_DEPENDENT_OPS, HOST_READ_METHODS
 
-# (file relative to megatron/core, line, text expected on that line)
+# (file relative to megatron/core, (line in 0.16.1, line in 0.19.2), text expected on that line;
+# None: the release makes no such call)
 MEGATRON_SITES = (
-    ("transformer/cuda_graphs.py", 830, "self.fwd_graph = torch.cuda.CUDAGraph()"),
-    ("transformer/cuda_graphs.py", 948, "with torch.cuda.graph("),
-    ("transformer/cuda_graphs.py", 1064, "with torch.cuda.graph(self.bwd_graph, pool=self.mempool)"),
-    ("transformer/cuda_graphs.py", 939, "torch.cuda.default_generators[device_idx]"),
-    ("transformer/cuda_graphs.py", 373, "torch.cuda.memory_stats()"),
-    ("transformer/cuda_graphs.py", 471, "torch.cuda.set_stream(torch.cuda.default_stream())"),
-    ("transformer/cuda_graphs.py", 1413, "torch.cuda.get_device_capability()[0] < 10"),
-    ("transformer/cuda_graphs.py", 1431, "torch.cuda.graph_pool_handle()"),
-    ("tensor_parallel/random.py", 12, "from torch.cuda import _lazy_call, _lazy_init"),
-    ("tensor_parallel/random.py", 66, "torch.cuda.default_generators[idx]"),
+    ("transformer/cuda_graphs.py", (830, 1187), "self.fwd_graph = torch.cuda.CUDAGraph()"),
+    ("transformer/cuda_graphs.py", (948, 1305), "with torch.cuda.graph("),
+    ("transformer/cuda_graphs.py", (1064, 1428), "with torch.cuda.graph(self.bwd_graph, pool=self.mempool)"),
+    ("transformer/cuda_graphs.py", (939, 1296), "torch.cuda.default_generators[device_idx]"),
+    ("transformer/cuda_graphs.py", (373, 567), "torch.cuda.memory_stats()"),
+    ("transformer/cuda_graphs.py", (471, 662), "torch.cuda.set_stream(torch.cuda.default_stream())"),
+    # CudaGraphManager.__init__'s expandable-segments check on pre-Blackwell GPUs (0.19 drops it)
+    ("transformer/cuda_graphs.py", (1413, None), "torch.cuda.get_device_capability()[0] < 10"),
+    ("transformer/cuda_graphs.py", (1431, 1838), "torch.cuda.graph_pool_handle()"),
+    # 0.19's forward-graph input buffers, allocated into the graph mempool (alloc_tensor_from_graph_mempool)
+    ("transformer/cuda_graphs.py", (None, 282), "torch._C._cuda_beginAllocateCurrentThreadToPool("),
+    ("transformer/cuda_graphs.py", (None, 289), "torch._C._cuda_endAllocateToPool("),
+    ("tensor_parallel/random.py", (12, 14), "from torch.cuda import _lazy_call, _lazy_init"),
+    ("tensor_parallel/random.py", (66, 129), "torch.cuda.default_generators[idx]"),
 )
-__doc__ += "\n".join(f"    megatron/core/{f}:{n}  {t}" for f, n, t in MEGATRON_SITES) + "\n"
+__doc__ += sites_doc(MEGATRON_SITES)
 
 # Files whose host reads touch tensors that are on the host on a GPU too.
 HOST_SIDE_FILES = ("megatron/core/tensor_parallel/random.py",)
@@ -250,6 +256,34 @@ class _PoolHandle:
 
 
 _capturing: list = []
+
+
+class _PoolAllocation(threading.local):
+    pools: list = []
+
+
+_ALLOCATING = _PoolAllocation()
+
+
+def _begin_allocate_to_pool(device, pool) -> None:
+    """``torch._C._cuda_beginAllocateCurrentThreadToPool(device, mempool_id)`` (torch 2.13's
+    binding: ``(int, tuple[int, int]) -> None``, a TypeError for other arguments; megatron-core
+    0.19.2 transformer/cuda_graphs.py:282 calls it with ``torch.cuda.current_device()`` and
+    ``CudaGraphManager.global_mempool``): this thread's allocations go to the pool until the
+    matching end. The stand-in's pool id is a :class:`_PoolHandle` (``graph_pool_handle()``
+    here); the allocations are host memory either way, so only the pairing is kept."""
+    if not isinstance(device, int) or not isinstance(pool, _PoolHandle):
+        raise TypeError("_cuda_beginAllocateCurrentThreadToPool(): incompatible function "
+                        f"arguments. Invoked with: {device!r}, {pool!r}")
+    _ALLOCATING.pools = _ALLOCATING.pools + [(device, pool)]
+
+
+def _end_allocate_to_pool(device, pool) -> None:
+    """``torch._C._cuda_endAllocateToPool(device, mempool_id)`` (0.19.2 cuda_graphs.py:289): ends
+    the allocation to that pool begun on this thread; ending one never begun is an error."""
+    if (device, pool) not in _ALLOCATING.pools:
+        raise RuntimeError(f"endAllocateToPool: not allocating to {pool!r} on device {device}")
+    _ALLOCATING.pools = [p for p in _ALLOCATING.pools if p != (device, pool)]
 
 
 class FakeCUDAGraph:
@@ -523,6 +557,8 @@ def fake_cuda_graphs() -> Iterator[None]:
         mock.patch("torch.cuda.CUDAGraph", FakeCUDAGraph),
         mock.patch("torch.cuda.graph", fake_graph),
         mock.patch("torch.cuda.graph_pool_handle", _PoolHandle),
+        mock.patch("torch._C._cuda_beginAllocateCurrentThreadToPool", _begin_allocate_to_pool, create=True),
+        mock.patch("torch._C._cuda_endAllocateToPool", _end_allocate_to_pool, create=True),
         mock.patch("torch.cuda.is_current_stream_capturing", lambda: bool(_capturing)),
         mock.patch("torch.cuda.memory_stats", _memory_stats),
         mock.patch("torch.cuda.get_device_capability", device_capability_standin((9, 0))),
@@ -540,6 +576,7 @@ def fake_cuda_graphs() -> Iterator[None]:
             yield
         finally:
             _capturing.clear()
+            _ALLOCATING.pools = []
 
 
 def reset_megatron_cuda_graphs() -> None:

@@ -50,6 +50,7 @@ def run_steps(model, steps: Sequence[Sequence], forward_step: Callable, seq_leng
     ``forward_step(mb, model) -> (output, loss_func)`` as Megatron's forward_step_func takes."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+    _main_grads(model)
     losses, grads = [], []
     for mbs in steps:
         for p in model.parameters():
@@ -65,6 +66,27 @@ def run_steps(model, steps: Sequence[Sequence], forward_step: Callable, seq_leng
         grads.append({n: (p.main_grad if hasattr(p, "main_grad") else p.grad).detach().clone()
                       for n, p in model.named_parameters() if p.requires_grad})
     return losses, grads
+
+
+def _main_grads(model) -> None:
+    """What Megatron's DDP gives each trained parameter, for a model not wrapped in it: a
+    ``main_grad`` buffer, and a hook moving each accumulated ``grad`` into it
+    (``_make_backward_post_hook``: ``param.main_grad.add_(param.grad.data); param.grad = None``,
+    0.16.1 and 0.19.2 distributed/distributed_data_parallel.py, 0.19.2 :468-494). 0.19.x's backward
+    graphs need it: they add the weight gradients into ``param.main_grad`` inside the graph
+    and hand autograd None (0.19.2 transformer/cuda_graphs.py:1440-1446, :870); 0.16.x's hand
+    autograd the gradients, which the hook moves. Eager and graphed runs read the same buffer.
+    Installed once per parameter (a parameter with a ``main_grad`` already has its mover)."""
+
+    def move(p):
+        if p.grad is not None:  # as DDP's hook: nothing accumulated, nothing to move
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad and not hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros_like(p)
+            p.register_post_accumulate_grad_hook(move)
 
 
 def graph_runners(model):

@@ -29,7 +29,8 @@ def test_device_arguments_stay_on_cpu():
 
 
 def test_covered_sites_still_exist():
-    """Each Megatron line the mode was written for still says what it said in 0.16.1."""
+    """Each Megatron line the mode was written for says what it says in the installed release
+    (0.16.1 or 0.19.2, each site citing both lines)."""
     moved = moved_megatron_sites(MEGATRON_SITES)
     assert not moved, "megatron-core moved the CUDA sites this mode covers:\n" + "\n".join(moved)
 
@@ -75,3 +76,28 @@ def test_explicit_device_waits_counted():
         torch.cuda.synchronize()
         torch.cuda.synchronize(0)
     assert CALLS["torch.cuda.synchronize"] - before == 2
+
+
+def test_accelerator_stream_calls_are_the_stand_in_gpus():
+    """torch 2.13's optimizers ask ``torch.accelerator.current_stream().is_capturing()`` on a CUDA
+    build (optim/optimizer.py:448-466): the stand-in GPU answers, with the real argument checks."""
+    with cuda_as_cpu():
+        assert torch.accelerator.current_device_index() == 0
+        assert torch.accelerator.current_stream() is torch.cuda.current_stream()
+        assert torch.accelerator.current_stream(0) is torch.cuda.current_stream()
+        assert torch.accelerator.current_stream().is_capturing() is False
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            assert torch.accelerator.current_stream("cuda") is s
+        with pytest.raises(ValueError, match="^cpu doesn't match the current accelerator cuda.$"):
+            torch.accelerator.current_stream("cpu")
+        with pytest.raises(RuntimeError, match=r"^Device index value 1 is out of index range \[0, 1\)$"):
+            torch.accelerator.current_stream(1)
+        torch.accelerator.synchronize()
+        p = torch.nn.Parameter(torch.ones(2, device="cuda"))
+        p.grad = torch.ones(2, device="cuda")
+        torch.optim.AdamW([p], lr=0.1).step()  # the capture health check runs on a CUDA build
+    ref = torch.nn.Parameter(torch.ones(2))  # the same step on the CPU, outside the block
+    ref.grad = torch.ones(2)
+    torch.optim.AdamW([ref], lr=0.1).step()
+    assert torch.equal(p.detach(), ref.detach())
