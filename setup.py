@@ -38,6 +38,31 @@ setup(
             "pyarrow==21.*",
             "leptonai==0.26.*",
         ],
+        # Megatron-Bridge 0.6 recipes + finetune path (Python 3.12, megatron-core 0.19.x), CPU
+        # machines: megatron-bridge itself goes in with --no-deps (its own requirements pull
+        # flashinfer, TE, mlflow, comet-ml, timm, ...); these are what `import megatron.bridge`,
+        # megatron.bridge.training.finetune / gpt_step and megatron.bridge.recipes import at
+        # module level (file:line of the first import of each, Bridge 0.6.2). Bridge also
+        # imports transformer_engine unconditionally (peft/lora_layers.py:20): on a CPU machine
+        # only the tests' fake TE stands in. Conflicts with "test" / "hf-test" (transformers 4.57).
+        "bridge": [
+            "transformers>=5.8,<=5.12.1",  # Bridge's pin; models/*/..._bridge.py (package __init__)
+            "omegaconf>=2.3",  # models/config.py:22
+            "hydra-core>=1.3.4,<1.4",  # Bridge's pin; training/utils/omegaconf_utils
+            "einops", "six>=1.17", "rich",  # installed with the above, from Bridge's list
+            "datasets>=3.0,<6",  # data/datasets/gpt_sft.py:23
+            "megatron-energon>=7,<8",  # data/energon/base_energon_datamodule.py:19 (data/builders)
+            "tensorboard>=2.19",  # torch.utils.tensorboard via the training logger
+            "wandb==0.29.0",  # Bridge's pin
+            "nvidia-modelopt>=0.40,<0.50",  # training/checkpointing.py:56, gpt_step.py:19
+            # training/pretrain.py:19 (inprocess.CallWrapper); megatron-core 0.19.2 refuses < 0.6
+            # once it is installed (dist_checkpointing/strategies/nvrx.py:85 reads __version__,
+            # NVRX_MIN_VERSION 0.6.0); >= 0.5 ships manylinux_2_39 wheels only (glibc >= 2.39)
+            "nvidia-resiliency-ext>=0.6,<0.8",
+            "psutil", "pydantic>=2", "nvidia-ml-py",  # nvidia-resiliency-ext's imports
+            "diffusers>=0.36",  # diffusion/conversion/flux/flux_bridge.py:18 (package __init__)
+            "accelerate", "peft>=0.18.1",  # Bridge's list (installed together with diffusers)
+        ],
         # model=hf / data=jsonl at run time (no transformers needed) + metrics backends.
         "hf": [
             "safetensors>=0.4.3",

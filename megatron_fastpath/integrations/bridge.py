@@ -28,8 +28,10 @@ Usage (inside a Bridge container)::
     cfg, forward_step = apply_fastpath_to_config(cfg)   # cfg: a Bridge ConfigContainer
     finetune(cfg, forward_step)
 
-Not exercised on this project's CI (no Bridge there): the framework-independent parts
-(settings, layer spec, host ``cu_seqlens`` reading, slot ring) are tested with the NeMo hook.
+On a CPU machine Bridge 0.6 imports only with a stand-in Transformer Engine
+(``megatron/bridge/peft/lora_layers.py:20`` imports it unconditionally):
+``tests/integrations/test_bridge_recipe_cpu.py`` takes Bridge's PEFT recipe through this hook
+with the tests' fake TE; docs/integrations.md lists what else Bridge needs there.
 """
 
 from __future__ import annotations
