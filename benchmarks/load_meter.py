@@ -19,6 +19,25 @@ import os
 import time
 
 NOISY_PER_CORE = 0.5
+BASELINE_MCORE = "0.16.1"  # the megatron-core of the results JSON without a version suffix
+
+
+def megatron_core_version() -> str | None:
+    """The installed megatron-core's version (the Megatron side of every comparison), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def results_name(name: str, version: str | None = None) -> str:
+    """A results JSON's file name: ``name.json`` for megatron-core 0.16.1 (the first runs),
+    ``name_mcore<version>.json`` for any other line (one JSON per version: the two cannot be
+    imported in one process)."""
+    version = megatron_core_version() if version is None else version
+    return f"{name}.json" if version in (None, BASELINE_MCORE) else f"{name}_mcore{version}.json"
 
 
 def _busy_seconds() -> float | None:
@@ -62,6 +81,7 @@ class LoadMeter:
         noisy = self.load_start / self.cores > NOISY_PER_CORE or (
             ext is not None and ext / self.cores > NOISY_PER_CORE)
         return dict(
+            megatron_core=megatron_core_version(),
             cores=self.cores,
             load_average_1min_at_start=round(self.load_start, 3),
             load_average_1min_at_end=round(self.load_end, 3),

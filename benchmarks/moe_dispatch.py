@@ -129,7 +129,10 @@ def _megatron_permute(inp):
     from megatron.core.transformer.moe.moe_utils import permute
 
     T, k = inp["ids"].shape
-    return permute(inp["x"], inp["map_TE"], probs=inp["probs_TE"], num_out_tokens=T * k)
+    # 0.16.1 returns (permuted, probs, sorted_indices); 0.19.2 appends (pad_offsets,
+    # tokens_per_expert) (megatron/core/transformer/moe/moe_utils.py:337, its return at :467)
+    out = permute(inp["x"], inp["map_TE"], probs=inp["probs_TE"], num_out_tokens=T * k)
+    return out[:3]
 
 
 def _megatron_unpermute(y, sorted_idx, inp):

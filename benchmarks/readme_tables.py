@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # load_meter, beside this file
-from load_meter import describe  # noqa: E402
+from load_meter import BASELINE_MCORE, describe, results_name  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PACKED_NAMES = {"cache": "ours (cache)", "rebuild_per_layer": "(a) rebuild per layer",
@@ -37,6 +37,40 @@ def packed_seq(d) -> str:
             out.append(f"| {layers} | {label} | {r['host_syncs_per_step']} | "
                        f"{r['metadata_ops_per_step']} | {r['mask_tensors_saved_per_step']} | "
                        f"{r['fwd_bwd_ms']:.0f} | {r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.3f} |")
+    return "\n".join(out)
+
+
+def _both(new, old, fmt="{}") -> str:
+    """``new`` alone where the two megatron-core lines agree, else ``new (old)``."""
+    a, b = fmt.format(new), fmt.format(old)
+    return a if a == b else f"{a} ({b})"
+
+
+def packed_seq_versions(d, base) -> str:
+    """The packed-sequence rows on a later megatron-core (``d``) with the 0.16.1 run's figure
+    (``base``) in brackets where it differs. Times are not compared across the two files (two
+    processes, two machine states): each ratio is inside its own run."""
+    rows = {(r["variant"], r["layers"]): r for r in d["results"]}
+    old = {(r["variant"], r["layers"]): r for r in base["results"]}
+    v = d.get("megatron_core", "?")
+    out = [f"| L | variant | host syncs / step, {v} ({BASELINE_MCORE}) "
+           f"| metadata ops / step, {v} ({BASELINE_MCORE}) | aten ops / step, {v} "
+           f"| fwd+bwd ms (min), {v} | baseline / ours (fwd+bwd), {v} ({BASELINE_MCORE}) |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for layers in sorted({L for _, L in rows}):
+        ours, ours_old = rows[("cache", layers)], old.get(("cache", layers))
+        for variant, label in PACKED_NAMES.items():
+            r, o = rows[(variant, layers)], old.get((variant, layers))
+            ratio = r["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+            syncs, meta = r["host_syncs_per_step"], r["metadata_ops_per_step"]
+            if o is None:
+                cells = [str(syncs), str(meta), f"{ratio:.3f}"]
+            else:
+                cells = [_both(syncs, o["host_syncs_per_step"]),
+                         _both(meta, o["metadata_ops_per_step"]),
+                         _both(ratio, o["fwd_bwd_ms"] / ours_old["fwd_bwd_ms"], "{:.3f}")]
+            out.append(f"| {layers} | {label} | {cells[0]} | {cells[1]} | "
+                       f"{r['aten_ops_per_step']} | {r['fwd_bwd_ms']:.0f} | {cells[2]} |")
     return "\n".join(out)
 
 
@@ -143,14 +177,55 @@ TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload"
           ("data_stream", data_stream))
 
 
+MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",
+              "e_megatron_tegrouped_mlp": "(e) Megatron `permute`/`unpermute` + one `tolist` + grouped GEMM",
+              "f_megatron_permute_dispatch_only": "(f) Megatron `permute`/`unpermute`, dispatch only",
+              MOE_OURS: "(d) ours, dispatch only"}
+
+
+def moe_dispatch_versions(d, base) -> str:
+    """Megatron's MoE rows on a later megatron-core (``d``), 0.16.1's counts in brackets where
+    they differ; times and ratios are ``d``'s own run."""
+    old = {(r["expert_width"], r["experts"], r["topk"], r["variant"]): r for r in base["results"]}
+    v = d.get("megatron_core", "?")
+    out = [f"| width | E | k | variant | host syncs / layer, {v} ({BASELINE_MCORE}) "
+           f"| aten ops, {v} ({BASELINE_MCORE}) | fwd+bwd ms (min), {v} | this / ours, {v} |",
+           "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    by = {(r["expert_width"], r["experts"], r["topk"], r["variant"]): r for r in d["results"]}
+    for w, E, k in sorted({key[:3] for key in by}):
+        ours = by[(w, E, k, MOE_OURS)]["fwd_bwd_ms"]
+        for variant, label in MOE_LABELS.items():
+            r, o = by.get((w, E, k, variant)), old.get((w, E, k, variant), {})
+            if r is None:
+                continue
+            out.append(f"| {w} | {E} | {k} | {label} | "
+                       f"{_both(r['host_syncs_per_layer'], o.get('host_syncs_per_layer', r['host_syncs_per_layer']))} | "
+                       f"{_both(r['aten_ops'], o.get('aten_ops', r['aten_ops']))} | "
+                       f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ms'] / ours:.2f} |")
+    return "\n".join(out)
+
+
+# tables of a later megatron-core's run beside the 0.16.1 one: (name, version, formatter(d, base))
+VERSIONED = (("packed_seq", "0.19.2", packed_seq_versions),
+             ("moe_dispatch", "0.19.2", moe_dispatch_versions))
+
+
 def tables(results_dir: str = RESULTS) -> dict:
-    """name -> (load line, table) for every results JSON present."""
+    """name -> (load line, table) for every results JSON present; a later megatron-core's
+    run as ``name_mcore<version>`` (its JSON beside the 0.16.1 one)."""
     out = {}
     for name, fmt in TABLES:
         path = os.path.join(results_dir, f"{name}.json")
         if os.path.exists(path):
             d = _load(path)
             out[name] = (describe(d.get("environment", d)), fmt(d))
+    for name, version, fmt in VERSIONED:
+        path = os.path.join(results_dir, results_name(name, version))
+        base = os.path.join(results_dir, f"{name}.json")
+        if os.path.exists(path) and os.path.exists(base):
+            d = _load(path)
+            out[os.path.basename(path)[:-5]] = (describe(d.get("environment", d)),
+                                                fmt(d, _load(base)))
     return out
 
 

@@ -57,3 +57,16 @@ def test_another_process_is_external_load():
     other.kill()
     other.wait()
     assert m.external_cores_busy() * (m.t1 - m.t0) >= 0.5 - TICK
+
+
+def test_report_names_the_megatron_core_it_ran_against():
+    from importlib import metadata
+
+    with LoadMeter() as m:
+        pass
+    assert m.report()["megatron_core"] == metadata.version("megatron-core")
+
+
+def test_results_name_keeps_0_16_1_unsuffixed_and_suffixes_other_lines():
+    assert load_meter.results_name("packed_seq", "0.16.1") == "packed_seq.json"
+    assert load_meter.results_name("packed_seq", "0.19.2") == "packed_seq_mcore0.19.2.json"
