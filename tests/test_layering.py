@@ -91,6 +91,43 @@ def test_the_layering_check_sees_a_planted_import():
     assert train_imports_outside_train(planted) == ["hf/x.py:1", "moe/y.py:1", "z.py:1"]
 
 
+def train_package_imports_inside_train(sources) -> list[str]:
+    """``train/__init__.py`` is the entry point (``main``) and the public names, on top of the
+    loop (``train/loop.py``) and the rest of ``train/``: a module of ``train/`` imports its
+    siblings (``megatron_fastpath.train.<module>``), never the package itself; only
+    ``__main__.py`` does (``from megatron_fastpath.train import main``)."""
+    train_dir = os.path.join(ROOT, "train")
+    siblings = {fn[:-3] for fn in os.listdir(train_dir) if fn.endswith(".py")}
+    hits = {}
+    for rel, src in sources:
+        if not rel.startswith("train" + os.sep) or rel in (os.path.join("train", "__init__.py"),
+                                                          os.path.join("train", "__main__.py")):
+            continue
+        for node in ast.walk(ast.parse(src, rel)):
+            if isinstance(node, ast.ImportFrom) and node.module == "megatron_fastpath.train" \
+                    and any(a.name not in siblings for a in node.names):
+                hits[f"{rel}:{node.lineno}"] = None
+            elif isinstance(node, ast.Import) and any(a.name == "megatron_fastpath.train" for a in node.names):
+                hits[f"{rel}:{node.lineno}"] = None
+    return list(hits)
+
+
+def test_only_the_entry_point_imports_the_train_package():
+    assert train_package_imports_inside_train(package_sources()) == []
+    sources = dict(package_sources())
+    loop = {m for _, m in imports_of(sources[os.path.join("train", "__init__.py")], "__init__.py")}
+    assert "megatron_fastpath.train.loop" in loop  # run / train come from the loop
+
+
+def test_the_train_package_check_sees_a_planted_import():
+    planted = [(os.path.join("train", "loop.py"), "from megatron_fastpath.train import run\n"),
+               (os.path.join("train", "step.py"), "import megatron_fastpath.train\n"),
+               (os.path.join("train", "job.py"), "from megatron_fastpath.train import config, step\n"),
+               (os.path.join("train", "__main__.py"), "from megatron_fastpath.train import main\n")]
+    assert train_package_imports_inside_train(planted) == [os.path.join("train", "loop.py") + ":1",
+                                                           os.path.join("train", "step.py") + ":1"]
+
+
 def hf_imports_in_train(sources) -> list[str]:
     """The main job picks its model and data through ``providers`` (``hf`` registers the
     Hugging Face pair): an import of ``megatron_fastpath.hf`` from ``train/`` is a violation."""

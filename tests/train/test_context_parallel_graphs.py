@@ -50,18 +50,19 @@ def _launch() -> None:
     from unittest import mock
 
     import megatron_fastpath.train as train_mod
+    from megatron_fastpath.train import loop
     from tests.support import graph_safe_standins
     from tests.support.graph_safe_standins import gpu_standins
     from tests.support.cp_graphs import counting_replays, layer_graphs
 
     jobs, replayed = [], collections.Counter()
-    real_build, real_waited = train_mod.build_job, graph_safe_standins._waited
+    real_build, real_waited = loop.build_job, graph_safe_standins._waited
 
     def build_job(cfg):
         jobs.append(real_build(cfg))
         return jobs[-1]
 
-    with mock.patch.object(train_mod, "build_job", build_job), \
+    with mock.patch.object(loop, "build_job", build_job), \
             mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
             gpu_standins():
         train_mod.main()

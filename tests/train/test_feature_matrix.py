@@ -1112,7 +1112,7 @@ def test_a_run_never_reads_the_raw_backend_settings(mcore_parallel, tmp_path):
         return dataclasses.replace(job, fastpath=fast)
 
     autos = [c for c in runnable() if c["attention"] == "auto" and c["experts"] is not NA and c["lora"]]
-    with mock.patch("megatron_fastpath.train.parse_job_config", parse):
+    with mock.patch("megatron_fastpath.train.loop.parse_job_config", parse):
         for k, combo in enumerate([next(c for c in autos if c["graphs"]), next(c for c in autos if c["offload"])]):
             straight_vs_resumed(config_tree(combo), tmp_path / str(k), feature(combo))
 
