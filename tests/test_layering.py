@@ -302,3 +302,41 @@ def test_the_suite_check_sees_each_planted_form():
     assert suite_import_problems(planted, "t.py") == [
         "t.py:2 edits sys.path", "t.py:3 imports the test module test_other",
         "t.py:4 imports the test module tests.hf.test_hf_parity"]
+
+
+# Modules under tests/ that run as a script but are no child process of a test: a person runs
+# them (or, for the two feature matrices, each shard launch runs the test module itself).
+SCRIPTS_OUTSIDE_WORKERS = {
+    os.path.join("slurm", "slurm_cluster.py"): "a person's `up` / `down` of the local cluster (docs/slurm.md)",
+    os.path.join("support", "standin_registry.py"): "writes docs/cuda-graphs.md's stand-in table",
+    os.path.join("train", "test_feature_matrix.py"): "its shard launches run `-m tests.train.test_feature_matrix`",
+    os.path.join("integrations", "test_hook_feature_matrix.py"):
+        "its shard launches run `-m tests.integrations.test_hook_feature_matrix`",
+}
+
+
+def scripts_outside_workers(sources) -> list[str]:
+    """Modules of the suite with a module-level ``if __name__ == "__main__":`` (a child-process
+    entry: torchrun / ``python -m`` / a path) outside ``tests/workers/``."""
+    found = []
+    for rel, src in sources:
+        if rel.startswith("workers" + os.sep) or rel in SCRIPTS_OUTSIDE_WORKERS:
+            continue
+        for node in ast.parse(src, rel).body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ('__name__ == "__main__"',
+                                                                      "__name__ == '__main__'"):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_child_process_workers_live_in_tests_workers():
+    assert scripts_outside_workers(suite_sources()) == []
+    present = {rel for rel, _ in suite_sources()}
+    assert set(SCRIPTS_OUTSIDE_WORKERS) <= present, set(SCRIPTS_OUTSIDE_WORKERS) - present
+
+
+def test_the_workers_check_sees_a_planted_script():
+    planted = [(os.path.join("train", "x_worker.py"), 'def f():\n    pass\n\nif __name__ == "__main__":\n    f()\n'),
+               (os.path.join("workers", "y_worker.py"), 'if __name__ == "__main__":\n    pass\n'),
+               (os.path.join("support", "z.py"), 'def g():\n    if __name__ == "__main__":\n        pass\n')]
+    assert scripts_outside_workers(planted) == [os.path.join("train", "x_worker.py") + ":4"]

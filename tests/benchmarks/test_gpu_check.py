@@ -44,7 +44,7 @@ def test_every_job_parses_on_cuda_with_te_and_flash():
     """A full GPU machine: TE (the fake TE, a child process: it must be importable before
     Megatron) and flash-attn installed; ``auto`` resolves to TE's attention. At 7fa56a5 the
     full-iteration jobs (``use_te_rng_tracker=false``) were refused there."""
-    proc = subprocess.run([sys.executable, "-m", "tests.support.gpu_check_parse_worker"],
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.gpu_check_parse_worker"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=job_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

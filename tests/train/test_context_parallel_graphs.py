@@ -24,60 +24,20 @@ What is checked:
 * on a CPU device the same request runs the graph-safety audit in place of the capture, and
   it passes at CP=2 (strict audit: a finding would fail the run).
 
-Run as a module (``python -m tests.train.test_context_parallel_graphs <overrides>``) it is the
-launcher of one rank: the main job inside the stand-ins, then this rank's graph counts written
-to ``$CP_GRAPHS_STATS/rank<r>.json``.
+Each rank of a launch runs ``tests/workers/cp_graphs_worker.py``: the main job inside the
+stand-ins, then this rank's graph counts written to ``$CP_GRAPHS_STATS/rank<r>.json``.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from tests.support.cp_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA,
                                      FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
 
-ENTRY = ["-m", "tests.train.test_context_parallel_graphs"]
-
-
-# ------------------------------------------------------------------------------ the launcher
-def _launch() -> None:
-    """One rank: the main job inside the stand-ins; counts written after it returns."""
-    from unittest import mock
-
-    import megatron_fastpath.train as train_mod
-    from megatron_fastpath.train import loop
-    from tests.support import graph_safe_standins
-    from tests.support.graph_safe_standins import gpu_standins
-    from tests.support.cp_graphs import counting_replays, layer_graphs
-
-    jobs, replayed = [], collections.Counter()
-    real_build, real_waited = loop.build_job, graph_safe_standins._waited
-
-    def build_job(cfg):
-        jobs.append(real_build(cfg))
-        return jobs[-1]
-
-    with mock.patch.object(loop, "build_job", build_job), \
-            mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
-            gpu_standins():
-        train_mod.main()
-    (job,) = jobs
-    layers = layer_graphs(job.model)
-    steps = job.cfg.training.steps
-    packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
-                for s in range(1, steps + 1)]
-    rank = int(os.environ.get("RANK", "0"))
-    out = Path(os.environ["CP_GRAPHS_STATS"]) / f"rank{rank}.json"
-    out.write_text(json.dumps(dict(layers=layers, replayed=dict(replayed), packings=packings)))
-
-
-if __name__ == "__main__":
-    _launch()
+ENTRY = ["-m", "tests.workers.cp_graphs_worker"]
 
 
 # --------------------------------------------------------------------------------- the tests

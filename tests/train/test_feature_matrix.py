@@ -39,7 +39,7 @@ features the config accepts, parsed the way the main job parses it and, where ac
 * **Runs** (integration tier): every accepted world-1 combination of both worlds and every
   world-2 one without TE runs -- of the TE world's world-2 ones a pairwise cover per layout
   (:data:`TE_WORLD2_NOT_RUN`) --, in worker
-  processes that train their combinations one after the other (tests/support/matrix_worker.py)
+  processes that train their combinations one after the other (tests/workers/matrix_worker.py)
   -- the world-1 ones (status ``RUN``) dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
   (``WORLD2``, one parallel size 2) per layout in ``W2_PARTS`` ``torchrun`` launches of 2
@@ -806,7 +806,7 @@ def render() -> str:
         "parallelism's split sizes, once per layer and microbatch, and with sequence parallelism",
         "on Megatron's RNG tracker its CPU-state check, twice per microbatch; the stand-ins' own",
         "checks are unseen by the sentinel). A worker process",
-        "(`tests/support/matrix_worker.py`) trains a shard's combinations one after the other:",
+        "(`tests/workers/matrix_worker.py`) trains a shard's combinations one after the other:",
         "world 1 in 2 processes at once (the 2 cores), world 2 in one `torchrun` launch of 2.",
         "",
         *axes_table(axes()),
@@ -1195,7 +1195,7 @@ TIMEOUT = 1800  # s, one launch (~15-35 combinations, ~2-3 s each on an idle mac
 
 
 def _start(combos: list, d: Path, nproc: int):
-    """A launch of tests/support/matrix_worker.py training ``combos`` (under torchrun when
+    """A launch of tests/workers/matrix_worker.py training ``combos`` (under torchrun when
     ``nproc`` > 1; with the fake TE importable for the TE world's), its output in ``d``;
     returns (process, results prefix, log)."""
     import json
@@ -1213,7 +1213,7 @@ def _start(combos: list, d: Path, nproc: int):
     spec.write_text(json.dumps([{"label": c.label, "tree": config_tree(c), "feature": feature(c)}
                                 for c in combos]))
     cmd = main_job_cmd([str(spec), str(out), str(d)] + (["--te"] if te else []), nproc=nproc,
-                       entry=["-m", "tests.support.matrix_worker"])
+                       entry=["-m", "tests.workers.matrix_worker"])
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=d, env=te_env() if te else job_env(), stdout=f,
                                 stderr=subprocess.STDOUT, text=True)
@@ -1286,7 +1286,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
     """Integration tier: a shard of the runnable (world-1) combinations of one
     ``transformer_engine`` world in 2 processes at once (the machine's 2 cores; with the fake
     TE importable for the TE world), each training its half one after the other
-    (tests/support/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
+    (tests/workers/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
     combos = shards()[world1_id(world, index)]
     lines, failures = _run_world1(combos, tmp_path)
     _report(world1_id(world, index), lines + _shared_lines(combos), failures, capsys)
@@ -1301,7 +1301,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
 def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
     """Integration tier: a shard of the world-2 combinations of one layout and world, in ONE
     ``torchrun`` launch of 2 processes (gloo, each inside the GPU stand-ins) that trains them one
-    after the other (tests/support/matrix_worker.py): straight vs resumed, the losses and
+    after the other (tests/workers/matrix_worker.py): straight vs resumed, the losses and
     learning rates on both ranks and each rank's final parameters equal."""
     combos = shards()[world2_id(world, layout, part)]
     assert combos
