@@ -1,4 +1,4 @@
-"""Bounded-memory tokenize-and-pack (issue 26 item 3): the streamed data path gives the SAME
+"""Bounded-memory tokenize-and-pack: the streamed data path gives the SAME
 samples, held-out split and bins as the path before it (reconstructed below from that commit:
 the whole file split into lines, a list of arrays per record, groups in a dict, first-fit
 scanning every open bin), and ``benchmarks/data_stream.py`` reports records/s, bins and peak

@@ -1,4 +1,4 @@
-"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` run on CPU (issue 26 item 5): a NeMo 2 LoRA
+"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` run on CPU: a NeMo 2 LoRA
 recipe (``llm.llama32_1b.finetune_recipe``, packed sequences) with the fast path trains three
 steps under the test-only CUDA-as-CPU mode (``tests/support/nemo_on_cpu.py``: what it stands
 in for and why) and gives the main job's per-token losses on the same weights and data.

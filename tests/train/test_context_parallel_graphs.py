@@ -1,4 +1,4 @@
-"""Context parallelism with per-layer CUDA graphs (issue 23): the main job at CP=2 with
+"""Context parallelism with per-layer CUDA graphs: the main job at CP=2 with
 ``fastpath.cuda_graphs=true`` under ``torchrun`` (2 processes, gloo), each process inside the
 GPU stand-ins (``tests/support/graph_safe_standins.py``: CUDA-as-CPU mode, the fake CUDA graph
 that replays captured collectives) on ``training.device=cuda``, so Megatron's own
@@ -20,7 +20,7 @@ What is checked:
   data packs identically at CP=1 and CP=2, only the order of floating-point sums differs). The
   gradient norm guards the GPU step's loss scaling: Megatron's schedule multiplies the loss by
   the CP size, which ``train.step.gpu_train_step`` divides out (without it the GPU step's CP=2
-  gradients were twice CP=1's; the CPU-path tests could not see it);
+  gradients would be twice CP=1's; the CPU-path tests cannot see it);
 * on a CPU device the same request runs the graph-safety audit in place of the capture, and
   it passes at CP=2 (strict audit: a finding would fail the run).
 

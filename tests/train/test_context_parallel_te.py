@@ -1,4 +1,4 @@
-"""Context parallelism with the ``te`` attention backend (issue 23 item 2): the main job at CP=2
+"""Context parallelism with the ``te`` attention backend: the main job at CP=2
 on ``training.device=cuda`` inside the GPU stand-ins, where Transformer Engine's
 ``DotProductAttention`` is ``tests/support/gpu_standins.TEDotProductAttentionStandIn``: it takes
 the CP arguments Megatron's ``TEDotProductAttention`` hands TE, asserts TE 2.9-2.11's THD + CP

@@ -1,5 +1,5 @@
-"""Context parallelism with the ``te`` attention backend under per-layer CUDA graphs (issue 23,
-the MLPerf Llama-2-70B LoRA layout's attention): the main job at CP=2 on ``training.device=cuda``
+"""Context parallelism with the ``te`` attention backend under per-layer CUDA graphs (the
+MLPerf Llama-2-70B LoRA layout's attention): the main job at CP=2 on ``training.device=cuda``
 inside the GPU stand-ins, Transformer Engine's ``DotProductAttention`` answered by
 ``tests/support/gpu_standins.TEDotProductAttentionStandIn`` (TE 2.9-2.11's THD + CP contract
 asserted, attention over all-gathered K/V with a mask built from ``cu_seqlens`` on the device),

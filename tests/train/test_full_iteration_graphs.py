@@ -1,4 +1,4 @@
-"""Full-iteration CUDA graphs (issue 24): the main job's GPU step (``training.device=cuda``, run
+"""Full-iteration CUDA graphs: the main job's GPU step (``training.device=cuda``, run
 on the CPU inside the GPU stand-ins: CUDA-as-CPU mode and the fake CUDA graph, whose capture
 runs nothing a replay does not) with ``cuda_graphs.scope=full_iteration``.
 

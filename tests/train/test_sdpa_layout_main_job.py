@@ -1,4 +1,4 @@
-"""The main job sizes the packed cache from its data (issue 25 item 1) and, with the sdpa
+"""The main job sizes the packed cache from its data and, with the sdpa
 backend, attends through the padded view where it computes fewer scores (item 2): the same
 losses and gradient norms as the [T, T] mask layout, and the startup line says which."""
 
@@ -51,10 +51,10 @@ def test_bad_layout_refused_at_parse():
 @pytest.mark.parametrize("layout, backend", [("auto", "sdpa"), ("padded", "sdpa"), ("mask", "flex")])
 def test_auto_backend_above_the_mask_limit_stays_on_sdpa_unless_the_layout_is_the_mask(
         monkeypatch, layout, backend):
-    """Issue 25 review: on CUDA without TE / flash-attn, attention_backend=auto above the [T, T]
-    mask's limit (16384 tokens) picked flex whatever fastpath.sdpa_layout said, though the
-    padded view has no mask. The limit now binds the mask layout only (packed_seq.cache.
-    sdpa_max_tokens); auto's layout takes the padded view there, so sdpa serves it."""
+    """On CUDA without TE / flash-attn, attention_backend=auto above the [T, T]
+    mask's limit (16384 tokens) picks flex only for the mask layout: the limit binds the mask
+    layout alone (packed_seq.cache.sdpa_max_tokens; the padded view has no mask), and auto's
+    layout takes the padded view there, so sdpa serves it."""
     monkeypatch.setattr(_optional, "have", lambda name: False)  # no TE, no flash-attn
     t = 2 * DEFAULT_SDPA_MASK_MAX_TOKENS
     with cuda_as_cpu():
