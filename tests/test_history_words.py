@@ -22,7 +22,7 @@ PATTERNS = {
     "tracker number": re.compile(r"(?<![\w/&.-])#\d{2,}\b"),
     "review item": re.compile(r"(?<![\w.-])G\d{1,2}(?=[:),])"),
     "numbered session": re.compile(r"\bsession \d+", re.I),
-    "previously": re.compile(r"\bpreviously\b", re.I),
+    "previously": re.compile(r"\bpreviously\b|\bprevious (?:code|version|commit)\b", re.I),
     # "X used to be / keep ..." (an earlier state); "is used to compute" (a purpose) is fine
     "used to": re.compile(r"(?<!\bis )(?<!\bare )(?<!\bbe )(?<!\bbeen )(?<!\bbeing )(?<!\bwas )"
                           r"(?<!\bwere )(?<!, )(?<!\bget )(?<!\bgets )\bused to\b", re.I),
@@ -86,11 +86,12 @@ def test_the_check_sees_each_planted_form():
         "## Session 12",
         "It used to be seeded only with graphs on.",
         "the cache previously matched params by identity",
+        "On the previous code it failed.",
         "a buffer is used to compute the mask",      # a purpose: fine
         "fused torch AdamW",                         # not "used to"
         "NVIDIA/Megatron-LM#4433 removed it",        # an upstream reference: fine
         "the G-axis, step 40, commit abc1234",
     ])
     assert [h.split(": [")[0] for h in history_hits("x.py", planted)] == [
-        "x.py:1", "x.py:2", "x.py:3", "x.py:4", "x.py:5", "x.py:6", "x.py:7"]
+        "x.py:1", "x.py:2", "x.py:3", "x.py:4", "x.py:5", "x.py:6", "x.py:7", "x.py:8"]
     assert history_hits("x.py", "from issue 23 of the journal")[0].endswith("from issue 23 of the journal")

@@ -246,7 +246,7 @@ def build_job(cfg: JobConfig) -> Job:
 
         path = full_iteration_train_step
     step = path(model, tcfg, cfg.training, cache)
-    audit = _build_audit(cfg, model)  # after the step path, as it always was
+    audit = _build_audit(cfg, model)  # after the step path
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model, step=step, data=parts.train, offload=offload,
         audit=audit, rank=torch.distributed.get_rank(),

@@ -83,8 +83,8 @@ def test_lora_graphs_with_zero_warmup_planned():
 @pytest.mark.parametrize("lora, warmup", [(True, 0), (False, 3)])
 def test_default_warmup_is_zero_with_lora_on_cuda(lora, warmup):
     """The main job's LoRA + per-layer graphs job at the default ``cuda_graphs.warmup_steps``
-    parses on CUDA (stand-ins): the default resolves to 0 with LoRA, 3 without (at 7fa56a5 the
-    default 3 was refused by ``rules._lora_graph_warmup`` whenever graphs are captured)."""
+    parses on CUDA (stand-ins): the default resolves to 0 with LoRA, 3 without (3 with LoRA is refused
+    by ``rules._lora_graph_warmup`` whenever graphs are captured)."""
     from megatron_fastpath.train import parse_job_config
     from tests.support.graph_safe_standins import gpu_standins
 

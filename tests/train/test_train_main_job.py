@@ -178,8 +178,8 @@ def test_moe_with_tensor_parallelism_refused_at_parse():
 ])
 def test_cuda_only_packages_on_a_cpu_refused_at_parse(monkeypatch, overrides, named):
     """With Transformer Engine / flash-attn installed, a job on training.device=cpu using them
-    was accepted and failed at its first forward (TE: 'TransformerEngine needs CUDA.'); found by
-    running the main job on the fake Transformer Engine (tests/te_standin)."""
+    is refused at parse, not at its first forward (TE: 'TransformerEngine needs CUDA.', as the
+    main job shows on the fake Transformer Engine, tests/te_standin)."""
     from megatron_fastpath import _optional
     from megatron_fastpath.attention import core_attention
     from megatron_fastpath.train import parse_job_config
