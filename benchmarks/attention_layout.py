@@ -1,5 +1,5 @@
 """The sdpa backend's two layouts on one packed batch: the [T, T] mask vs the packed-to-padded
-view (issue 25). One ``PackedCoreAttention`` layer (GQA 8 heads / 2 groups, head dim 64, fp32),
+view. One ``PackedCoreAttention`` layer (GQA 8 heads / 2 groups, head dim 64, fp32),
 forward + backward, min over repeats, both layouts in one process on the same q / k / v. Counts
 beside the times: attention scores computed (T^2 vs S * M^2) and the mask's bytes.
 

@@ -42,7 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # load_meter
 from load_meter import LoadMeter  # noqa: E402
 
-OLD_COMMIT = "0607857"  # the data path before streaming (issue 26 item 3)
+OLD_COMMIT = "0607857"  # the data path before streaming
 OLD_FILES = ("megatron_fastpath/hf/data.py", "megatron_fastpath/data.py",
              "megatron_fastpath/packed_seq/packing.py")
 BAD_EVERY = 10_000  # one malformed line in this many records

@@ -1,4 +1,4 @@
-"""One training step of the same tiny Llama on the same sequences, four ways (issue 25).
+"""One training step of the same tiny Llama on the same sequences, four ways.
 
 Each side trains the same sequences (one packed batch of exactly T tokens: the last sequence
 takes the remainder) with the same architecture (2 layers, hidden 256, GQA 4 heads / 2 groups,
@@ -293,7 +293,7 @@ def spread(times_ms: list) -> float:
 
 def verdict(ours_ms: list, peer_ms: list) -> str:
     """"ours faster" / "peer faster", or "tie within noise" when the two minimums are closer
-    than either side's min-to-median spread (issue 25: a rerun flips such verdicts)."""
+    than either side's min-to-median spread (a rerun flips such verdicts)."""
     gap = min(peer_ms) - min(ours_ms)
     if abs(gap) <= max(spread(ours_ms), spread(peer_ms)):
         return "tie within noise"

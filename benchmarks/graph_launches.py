@@ -1,4 +1,4 @@
-"""Launches per training step: no graphs, per-layer CUDA graphs, full-iteration graphs (issue 24).
+"""Launches per training step: no graphs, per-layer CUDA graphs, full-iteration graphs.
 
 The main job's GPU step (``training.device=cuda``) run in this process on the CPU inside the GPU
 stand-ins (``tests/support/graph_safe_standins.py::gpu_standins``: CUDA-as-CPU mode and the fake

@@ -1,4 +1,4 @@
-"""Host->device copies of each microbatch's token ids, labels and loss mask (issue 22 G16).
+"""Host->device copies of each microbatch's token ids, labels and loss mask.
 
 Before: ``mb.tokens_1T.to(device, non_blocking=True)`` (and labels, loss mask) straight from
 the dataset's pageable bins -- on CUDA each such copy first synchronises the stream (CUDA

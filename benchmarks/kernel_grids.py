@@ -1,4 +1,4 @@
-"""What the packed cache's static bounds cost the GPU kernels, counted on the host (issue 25).
+"""What the packed cache's static bounds cost the GPU kernels, counted on the host.
 
 Varlen attention kernels size their grid from the static bounds the cache hands them, not from
 the batch: flash-attn 2's varlen forward launches ``ceil(max_seqlen / 128) x batch x heads``

@@ -31,8 +31,8 @@ def _relayout(rank, world, port, out):
 @pytest.mark.integration
 def test_init_distributed_follows_a_change_of_the_context_parallel_size(tmp_path):
     """A second init_distributed in one process with another CP size (the other sizes equal)
-    re-initialises Megatron's parallel state; with the same sizes it keeps it. It used to keep
-    a CP=2 state for a CP=1 job: only TP / PP / EP were compared."""
+    re-initialises Megatron's parallel state; with the same sizes it keeps it. Every size is compared: a CP=2
+    state kept for a CP=1 job would give it the wrong context-parallel group."""
     out = str(tmp_path / "seen")
     mp.spawn(_relayout, args=(2, free_port(), out), nprocs=2, join=True)
     for rank in range(2):

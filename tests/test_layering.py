@@ -91,6 +91,43 @@ def test_the_layering_check_sees_a_planted_import():
     assert train_imports_outside_train(planted) == ["hf/x.py:1", "moe/y.py:1", "z.py:1"]
 
 
+def train_package_imports_inside_train(sources) -> list[str]:
+    """``train/__init__.py`` is the entry point (``main``) and the public names, on top of the
+    loop (``train/loop.py``) and the rest of ``train/``: a module of ``train/`` imports its
+    siblings (``megatron_fastpath.train.<module>``), never the package itself; only
+    ``__main__.py`` does (``from megatron_fastpath.train import main``)."""
+    train_dir = os.path.join(ROOT, "train")
+    siblings = {fn[:-3] for fn in os.listdir(train_dir) if fn.endswith(".py")}
+    hits = {}
+    for rel, src in sources:
+        if not rel.startswith("train" + os.sep) or rel in (os.path.join("train", "__init__.py"),
+                                                          os.path.join("train", "__main__.py")):
+            continue
+        for node in ast.walk(ast.parse(src, rel)):
+            if isinstance(node, ast.ImportFrom) and node.module == "megatron_fastpath.train" \
+                    and any(a.name not in siblings for a in node.names):
+                hits[f"{rel}:{node.lineno}"] = None
+            elif isinstance(node, ast.Import) and any(a.name == "megatron_fastpath.train" for a in node.names):
+                hits[f"{rel}:{node.lineno}"] = None
+    return list(hits)
+
+
+def test_only_the_entry_point_imports_the_train_package():
+    assert train_package_imports_inside_train(package_sources()) == []
+    sources = dict(package_sources())
+    loop = {m for _, m in imports_of(sources[os.path.join("train", "__init__.py")], "__init__.py")}
+    assert "megatron_fastpath.train.loop" in loop  # run / train come from the loop
+
+
+def test_the_train_package_check_sees_a_planted_import():
+    planted = [(os.path.join("train", "loop.py"), "from megatron_fastpath.train import run\n"),
+               (os.path.join("train", "step.py"), "import megatron_fastpath.train\n"),
+               (os.path.join("train", "job.py"), "from megatron_fastpath.train import config, step\n"),
+               (os.path.join("train", "__main__.py"), "from megatron_fastpath.train import main\n")]
+    assert train_package_imports_inside_train(planted) == [os.path.join("train", "loop.py") + ":1",
+                                                           os.path.join("train", "step.py") + ":1"]
+
+
 def hf_imports_in_train(sources) -> list[str]:
     """The main job picks its model and data through ``providers`` (``hf`` registers the
     Hugging Face pair): an import of ``megatron_fastpath.hf`` from ``train/`` is a violation."""
@@ -265,3 +302,41 @@ def test_the_suite_check_sees_each_planted_form():
     assert suite_import_problems(planted, "t.py") == [
         "t.py:2 edits sys.path", "t.py:3 imports the test module test_other",
         "t.py:4 imports the test module tests.hf.test_hf_parity"]
+
+
+# Modules under tests/ that run as a script but are no child process of a test: a person runs
+# them (or, for the two feature matrices, each shard launch runs the test module itself).
+SCRIPTS_OUTSIDE_WORKERS = {
+    os.path.join("slurm", "slurm_cluster.py"): "a person's `up` / `down` of the local cluster (docs/slurm.md)",
+    os.path.join("support", "standin_registry.py"): "writes docs/cuda-graphs.md's stand-in table",
+    os.path.join("train", "test_feature_matrix.py"): "its shard launches run `-m tests.train.test_feature_matrix`",
+    os.path.join("integrations", "test_hook_feature_matrix.py"):
+        "its shard launches run `-m tests.integrations.test_hook_feature_matrix`",
+}
+
+
+def scripts_outside_workers(sources) -> list[str]:
+    """Modules of the suite with a module-level ``if __name__ == "__main__":`` (a child-process
+    entry: torchrun / ``python -m`` / a path) outside ``tests/workers/``."""
+    found = []
+    for rel, src in sources:
+        if rel.startswith("workers" + os.sep) or rel in SCRIPTS_OUTSIDE_WORKERS:
+            continue
+        for node in ast.parse(src, rel).body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ('__name__ == "__main__"',
+                                                                      "__name__ == '__main__'"):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_child_process_workers_live_in_tests_workers():
+    assert scripts_outside_workers(suite_sources()) == []
+    present = {rel for rel, _ in suite_sources()}
+    assert set(SCRIPTS_OUTSIDE_WORKERS) <= present, set(SCRIPTS_OUTSIDE_WORKERS) - present
+
+
+def test_the_workers_check_sees_a_planted_script():
+    planted = [(os.path.join("train", "x_worker.py"), 'def f():\n    pass\n\nif __name__ == "__main__":\n    f()\n'),
+               (os.path.join("workers", "y_worker.py"), 'if __name__ == "__main__":\n    pass\n'),
+               (os.path.join("support", "z.py"), 'def g():\n    if __name__ == "__main__":\n        pass\n')]
+    assert scripts_outside_workers(planted) == [os.path.join("train", "x_worker.py") + ":4"]

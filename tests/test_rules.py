@@ -1,5 +1,5 @@
 """megatron_fastpath.rules: each shared refusal written once and used by the main job, the NeMo
-hook and the Megatron-Bridge hook (issue 21 item 3). For every rule: a run that breaks it is
+hook and the Megatron-Bridge hook. For every rule: a run that breaks it is
 refused by each entry point with the rule's own message in that entry point's spelling, and
 the message's text exists in one file of the package."""
 

@@ -1,4 +1,4 @@
-"""The GPU stand-in inventory closes the class (issue 22): every GPU library call the package
+"""The GPU stand-in inventory closes the class: every GPU library call the package
 makes has an entry in ``tests/support/standin_registry.py`` naming its CPU stand-in (or why
 there is none), no entry outlives its call, every stand-in named imports (one kept in a test
 module is read from its source instead: tests do not import test modules), and the table in
@@ -41,7 +41,7 @@ def test_every_gpu_call_of_the_package_has_an_entry(found):
 
 def test_no_stale_entry(found):
     stale = [e.call for e in reg.REGISTRY if not any(reg.covering_entry(n) is e for n in found)]
-    assert stale == [], f"registry entries whose call the package no longer makes: {stale}"
+    assert stale == [], f"registry entries whose call the package does not make: {stale}"
 
 
 def test_entries_are_calls_not_modules_and_unique(found):
@@ -86,7 +86,7 @@ def test_indirect_entries_still_name_code_that_makes_the_call(entry):
     assert fn, f"{rel} has no function {function}"
     used = {n.attr for n in ast.walk(fn[0]) if isinstance(n, ast.Attribute)}
     used |= {n.value for n in ast.walk(fn[0]) if isinstance(n, ast.Constant)}
-    assert set(names) <= used, f"{rel}:{function} no longer uses {set(names) - used}"
+    assert set(names) <= used, f"{rel}:{function} does not use {set(names) - used}"
 
 
 def test_every_compat_module_is_classified():

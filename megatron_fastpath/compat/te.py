@@ -60,7 +60,7 @@ def split_layernorm_linear_output(out) -> tuple:
 # ``.amax_history`` [amax_history_len, 3 * num_gemms] forward; 2 * num_gemms backward) and
 # checkpoints them only inside ``get_extra_state``: a *pickled* dict in a uint8 tensor
 # (transformer_engine/pytorch/module/base.py, get_extra_state / set_extra_state), which Megatron
-# stores as a ShardedObject. Loading it means unpickling checkpoint bytes -- TE itself now
+# stores as a ShardedObject. Loading it means unpickling checkpoint bytes -- TE itself
 # refuses that unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (pytorch/_extra_state.py) -- so
 # our checkpoints drop ``_extra_state`` and carry these four tensors instead, as safetensors.
 # Restoring goes through TE's own methods: ``init_fp8_meta_tensors(recipe)`` (allocates the

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+
+if TYPE_CHECKING:
+    from megatron_fastpath.data import StepData
 
 __all__ = [
     "DataParts", "DataProvider", "EvalPrompts", "ExportConfig", "ModelProvider", "ModelSource", "PackedDataSettings",
@@ -73,7 +76,7 @@ class DataParts:
     every rank: a rank may hold no held-out bin and still joins the evaluation's reduction),
     and a report (printed / written to the summary; None: nothing to report)."""
 
-    train: Any
+    train: StepData
     eval_bins: tuple = ()
     report: Optional[dict] = None
     evaluate: bool = False

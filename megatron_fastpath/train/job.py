@@ -8,10 +8,9 @@ builder replaces :func:`build_model`, a checkpoint load runs on the returned :cl
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
-from typing import Any, Optional
+import os
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,6 +19,16 @@ from megatron_fastpath.model import build_fastpath_gpt, build_transformer_config
 from megatron_fastpath.providers import data_provider, model_provider
 from megatron_fastpath.train.config import JobConfig, set_steps
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_fastpath.graphs import GraphSafetyAudit
+    from megatron_fastpath.offload import ActivationOffloadManager
+    from megatron_fastpath.packed_seq import PackedSeqCache
+    from megatron_fastpath.train.evaluate import Evaluator
+    from megatron_fastpath.train.metrics import MetricsWriter
+    from megatron_fastpath.train.report import SummaryReport
 
 __all__ = ["Job", "StepData", "build_job", "build_cache", "build_model", "build_reports"]
 
@@ -32,23 +41,23 @@ class Job:
     summary, in the order it prints them (:mod:`megatron_fastpath.train.report`)."""
 
     cfg: JobConfig
-    tcfg: Any  # megatron TransformerConfig
-    cache: Any  # PackedSeqCache
+    tcfg: TransformerConfig
+    cache: PackedSeqCache
     model: torch.nn.Module
     step: StepParts
     data: StepData
-    offload: Any
-    audit: Any
+    offload: Optional[ActivationOffloadManager]
+    audit: Optional[GraphSafetyAudit]
     rank: int
     world: int
     dp_world: int
     total_params: int
     trainable_params: int
-    env_set: dict
-    evaluator: Any = None  # data=jsonl: held-out loss (megatron_fastpath.train.evaluate.Evaluator)
-    metrics: Any = None  # MetricsWriter (TensorBoard / W&B / plot), None without a metrics group
-    data_report: Any = None  # data=jsonl: record counts (malformed, too long, splits)
-    reports: tuple = ()  # SummaryReport of the packed cache, the offload, the audit
+    env_set: dict[str, str]  # the plan's environment variables in effect
+    evaluator: Optional[Evaluator] = None  # data=jsonl: held-out loss
+    metrics: Optional[MetricsWriter] = None  # TensorBoard / W&B / plot; None without a metrics group
+    data_report: Optional[dict] = None  # data=jsonl: record counts (malformed, too long, splits)
+    reports: tuple[SummaryReport, ...] = ()  # the packed cache's, the offload's, the audit's
 
     @property
     def audit_steps(self) -> int:
@@ -75,7 +84,7 @@ def _init_distributed(cfg: JobConfig) -> None:
     )
 
 
-def build_transformer(cfg: JobConfig):
+def build_transformer(cfg: JobConfig) -> TransformerConfig:
     """Megatron TransformerConfig of the job (capacity-mode MoE and graph/FP8 fields included)."""
     moe = {}
     if cfg.is_moe and cfg.fastpath.moe_capacity_factor is not None:
@@ -99,7 +108,7 @@ def build_transformer(cfg: JobConfig):
     )
 
 
-def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None):
+def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None) -> PackedSeqCache:
     """The packed-sequence cache: one slot per microbatch in flight -- on the GPU path as many
     as Megatron's 1F1B schedule holds between a forward and its backward on this pipeline
     stage (``slots_for_1f1b``: one without pipelining), one on the CPU path; its sequence bound
@@ -154,7 +163,7 @@ def build_model(cfg: JobConfig, tcfg, cache) -> tuple[torch.nn.Module, int, int]
     return model, total, trainable
 
 
-def _build_audit(cfg: JobConfig, model) -> Optional[Any]:
+def _build_audit(cfg: JobConfig, model: torch.nn.Module) -> Optional[GraphSafetyAudit]:
     if not cfg.plan.audit:
         return None
     from megatron_fastpath.graphs import GraphSafetyAudit
@@ -162,7 +171,8 @@ def _build_audit(cfg: JobConfig, model) -> Optional[Any]:
     return GraphSafetyAudit(model, strict=cfg.cuda_graphs.strict_audit)
 
 
-def build_reports(cache, offload, audit) -> tuple:
+def build_reports(cache: PackedSeqCache, offload: Optional[ActivationOffloadManager],
+                  audit: Optional[GraphSafetyAudit]) -> tuple[SummaryReport, ...]:
     """The summary reports of the job's features: packed cache, offload (when on), graph-safety
     audit (when on), in the order the summary prints them."""
     from megatron_fastpath.packed_seq.report import PackedCacheReport
@@ -236,7 +246,7 @@ def build_job(cfg: JobConfig) -> Job:
 
         path = full_iteration_train_step
     step = path(model, tcfg, cfg.training, cache)
-    audit = _build_audit(cfg, model)  # after the step path, as it always was
+    audit = _build_audit(cfg, model)  # after the step path
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model, step=step, data=parts.train, offload=offload,
         audit=audit, rank=torch.distributed.get_rank(),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -30,23 +30,39 @@ from megatron_fastpath.sync import SyncSentinel
 from megatron_fastpath.train.config import TrainingConfig
 from megatron_fastpath.train.logger import StepResult
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_fastpath.optim import SyncFreeOptimizer
+    from megatron_fastpath.packed_seq.inflight import InFlightBatches
+    from megatron_fastpath.packed_seq.staging import PinnedStaging
+
 __all__ = ["StepParts", "StepBatch", "cpu_train_step", "gpu_train_step", "train_step"]
+
+
+class GraphLaunches(Protocol):
+    """What the step reads of the full-iteration graphs (``train.full_iteration``'s
+    ``FullIterationStep``, which imports this module): the graph launches of the last step."""
+
+    launches: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
-    """``in_flight``: the GPU path's cache-slot bookkeeping (None on the CPU path)."""
+    """``in_flight``: the GPU path's cache-slot bookkeeping (None on the CPU path).
+    ``optimizer``: fused torch AdamW (CPU path), Megatron's optimizer or its sync-free wrapper."""
 
     # (microbatches, global_loss_tokens, check_syncs) -> (loss_sum, sentinel or UNCHECKED)
-    forward_backward: Callable
-    optimizer: object
-    scheduler: object
+    forward_backward: Callable[[list, int, bool], tuple]
+    optimizer: Union[torch.optim.Optimizer, MegatronOptimizer, SyncFreeOptimizer]
+    scheduler: OptimizerParamScheduler
     # gradient norm of the last step (device tensor or host float; None before the first)
-    grad_norm: Callable = lambda: None
-    in_flight: object = None
-    staging: object = None  # the GPU path's PinnedStaging (None on the CPU path)
+    grad_norm: Callable[[], Union[torch.Tensor, float, None]] = lambda: None
+    in_flight: Optional[InFlightBatches] = None
+    staging: Optional[PinnedStaging] = None  # the GPU path (None on the CPU path)
     # cuda_graphs.scope=full_iteration: the FullIterationStep (its ``launches`` per step)
-    graphs: object = None
+    graphs: Optional[GraphLaunches] = None
     # the GPU path's (microbatches, global_loss_tokens) -> None: forward and backward without an
     # optimizer step, gradients dropped (graphs/resume.py: per-layer graphs captured on resume)
     record_graphs: Optional[Callable] = None

@@ -28,8 +28,8 @@ def test_no_cuda_says_so_and_exits_3(tmp_path):
 
 def test_every_job_parses_on_cuda_without_te_and_flash():
     """The lent machine: no TE, no flash-attn. Each job the check runs parses; the TE and flash
-    jobs are listed as skipped, naming the package. At 7fa56a5 the LoRA + per-layer graphs job
-    was refused at parse (its capture warm-up at the default 3)."""
+    jobs are listed as skipped, naming the package. The LoRA + per-layer graphs job is among those
+    that parse (its capture warm-up default resolves to 0 with LoRA)."""
     got = parse_all(te=False, flash=False)
     assert got["refused"] == {}
     assert got["skipped"] == {"main_job_te_fp8": "transformer_engine",
@@ -42,9 +42,9 @@ def test_every_job_parses_on_cuda_without_te_and_flash():
 @pytest.mark.integration
 def test_every_job_parses_on_cuda_with_te_and_flash():
     """A full GPU machine: TE (the fake TE, a child process: it must be importable before
-    Megatron) and flash-attn installed; ``auto`` resolves to TE's attention. At 7fa56a5 the
-    full-iteration jobs (``use_te_rng_tracker=false``) were refused there."""
-    proc = subprocess.run([sys.executable, "-m", "tests.support.gpu_check_parse_worker"],
+    Megatron) and flash-attn installed; ``auto`` resolves to TE's attention. The
+    full-iteration jobs (``use_te_rng_tracker=false``) are among those that parse."""
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.gpu_check_parse_worker"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=job_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

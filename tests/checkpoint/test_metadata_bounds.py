@@ -1,6 +1,6 @@
 """Hostile and unlucky ``.metadata`` files are refused in one line, quickly and in bounded memory.
 
-Each file is checked in a child process (``metadata_probe.py``): a payload that crashes the
+Each file is checked in a child process (``tests/workers/metadata_probe.py``): a payload that crashes the
 interpreter, hangs in C code or exhausts memory then fails the test instead of ending it. The
 child limits its address space to its baseline + 256 MB and kills itself after 10 s per file."""
 
@@ -18,7 +18,7 @@ from megatron_fastpath.checkpoint.safety import UnsafeCheckpointError, safe_load
 from tests.checkpoint import metadata_payloads as mp
 from tests.checkpoint.pickle_payloads import payloads
 
-PROBE = os.path.join(os.path.dirname(__file__), "metadata_probe.py")
+PROBE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "metadata_probe.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

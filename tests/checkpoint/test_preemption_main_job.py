@@ -87,7 +87,7 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, straight
         proc = subprocess.Popen(
             _cmd(tmp_path, f"checkpoint.dir={d}", "checkpoint.interval=2",
                  "checkpoint.async_save=false",
-                 launcher=Path(__file__).with_name("slow_save_launcher.py")),
+                 launcher=Path(__file__).parents[1] / "workers" / "slow_save_launcher.py"),
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait_for(proc, marker.exists, "the save of step 4")
         os.killpg(proc.pid, signal.SIGKILL)  # step 4's files are written, not published

@@ -1,4 +1,4 @@
-"""Issue 9 acceptance (point 2): our packed-cache model with per-layer CUDA graphs
+"""Our packed-cache model with per-layer CUDA graphs
 (``cuda_graph_impl="local"``) run through Megatron's real CudaGraphManager on CPU over the
 CUDA-graph stand-in -- dense, MoE (capacity mode) and LoRA; PP=1, 3 microbatches of different
 packings per step (so one runner per layer serves all three), replayed over two more steps in
@@ -6,10 +6,11 @@ different orders. Losses and gradients must equal the eager run of the same weig
 
 Tolerance: rtol=1e-5, atol=1e-6 (float32; the graphed run issues the same aten ops).
 
-Before the cache redesign (issue 9 point 3: per-batch tensors carried by the PackedSeqParams)
-this failed: the cache matched params by object identity (ValueError 'packed_seq_params were
-not produced by this PackedSeqCache' at capture) and, with that bypassed, replays read the RoPE
-tables / mask of the captured microbatch (wrong losses from the second microbatch on).
+What it guards: every per-batch tensor rides in the PackedSeqParams a layer is given. A cache
+that matched params by object identity would refuse the graph's copies at capture (ValueError
+'packed_seq_params were not produced by this PackedSeqCache') and, with that bypassed, replays
+would read the RoPE tables / mask of the captured microbatch (wrong losses from the second
+microbatch on).
 """
 
 import dataclasses
@@ -209,7 +210,7 @@ def test_main_job_gpu_step_with_graphs_equals_eager(kind):
 
 @pytest.mark.usefixtures("mcore_parallel")
 def test_audit_verdict_agrees_with_megatron_replay_over_the_stand_in():
-    """Issue 9 point 5: the CPU audit (eager, no capture) passes exactly when Megatron's own
+    """The CPU audit (eager, no capture) passes exactly when Megatron's own
     CudaGraphManager replays the same microbatches correctly over the stand-in."""
     from megatron_fastpath.graphs import GraphSafetyAudit
 
@@ -235,7 +236,7 @@ def test_audit_verdict_agrees_with_megatron_replay_over_the_stand_in():
 @pytest.mark.parametrize("backend", ["te", "flash"])
 @pytest.mark.usefixtures("mcore_parallel")
 def test_gpu_capture_replay_bf16_three_packings_with_padding_tail(backend):
-    """Issue 9 point 6: real CUDA graphs (Megatron's CudaGraphManager, torch.cuda.graph) over 3
+    """Real CUDA graphs (Megatron's CudaGraphManager, torch.cuda.graph) over 3
     microbatches of different packings, two with a padding tail (finding 3: FA2's varlen
     backward leaves rows after the last boundary uninitialised), bf16, replayed over two more
     steps in other orders; gradients finite and equal to eager. bf16 tolerance: rtol=2e-2,

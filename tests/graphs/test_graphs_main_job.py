@@ -83,8 +83,8 @@ def test_lora_graphs_with_zero_warmup_planned():
 @pytest.mark.parametrize("lora, warmup", [(True, 0), (False, 3)])
 def test_default_warmup_is_zero_with_lora_on_cuda(lora, warmup):
     """The main job's LoRA + per-layer graphs job at the default ``cuda_graphs.warmup_steps``
-    parses on CUDA (stand-ins): the default resolves to 0 with LoRA, 3 without (at 7fa56a5 the
-    default 3 was refused by ``rules._lora_graph_warmup`` whenever graphs are captured)."""
+    parses on CUDA (stand-ins): the default resolves to 0 with LoRA, 3 without (3 with LoRA is refused
+    by ``rules._lora_graph_warmup`` whenever graphs are captured)."""
     from megatron_fastpath.train import parse_job_config
     from tests.support.graph_safe_standins import gpu_standins
 
@@ -137,7 +137,7 @@ def test_graph_plan_on_cpu_runs_the_audit_instead():
          ValueError, "activation offload cannot run inside captured layer graphs"),
         (dict(fp8=FP8Config(), linear_impl="te"), MissingDependencyError,
          "transformer-engine"),
-        # G6: TE attention asserts its own RNG tracker class while a graph is captured
+        # TE attention asserts its own RNG tracker class while a graph is captured
         (dict(graphs=CudaGraphConfig(use_te_rng_tracker=False, warmup_steps=0), attention_backend="te"),
          ValueError, "needs cuda_graphs.use_te_rng_tracker=true"),
     ],
@@ -201,7 +201,7 @@ def test_cuda_graph_capture_matches_eager(model, fp8, tmp_path):
 
 
 def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
-    """G15: PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA initialises (the caching
+    """PYTORCH_CUDA_ALLOC_CONF is read once, when CUDA initialises (the caching
     allocator's config; torch.cuda.get_device_properties calls _lazy_init first): the
     preflight sets the graph plan's environment before its memory check initialises CUDA. A
     stand-in CUDA records the environment at that first initialising call."""
@@ -233,7 +233,7 @@ def test_allocator_env_is_set_before_anything_initialises_cuda(monkeypatch):
     ("float32", (9, 0), False), ("bfloat16", (8, 0), False), ("bfloat16", (8, 9), False),
     ("bfloat16", (12, 0), False), ("bfloat16", (9, 0), True), ("bfloat16", (10, 0), True)])
 def test_moe_graphs_need_grouped_mms_sync_free_path(monkeypatch, dtype, capability, ok):
-    """G4: torch._grouped_mm is sync-free only for bf16 on sm90 / sm100; elsewhere its fallback
+    """torch._grouped_mm is sync-free only for bf16 on sm90 / sm100; elsewhere its fallback
     reads the offsets to the host per group, inside a captured layer. Stand-in CUDA of the
     given capability; the MoE job with graphs is refused by the preflight (which asks the GPU's
     capability) where the path syncs."""

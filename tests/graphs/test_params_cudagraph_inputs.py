@@ -1,4 +1,4 @@
-"""The cache's params as Megatron's CudaGraphManager treats a dataclass kwarg (issue 9 point 3),
+"""The cache's params as Megatron's CudaGraphManager treats a dataclass kwarg,
 with Megatron's own functions: ``tree_map`` rebuilds it field by field with
 ``dataclasses.replace`` (capture makes graph-pool input buffers this way), ``get_tensors``
 lists every tensor field as a graph input (copied at replay), and argument matching accepts the

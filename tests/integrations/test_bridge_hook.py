@@ -264,10 +264,10 @@ def _facts(model, **overrides):
 
 
 def test_graphs_never_get_the_host_reading_te_grouped_experts():
-    """G3: with FP8 the hooks chose TE GroupedLinear experts, whose forward reads the group
-    sizes to the host (``tokens_per_expert.tolist()`` for TE's m_splits) inside the captured
-    MoE layer, and allowed CUDA graphs. Now graphs get grouped_mm by default and an explicit
-    te_grouped_linear with graphs is refused."""
+    """TE GroupedLinear experts read the group sizes to the host inside the captured MoE
+    layer (``tokens_per_expert.tolist()`` for TE's m_splits): with FP8 and CUDA graphs the
+    hooks choose grouped_mm by default, and an explicit te_grouped_linear with graphs is
+    refused."""
     from megatron_fastpath.integrations import core
 
     moe = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=64)
@@ -285,7 +285,7 @@ def test_graphs_never_get_the_host_reading_te_grouped_experts():
 @pytest.mark.parametrize("bf16,capability,refused", [
     (True, (9, 0), False), (True, (10, 0), False), (True, (8, 0), True), (False, (9, 0), True)])
 def test_hooks_refuse_graphs_where_grouped_mm_syncs(monkeypatch, bf16, capability, refused):
-    """G4 through the hooks' shared rules: with graphs on, the grouped_mm experts need bf16 on
+    """The hooks' shared rules: with graphs on, the grouped_mm experts need bf16 on
     sm90 / sm100 (stand-in CUDA of the given capability); the same reason as the main job."""
     from megatron_fastpath.integrations import core
 
@@ -301,8 +301,8 @@ def test_hooks_refuse_graphs_where_grouped_mm_syncs(monkeypatch, bf16, capabilit
 
 
 def test_core_rules_once_for_both_hooks():
-    """The rules that existed for NeMo only (fp8 value, MoE bias / expert TP) now hold for the
-    Bridge facts too; every reason at once; the plan carries Llama 3.1 scaling and keeps rope."""
+    """The rules of both hooks (fp8 value, MoE bias / expert TP) hold for the Bridge facts as
+    for NeMo's; every reason at once; the plan carries Llama 3.1 scaling and keeps rope."""
     from megatron_fastpath.integrations import core
 
     moe = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=64)

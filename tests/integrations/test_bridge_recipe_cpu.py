@@ -4,7 +4,7 @@ The recipe is Bridge's own PEFT template (``megatron.bridge.recipes.common._peft
 every Bridge Llama PEFT recipe starts from) with the provider those recipes build from a Hugging
 Face config (``AutoBridge...to_megatron_provider(load_weights=False)``), from a tiny local
 ``LlamaConfig``: no download. It runs in a child process
-(``tests/support/bridge_recipe_worker.py``) with the fake Transformer Engine on ``PYTHONPATH``:
+(``tests/workers/bridge_recipe_worker.py``) with the fake Transformer Engine on ``PYTHONPATH``:
 Bridge imports TE unconditionally (``megatron/bridge/peft/lora_layers.py:20``).
 
 Skipped, with the reason, where Megatron-Bridge is not installed (it needs Python >= 3.12; the
@@ -29,7 +29,7 @@ def test_bridge_peft_recipe_takes_the_fast_path(tmp_path):
     from tests.support.fake_te.activate import te_env
 
     out = tmp_path / "bridge.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.support.bridge_recipe_worker", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.bridge_recipe_worker", str(out)],
                           cwd=str(tmp_path), env=te_env(WANDB_MODE="disabled"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` run on CPU (issue 26 item 5): a NeMo 2 LoRA
+"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` run on CPU: a NeMo 2 LoRA
 recipe (``llm.llama32_1b.finetune_recipe``, packed sequences) with the fast path trains three
 steps under the test-only CUDA-as-CPU mode (``tests/support/nemo_on_cpu.py``: what it stands
 in for and why) and gives the main job's per-token losses on the same weights and data.
@@ -7,7 +7,7 @@ Both sides start from one tiny Llama HF checkpoint built here (``examples/make_t
 the main job (``python -m megatron_fastpath.train model=hf``, a child process) loads it directly;
 NeMo imports it with ``llm.import_ckpt`` and restores it. The main job's entry below dumps its
 initial LoRA parameters and its step microbatches; the NeMo child
-(``tests/support/nemo_finetune_worker.py``, whose docstring lists every alignment) trains on
+(``tests/workers/nemo_finetune_worker.py``, whose docstring lists every alignment) trains on
 exactly those packs, in that order, from those adapters.
 
 Tolerance: fp32 on both sides, the same Megatron layers, the same fast-path attention and
@@ -95,7 +95,7 @@ def test_nemo_lora_finetune_with_fastpath_gives_the_main_jobs_losses(tmp_path):
     main_lengths = [mb["lengths"].tolist() for (mb,) in steps]
 
     out = str(tmp_path / "nemo.json")
-    nemo = subprocess.run([sys.executable, "-m", "tests.support.nemo_finetune_worker", hf, dump,
+    nemo = subprocess.run([sys.executable, "-m", "tests.workers.nemo_finetune_worker", hf, dump,
                            str(tmp_path / "nemo"), out], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=900)
     assert nemo.returncode == 0, nemo.stdout[-3000:] + nemo.stderr[-5000:]

@@ -304,7 +304,7 @@ def test_pipeline_parallel_sets_slots():
 
 
 def test_max_seqlen_from_pack_metadata_bounds_the_cache(tmp_path, mcore_parallel):
-    """Issue 25 item 1 for the hooks: the sequence bound comes from NeMo's packing metadata
+    """The hooks' sequence bound, as the main job's: it comes from NeMo's packing metadata
     (dataset_max_seqlen, rounded up to 64, capped at the pack size), not from T."""
     from megatron_fastpath.integrations.nemo import max_seqlen_from_pack_metadata
 
@@ -571,7 +571,7 @@ def _bridge_losses_standin(monkeypatch):
 
 def test_moe_padding_content_changes_nothing_through_every_entry_point(mcore_parallel, nemo_packed,
                                                                      monkeypatch):
-    """Issue 21: the NeMo forward step, the Bridge forward step and the main job's forward are one
+    """The NeMo forward step, the Bridge forward step and the main job's forward are one
     function. A MoE model (capacity-limited experts, so routed padding would take real tokens'
     places) gives, through each of them, per-token losses of the real tokens and aux / z losses
     identical to the others and unchanged when only the content of the collate's padding tail

@@ -1,4 +1,4 @@
-"""G17: the LoRA input dropout follows Megatron's RNG convention at TP > 1. A replicated input
+"""The LoRA input dropout follows Megatron's RNG convention at TP > 1. A replicated input
 (column-parallel base, no sequence parallelism) gets the same mask on every TP rank, from the
 default generator, as Megatron's hidden dropout outside SP; a sharded input (row-parallel base)
 gets its own mask per TP rank from the model-parallel stream, leaving the default stream alone.

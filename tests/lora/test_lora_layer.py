@@ -147,7 +147,7 @@ def test_lora_dropout_uses_megatron_rng_tracker_and_stays_bf16_under_fp8(mcore_p
     model_parallel_cuda_manual_seed(123)
     cfg = build_transformer_config(SHAPE, params_dtype=torch.bfloat16)
     cfg.use_cpu_initialization = False
-    # a row-parallel base: its input is sharded over TP, so the mask is the tracker's (G17)
+    # a row-parallel base: its input is sharded over TP, so the mask is the tracker's
     m = LoRALinear(64, 64, config=cfg, init_method=cfg.init_method, bias=False, input_is_parallel=True,
                    skip_bias_add=True, is_expert=False, base=RowParallelLinear,
                    lora=LoRAConfig(rank=4, dropout=0.5), parallel="row").cuda()

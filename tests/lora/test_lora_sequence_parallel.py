@@ -34,7 +34,7 @@ def _expected_sequence_parallel_params(num_layers=2) -> set:
 def test_tp2_sequence_parallel_lora_equals_tp2_without(tmp_path):
     out = str(tmp_path / "sp.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "-m", "tests.lora.sp_worker", out]
+           f"--master_port={free_port()}", "-m", "tests.workers.lora_sp_worker", out]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,7 +1,7 @@
 """lora.targets as users write them: a list or a comma-separated string of Megatron names,
-Hugging Face names, or PEFT's ``all-linear``. On the previous code ``lora.targets=all-linear``
-failed with ``unknown LoRA target(s) ['-', 'a', 'e', ...]`` (the string split into characters)
-and HF names were refused. The reference for what the HF names and ``all-linear`` cover is
+Hugging Face names, or PEFT's ``all-linear``. ``lora.targets=all-linear`` is one target, not a
+string split into characters (``unknown LoRA target(s) ['-', 'a', 'e', ...]``), and HF names
+are accepted. The reference for what the HF names and ``all-linear`` cover is
 peft itself, applied to a transformers Llama."""
 
 import pytest

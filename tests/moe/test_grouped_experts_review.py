@@ -1,10 +1,11 @@
-"""G12 and G21 of the GPU review, for the grouped experts.
+"""The grouped experts on the device: their initialisation per expert-parallel rank, and
+torch._grouped_mm as sm100 computes it.
 
-G12: on the device (``use_cpu_initialization=False``) each expert-parallel rank initialises
-only its own experts. They must come from Megatron's expert-parallel RNG stream (seeded per EP
-rank by ``model_parallel_cuda_manual_seed``), as Megatron's GroupedMLP / TEGroupedLinear draw
-them; from the default generator (seeded alike on every rank) every EP rank drew the same
-numbers, so experts E_l..2E_l-1 were copies of 0..E_l-1. Run on CPU under the test-only
+On the device (``use_cpu_initialization=False``) each expert-parallel rank initialises only
+its own experts. They must come from Megatron's expert-parallel RNG stream (seeded per EP rank
+by ``model_parallel_cuda_manual_seed``), as Megatron's GroupedMLP / TEGroupedLinear draw them;
+from the default generator (seeded alike on every rank) every EP rank would draw the same
+numbers, so experts E_l..2E_l-1 would be copies of 0..E_l-1. Run on CPU under the test-only
 CUDA-as-CPU mode, whose "CUDA" generator Megatron's tracker forks for real."""
 
 import torch
@@ -37,7 +38,7 @@ def test_each_ep_rank_draws_its_experts_from_the_expert_parallel_stream(mcore_pa
 
 
 class _LeakyGroupedMM(torch.autograd.Function):
-    """torch._grouped_mm as sm100 computes it (G21): right values, and a weight gradient that is
+    """torch._grouped_mm as sm100 computes it: right values, and a weight gradient that is
     not zero for groups without tokens (here: ones, where zeros are right)."""
 
     @staticmethod
@@ -60,7 +61,7 @@ _REAL_GROUPED_MM = torch._grouped_mm
 
 
 def test_empty_groups_get_zero_weight_grads_where_grouped_mm_leaks(mcore_parallel, monkeypatch):
-    """G21: with the sm100 leak emulated, the experts mask the weight gradients of experts
+    """With the sm100 leak emulated, the experts mask the weight gradients of experts
     that got no token (on the device, per microbatch); with the mask off the leak shows."""
     monkeypatch.setattr(torch, "_grouped_mm", lambda x, w, offs: _LeakyGroupedMM.apply(x, w, offs))
     tc = TransformerConfig(

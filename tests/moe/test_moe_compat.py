@@ -133,7 +133,7 @@ def test_0_19_branch_refuses_what_it_does_not_copy(mcore_parallel, monkeypatch):
 
 
 def test_expert_bias_counts_skip_cudagraph_warmup(mcore_parallel, monkeypatch):
-    """G22: CudaGraphManager runs warm-up passes (zero inputs, grad enabled) before capturing a
+    """CudaGraphManager runs warm-up passes (zero inputs, grad enabled) before capturing a
     layer (megatron/core/transformer/cuda_graphs.py create_fwd_graph, between
     _set_warmup_start and _set_warmup_end). Their tokens must not enter the router's
     expert-bias counts; the capture's own pass must (its update is what replays run). Driven

@@ -427,8 +427,9 @@ def test_from_transformer_config_reads_megatron_fields():
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
 def test_fp8_expert_groups_padded_to_megatrons_alignment(recipe):
-    """G8: every FP8 recipe padded expert groups to 16 rows; MXFP8 scales blocks of 32 and
-    needs 32. The padding is Megatron's own get_fp8_align_size of the recipe."""
+    """Expert groups are padded to the recipe's alignment, not 16 rows for every recipe:
+    MXFP8 scales blocks of 32 and needs 32. The padding is Megatron's own
+    get_fp8_align_size of the recipe."""
     import types
 
     from megatron.core.enums import Fp8Recipe

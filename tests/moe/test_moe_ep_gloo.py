@@ -151,7 +151,7 @@ def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# padding tokens at EP=2 (issue 10 point 7): only the padding content changes between two runs
+# padding tokens at EP=2: only the padding content changes between two runs
 # ------------------------------------------------------------------------------------------
 PAD_MODES = {"capacity_static": MODES["capacity_static"], "dropless": MODES["dropless"]}
 PAD_LENGTHS = {0: (9, 5), 1: (12, 3)}  # real tokens per row on each rank

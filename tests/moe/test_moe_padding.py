@@ -1,4 +1,4 @@
-"""MoE padding tokens (issue 10 point 7): a packed batch is padded to max_tokens, and the
+"""MoE padding tokens: a packed batch is padded to max_tokens, and the
 padding must not influence anything real. Changing ONLY the padding content leaves real tokens'
 outputs, the aux / z losses and every gradient bit-identical; padding tokens get a zero MoE
 output. Dropless and capacity mode here (EP=1); EP=2 in ``test_moe_ep_gloo.py``.

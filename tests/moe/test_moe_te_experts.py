@@ -1,4 +1,4 @@
-"""TE GroupedLinear experts (issue 9 finding 6) on a CPU stand-in of Transformer Engine's
+"""TE GroupedLinear experts on a CPU stand-in of Transformer Engine's
 ``GroupedLinear``: expert parameters carry Megatron's ``allreduce`` flag, so Megatron's own DDP
 puts them in its expert-parallel buffers (reduced over the expert-DP group) at EP > 1; the
 forward equals the per-expert reference with exactly one counted host read."""
@@ -97,7 +97,7 @@ def te_experts(monkeypatch):
 
 
 def test_expert_weights_drawn_from_the_expert_parallel_stream(mcore_parallel, te_experts):
-    """G12 for TE experts: Megatron's TEGroupedLinear hands TE its tracker and the
+    """For TE experts: Megatron's TEGroupedLinear hands TE its tracker and the
     expert-parallel stream's name; so do ours, and EP ranks draw different experts."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -1,4 +1,4 @@
-"""benchmarks/offload.py in its quick configuration: the JSON a reader checks (issue 14)."""
+"""benchmarks/offload.py in its quick configuration: the JSON a reader checks."""
 
 import json
 import os

@@ -1,5 +1,4 @@
-"""Activation offload vs CUDA graph capture (issue 9) and the offload layer's compat shims
-(issue 10 point 3).
+"""Activation offload vs CUDA graph capture and the offload layer's compat shims.
 
 CUDA's stream-capture rule: a stream that waits on an event recorded on the capturing stream
 joins the capture (it is "forked"), and every forked stream must be joined back -- the capture

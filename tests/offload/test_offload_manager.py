@@ -101,7 +101,7 @@ def test_quantized_tensor_split_offloaded_and_rebuilt():
 
 
 def test_live_quantized_tensor_keeps_its_data_after_pack():
-    """Issue 9 finding 7: TE's prepare_for_saving clears _data / _scale_inv on the object it is
+    """TE's prepare_for_saving clears _data / _scale_inv on the object it is
     called on. The forward may still read the live tensor after autograd saved it, so the
     manager must split a detached view; the original keeps its data, untouched, through the
     whole forward and backward."""
@@ -439,7 +439,7 @@ def _issued(trace, times, launch=0.9, late_by=None):
 
 
 def test_late_prefetch_scores_lower():
-    """Issue 14: a prefetch issued late on the host must show in the whole-step figure."""
+    """A prefetch issued late on the host must show in the whole-step figure."""
     L, g, nbytes = 6, 1.0, 4000
     times = {"fwd": g / 3, "bwd": g}
     trace = manager_step_trace(L, nbytes)[1]

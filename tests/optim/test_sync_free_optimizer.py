@@ -358,7 +358,7 @@ def test_resume_of_an_optimizer_that_never_stepped(mcore_parallel):
     """A checkpoint saved before the first optimizer step: Megatron's loading path
     (sharded_state_dict(is_loading=True) -> init_state_fn) leaves Adam states with exp_avg /
     exp_avg_sq and no 'step'; the wrapper's step must start from step 0 as a fresh optimizer,
-    giving the same parameters as an optimizer that was never checkpointed (issue 22 G14)."""
+    giving the same parameters as an optimizer that was never checkpointed."""
     torch.manual_seed(5)
     x = torch.randn(5, 8)
     with cuda_as_cpu():

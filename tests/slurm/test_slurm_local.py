@@ -226,7 +226,7 @@ CP_PRESET = ("model=llama3_8b", "fastpath.lora=true", "training.dtype=bfloat16",
 
 
 def test_context_parallel_preset_forwards_parses_and_fits_an_80gb_gpu(tmp_path):
-    """The CP example (issue 23): its overrides reach the main job after train.sbatch's, the main
+    """The CP example: its overrides reach the main job after train.sbatch's, the main
     job's parse accepts them on CUDA (the CP rule serves dense + sdpa + LoRA), and the memory
     estimate of one rank (CP counted) fits an 80 GB GPU."""
     from megatron_fastpath.train import parse_job_config

@@ -1,4 +1,4 @@
-"""Issue 10 point 10: Slurm opens ``#SBATCH --output`` before the script runs and does not
+"""Slurm opens ``#SBATCH --output`` before the script runs and does not
 create its directory; a default inside a missing ``logs/`` makes the job fail with no output
 anywhere (the README's "Try it without a cluster" block had no ``mkdir -p logs``)."""
 
@@ -21,5 +21,5 @@ def test_default_output_needs_no_directory(script):
 
 def test_readme_slurm_commands_need_no_mkdir():
     block = (REPO / "docs" / "slurm.md").read_text()  # the README's Slurm section, moved
-    assert "mkdir -p logs" not in block  # not needed any more, so not a step one can miss
+    assert "mkdir -p logs" not in block  # not needed, so not a step one can miss
     assert "<job name>-<job id>.out` in the submission directory" in block

@@ -109,7 +109,7 @@ def test_tasks_failing_after_a_signal_are_not_requeued(tmp_path):
 STEPS = 40
 FAST = [f"training.steps={STEPS}", "model.num_layers=2", "data.num_samples=256",
         "model.hidden_size=64", "model.ffn_hidden_size=160", "data.max_tokens=256"]
-LAUNCHER = REPO / "tests" / "checkpoint" / "slow_save_launcher.py"
+LAUNCHER = REPO / "tests" / "workers" / "slow_save_launcher.py"
 
 
 def _submit(cluster, work: Path, *overrides: str, **env_extra: str) -> int:

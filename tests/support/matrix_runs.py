@@ -1,6 +1,6 @@
 """Test-only: one combination of the feature matrix (tests/train/feature_matrix/)
 trained straight and across a checkpoint, in this process: a worker process
-(tests/support/matrix_worker.py; every rank of a ``torchrun`` launch for a world of 2), or the
+(tests/workers/matrix_worker.py; every rank of a ``torchrun`` launch for a world of 2), or the
 pytest process under the ``mcore_parallel`` fixture.
 
 The job is built from the plain config tree the matrix classified (``config_tree``: Hydra's

@@ -612,8 +612,8 @@ INDIRECT: tuple[IndirectEntry, ...] = (
         "math (causal top-left / bottom-right, window, padding, arbitrary, GQA, pre/post-scale "
         "bias, dropout in the tracker's fork), FP8 emulated as TE's FP8EmulationFunc; context "
         "parallelism (p2p / all_gather / a2a / a2a+p2p) with TE's CP backend rule and asserts, "
-        "K/V all-gathered over the load-balanced chunks (tests/te_standin/"
-        "cp_attention_worker.py); THD, KV cache, ALiBi, non-vanilla softmax raise "
+        "K/V all-gathered over the load-balanced chunks (tests/workers/"
+        "te_cp_attention_worker.py); THD, KV cache, ALiBi, non-vanilla softmax raise "
         "NotImplementedError (tests/te_standin/test_fake_te_attention.py)",
         "transformer_engine/pytorch/attention/dot_product_attention/{dot_product_attention,"
         "utils,backends}.py, common/fused_attn/fused_attn.cpp nvte_get_fused_attn_backend "

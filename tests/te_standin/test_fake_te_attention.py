@@ -2,8 +2,8 @@
 transformer_engine/pytorch/attention/dot_product_attention``) asserts what TE 2.10 asserts for
 the calls Megatron-Core 0.16.1's ``TEDotProductAttention`` makes, selects a backend (or raises)
 as TE does on the fake's sm90 -- FP8 attention included -- and computes what TE computes: each
-check of ``attention_worker.py`` (run once, in a child process: TE must stay absent from this
-one) is one test here; so is each check of ``cp_attention_worker.py`` (context parallelism 2:
+check of ``tests/workers/te_attention_worker.py`` (run once, in a child process: TE must stay absent from this
+one) is one test here; so is each check of ``tests/workers/te_cp_attention_worker.py`` (context parallelism 2:
 one torchrun launch of 2 processes on gloo)."""
 
 import json
@@ -42,13 +42,13 @@ CP_CHECK_NAMES = [
 
 @pytest.fixture(scope="module")
 def results():
-    return run_check_worker("tests.te_standin.attention_worker")
+    return run_check_worker("tests.workers.te_attention_worker")
 
 
 @pytest.fixture(scope="module")
 def cp_results():
-    """``cp_attention_worker`` under torchrun (2 processes): rank 0's merged results."""
-    cmd = main_job_cmd(nproc=2, entry=["-m", "tests.te_standin.cp_attention_worker"])
+    """``te_cp_attention_worker`` under torchrun (2 processes): rank 0's merged results."""
+    cmd = main_job_cmd(nproc=2, entry=["-m", "tests.workers.te_cp_attention_worker"])
     proc = subprocess.run(cmd, cwd=REPO, env=te_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

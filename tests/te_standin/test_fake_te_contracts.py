@@ -1,6 +1,6 @@
 """The fake Transformer Engine (``tests/support/fake_te``) asserts what TE 2.10 asserts for the
 calls Megatron-Core 0.16.1 makes, and computes what TE computes: each check of
-``contracts_worker.py`` (run once, in a child process: TE must stay absent from this one) is
+``tests/workers/te_contracts_worker.py`` (run once, in a child process: TE must stay absent from this one) is
 one test here."""
 
 import sys
@@ -52,7 +52,7 @@ CHECK_NAMES = [
 
 @pytest.fixture(scope="module")
 def results():
-    return run_check_worker("tests.te_standin.contracts_worker")
+    return run_check_worker("tests.workers.te_contracts_worker")
 
 
 @pytest.mark.integration  # a child process (the fake TE never enters this one)

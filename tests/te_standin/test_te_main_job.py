@@ -1,5 +1,5 @@
 """The main job with ``fastpath.linear_impl=te`` on the fake Transformer Engine
-(``tests/support/fake_te``), on the GPU path inside the GPU stand-ins (``job_worker.py``, a
+(``tests/support/fake_te``), on the GPU path inside the GPU stand-ins (``tests/workers/te_job_worker.py``, a
 child process or torchrun, composed by Hydra): it builds TE's linears and trains with each FP8
 recipe; TP=2 with sequence parallelism matches TP=1; graphs replay the eager losses. Exact
 resume on TE's linears, with and without FP8, is the feature matrix's check
@@ -29,10 +29,10 @@ TE_CLASSES = {"TELayerNormColumnParallelLinear", "TERowParallelLinear"}
 
 
 def job(tmp_path, name, overrides, nproc=1, base=BASE) -> list:
-    """The job_worker's outputs, one per rank."""
+    """The te_job_worker's outputs, one per rank."""
     out = tmp_path / name
     cmd = main_job_cmd([str(out), *base, *overrides, f"hydra.run.dir={tmp_path}/hydra-{name}"],
-                       nproc=nproc, entry=["-m", "tests.te_standin.job_worker"])
+                       nproc=nproc, entry=["-m", "tests.workers.te_job_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=te_env(WANDB_MODE="offline"), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -140,12 +140,12 @@ def test_hf_checkpoint_lora_te_layout_equals_local(tmp_path):
 
 
 def test_te_standin_main_entry_reexecs_with_the_fake(tmp_path):
-    """``python -m tests.support.te_standin_main`` started without the fake on PYTHONPATH (the
+    """``python -m tests.workers.te_standin_main`` started without the fake on PYTHONPATH (the
     plain child environment) re-executes itself with it and runs the main job on TE linears."""
     from tests.support.main_job import job_env, run_main_job
 
     base = [o for o in BASE if not o.startswith("training.steps=")]
     run = run_main_job([*base, "training.steps=2", "training.dtype=bfloat16"], tmp_path,
-                       env=job_env(), entry=["-m", "tests.support.te_standin_main"])
+                       env=job_env(), entry=["-m", "tests.workers.te_standin_main"])
     assert len(run.summary["records"]) == 2
     assert "linear_fc1.layer_norm_weight" in run.output  # the TE layout's fused norm parameter

@@ -3,7 +3,7 @@ computes what Megatron's local spec computes: the tiny GPT built with ``linear_i
 (``TELayerNormColumnParallelLinear`` / ``TERowParallelLinear``, the fused input / pre-MLP norms,
 TE norms for q/k) from the local model's weights, moved into TE's layout, gives the same
 logits, loss and gradients in float32. The local run happens in a process without TE, the TE run
-in one with the fake (``te_worker.py``): Megatron picks its norms by ``HAVE_TE`` at import."""
+in one with the fake (``tests/workers/te_spec_worker.py``): Megatron picks its norms by ``HAVE_TE`` at import."""
 
 import subprocess
 import sys
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 def _worker(*args):
     env = te_env() if args[0] == "te" else job_env()  # the local run: no TE at all
-    proc = subprocess.run([sys.executable, "-m", "tests.te_standin.te_worker", *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.te_spec_worker", *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 

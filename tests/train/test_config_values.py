@@ -1,5 +1,5 @@
 """Bad override values are refused at parse (before any model or optimizer is built), the
-message naming the key, the value and what is allowed (issue 27 item 13)."""
+message naming the key, the value and what is allowed."""
 
 import pytest
 from tests.support.hydra_compose import compose_job

@@ -1,4 +1,4 @@
-"""Context parallelism with per-layer CUDA graphs (issue 23): the main job at CP=2 with
+"""Context parallelism with per-layer CUDA graphs: the main job at CP=2 with
 ``fastpath.cuda_graphs=true`` under ``torchrun`` (2 processes, gloo), each process inside the
 GPU stand-ins (``tests/support/graph_safe_standins.py``: CUDA-as-CPU mode, the fake CUDA graph
 that replays captured collectives) on ``training.device=cuda``, so Megatron's own
@@ -20,63 +20,24 @@ What is checked:
   data packs identically at CP=1 and CP=2, only the order of floating-point sums differs). The
   gradient norm guards the GPU step's loss scaling: Megatron's schedule multiplies the loss by
   the CP size, which ``train.step.gpu_train_step`` divides out (without it the GPU step's CP=2
-  gradients were twice CP=1's; the CPU-path tests could not see it);
+  gradients would be twice CP=1's; the CPU-path tests cannot see it);
 * on a CPU device the same request runs the graph-safety audit in place of the capture, and
   it passes at CP=2 (strict audit: a finding would fail the run).
 
-Run as a module (``python -m tests.train.test_context_parallel_graphs <overrides>``) it is the
-launcher of one rank: the main job inside the stand-ins, then this rank's graph counts written
-to ``$CP_GRAPHS_STATS/rank<r>.json``.
+Each rank of a launch runs ``tests/workers/cp_graphs_worker.py``: the main job inside the
+stand-ins, then this rank's graph counts written to ``$CP_GRAPHS_STATS/rank<r>.json``.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from tests.support.cp_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA,
                                      FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
 
-ENTRY = ["-m", "tests.train.test_context_parallel_graphs"]
-
-
-# ------------------------------------------------------------------------------ the launcher
-def _launch() -> None:
-    """One rank: the main job inside the stand-ins; counts written after it returns."""
-    from unittest import mock
-
-    import megatron_fastpath.train as train_mod
-    from tests.support import graph_safe_standins
-    from tests.support.graph_safe_standins import gpu_standins
-    from tests.support.cp_graphs import counting_replays, layer_graphs
-
-    jobs, replayed = [], collections.Counter()
-    real_build, real_waited = train_mod.build_job, graph_safe_standins._waited
-
-    def build_job(cfg):
-        jobs.append(real_build(cfg))
-        return jobs[-1]
-
-    with mock.patch.object(train_mod, "build_job", build_job), \
-            mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)), \
-            gpu_standins():
-        train_mod.main()
-    (job,) = jobs
-    layers = layer_graphs(job.model)
-    steps = job.cfg.training.steps
-    packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
-                for s in range(1, steps + 1)]
-    rank = int(os.environ.get("RANK", "0"))
-    out = Path(os.environ["CP_GRAPHS_STATS"]) / f"rank{rank}.json"
-    out.write_text(json.dumps(dict(layers=layers, replayed=dict(replayed), packings=packings)))
-
-
-if __name__ == "__main__":
-    _launch()
+ENTRY = ["-m", "tests.workers.cp_graphs_worker"]
 
 
 # --------------------------------------------------------------------------------- the tests

@@ -1,4 +1,4 @@
-"""Context parallelism with the ``te`` attention backend (issue 23 item 2): the main job at CP=2
+"""Context parallelism with the ``te`` attention backend: the main job at CP=2
 on ``training.device=cuda`` inside the GPU stand-ins, where Transformer Engine's
 ``DotProductAttention`` is ``tests/support/gpu_standins.TEDotProductAttentionStandIn``: it takes
 the CP arguments Megatron's ``TEDotProductAttention`` hands TE, asserts TE 2.9-2.11's THD + CP
@@ -6,7 +6,7 @@ contract at every call (TE's messages, TE's source lines cited there) and comput
 the CPU (K/V all-gathered over the CP group, causal per sequence at global positions, the token
 layout derived from TE's inputs alone: global ``cu_seqlens`` and the rank).
 
-One torchrun launch (2 processes, ``tests/support/cp_te_worker.py``) trains ``te`` and ``sdpa``
+One torchrun launch (2 processes, ``tests/workers/cp_te_worker.py``) trains ``te`` and ``sdpa``
 at CP=2 on the same data and seed and then calls the stand-in by hand (a good call against
 global attention, broken calls); one more process trains ``te`` at CP=1. What is checked:
 
@@ -68,13 +68,13 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp-te")
     out = tmp / "cp2"
     cmd = main_job_cmd([str(out), *COMMON, *CP2], nproc=2,
-                       entry=["-m", "tests.support.cp_te_worker"])
+                       entry=["-m", "tests.workers.cp_te_worker"])
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp / f"cp2.rank{r}.json").read_text()) for r in range(2)]
     (tmp / "cp1").mkdir()
     cp1 = run_main_job([*COMMON, "fastpath.attention_backend=te"], tmp / "cp1", nproc=1, name="cp1",
-                       entry=["-m", "tests.support.standin_main"])
+                       entry=["-m", "tests.workers.standin_main"])
     return ranks, cp1
 
 

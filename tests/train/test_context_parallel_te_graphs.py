@@ -1,5 +1,5 @@
-"""Context parallelism with the ``te`` attention backend under per-layer CUDA graphs (issue 23,
-the MLPerf Llama-2-70B LoRA layout's attention): the main job at CP=2 on ``training.device=cuda``
+"""Context parallelism with the ``te`` attention backend under per-layer CUDA graphs (the
+MLPerf Llama-2-70B LoRA layout's attention): the main job at CP=2 on ``training.device=cuda``
 inside the GPU stand-ins, Transformer Engine's ``DotProductAttention`` answered by
 ``tests/support/gpu_standins.TEDotProductAttentionStandIn`` (TE 2.9-2.11's THD + CP contract
 asserted, attention over all-gathered K/V with a mask built from ``cu_seqlens`` on the device),
@@ -10,7 +10,7 @@ Why this can be lifted: real TE's THD + CP p2p path reads no device value on the
 it; the stand-in's mask is built on the device (static shapes), and its own host checks of
 ``cu_seqlens`` values run on eager calls only (skipped while capturing; TE checks none of them).
 
-One torchrun launch (2 processes, gloo; this module is the worker) trains the same job twice in
+One torchrun launch (2 processes, gloo; ``tests/workers/cp_te_graphs_worker.py``) trains the same job twice in
 each process: eager, then with ``fastpath.cuda_graphs=true``. What is checked:
 
 * each layer is captured once (forward and backward graph) and replayed by every later
@@ -34,71 +34,17 @@ nothing here.
 
 from __future__ import annotations
 
-import collections
 import json
 import subprocess
-import sys
 
 import pytest
 
 from tests.support.cp_graphs import (BINS, BWD_COLLECTIVES, COMMON, CP2, CUDA, EPOCHS,
-                                     FWD_COLLECTIVES, GRAPHS, LAYERS, MICRO, STEPS)
+                                     FWD_COLLECTIVES, LAYERS, MICRO, STEPS)
 
 TE = [o.replace("fastpath.attention_backend=sdpa", "fastpath.attention_backend=te") for o in COMMON]
 assert TE != COMMON
 JOB = [*TE, *CUDA, *CP2, "training.dtype=bfloat16"]
-
-
-# ------------------------------------------------------------------------------- the worker
-def _train(overrides, replayed):
-    from unittest import mock
-
-    from megatron_fastpath.graphs import config as graphs_config
-    from tests.support import gpu_standins as standins
-    from tests.support import graph_safe_standins
-    from tests.support.hydra_compose import compose_job
-    from tests.support.main_job import train_in_standins
-    from tests.support.cp_graphs import counting_replays, layer_graphs
-
-    real_check, real_waited, real_capturing = (graphs_config._check_capture, graph_safe_standins._waited,
-                                               standins._capturing)
-    captured_calls = [0]
-
-    def check_capture(graphs, offload, attention_backend):  # all but the TE RNG tracker clause
-        return real_check(graphs, offload, "sdpa" if attention_backend == "te" else attention_backend)
-
-    def capturing():
-        answer = real_capturing()
-        captured_calls[0] += answer
-        return answer
-
-    summary, job = train_in_standins(compose_job(overrides), [
-        mock.patch.object(graphs_config, "_check_capture", check_capture),
-        mock.patch.object(standins, "_te_cuda_rng_states_tracker_cls", lambda: object),
-        mock.patch.object(graph_safe_standins, "_waited", counting_replays(real_waited, replayed)),
-        mock.patch.object(standins, "_capturing", capturing)])
-    calls = len(standins.TEDotProductAttentionStandIn.calls)  # recorded since the stand-ins were entered
-    layers = layer_graphs(job.model)
-    packings = [[list(map(int, mb.lengths)) for mb in job.data.batch(s).microbatches]
-                for s in range(1, job.cfg.training.steps + 1)]
-    records = [[r.step, r.loss, r.grad_norm, r.tokens] for r in summary.records]
-    return dict(records=records, layers=layers, packings=packings, standin_calls=calls,
-                captured_calls=captured_calls[0], backend=job.cfg.fastpath.attention_backend)
-
-
-def main(out: str, overrides: list) -> None:
-    import torch
-
-    eager = _train(overrides, collections.Counter())
-    replayed = collections.Counter()
-    graphs = _train(overrides + GRAPHS, replayed)
-    graphs["replayed"] = dict(replayed)
-    with open(f"{out}.rank{torch.distributed.get_rank()}.json", "w") as f:
-        json.dump({"eager": eager, "graphs": graphs}, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
 
 
 # --------------------------------------------------------------------------------- the tests
@@ -110,7 +56,7 @@ def ranks(tmp_path_factory):
     from tests.support.main_job import REPO, job_env, main_job_cmd
 
     out = tmp_path_factory.mktemp("cp-te-graphs") / "run"
-    cmd = main_job_cmd([str(out), *JOB], nproc=2, entry=["-m", "tests.train.test_context_parallel_te_graphs"])
+    cmd = main_job_cmd([str(out), *JOB], nproc=2, entry=["-m", "tests.workers.cp_te_graphs_worker"])
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads(out.with_name(f"run.rank{r}.json").read_text()) for r in range(2)]

@@ -1,4 +1,4 @@
-"""Context parallelism in the main job (issue 23): ``torchrun --nproc_per_node=2 -m
+"""Context parallelism in the main job: ``torchrun --nproc_per_node=2 -m
 megatron_fastpath.train parallel.context_parallel_size=2`` on CPU (gloo, sdpa backend, K/V
 all-gathered over the CP group) against the one-process CP=1 run of the same data.
 

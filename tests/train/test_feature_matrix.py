@@ -179,7 +179,7 @@ def test_a_run_never_reads_the_raw_backend_settings(mcore_parallel, tmp_path):
         return dataclasses.replace(job, fastpath=fast)
 
     autos = [c for c in runnable() if c["attention"] == "auto" and c["experts"] is not NA and c["lora"]]
-    with mock.patch("megatron_fastpath.train.parse_job_config", parse):
+    with mock.patch("megatron_fastpath.train.loop.parse_job_config", parse):
         for k, combo in enumerate([next(c for c in autos if c["graphs"]), next(c for c in autos if c["offload"])]):
             straight_vs_resumed(config_tree(combo), tmp_path / str(k), feature(combo))
 
@@ -241,7 +241,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
     """Integration tier: a shard of the runnable (world-1) combinations of one
     ``transformer_engine`` world in 2 processes at once (the machine's 2 cores; with the fake
     TE importable for the TE world), each training its half one after the other
-    (tests/support/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
+    (tests/workers/matrix_worker.py): straight vs resumed (matrix_runs.straight_vs_resumed)."""
     combos = shards()[world1_id(world, index)]
     lines, failures = _run_world1(combos, tmp_path)
     _report(world1_id(world, index), lines + _shared_lines(combos), failures, capsys)
@@ -256,7 +256,7 @@ def test_world_of_one_runs(tmp_path, capsys, world, index):
 def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
     """Integration tier: a shard of the world-2 combinations of one layout and world, in ONE
     ``torchrun`` launch of 2 processes (gloo, each inside the GPU stand-ins) that trains them one
-    after the other (tests/support/matrix_worker.py): straight vs resumed, the losses and
+    after the other (tests/workers/matrix_worker.py): straight vs resumed, the losses and
     learning rates on both ranks and each rank's final parameters equal."""
     combos = shards()[world2_id(world, layout, part)]
     assert combos

@@ -1,4 +1,4 @@
-"""Full-iteration CUDA graphs (issue 24): the main job's GPU step (``training.device=cuda``, run
+"""Full-iteration CUDA graphs: the main job's GPU step (``training.device=cuda``, run
 on the CPU inside the GPU stand-ins: CUDA-as-CPU mode and the fake CUDA graph, whose capture
 runs nothing a replay does not) with ``cuda_graphs.scope=full_iteration``.
 
@@ -176,7 +176,7 @@ def test_two_processes_full_iteration_equals_eager(tmp_path, layout):
 
     out = tmp_path / "run"
     cmd = main_job_cmd([str(out), *BASE, *WORLD2[layout], f"hydra.run.dir={tmp_path}/hydra"],
-                       nproc=2, entry=["-m", "tests.support.full_iteration_worker"])
+                       nproc=2, entry=["-m", "tests.workers.full_iteration_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     exact = "training.dtype=bfloat16" in WORLD2[layout]

@@ -25,7 +25,7 @@ MODELS = {
     "dense": [],
     "tiny_moe": ["model=tiny_moe", "model.moe_ffn_hidden_size=32"],
     # no dropout: on a GPU the row-parallel adapters' dropout draws from Megatron's model-parallel
-    # stream, the CPU path's from the default generator (G17, tests/lora/test_lora_dropout_rng.py)
+    # stream, the CPU path's from the default generator (tests/lora/test_lora_dropout_rng.py)
     "lora": ["fastpath.lora=true", "lora.dropout=0.0"],
 }
 # fp32, 4 steps. The two paths differ in rounding only: fused vs single-tensor AdamW (last ulp),
@@ -54,7 +54,7 @@ def _run_both(name, optimizer_step):
                                                       f"training.optimizer_step={optimizer_step}"])
     # no explicit device-wide wait anywhere in the run (build included)
     assert CALLS["torch.cuda.synchronize"] == waits
-    # G16: no copy of the steps from pageable memory (a stream sync each on CUDA); the token
+    # No copy of the steps from pageable memory (a stream sync each on CUDA); the token
     # ids / labels and loss masks of every microbatch went through the pinned staging ring
     assert [site for site, _ in copies.syncs if "megatron_fastpath" in site and "/train/" in site] == []
     assert job.step.staging.stats.copies == gpu.steps * 2 and copies.pinned >= 2 * job.step.staging.stats.copies
@@ -82,7 +82,7 @@ def test_gpu_path_matches_cpu_path(mcore_parallel, name, capsys):
     assert gpu.syncs_fwd_bwd_per_step == 0 and gpu.syncs_per_step == 0, gpu.records[0].sync_sites
     assert "host syncs: fwd+bwd 0, step 0" in out and "grad norm" in out
     assert all(r.grad_norm > 0 and r.skipped is False for r in gpu.records)
-    # issue 25 item 5: a GPU step's tok/s from its device time (timing events around the step,
+    # A GPU step's tok/s from its device time (timing events around the step,
     # read with its loss), not the host's issue time; the stand-in Event keeps CUDA's contract
     # (enable_timing on both, both recorded) and times the interval the events enclose
     for r in gpu.records:

@@ -1,4 +1,4 @@
-"""The MLPerf Llama-2-70B LoRA layout (issue 23): ``parallel=llama2_70b_lora`` (TP4, PP1, CP2,
+"""The MLPerf Llama-2-70B LoRA layout: ``parallel=llama2_70b_lora`` (TP4, PP1, CP2,
 sequence parallelism) with ``model=llama2_70b`` parses and plans on ``training.device=cuda`` --
 CP=2 served by the packed cache, the ``te`` attention backend (TE's THD + CP ring), per-layer
 CUDA graphs captured, FP8 linears as MLPerf runs them.

@@ -1,4 +1,4 @@
-"""Issue 10 point 10: the main job prints one line naming the absent optional packages instead
+"""The main job prints one line naming the absent optional packages instead
 of Megatron's per-module TE/Apex fallback warnings, torch's pynvml FutureWarning and one
 "Unknown MLP type" per MoE layer -- filtered in the main job only, not for library users."""
 

@@ -1,6 +1,6 @@
 """Pipeline parallel for real on CPU: PP=2 with 4 microbatches under torchrun (2 processes,
 gloo, Megatron's 1F1B schedule with p2p over gloo, inside the CUDA-as-CPU mode via
-tests/support/pp_worker.py) against PP=1 from the same initial parameters, for dense, tiny_moe
+tests/workers/pp_worker.py) against PP=1 from the same initial parameters, for dense, tiny_moe
 and LoRA: losses, step-1 gradients and final parameters equal; each stage's cache holds exactly the slots 1F1B needs
 (2 on stage 0, 1 on stage 1), never runs out and never refills a slot before its backward."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.support import pp_worker
+from tests.workers import pp_worker
 from tests.support.subproc import child_env, free_port
 
 COMMON = ["training.steps=3", "data.num_samples=128", "model.num_layers=2", "model.hidden_size=64",
@@ -29,7 +29,7 @@ def _torchrun(tmp_path, overrides, init):
     out = str(tmp_path / "pp.pt")
     env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO, PP_WORKER_INIT=init)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "-m", "tests.support.pp_worker", out, *overrides]
+           f"--master_port={free_port()}", "-m", "tests.workers.pp_worker", out, *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(f"{out}.rank{r}") for r in (0, 1)]

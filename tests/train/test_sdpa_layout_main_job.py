@@ -1,4 +1,4 @@
-"""The main job sizes the packed cache from its data (issue 25 item 1) and, with the sdpa
+"""The main job sizes the packed cache from its data and, with the sdpa
 backend, attends through the padded view where it computes fewer scores (item 2): the same
 losses and gradient norms as the [T, T] mask layout, and the startup line says which."""
 

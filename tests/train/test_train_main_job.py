@@ -37,7 +37,7 @@ def test_training_loss_falls_with_zero_host_syncs(mcore_parallel, capsys):
 
 @pytest.mark.integration
 def test_tiny_moe_training_loss_falls_with_zero_host_syncs(mcore_parallel):
-    """Issue 3's acceptance run: 8 experts top-2, sort/count dispatcher, 0 syncs per step."""
+    """The MoE acceptance run: 8 experts top-2, sort/count dispatcher, 0 syncs per step."""
     from megatron_fastpath.train import run
 
     summary = run(cfg(FAST + ["model=tiny_moe", "model.moe_ffn_hidden_size=64"]))
@@ -158,9 +158,9 @@ def test_gpu_main_job_runs_megatron_schedule_with_pipeline_parallel(tmp_path):
 
 
 def test_moe_with_tensor_parallelism_refused_at_parse():
-    """G20: MoE + TP > 1 passed the parse and died building the model (the dispatcher refuses
+    """MoE + TP > 1 is refused at parse, not when building the model (the dispatcher refuses
     expert tensor parallelism, which Megatron defaults to the TP size; megatron-core's MoE
-    layer then refuses TP without sequence parallelism in training). Refused at parse now."""
+    layer refuses TP without sequence parallelism in training)."""
     from megatron_fastpath.train import parse_job_config
 
     for model in ("tiny_moe", "mixtral_8x7b"):
@@ -178,8 +178,8 @@ def test_moe_with_tensor_parallelism_refused_at_parse():
 ])
 def test_cuda_only_packages_on_a_cpu_refused_at_parse(monkeypatch, overrides, named):
     """With Transformer Engine / flash-attn installed, a job on training.device=cpu using them
-    was accepted and failed at its first forward (TE: 'TransformerEngine needs CUDA.'); found by
-    running the main job on the fake Transformer Engine (tests/te_standin)."""
+    is refused at parse, not at its first forward (TE: 'TransformerEngine needs CUDA.', as the
+    main job shows on the fake Transformer Engine, tests/te_standin)."""
     from megatron_fastpath import _optional
     from megatron_fastpath.attention import backend as attention_backend
     from megatron_fastpath.train import parse_job_config

@@ -1,4 +1,4 @@
-"""Issue 10 point 9: a job that cannot fit is refused from its config, before anything is
+"""A job that cannot fit is refused from its config, before anything is
 built, with the estimate and the machine's memory; ``training.skip_memory_check`` overrides."""
 
 import time

@@ -1,5 +1,5 @@
-"""A non-editable install (the built wheel) carries the main job's configs and runs it
-(issue 26 item 6): the wheel is built from this checkout, installed with --target outside the
+"""A non-editable install (the built wheel) carries the main job's configs and runs it:
+the wheel is built from this checkout, installed with --target outside the
 repository, and the main job runs from a directory that is not the repository."""
 
 import os

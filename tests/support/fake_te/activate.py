@@ -2,9 +2,9 @@
 
 The fake is importable only through ``PYTHONPATH`` (the suite never edits ``sys.path``,
 tests/test_layering.py): :func:`te_env` is a child's environment with it, and :func:`activate`,
-called first by an entry point (``tests/support/te_standin_main.py``, the ``tests/te_standin``
+called first by an entry point (``tests/workers/te_standin_main.py``, the ``tests/te_standin``
 workers), re-executes the same command line with it on ``PYTHONPATH`` when it is not (so
-``python -m tests.support.te_standin_main ...`` and torchrun work as typed), then checks that
+``python -m tests.workers.te_standin_main ...`` and torchrun work as typed), then checks that
 ``transformer_engine`` is the fake. Megatron decides ``HAVE_TE`` when first imported: the fake
 must be importable before that, and never in the pytest process (other tests assume TE is
 absent).

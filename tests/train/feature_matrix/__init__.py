@@ -39,7 +39,7 @@ features the config accepts, parsed the way the main job parses it and, where ac
 * **Runs** (integration tier): every accepted world-1 combination of both worlds and every
   world-2 one without TE runs -- of the TE world's world-2 ones a pairwise cover per layout
   (:data:`TE_WORLD2_NOT_RUN`) --, in worker
-  processes that train their combinations one after the other (tests/support/matrix_worker.py)
+  processes that train their combinations one after the other (tests/workers/matrix_worker.py)
   -- the world-1 ones (status ``RUN``) dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
   (``WORLD2``, one parallel size 2) per layout in ``W2_PARTS`` ``torchrun`` launches of 2

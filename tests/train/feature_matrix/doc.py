@@ -101,7 +101,7 @@ def render() -> str:
         "parallelism's split sizes, once per layer and microbatch, and with sequence parallelism",
         "on Megatron's RNG tracker its CPU-state check, twice per microbatch; the stand-ins' own",
         "checks are unseen by the sentinel). A worker process",
-        "(`tests/support/matrix_worker.py`) trains a shard's combinations one after the other:",
+        "(`tests/workers/matrix_worker.py`) trains a shard's combinations one after the other:",
         "world 1 in 2 processes at once (the 2 cores), world 2 in one `torchrun` launch of 2.",
         "",
         *axes_table(axes()),

@@ -694,7 +694,7 @@ TIMEOUT = 1800  # s, one launch (~15-35 combinations, ~2-3 s each on an idle mac
 
 
 def _start(combos: list, d: Path, nproc: int):
-    """A launch of tests/support/matrix_worker.py training ``combos`` (under torchrun when
+    """A launch of tests/workers/matrix_worker.py training ``combos`` (under torchrun when
     ``nproc`` > 1; with the fake TE importable for the TE world's), its output in ``d``;
     returns (process, results prefix, log)."""
     import json
@@ -712,7 +712,7 @@ def _start(combos: list, d: Path, nproc: int):
     spec.write_text(json.dumps([{"label": c.label, "tree": config_tree(c), "feature": feature(c)}
                                 for c in combos]))
     cmd = main_job_cmd([str(spec), str(out), str(d)] + (["--te"] if te else []), nproc=nproc,
-                       entry=["-m", "tests.support.matrix_worker"])
+                       entry=["-m", "tests.workers.matrix_worker"])
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=d, env=te_env() if te else job_env(), stdout=f,
                                 stderr=subprocess.STDOUT, text=True)

@@ -2,7 +2,7 @@
 
 Never on ``sys.path`` of the pytest process (Megatron computes ``HAVE_TE`` at import time and
 other tests assume TE is absent): ``tests/support/fake_te/activate.py`` puts it first on
-``sys.path`` in a child process (``tests/support/te_standin_main.py``, the workers of
+``sys.path`` in a child process (``tests/workers/te_standin_main.py``, the workers of
 ``tests/te_standin``). Written from TE v2.10's source (the asserts cite
 ``transformer_engine/...:line`` at tag v2.10); no TE code is copied. What it provides is what
 Megatron-Core 0.16.1 imports unconditionally once ``import transformer_engine`` succeeds, plus

@@ -3,7 +3,7 @@ combinations one after the other in this process, each straight and across a che
 (tests/support/matrix_runs.py ``straight_vs_resumed``), under ``torchrun`` for the combinations
 that need a world of 2::
 
-    torchrun --nproc_per_node=2 -m tests.support.matrix_worker <spec.json> <out> <tmp dir> [--te]
+    torchrun --nproc_per_node=2 -m tests.workers.matrix_worker <spec.json> <out> <tmp dir> [--te]
 
 ``--te``: the Transformer Engine world -- the fake TE (tests/support/fake_te) is made importable
 before Megatron is (``activate``; the launcher passes ``te_env()``).

@@ -2,7 +2,7 @@
 (LoRA recipe + ``apply_fastpath``) for the main job's steps, on the CPU under
 :func:`tests.support.nemo_on_cpu.nemo_on_cpu`, on the main job's weights and data.
 
-    python -m tests.support.nemo_finetune_worker HF_DIR MAIN_JOB_DUMP WORK_DIR OUT_JSON
+    python -m tests.workers.nemo_finetune_worker HF_DIR MAIN_JOB_DUMP WORK_DIR OUT_JSON
 
 ``MAIN_JOB_DUMP`` (written by the main job's entry in the test): the main job's initial LoRA
 parameters and each step's packed microbatch (tokens, labels, loss mask, sequence lengths).

@@ -2,9 +2,9 @@
 stand-ins (``tests/support/graph_safe_standins.py``), so ``training.device=cuda`` runs on a CPU,
 in one process or under ``torchrun``::
 
-    torchrun --nproc_per_node=2 -m tests.support.standin_main <overrides>
+    torchrun --nproc_per_node=2 -m tests.workers.standin_main <overrides>
 
-(``tests.support.main_job.run_main_job(..., entry=["-m", "tests.support.standin_main"])``).
+(``tests.support.main_job.run_main_job(..., entry=["-m", "tests.workers.standin_main"])``).
 """
 
 from tests.support.graph_safe_standins import gpu_standins

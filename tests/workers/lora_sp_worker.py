@@ -8,7 +8,7 @@ norm is a stand-in for TENorm's contract (Megatron's local torch norm refuses
 ``finalize_model_grads`` sums it over TP). The SP model's gradients are reduced by Megatron's
 own ``_allreduce_non_tensor_model_parallel_grads`` (what ``finalize_model_grads`` calls).
 
-    torchrun --nproc_per_node=2 -m tests.lora.sp_worker OUT.pt   (PYTHONPATH=<repository>)   ->  OUT.pt.rank{r}
+    torchrun --nproc_per_node=2 -m tests.workers.lora_sp_worker OUT.pt   (PYTHONPATH=<repository>)   ->  OUT.pt.rank{r}
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ rule for FP8 attention, the math against ``torch.nn.functional.scaled_dot_produc
 a whole GPT from Megatron's TE layer spec; prints ``{check name: "ok" | the failure}`` as JSON
 on the last line.
 
-    python -m tests.te_standin.attention_worker
+    python -m tests.workers.te_attention_worker
 """
 
 from tests.support.fake_te.activate import activate
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests.te_standin.contracts_worker import recipe, run_checks, te  # noqa: E402
+from tests.workers.te_contracts_worker import recipe, run_checks, te  # noqa: E402
 
 CHECKS = {}
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
@@ -234,7 +234,7 @@ def inputs_te_refuses_raise():
           core_attention_bias=torch.zeros(3, 3, 8, 8))  # dpa.py:1293-1296
     with pytest.raises(ValueError, match=NO_BACKEND):  # num_splits is FA3's alone, utils.py:519-528
         d(q, k, v, num_splits=2)
-    with pytest.raises(NotImplementedError, match="thd"):  # with or without CP (cp_attention_worker)
+    with pytest.raises(NotImplementedError, match="thd"):  # with or without CP (te_cp_attention_worker)
         d(q[:, 0], k[:, 0], v[:, 0], qkv_format="thd")
 
 
@@ -496,7 +496,7 @@ def megatron_te_spec_gpt_forward_backward_equals_local_spec():
 
     from megatron_fastpath.distributed import init_distributed
     from tests.support.cuda_as_cpu import cuda_as_cpu
-    from tests.te_standin.te_worker import te_name
+    from tests.workers.te_spec_worker import te_name
 
     init_distributed(backend="gloo")
     with cuda_as_cpu():

@@ -4,8 +4,8 @@ the GPU stand-ins with the fake Transformer Engine importable, in one process or
 stopped / resumed / saved, the final model state (``state_dict`` tensors, TE's ``_extra_state``
 included) and which Megatron TE classes the model holds.
 
-    python -m tests.te_standin.job_worker OUT <overrides>
-    torchrun --nproc_per_node=2 -m tests.te_standin.job_worker OUT <overrides>
+    python -m tests.workers.te_job_worker OUT <overrides>
+    torchrun --nproc_per_node=2 -m tests.workers.te_job_worker OUT <overrides>
 """
 
 from tests.support.fake_te.activate import activate

@@ -2,7 +2,7 @@
 recipe (``megatron.bridge.recipes.common._peft_common``, the template of Bridge's Llama PEFT
 recipes) with a tiny Llama model, taken through ``apply_fastpath_to_config`` on the CPU.
 
-    python -m tests.support.bridge_recipe_worker OUT_JSON
+    python -m tests.workers.bridge_recipe_worker OUT_JSON
 
 Runs with the fake Transformer Engine first on ``PYTHONPATH`` (``tests.support.fake_te``):
 Bridge imports TE unconditionally (``megatron/bridge/peft/lora_layers.py:20``, ``import

@@ -3,7 +3,7 @@ process or under ``torchrun`` (gloo; Megatron's pipeline p2p over gloo). Records
 pipeline tests compare: per-step losses and grad norms, the gradients of step 1 and the final
 parameters under *global* layer names, and the cache's slot bookkeeping.
 
-    torchrun --nproc_per_node=2 -m tests.support.pp_worker OUT.pt parallel.pipeline_model_parallel_size=2 ...
+    torchrun --nproc_per_node=2 -m tests.workers.pp_worker OUT.pt parallel.pipeline_model_parallel_size=2 ...
 
 writes ``OUT.pt.rank{r}`` per rank (``collect`` is also called in-process for PP=1).
 """

@@ -2,7 +2,7 @@
 Transformer Engine (``tests/support/fake_te``) importable, so ``fastpath.linear_impl=te`` and
 ``fastpath.fp8=true`` build Megatron's TE layers on a CPU::
 
-    torchrun --nproc_per_node=2 -m tests.support.te_standin_main <overrides>
+    torchrun --nproc_per_node=2 -m tests.workers.te_standin_main <overrides>
 """
 
 from tests.support.fake_te.activate import activate

@@ -3,7 +3,7 @@ in one process -- eager, then with ``cuda_graphs.scope=full_iteration`` -- on th
 seed; each rank writes both runs' per-step (loss, lr, grad norm, launches) and the largest
 difference of its final parameter shards to ``<out>.rank<r>.json``::
 
-    torchrun --nproc_per_node=2 -m tests.support.full_iteration_worker <out> <overrides...>
+    torchrun --nproc_per_node=2 -m tests.workers.full_iteration_worker <out> <overrides...>
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``training.device=cuda`` as the check parses them on a GPU, inside the GPU stand-ins with the fake
 Transformer Engine importable (TE and flash-attn reported installed); prints the refusals as JSON.
 
-    python -m tests.support.gpu_check_parse_worker
+    python -m tests.workers.gpu_check_parse_worker
 """
 
 from tests.support.fake_te.activate import activate

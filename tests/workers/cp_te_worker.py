@@ -6,7 +6,7 @@ all-gathered by the package) -- then TE's contract checked on broken calls. Each
 ``<out>.rank<r>.json``: both runs' per-step (loss, grad norm, tokens) and host-sync sites, the
 stand-in's recorded calls and CP arguments, and the message each broken call raised::
 
-    torchrun --nproc_per_node=2 -m tests.support.cp_te_worker <out> <overrides...>
+    torchrun --nproc_per_node=2 -m tests.workers.cp_te_worker <out> <overrides...>
 """
 
 from __future__ import annotations

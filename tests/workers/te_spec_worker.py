@@ -2,8 +2,8 @@
 local spec (no Transformer Engine in the process) or with its TE spec on the fake TE
 (``tests/support/fake_te``), one forward + backward on a packed batch in float32.
 
-    python -m tests.te_standin.te_worker local VARIANT OUT.pt
-    python -m tests.te_standin.te_worker te VARIANT LOCAL.pt OUT.pt   # local weights, TE layout
+    python -m tests.workers.te_spec_worker local VARIANT OUT.pt
+    python -m tests.workers.te_spec_worker te VARIANT LOCAL.pt OUT.pt   # local weights, TE layout
 
 OUT.pt: {"state": parameters, "logits", "loss", "grads"} (names of the model that ran; the TE
 run also writes "grads_local_names": its gradients under the local model's names)."""

@@ -2,7 +2,7 @@
 Transformer Engine (``tests/support/fake_te``) the way a broken caller would and asserts TE's
 answer; prints ``{check name: "ok" | the failure}`` as JSON on the last line.
 
-    python -m tests.te_standin.contracts_worker
+    python -m tests.workers.te_contracts_worker
 """
 
 from tests.support.fake_te.activate import activate
@@ -1003,7 +1003,7 @@ def package_te_experts_fp8_need_the_dispatch_padding():
 
 def run_checks(checks: dict) -> None:
     """Run each check; print ``{name: "ok" | the traceback}`` as JSON (the parent reads the
-    last line). Shared with ``attention_worker``."""
+    last line). Shared with ``te_attention_worker``."""
     results = {}
     for name, fn in checks.items():
         try:

@@ -4,7 +4,7 @@ Engine 2.10's ``DotProductAttention`` at context parallelism 2 -- Megatron's
 (split with Megatron's ``get_batch_on_this_cp_rank``), per comm type, and each refusal TE has
 for CP. Rank 0 prints ``{check name: "ok" | the failure on some rank}`` as JSON on the last line.
 
-    torchrun --nproc_per_node=2 -m tests.te_standin.cp_attention_worker
+    torchrun --nproc_per_node=2 -m tests.workers.te_cp_attention_worker
 """
 
 from tests.support.fake_te.activate import activate
@@ -18,7 +18,7 @@ import traceback  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.te_standin.contracts_worker import recipe, te  # noqa: E402
+from tests.workers.te_contracts_worker import recipe, te  # noqa: E402
 
 CHECKS = {}
 NO_BACKEND = "No dot product attention backend is available for the provided inputs"
