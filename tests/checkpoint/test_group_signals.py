@@ -6,14 +6,14 @@ helper process megatron-core's checkpoint writer starts (its results-queue Manag
 keeps that helper serving until the save is done (compat.dist_ckpt), else the save fails and the
 job exits 1.
 
-Integration tier (``integration``): 20 trials at seeded random moments, two at once, each
-signal with each save mode (trial % 2: SIGTERM / SIGUSR1; trial % 4 < 2: async saves), 5 trials
-of each pair. And a SIGKILL of the main process alone: its helpers exit too (a helper left
-behind holds about 280 MB)."""
+Integration tier (``integration``): four trials at designed moments, each waited for on an
+event the job shows (a log line, a checkpoint's temporary directory), two at once; together they
+cover each phase a signal can land in and each signal with each save mode (:data:`MOMENTS`). And
+a SIGKILL of the main process alone: its helpers exit too (a helper left behind holds about
+280 MB)."""
 
 import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -74,18 +74,54 @@ def _wait_group_gone(pgid: int, timeout_s: float = 20.0) -> list:
     return left
 
 
-def _start_and_wait_first_checkpoint(run_dir: Path, *overrides: str):
+def _start_and_wait(run_dir: Path, moment, *overrides: str):
+    """Start the main job; return once ``moment(log text, run_dir)`` holds (polled every 5 ms)."""
     log = run_dir / "first.log"
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:  # its own session: the group is the job's, as under srun
         proc = subprocess.Popen(_cmd(run_dir, *overrides), env=_env(), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
-    while "checkpoint step 2" not in log.read_text():  # the writer's helper exists from here
+    while not moment(log.read_text(), run_dir):
         assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < deadline, "no first checkpoint after 300 s"
-        time.sleep(0.02)
+        assert time.time() < deadline, "the awaited moment did not come in 300 s"
+        time.sleep(0.005)
     return proc, log
+
+
+def _first_checkpoint(text: str, run_dir: Path) -> bool:
+    return "checkpoint step 2" in text  # the writer's helper exists from here
+
+
+def _start_and_wait_first_checkpoint(run_dir: Path, *overrides: str):
+    return _start_and_wait(run_dir, _first_checkpoint, *overrides)
+
+
+def _sync_save_writing(text: str, run_dir: Path) -> bool:
+    """A sync save after the first is being written: its ``.tmp.step_N`` directory exists (it is
+    renamed to ``step_N`` when complete; each save blocks the step 0.6-8 s on a loaded machine)."""
+    return any(int(p.name.rsplit("_", 1)[1]) >= 4 for p in (run_dir / "ckpt").glob(".tmp.step_*"))
+
+
+# (signal, async saves, the moment the signal is sent, the phase it lands in)
+MOMENTS = {
+    "async-save-in-flight": (
+        signal.SIGTERM, True, lambda text, _: "checkpoint step 2: async save blocked" in text,
+        "the first async save is staged and written in the background (its writer starts with it: "
+        "about 1.5 s): the group signal reaches the writer's helper mid-write, the stop save "
+        "waits for it"),
+    "mid-step-between-saves": (
+        signal.SIGUSR1, False, lambda text, _: "checkpoint step 2 ->" in text,
+        "the sync save of step 2 is published, step 3 runs: the stop save is off the interval"),
+    "during-a-sync-save": (
+        signal.SIGTERM, False, _sync_save_writing,
+        "a periodic sync save is being written (the checkpoint boundary): the step's save is "
+        "finished, the next step runs and saves as the stop"),
+    "final-steps": (
+        signal.SIGUSR1, True, lambda text, _: "step   30/40" in text,
+        "the last quarter of the run, async saves every 2 steps in flight; the resumed run "
+        "reaches the last step and its final save"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,49 +134,42 @@ def straight(tmp_path_factory):
     return _records(d / "s.json")
 
 
-def _trial(run_dir: Path, straight, sig: signal.Signals, async_save: bool, delay_s: float) -> None:
+def _trial(run_dir: Path, straight, name: str) -> None:
+    sig, async_save, moment, phase = MOMENTS[name]
     ckpt = run_dir / "ckpt"
     mode = f"checkpoint.async_save={str(async_save).lower()}"
-    proc, log = _start_and_wait_first_checkpoint(run_dir, f"checkpoint.dir={ckpt}", mode)
-    time.sleep(delay_s)
+    proc, log = _start_and_wait(run_dir, moment, f"checkpoint.dir={ckpt}", mode)
     os.killpg(proc.pid, sig)  # the job and every helper it started, as Slurm does
     rc = proc.wait(timeout=300)
     left = _wait_group_gone(proc.pid)
     text = log.read_text()
-    assert rc == PREEMPTED_EXIT_CODE, f"{sig.name} {mode} after {delay_s:.2f} s: exit {rc}\n{text[-3000:]}"
+    assert rc == PREEMPTED_EXIT_CODE, f"{sig.name} {mode} at {name} ({phase}): exit {rc}\n{text[-3000:]}"
     assert f"stopped early: signal {sig.name}" in text
     assert not left, f"outlived the job: {left}"
     stopped = int((ckpt / "latest").read_text().removeprefix("step_"))
     assert 2 <= stopped < STEPS and f"step {stopped + 1:4d}/" not in text
-    # exact resume: two more steps from the saved state equal the uninterrupted run's
-    until = min(stopped + 2, STEPS)
-    second = subprocess.run(_cmd(run_dir, f"checkpoint.dir={ckpt}", mode, f"training.stop_at_step={until}",
+    # exact resume: the rest of the run from the saved state equals the uninterrupted run
+    second = subprocess.run(_cmd(run_dir, f"checkpoint.dir={ckpt}", mode,
                                  f"training.summary_json={run_dir}/resumed.json"),
                             env=_env(), capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert second.stdout.splitlines()[0].startswith(f"resuming from {ckpt}/step_{stopped:08d}")
-    assert _records(run_dir / "resumed.json") == straight[:until]
+    assert _records(run_dir / "resumed.json") == straight
 
 
-TRIALS = 20
-
-
-def _random_trial(run_dir: Path, straight, trial: int) -> None:
-    rng = random.Random(trial)  # seeded: a failing trial reruns at the same moment
-    sig = (signal.SIGTERM, signal.SIGUSR1)[trial % 2]  # trial 0: SIGTERM, async; trial 3: SIGUSR1, sync
-    _trial(run_dir, straight, sig, async_save=trial % 4 < 2, delay_s=rng.uniform(0.0, 1.5))
+PAIRS = (("async-save-in-flight", "mid-step-between-saves"), ("during-a-sync-save", "final-steps"))
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("pair", range(TRIALS // 2), ids=lambda k: f"trials{2 * k}-{2 * k + 1}")
-def test_group_signal_at_random_moments(tmp_path, straight, pair):
+@pytest.mark.parametrize("pair", PAIRS, ids="+".join)
+def test_group_signal_at_each_phase(tmp_path, straight, pair):
     """Two trials at once (each job is one process; the machine has 2 cores), each checked as
-    alone: ``TRIALS`` in all, at seeded random moments. A failing trial is named."""
+    alone. A failing trial is named."""
     import concurrent.futures
 
-    trials = (2 * pair, 2 * pair + 1)
-    with concurrent.futures.ThreadPoolExecutor(len(trials)) as pool:
-        done = {t: pool.submit(_random_trial, tmp_path / f"trial{t}", straight, t) for t in trials}
+    assert {t for p in PAIRS for t in p} == set(MOMENTS)  # every designed moment runs
+    with concurrent.futures.ThreadPoolExecutor(len(pair)) as pool:
+        done = {t: pool.submit(_trial, tmp_path / t, straight, t) for t in pair}
     failed = {t: f.exception() for t, f in done.items() if f.exception() is not None}
     assert not failed, "\n\n".join(f"trial {t}: {type(e).__name__}: {e}" for t, e in failed.items())
 
