@@ -20,8 +20,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-__all__ = ["CP_ATTENTION_BACKENDS", "NAMES", "Names", "RULES", "RunFacts", "check_positive_ints",
-           "refusals"]
+__all__ = ["CP_ATTENTION_BACKENDS", "FEATURE_SWITCHES", "NAMES", "Names", "RULES", "RunFacts",
+           "changed_settings", "check_positive_ints", "refusals", "settings_while_off"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +466,30 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _offload_with_pipeline,
     _full_iteration_megatron_step,
 )
+
+
+# The main job's feature groups and the switch that turns each on: a group's keys are read only
+# while its switch is on (train/config.py), so a key set away from its default while the switch
+# is off would be silently ignored (lora.rank=8 without fastpath.lora=true: a full fine-tune).
+FEATURE_SWITCHES = {"lora": "fastpath.lora", "offload": "fastpath.offload",
+                    "cuda_graphs": "fastpath.cuda_graphs", "fp8": "fastpath.fp8"}
+
+
+def changed_settings(group: str, settings: Any, defaults: Any, fixed: tuple = ()) -> list[str]:
+    """``group.key=value`` of each field of the dataclass ``settings`` that differs from
+    ``defaults`` (the group's default option parsed the same way; ``fixed``: fields the job sets)."""
+    return [f"{group}.{f.name}={getattr(settings, f.name)!r}" for f in dataclasses.fields(settings)
+            if f.name not in fixed and getattr(settings, f.name) != getattr(defaults, f.name)]
+
+
+def settings_while_off(group: str, changed: list[str]) -> Optional[str]:
+    """The refusal of ``changed`` settings of a feature group whose switch is off (None: none)."""
+    if not changed:
+        return None
+    switch = FEATURE_SWITCHES[group]
+    return (f"{', '.join(changed)} set while {switch}=false: the {group} group is read only when "
+            f"its switch is on, so the run would silently ignore it; add {switch}=true (or drop "
+            f"the {group}.* settings)")
 
 
 def refusals(facts: RunFacts) -> list[str]:

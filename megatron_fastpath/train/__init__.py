@@ -208,6 +208,15 @@ def main() -> None:
 
     EarlySignals.install()  # before anything slow: a preemption during start-up requeues the job
     USER_ERRORS = _user_errors()  # noqa: N806
+    import sys
+
+    from megatron_fastpath.train.overrides import check_overrides
+
+    try:  # a key the config lacks: "did you mean", not Hydra's "+key" advice
+        check_overrides(sys.argv[1:])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT_CODE)
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from tests.support.hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job, features_on
 from tests.support.cuda_as_cpu import device_capability_standin, device_name_standin
 
 from megatron_fastpath import compat
@@ -23,7 +23,7 @@ SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
 
 
 def cfg(overrides):
-    return compose_job(SMALL + list(overrides))
+    return compose_job(features_on(SMALL + list(overrides)))
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
