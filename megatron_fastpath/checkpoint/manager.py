@@ -298,10 +298,12 @@ class CheckpointManager:
     (``loading``: with fresh tensors to load into); ``apply_fn(loaded, parts)`` puts a loaded
     dict back into the model and optimizer. A save's ``parts`` ({name: JSON state}) come back
     as :attr:`ResumeState.parts`. ``fingerprint_config``: the JSON-able settings that
-    must match for a resume (compared key by key on mismatch).
+    must match for a resume (compared key by key on mismatch); ``may_differ(train_state) ->
+    dotted keys``: those a checkpoint may differ in.
     """
 
-    def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print):
+    def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print,
+                 may_differ: Optional[Callable[[dict], set]] = None):
         if not cfg.enabled:
             raise ValueError("CheckpointManager needs checkpoint.dir")
         self.cfg = cfg
@@ -309,6 +311,7 @@ class CheckpointManager:
         self.fingerprint_config = fingerprint_config
         self.fingerprint = config_fingerprint(fingerprint_config)
         self.log = log
+        self.may_differ = may_differ
         self._async_queue = None
         self._pending: list = []
         self.saves: list[SaveResult] = []
@@ -614,7 +617,10 @@ class CheckpointManager:
                                 f"this model {tuple(ten.global_shape)}")
         if state.get("adapters_only") != self.cfg.adapters_only:
             problems.append(f"  checkpoint.adapters_only: saved {state.get('adapters_only')}, now {self.cfg.adapters_only}")
-        diffs = _config_diff(state.get("config", {}), self.fingerprint_config)
+        # the dotted config keys this checkpoint may differ in (e.g. settings an older
+        # fingerprint held that no longer enter it; the schedule of a finished run extended)
+        ignore = self.may_differ(state) if self.may_differ is not None else set()
+        diffs = _config_diff(state.get("config", {}), self.fingerprint_config, ignore=ignore)
         if problems or diffs:
             lines = problems[:40] + ([f"  ... {len(problems) - 40} more"] if len(problems) > 40 else [])
             raise CheckpointMismatchError(
@@ -699,12 +705,14 @@ class CheckpointManager:
         return ResumeState(step=state["step"], path=path, parts=state["parts"], notes=tuple(notes))
 
 
-def _config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+def _config_diff(saved: dict, now: dict, prefix: str = "", ignore=frozenset()) -> list[str]:
     out = []
     for k in sorted(set(saved) | set(now)):
+        if f"{prefix}{k}" in ignore:
+            continue
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, f"{prefix}{k}.")
+            out += _config_diff(a, b, f"{prefix}{k}.", ignore)
         elif a != b:
             out.append(f"  config {prefix}{k}: saved {a!r}, now {b!r}")
     return out

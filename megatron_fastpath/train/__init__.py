@@ -151,6 +151,8 @@ def run(cfg, return_job: bool = False, announce: bool = True):
             raise
         if ckpt.signals.received:  # preempted during start-up: no step ran, nothing new to save
             ckpt.close()
+            if ckpt.signals.received == "SIGINT":  # Ctrl-C: stop, not a requeue
+                raise KeyboardInterrupt
             from megatron_fastpath.train.checkpointing import Preempted
 
             raise Preempted(f"{ckpt.signals.received} before the first step")
@@ -168,11 +170,12 @@ def config_dir() -> str:
     )
 
 
-def _exit_preempted() -> None:
+def _exit_preempted(code: int = PREEMPTED_EXIT_CODE, barrier: bool = True) -> None:
     """Saved after SIGTERM/SIGUSR1: every rank exits with PREEMPTED_EXIT_CODE (the launcher,
-    slurm/train.sbatch, requeues the job). All ranks leave together, right after a barrier and
-    without interpreter teardown: ``srun --kill-on-bad-exit`` would otherwise kill a rank still
-    tearing down when the first one exits with a non-zero code."""
+    slurm/train.sbatch, requeues the job); after Ctrl-C with ``code`` INTERRUPTED_EXIT_CODE
+    (``barrier=False``: a second Ctrl-C, each rank on its own). All ranks leave together, right
+    after a barrier and without interpreter teardown: ``srun --kill-on-bad-exit`` would
+    otherwise kill a rank still tearing down when the first one exits with a non-zero code."""
     import multiprocessing
     import sys
 
@@ -186,9 +189,9 @@ def _exit_preempted() -> None:
     for child in multiprocessing.active_children():  # anything else a save started
         child.terminate()
         child.join(timeout=10)
-    if torch.distributed.is_initialized():
+    if barrier and torch.distributed.is_initialized():
         torch.distributed.barrier()
-    os._exit(PREEMPTED_EXIT_CODE)
+    os._exit(code)
 
 
 USER_ERROR_EXIT_CODE = 2
@@ -204,7 +207,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from megatron_fastpath.train.checkpointing import EarlySignals, Preempted
+    from megatron_fastpath.train.checkpointing import INTERRUPTED_EXIT_CODE, EarlySignals, Preempted
 
     EarlySignals.install()  # before anything slow: a preemption during start-up requeues the job
     USER_ERRORS = _user_errors()  # noqa: N806
@@ -232,6 +235,10 @@ def main() -> None:
         except Preempted as exc:
             print(f"preempted: {exc}; exiting with {PREEMPTED_EXIT_CODE} to be requeued", flush=True)
             _exit_preempted()
+        except KeyboardInterrupt:  # Ctrl-C before the first step, or a second one: no traceback
+            print("\ninterrupted (Ctrl-C): stopped at once, nothing saved since the last "
+                  "checkpoint", flush=True)
+            _exit_preempted(INTERRUPTED_EXIT_CODE, barrier=False)
         except USER_ERRORS as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
@@ -241,6 +248,8 @@ def main() -> None:
 
             print(f"error: {exc}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
             sys.exit(USER_ERROR_EXIT_CODE)
+        if summary.stopped == "signal SIGINT":  # saved; how to resume is printed
+            _exit_preempted(INTERRUPTED_EXIT_CODE)
         if summary.stopped and summary.stopped.startswith("signal"):
             _exit_preempted()
         from megatron_fastpath.distributed import destroy_distributed
