@@ -31,6 +31,7 @@ from megatron_fastpath.train.config import (
     JobConfig,
     ParallelConfig,
     TrainingConfig,
+    config_dir,
     parse_job_config,
     section,
 )
@@ -159,15 +160,6 @@ def run(cfg, return_job: bool = False, announce: bool = True):
     logger.header()
     summary = train(job, logger, ckpt, start)
     return (summary, job) if return_job else summary
-
-
-def config_dir() -> str:
-    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the package's configs/ (shipped
-    in the wheel, so a non-editable install runs the main job)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.environ.get(
-        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
-    )
 
 
 def _exit_preempted(code: int = PREEMPTED_EXIT_CODE, barrier: bool = True) -> None:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull
     from megatron_fastpath.train.metrics import MetricsConfig
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
-           "parse_job_config", "section"]
+           "config_dir", "parse_job_config", "section"]
 
 
 SYNC_CHECK_MODES = ("first", "every", "off")
@@ -209,12 +209,19 @@ def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str 
     return parse_group(name, cls, data, fixed, switch)  # types and bounds, naming the key
 
 
+def config_dir() -> str:
+    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the package's configs/ (shipped
+    in the wheel, so a non-editable install runs the main job)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.environ.get(
+        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
+    )
+
+
 def _refuse_settings_while_off(cfg: Any, fast: FastpathConfig, types: dict) -> None:
     """A feature group's keys set away from its default option (``configs/<group>/default.yaml``)
     while its ``fastpath`` switch is off: refused (:func:`rules.settings_while_off`)."""
     from omegaconf import OmegaConf
-
-    from megatron_fastpath.train import config_dir
 
     for group, switch in rules.FEATURE_SWITCHES.items():
         if getattr(fast, switch.split(".")[1]) or cfg is None or group not in cfg:

@@ -88,7 +88,7 @@ def check_overrides(overrides: Sequence[str], configs: Optional[str] = None) -> 
     """Raise ValueError (one line: what, why, the fix) for the first plain override whose key
     the composed config lacks. Anything not a plain ``key=value`` (a flag) leaves all of it to
     Hydra; a composition that fails on the group choices alone is Hydra's to report."""
-    from megatron_fastpath.train import config_dir
+    from megatron_fastpath.train.config import config_dir
 
     if any(o.startswith("-") for o in overrides):
         return
