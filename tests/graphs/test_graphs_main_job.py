@@ -88,10 +88,10 @@ def test_default_warmup_is_zero_with_lora_on_cuda(lora, warmup):
     from megatron_fastpath.train import parse_job_config
     from tests.support.graph_safe_standins import gpu_standins
 
-    job = compose_job(["fastpath.cuda_graphs=true", f"fastpath.lora={str(lora).lower()}",
-                       "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
-                       "training.dtype=bfloat16", "training.device=cuda",
-                       "training.skip_memory_check=true", "cluster.backend=gloo"])
+    job = compose_job(features_on(["fastpath.cuda_graphs=true", f"fastpath.lora={str(lora).lower()}",
+                                   "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
+                                   "training.dtype=bfloat16", "training.device=cuda",
+                                   "training.skip_memory_check=true", "cluster.backend=gloo"]))
     with gpu_standins():
         plan = parse_job_config(job).plan
     assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == warmup
