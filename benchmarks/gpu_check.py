@@ -82,7 +82,9 @@ def jobs(te: bool, flash: bool) -> dict:
         "main_job_flash": (JOB + ["fastpath.attention_backend=flash", "fastpath.linear_impl=local"],
                            None if flash else "flash_attn"),
     }
-    return out
+    from tests.support.hydra_compose import features_on  # a feature's settings only with its switch
+
+    return {name: (features_on(overrides), missing) for name, (overrides, missing) in out.items()}
 
 
 MISSING_WHY = {

@@ -71,13 +71,15 @@ TIMED = range(3, STEPS)  # steps after the last capture (full_iteration captures
 BASE = ["training.device=cuda", f"training.steps={STEPS}", f"training.micro_batches={MICRO_BATCHES}",
         "data.num_samples=160", "data.max_tokens=128", "data.max_len=48", "data.max_seqs=8",
         "model.hidden_size=64", "model.ffn_hidden_size=96", "training.warmup_steps=2",
-        "cuda_graphs.use_te_rng_tracker=false", "training.sync_check=off",
+        "training.sync_check=off",
         "training.skip_memory_check=true", "cluster.backend=gloo", "fastpath.linear_impl=local",
         "fastpath.lora=true", "lora.dropout=0.0"]
 VARIANTS = {
     "eager": ["fastpath.cuda_graphs=false"],
-    "layers": ["fastpath.cuda_graphs=true", "cuda_graphs.scope=layers", "cuda_graphs.warmup_steps=0"],
-    "full_iteration": ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration"],
+    "layers": ["fastpath.cuda_graphs=true", "cuda_graphs.scope=layers", "cuda_graphs.warmup_steps=0",
+               "cuda_graphs.use_te_rng_tracker=false"],
+    "full_iteration": ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration",
+                       "cuda_graphs.use_te_rng_tracker=false"],
 }
 # aten ops that launch no kernel on a GPU (allocation, metadata, wrapping)
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",

@@ -135,10 +135,12 @@ class CheckpointManager:
     treat each the same: its tensors go through dist_checkpointing, its JSON state into
     ``train_state.json`` under its name (and back as :attr:`ResumeState.parts`).
     ``fingerprint_config``: the JSON-able settings that must match for a resume (compared key by
-    key on mismatch).
+    key on mismatch); ``may_differ(train_state) -> dotted keys``: those a checkpoint may
+    differ in.
     """
 
-    def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print):
+    def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print,
+                 may_differ: Optional[Callable[[dict], set]] = None):
         if not cfg.enabled:
             raise ValueError("CheckpointManager needs checkpoint.dir")
         self.cfg = cfg
@@ -146,6 +148,7 @@ class CheckpointManager:
         self.fingerprint_config = fingerprint_config
         self.fingerprint = config_fingerprint(fingerprint_config)
         self.log = log
+        self.may_differ = may_differ
         self._async_queue = None
         self._pending: list = []
         self.saves: list[SaveResult] = []
@@ -416,7 +419,10 @@ class CheckpointManager:
                                 f"this model {tuple(ten.global_shape)}")
         if state.get("adapters_only") != self.cfg.adapters_only:
             problems.append(f"  checkpoint.adapters_only: saved {state.get('adapters_only')}, now {self.cfg.adapters_only}")
-        diffs = config_diff(state.get("config", {}), self.fingerprint_config)
+        # the dotted config keys this checkpoint may differ in (settings an older fingerprint
+        # held that do not enter it; the schedule of a finished run extended)
+        ignore = self.may_differ(state) if self.may_differ is not None else set()
+        diffs = config_diff(state.get("config", {}), self.fingerprint_config, ignore=ignore)
         if problems or diffs:
             lines = problems[:40] + ([f"  ... {len(problems) - 40} more"] if len(problems) > 40 else [])
             raise CheckpointMismatchError(

@@ -76,13 +76,16 @@ def check_json(name: str, value, where: str = "") -> None:
                     "saved as JSON, never pickled; give its state_dict() of plain values")
 
 
-def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """One line per setting that differs between a checkpoint's config and this run's."""
+def config_diff(saved: dict, now: dict, prefix: str = "", ignore=frozenset()) -> list[str]:
+    """One line per setting that differs between a checkpoint's config and this run's, except
+    the dotted keys in ``ignore``."""
     out = []
     for k in sorted(set(saved) | set(now)):
+        if f"{prefix}{k}" in ignore:
+            continue
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{prefix}{k}.")
+            out += config_diff(a, b, f"{prefix}{k}.", ignore)
         elif a != b:
             out.append(f"  config {prefix}{k}: saved {a!r}, now {b!r}")
     return out

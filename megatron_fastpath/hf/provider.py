@@ -17,7 +17,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
+from typing import Optional
 
 import torch
 
@@ -68,6 +71,47 @@ def _check_window(spec: HFModelSpec, data) -> None:
                               f"set {knob}<={spec.max_sequence}{extra}")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hub_cache_snapshot(repo_id: str) -> Optional[str]:
+    """The local Hugging Face Hub cache's snapshot of ``repo_id`` at its ``main`` ref
+    ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; the layout
+    huggingface_hub writes: models--<org>--<name>/refs/main -> snapshots/<commit>), or None."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            commit = f.read().strip()
+    except OSError:
+        return None
+    snapshot = os.path.join(repo, "snapshots", commit)
+    return snapshot if commit and os.path.isfile(os.path.join(snapshot, "config.json")) else None
+
+
+def checkpoint_dir(path) -> str:
+    """``model.path`` as a local checkpoint directory: refused unset, missing, or a Hugging Face
+    Hub id that the local hub cache does not hold (the job downloads nothing)."""
+    if path is None or str(path) == "???":
+        raise ValueError("model=hf needs model.path: it is unset; set model.path=<a Hugging Face "
+                         "checkpoint directory> (config.json + *.safetensors + tokenizer files)")
+    path = str(path)
+    if os.path.isdir(path):
+        return path
+    if not os.path.exists(path) and _HUB_ID.match(path):
+        cached = hub_cache_snapshot(path)
+        if cached is not None:
+            return cached
+        raise ValueError(
+            f"model.path={path!r} is not a directory; as a Hugging Face Hub id it is not resolved: "
+            "the job reads a local copy only and the local hub cache does not hold it; download "
+            f"it first (huggingface-cli download {path} --local-dir <dir>) and set model.path=<dir>")
+    what = "is a file" if os.path.exists(path) else "does not exist"
+    raise ValueError(f"model.path={path!r} {what}: model=hf reads a Hugging Face checkpoint "
+                     "directory (config.json + *.safetensors); set model.path=<that directory>")
+
+
 class HFModel(ModelProvider):
     key = "hf"
 
@@ -79,9 +123,7 @@ class HFModel(ModelProvider):
         if extra:
             raise ValueError(f"model=hf takes only model.path (the architecture comes from its "
                              f"config.json); unknown key(s) {extra}")
-        if group.get("path") is None:
-            raise ValueError("model=hf needs model.path=<Hugging Face checkpoint directory>")
-        spec = read_hf_config(str(group["path"]))
+        spec = read_hf_config(checkpoint_dir(group.get("path")))
         spec.check_parallel(tp, ep)
         SafetensorsCheckpoint(spec.path).close()  # missing / truncated files, headers only
         return ModelSource(self.key, spec.model_config(), spec.rope_config(),
@@ -97,7 +139,15 @@ class HFModel(ModelProvider):
                     use_cpu_initialization=device.type != "cuda")
 
     def check(self, source: ModelSource, *, lora, export, data, pipeline_size: int) -> None:
+        from megatron_fastpath.data import DataConfig
+
         _check_window(source.handle.spec, data)
+        if export is not None and export.enabled and isinstance(data, DataConfig) and not export.synthetic_data:
+            raise ValueError(
+                f"{' and '.join(export.dirs())} with the synthetic token data (no data=jsonl): the "
+                "job would train the checkpoint on random tokens and export it as fine-tuned; add "
+                "data=jsonl data.path=<your data file> (export.synthetic_data=true: a test of the "
+                "export)")
         if export is not None and export.adapter_dir and lora is None:
             raise ValueError("export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true; "
                              "a full fine-tune exports its weights with export.merged_dir=<dir>")

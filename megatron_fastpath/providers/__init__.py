@@ -115,10 +115,13 @@ class ExportConfig:
     """The ``export`` group: what a run writes at the end (output only, so not part of the
     resume fingerprint), by its model provider. adapter_dir: a PEFT adapter directory (needs
     LoRA); merged_dir: the weights as a Hugging Face checkpoint (LoRA merged in; a full
-    fine-tune as trained)."""
+    fine-tune as trained). synthetic_data: export a model trained on the synthetic token data
+    (the default data group) -- a test of the export itself; otherwise refused, since the
+    exported model would not be fine-tuned on anything."""
 
     adapter_dir: Optional[str] = None
     merged_dir: Optional[str] = None
+    synthetic_data: bool = False
 
     @property
     def enabled(self) -> bool:

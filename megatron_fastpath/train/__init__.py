@@ -31,6 +31,7 @@ from megatron_fastpath.train.config import (
     JobConfig,
     ParallelConfig,
     TrainingConfig,
+    config_dir,
     parse_job_config,
     section,
 )
@@ -49,20 +50,12 @@ __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig"
 _section = section  # the name tests use
 
 
-def config_dir() -> str:
-    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the package's configs/ (shipped
-    in the wheel, so a non-editable install runs the main job)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.environ.get(
-        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
-    )
-
-
-def _exit_preempted() -> None:
+def _exit_preempted(code: int = PREEMPTED_EXIT_CODE, barrier: bool = True) -> None:
     """Saved after SIGTERM/SIGUSR1: every rank exits with PREEMPTED_EXIT_CODE (the launcher,
-    slurm/train.sbatch, requeues the job). All ranks leave together, right after a barrier and
-    without interpreter teardown: ``srun --kill-on-bad-exit`` would otherwise kill a rank still
-    tearing down when the first one exits with a non-zero code."""
+    slurm/train.sbatch, requeues the job); after Ctrl-C with ``code`` INTERRUPTED_EXIT_CODE
+    (``barrier=False``: a second Ctrl-C, each rank on its own). All ranks leave together, right
+    after a barrier and without interpreter teardown: ``srun --kill-on-bad-exit`` would
+    otherwise kill a rank still tearing down when the first one exits with a non-zero code."""
     import multiprocessing
     import sys
 
@@ -76,9 +69,9 @@ def _exit_preempted() -> None:
     for child in multiprocessing.active_children():  # anything else a save started
         child.terminate()
         child.join(timeout=10)
-    if torch.distributed.is_initialized():
+    if barrier and torch.distributed.is_initialized():
         torch.distributed.barrier()
-    os._exit(PREEMPTED_EXIT_CODE)
+    os._exit(code)
 
 
 USER_ERROR_EXIT_CODE = 2
@@ -94,10 +87,19 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from megatron_fastpath.train.checkpointing import EarlySignals, Preempted
+    from megatron_fastpath.train.checkpointing import INTERRUPTED_EXIT_CODE, EarlySignals, Preempted
 
     EarlySignals.install()  # before anything slow: a preemption during start-up requeues the job
     USER_ERRORS = _user_errors()  # noqa: N806
+    import sys
+
+    from megatron_fastpath.train.overrides import check_overrides
+
+    try:  # a key the config lacks: "did you mean", not Hydra's "+key" advice
+        check_overrides(sys.argv[1:])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT_CODE)
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
@@ -113,6 +115,10 @@ def main() -> None:
         except Preempted as exc:
             print(f"preempted: {exc}; exiting with {PREEMPTED_EXIT_CODE} to be requeued", flush=True)
             _exit_preempted()
+        except KeyboardInterrupt:  # Ctrl-C before the first step, or a second one: no traceback
+            print("\ninterrupted (Ctrl-C): stopped at once, nothing saved since the last "
+                  "checkpoint", flush=True)
+            _exit_preempted(INTERRUPTED_EXIT_CODE, barrier=False)
         except USER_ERRORS as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
@@ -122,6 +128,8 @@ def main() -> None:
 
             print(f"error: {exc}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
             sys.exit(USER_ERROR_EXIT_CODE)
+        if summary.stopped == "signal SIGINT":  # saved; how to resume is printed
+            _exit_preempted(INTERRUPTED_EXIT_CODE)
         if summary.stopped and summary.stopped.startswith("signal"):
             _exit_preempted()
         from megatron_fastpath.distributed import destroy_distributed

@@ -10,7 +10,9 @@
 * :meth:`JobCheckpointer.after_step` saves when due (every ``checkpoint.interval`` steps, at the
   last step, at ``training.stop_at_step``, after a SIGTERM / SIGUSR1) and says whether to stop.
 * :class:`PreemptionSignals`: SIGTERM / SIGUSR1 only set a flag; the job finishes the current
-  step, saves and exits with :data:`PREEMPTED_EXIT_CODE` (all ranks agree on the step).
+  step, saves and exits with :data:`PREEMPTED_EXIT_CODE` (all ranks agree on the step). Ctrl-C
+  (SIGINT) does the same, prints how to resume and exits with :data:`INTERRUPTED_EXIT_CODE`; a
+  second Ctrl-C stops at once (Python's KeyboardInterrupt), without saving.
 """
 
 from __future__ import annotations
@@ -23,28 +25,53 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer", "DataPosition",
-           "fingerprint_config"]
+__all__ = ["INTERRUPTED_EXIT_CODE", "PREEMPTED_EXIT_CODE", "PreemptionSignals", "JobCheckpointer",
+           "DataPosition", "fingerprint_config"]
 
 # Exit code of a job stopped by SIGTERM/SIGUSR1 after saving: "requeue me" (EX_TEMPFAIL).
 PREEMPTED_EXIT_CODE = 75
-_RUNTIME_ONLY = ("stop_at_step", "summary_json", "log_all_ranks", "device", "sync_check")
+# Exit code of a job stopped by Ctrl-C (SIGINT), saved or not: the shell's 128 + SIGINT.
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+
+
+def _weights_only(group: str, settings: dict) -> dict:
+    """``settings`` of ``group`` less those that do not change the trained weights
+    (:data:`megatron_fastpath.rules.NOT_WEIGHT_SETTINGS`)."""
+    from megatron_fastpath.rules import NOT_WEIGHT_SETTINGS
+
+    return {k: v for k, v in settings.items() if f"{group}.{k}" not in NOT_WEIGHT_SETTINGS}
 
 
 def fingerprint_config(cfg, dp_world: int) -> dict:
-    """Settings a resumed run must share with the saved one: the model, data, training math and
-    LoRA. Not the layout (``parallel``, the data-parallel size: resharding keeps the global
-    batch ``micro_batches * dp_world``), logging, offload or graphs (same math)."""
-    training = {k: v for k, v in dataclasses.asdict(cfg.training).items() if k not in _RUNTIME_ONLY}
+    """Settings a resumed run must share with the saved one: what changes the trained weights
+    in the model, data, training and LoRA groups (not ``rules.NOT_WEIGHT_SETTINGS``). Not the
+    layout (``parallel``, the data-parallel size: resharding keeps the global batch
+    ``micro_batches * dp_world``), logging, offload or graphs (same math)."""
+    training = _weights_only("training", dataclasses.asdict(cfg.training))
     if training["epochs"] is None:  # a run without epochs fingerprints as before they existed
         del training["epochs"]
     training["global_micro_batches"] = training.pop("micro_batches") * dp_world
     out = {
-        "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data),
+        "model": dataclasses.asdict(cfg.model), "data": _weights_only("data", dataclasses.asdict(cfg.data)),
         "training": training, "moe_capacity_factor": cfg.fastpath.moe_capacity_factor,
         "lora": dataclasses.asdict(cfg.lora) if cfg.lora is not None else None,
     }
     return json.loads(json.dumps(out))  # tuples -> lists, as read back from JSON
+
+
+def may_differ(steps: int):
+    """``CheckpointManager``'s ``may_differ`` for a run of ``steps`` steps: the settings that do
+    not change the weights (an older checkpoint's fingerprint may still hold them), and the
+    schedule (``rules.SCHEDULE_SETTINGS``) when the checkpoint is the end of its run and this
+    run goes further (a finished run extended: the LR schedule is recomputed for the new total,
+    the steps continue from the saved one; ``step.build_scheduler``)."""
+    from megatron_fastpath.rules import NOT_WEIGHT_SETTINGS, SCHEDULE_SETTINGS
+
+    def keys(state: dict) -> set:
+        saved_steps = ((state.get("config") or {}).get("training") or {}).get("steps")
+        finished = saved_steps is not None and state.get("step") == saved_steps
+        return set(NOT_WEIGHT_SETTINGS) | (set(SCHEDULE_SETTINGS) if finished and steps > saved_steps else set())
+    return keys
 
 
 def announce_resume(cfg) -> Optional[str]:
@@ -71,9 +98,14 @@ def announce_resume(cfg) -> Optional[str]:
             with open(os.path.join(path, "train_state.json")) as f:
                 state = json.load(f)
             done = state["step"]
+            saved = (state.get("config") or {}).get("training") or {}
             line = (f"resuming from {path}: {done} of {steps} steps done, continuing at step {done + 1}"
                     if steps is None or done < steps else
                     f"resuming from {path}: all {steps} steps already done (nothing to train)")
+            if steps is not None and done == saved.get("steps") and done < steps:
+                line = (f"resuming from {path}: its run of {done} steps finished; training.steps="
+                        f"{steps} extends it (the LR schedule recomputed for {steps} steps), "
+                        f"continuing at step {done + 1}")
             if steps is None:  # training.epochs: the steps are known once the data is packed
                 from megatron_fastpath.checkpoint.train_state import upgrade_train_state
 
@@ -81,6 +113,11 @@ def announce_resume(cfg) -> Optional[str]:
                 line = (f"resuming from {path}: {done} steps of {epochs} epochs done, continuing at "
                         f"step {done + 1} (epoch {(data.get('epoch') or 0) + 1})"
                         if data.get("next_first_microbatch") is not None else
+                        f"resuming from {path}: its run of {done} steps ({saved.get('epochs')} "
+                        f"epochs) finished; training.epochs={epochs} extends it (the LR schedule "
+                        f"recomputed for the new total), continuing at step {done + 1} (epoch "
+                        f"{saved.get('epochs') + 1})"
+                        if isinstance(saved.get("epochs"), int) and epochs > saved["epochs"] else
                         f"resuming from {path}: all {done} steps of {epochs} epochs already done "
                         "(nothing to train)")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: its format
@@ -131,17 +168,19 @@ class EarlySignals:
 
 
 class PreemptionSignals:
-    """SIGTERM / SIGUSR1 -> a flag (handlers restored by :meth:`close`); a signal the main job
-    recorded before (:class:`EarlySignals`) counts as received."""
+    """SIGTERM / SIGUSR1 / SIGINT -> a flag (handlers restored by :meth:`close`); a signal the
+    main job recorded before (:class:`EarlySignals`) counts as received. The first SIGINT gives
+    SIGINT back to Python's KeyboardInterrupt: a second Ctrl-C stops at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    STOPPING = (*SIGNALS, signal.SIGINT)  # what stops the run after a save
 
     def __init__(self):
         self.received: Optional[str] = EarlySignals.take()
         self._previous = {}
         self._group = None
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in self.STOPPING:
                 self._previous[sig] = signal.signal(sig, self._handle)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             gloo = torch.distributed.get_backend() == "gloo"
@@ -152,12 +191,17 @@ class PreemptionSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:  # the second Ctrl-C: KeyboardInterrupt, at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if _rank0():
+                print("\ninterrupted (Ctrl-C): finishing this step and saving a checkpoint; "
+                      "Ctrl-C again stops at once without saving", flush=True)
 
     def agreed(self) -> Optional[str]:
         """The signal any rank received (a CPU all-reduce over gloo: no device sync)."""
         if not self._multi:
             return self.received
-        codes = [s.name for s in self.SIGNALS]
+        codes = [s.name for s in self.STOPPING]
         flag = torch.tensor([codes.index(self.received) + 1 if self.received else 0])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return codes[int(flag) - 1] if int(flag) else None
@@ -166,6 +210,12 @@ class PreemptionSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def _rank0() -> bool:
+    import os
+
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 class DataPosition:
@@ -194,6 +244,8 @@ class DataPosition:
         step = state["next_step"] - 1
         epoch, expected = self._next(step)
         saved = (state.get("epoch"), state["next_first_microbatch"])
+        if saved == (None, None):  # saved at the end of its run, which this run extends
+            saved = (epoch, expected)
         if state["per_step"] == self.data.per_step and saved != (epoch, expected):
             from megatron_fastpath.checkpoint import CheckpointMismatchError
 
@@ -209,15 +261,16 @@ class JobCheckpointer:
         from megatron_fastpath.checkpoint import CheckpointManager, training_parts
 
         self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
-        self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print)
+        self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print,
+                                         may_differ=may_differ(job.cfg.training.steps))
         # every part, by the name it is saved under, in the order it loads
         self.data_position = DataPosition(job.data, job.cfg.training.steps)
         self.parts = {**training_parts(job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only),
                       "data": self.data_position, "history": logger.history}
         self.signals = PreemptionSignals()
         self.resumed = None
-        self.manager.lock()  # one writer per directory, before anything is read or written
         try:
+            self.manager.lock()  # one writer per directory, before anything is read or written
             self.manager.check_free_space(self._checkpoint_bytes())
         except BaseException:
             self.close()
@@ -316,6 +369,9 @@ class JobCheckpointer:
         due = stop or step == t.steps or (self.cfg.interval and step % self.cfg.interval == 0)
         if due:
             self.save(step)
+        if stop == "signal SIGINT":
+            self.logger.print(f"interrupted: step {step} saved in checkpoint.dir={self.cfg.dir}; "
+                              f"rerun the same command to resume at step {step + 1}")
         return stop
 
     def save(self, step: int) -> None:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull
     from megatron_fastpath.train.metrics import MetricsConfig
 
 __all__ = ["TrainingConfig", "FastpathConfig", "ParallelConfig", "ClusterConfig", "JobConfig",
-           "parse_job_config", "section"]
+           "config_dir", "parse_job_config", "section"]
 
 
 SYNC_CHECK_MODES = ("first", "every", "off")
@@ -209,6 +209,32 @@ def section(cfg: Any, name: str, cls, fixed: Optional[dict] = None, switch: str 
     return parse_group(name, cls, data, fixed, switch)  # types and bounds, naming the key
 
 
+def config_dir() -> str:
+    """The Hydra config directory: $MEGATRON_FASTPATH_CONFIGS or the package's configs/ (shipped
+    in the wheel, so a non-editable install runs the main job)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.environ.get(
+        "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
+    )
+
+
+def _refuse_settings_while_off(cfg: Any, fast: FastpathConfig, types: dict) -> None:
+    """A feature group's keys set away from its default option (``configs/<group>/default.yaml``)
+    while its ``fastpath`` switch is off: refused (:func:`rules.settings_while_off`)."""
+    from omegaconf import OmegaConf
+
+    for group, switch in rules.FEATURE_SWITCHES.items():
+        if getattr(fast, switch.split(".")[1]) or cfg is None or group not in cfg:
+            continue
+        cls, fixed = types[group]
+        default = os.path.join(config_dir(), group, "default.yaml")
+        defaults = parse_group(group, cls, {k: v for k, v in OmegaConf.to_container(
+            OmegaConf.load(default)).items() if not (f"{group}.{k}" in dict(_MOVED_KEYS))}, fixed)
+        changed = rules.changed_settings(group, section(cfg, group, cls, fixed), defaults,
+                                         tuple(fixed or ()))
+        refuse([r for r in (rules.settings_while_off(group, changed),) if r])
+
+
 def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
     """Settings of each feature switched on in ``fastpath`` (None when off)."""
     from megatron_fastpath.fp8 import FP8Config
@@ -216,6 +242,9 @@ def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:
     from megatron_fastpath.lora import LoRAConfig
     from megatron_fastpath.offload import OffloadConfig
 
+    _refuse_settings_while_off(cfg, fast, {
+        "lora": (LoRAConfig, None), "offload": (OffloadConfig, {"enabled": True}),
+        "cuda_graphs": (CudaGraphConfig, None), "fp8": (FP8Config, None)})
     graphs = section(cfg, "cuda_graphs", CudaGraphConfig) if fast.cuda_graphs else None
     return dict(
         lora=section(cfg, "lora", LoRAConfig) if fast.lora else None,
@@ -235,7 +264,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return default_device()
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device=cuda but no CUDA device is available; use device=cpu")
+        raise ValueError("training.device=cuda but no CUDA device is available on this machine "
+                         "(torch.cuda.is_available() is False); set training.device=cpu (or auto)")
     if name not in ("cpu", "cuda"):
         raise ValueError(f"training.device must be auto, cpu or cuda; got {name!r}")
     return default_device() if name == "cuda" else torch.device("cpu")

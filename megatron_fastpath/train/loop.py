@@ -66,6 +66,8 @@ def _checkpointer(job: Job, logger: StepLogger) -> tuple[Optional[JobCheckpointe
         raise
     if ckpt.signals.received:  # preempted during start-up: no step ran, nothing new to save
         ckpt.close()
+        if ckpt.signals.received == "SIGINT":  # Ctrl-C: stop, not a requeue
+            raise KeyboardInterrupt
         raise Preempted(f"{ckpt.signals.received} before the first step")
     return ckpt, start
 

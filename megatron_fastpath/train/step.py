@@ -129,7 +129,10 @@ def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = T
 
 def build_scheduler(optimizer, train_cfg: TrainingConfig):
     """Megatron's cosine LR schedule (its warmup must be shorter than the decay: short runs get
-    a shorter warmup)."""
+    a shorter warmup). A resume takes this run's values, not the checkpoint's
+    (``override_opt_param_scheduler``, Megatron's --override-opt_param-scheduler): the
+    fingerprint makes them equal but for a finished run extended (rules.SCHEDULE_SETTINGS),
+    whose schedule is recomputed for the new total while the step count continues."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
@@ -138,6 +141,7 @@ def build_scheduler(optimizer, train_cfg: TrainingConfig):
         lr_decay_steps=train_cfg.steps, lr_decay_style="cosine",
         start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
         wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
 
 

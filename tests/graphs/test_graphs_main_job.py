@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from tests.support.hydra_compose import compose_job
+from tests.support.hydra_compose import compose_job, features_on
 from tests.support.cuda_as_cpu import device_capability_standin, device_name_standin
 
 from megatron_fastpath import compat
@@ -23,7 +23,7 @@ SMALL = ["training.steps=4", "training.micro_batches=1", "data.num_samples=96",
 
 
 def cfg(overrides):
-    return compose_job(SMALL + list(overrides))
+    return compose_job(features_on(SMALL + list(overrides)))
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
@@ -88,10 +88,10 @@ def test_default_warmup_is_zero_with_lora_on_cuda(lora, warmup):
     from megatron_fastpath.train import parse_job_config
     from tests.support.graph_safe_standins import gpu_standins
 
-    job = compose_job(["fastpath.cuda_graphs=true", f"fastpath.lora={str(lora).lower()}",
-                       "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
-                       "training.dtype=bfloat16", "training.device=cuda",
-                       "training.skip_memory_check=true", "cluster.backend=gloo"])
+    job = compose_job(features_on(["fastpath.cuda_graphs=true", f"fastpath.lora={str(lora).lower()}",
+                                   "cuda_graphs.use_te_rng_tracker=false", "lora.dropout=0.0",
+                                   "training.dtype=bfloat16", "training.device=cuda",
+                                   "training.skip_memory_check=true", "cluster.backend=gloo"]))
     with gpu_standins():
         plan = parse_job_config(job).plan
     assert plan.capture and plan.transformer_config["cuda_graph_warmup_steps"] == warmup

@@ -26,7 +26,9 @@ def tiny(tmp_path_factory):
 def parse(*overrides):
     from megatron_fastpath.train import parse_job_config
 
-    return parse_job_config(compose_job(["training.steps=2", "metrics.wandb=off", *overrides]))
+    # data=jsonl: an export of a model trained on the synthetic tokens is refused (test below)
+    return parse_job_config(compose_job(["training.steps=2", "metrics.wandb=off", "data=jsonl",
+                                         f"data.path={DATA}", *overrides]))
 
 
 def preflighted(*overrides):
@@ -110,7 +112,8 @@ def test_the_main_job_reports_it_in_one_line_with_exit_2(tiny, tmp_path):
     from tests.support.main_job import run_main_job
 
     before = listing(tiny)
-    job = run_main_job(["model=hf", f"model.path={tiny}", f"export.merged_dir={tiny}",
+    job = run_main_job(["model=hf", f"model.path={tiny}", "data=jsonl", f"data.path={DATA}",
+                        f"export.merged_dir={tiny}",
                         "training.steps=2", "metrics.wandb=off"], tmp_path, check=False, timeout=300)
     assert job.returncode == 2, job.output[-3000:]
     assert (f"error: export.merged_dir={tiny!r} is model.path={tiny!r}: the job would write its "

@@ -73,7 +73,8 @@ def test_ep2_loads_and_exports_expert_shards(tmp_path):
         out = tmp_path / f"ep{ep}"
         summaries[ep] = _main_job(tmp_path, ep, common + [
             f"parallel.expert_model_parallel_size={ep}", f"training.micro_batches={3 - ep}",
-            f"export.merged_dir={out}", f"hydra.run.dir={tmp_path / f'run{ep}'}"], f"{out}.json")
+            f"export.merged_dir={out}", "export.synthetic_data=true",
+            f"hydra.run.dir={tmp_path / f'run{ep}'}"], f"{out}.json")
     for a, b in zip(summaries[1]["records"], summaries[2]["records"]):
         assert abs(a["loss"] - b["loss"]) <= 2e-4 * abs(a["loss"])
     src, merged = {}, {}
@@ -123,8 +124,9 @@ def test_tp2_trains_as_one_process(tmp_path, family, lora):
 
     ckpt = str(tmp_path / family)
     make_checkpoint(family, ckpt)
+    lora_settings = ["lora.dropout=0.0", "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]
     common = ["model=hf", f"model.path={ckpt}", f"fastpath.lora={str(lora).lower()}",
-              "lora.dropout=0.0", "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+              *(lora_settings if lora else []),
               "training.lr=1e-2", "training.steps=4", "training.micro_batches=1",
               "data.num_samples=128", "data.max_tokens=128", "data.max_len=48"]
     records = {tp: _main_job(tmp_path, tp, common + [f"parallel.tensor_model_parallel_size={tp}",

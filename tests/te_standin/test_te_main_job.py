@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.fake_te.activate import te_env
+from tests.support.hydra_compose import features_on
 from tests.support.main_job import main_job_cmd
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,7 @@ TE_CLASSES = {"TELayerNormColumnParallelLinear", "TERowParallelLinear"}
 def job(tmp_path, name, overrides, nproc=1, base=BASE) -> list:
     """The te_job_worker's outputs, one per rank."""
     out = tmp_path / name
-    cmd = main_job_cmd([str(out), *base, *overrides, f"hydra.run.dir={tmp_path}/hydra-{name}"],
+    cmd = main_job_cmd([str(out), *features_on([*base, *overrides]), f"hydra.run.dir={tmp_path}/hydra-{name}"],
                        nproc=nproc, entry=["-m", "tests.workers.te_job_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=te_env(WANDB_MODE="offline"), capture_output=True, text=True,
                           timeout=900)

@@ -42,7 +42,7 @@ COMMON = ["training.steps=3", "data.num_samples=64", "data.max_tokens=256", "dat
           "data.max_seqs=4", "model=tiny_dense", "parallel=single", "model.num_layers=2",
           "model.hidden_size=64", "model.ffn_hidden_size=96", "training.micro_batches=1",
           "training.device=cuda", "training.dtype=bfloat16", "fastpath.linear_impl=local",
-    "cluster.backend=gloo", "training.skip_memory_check=true", "cuda_graphs.use_te_rng_tracker=false"]
+    "cluster.backend=gloo", "training.skip_memory_check=true"]
 CP2 = ["parallel.context_parallel_size=2"]
 RTOL_LOSS, RTOL_GRAD = 2e-4, 2e-4
 # the TE message (or the stand-in's named limit) each broken call must raise

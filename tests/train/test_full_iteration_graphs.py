@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.hydra_compose import features_on
 from tests.support.matrix_runs import params
 
 pytestmark = pytest.mark.integration
@@ -43,7 +44,7 @@ def _train(overrides):
     from tests.support.hydra_compose import compose_job
     from tests.support.main_job import train_in_standins
 
-    return train_in_standins(compose_job(BASE + list(overrides)))
+    return train_in_standins(compose_job(features_on(BASE + list(overrides))))
 
 
 def _assert_same_run(graphed, eager, job_g, job_e, rtol=1e-6, atol=1e-7):
@@ -149,7 +150,7 @@ def test_refusals_at_parse():
     with gpu_standins():
         for extra, match in cases:
             with pytest.raises(ValueError, match=match):
-                parse_job_config(compose_job(BASE + FULL + extra))
+                parse_job_config(compose_job(features_on(BASE + FULL + extra)))
 
 
 # --------------------------------------------------------------- 2 processes (torchrun)
@@ -175,7 +176,7 @@ def test_two_processes_full_iteration_equals_eager(tmp_path, layout):
     from tests.support.main_job import job_env, main_job_cmd
 
     out = tmp_path / "run"
-    cmd = main_job_cmd([str(out), *BASE, *WORLD2[layout], f"hydra.run.dir={tmp_path}/hydra"],
+    cmd = main_job_cmd([str(out), *features_on([*BASE, *WORLD2[layout]]), f"hydra.run.dir={tmp_path}/hydra"],
                        nproc=2, entry=["-m", "tests.workers.full_iteration_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

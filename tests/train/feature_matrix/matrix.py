@@ -45,7 +45,10 @@ FIXED = {
     "offload.min_offload_bytes=0": "the tiny layers' inputs are offloaded too",
 }
 
-BASE = SIZES + list(FIXED)
+# a feature group's fixed settings go with its switch (parse refuses them while it is off:
+# rules.settings_while_off); the others into every combination
+FEATURE_FIXED = {k for k in FIXED if k.split(".")[0] in ("lora", "offload", "cuda_graphs", "fp8")}
+BASE = SIZES + [k for k in FIXED if k not in FEATURE_FIXED]
 
 TINY_HEAD_DIM = 8  # model.hidden_size 32 over the tiny models' 4 heads (kv_channels unset)
 
@@ -225,6 +228,8 @@ class Combo(Combination):
             if o is None:
                 return None
             out += o
+            on = {x.split("=")[0].split(".")[1] for x in o if x.startswith("fastpath.") and x.endswith("=true")}
+            out += [k for k in FIXED if k in FEATURE_FIXED and k.split(".")[0] in on]
         return out
 
     @property

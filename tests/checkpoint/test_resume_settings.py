@@ -1,0 +1,47 @@
+"""What a resume compares: the settings that change the trained weights. Those in
+rules.NOT_WEIGHT_SETTINGS (held-out evaluation, logging, where the job runs) leave the checkpoint
+fingerprint, and an older checkpoint whose fingerprint holds them still resumes."""
+
+import pytest
+
+from tests.support.hydra_compose import compose_job
+
+
+def fingerprint(*overrides):
+    from megatron_fastpath.train import parse_job_config
+    from megatron_fastpath.train.checkpointing import fingerprint_config
+
+    # data=jsonl parses without reading its files (the tokenizer is read when the data is built)
+    return fingerprint_config(parse_job_config(compose_job(
+        ["training.steps=4", "data=jsonl", "data.path=chat.jsonl", "data.tokenizer_path=tok",
+         *overrides])), dp_world=1)
+
+
+def test_settings_that_do_not_change_the_weights_leave_the_fingerprint():
+    base = fingerprint()
+    assert fingerprint("data.eval_every=3", "data.eval_samples=2", "data.eval_max_new_tokens=8",
+                       "data.cache=false", "training.log_all_ranks=true", "training.sync_check=off",
+                       "training.skip_memory_check=true", "training.stop_at_step=2") == base
+    assert "eval_every" not in base["data"] and "sync_check" not in base["training"]
+
+
+@pytest.mark.parametrize("setting", ["data.eval_fraction=0.2", "training.lr=1e-3", "data.seed=7",
+                                     "training.steps=5"])
+def test_settings_that_change_the_weights_stay_in_it(setting):
+    assert fingerprint(setting) != fingerprint()
+
+
+def test_an_older_fingerprint_holding_them_is_no_mismatch():
+    from megatron_fastpath.checkpoint.manager import _config_diff
+    from megatron_fastpath.train.checkpointing import may_differ
+
+    now = fingerprint()
+    saved = {**now, "data": {**now["data"], "eval_every": 10, "eval_samples": 0},
+             "training": {**now["training"], "skip_memory_check": False}}
+    state = {"step": 2, "config": saved}
+    assert _config_diff(saved, now, ignore=may_differ(4)(state)) == []
+    # the schedule may differ only when the checkpoint ended its run and this one goes further
+    longer = {**now, "training": {**now["training"], "steps": 6}}
+    assert _config_diff(saved, longer, ignore=may_differ(6)(state)) == [
+        "  config training.steps: saved 4, now 6"]
+    assert _config_diff(saved, longer, ignore=may_differ(6)({"step": 4, "config": saved})) == []
