@@ -70,7 +70,7 @@ def test_a_second_writer_is_refused_naming_the_holder(mcore_parallel, tmp_path):
         holder.unlock()
     assert run(cfg(f"checkpoint.dir={tmp_path}")).steps == 2  # released: the job runs
     with pytest.raises(Exception) as err:  # a mismatch at resume releases the directory too ...
-        run(cfg(f"checkpoint.dir={tmp_path}", "training.steps=3"))
+        run(cfg(f"checkpoint.dir={tmp_path}", "training.lr=0.001"))
     assert "does not fit this run" in str(err.value)
     assert run(cfg(f"checkpoint.dir={tmp_path}")).resumed_from.endswith("step_00000002")  # ... so
 
