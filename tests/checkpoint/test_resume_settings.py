@@ -32,7 +32,7 @@ def test_settings_that_change_the_weights_stay_in_it(setting):
 
 
 def test_an_older_fingerprint_holding_them_is_no_mismatch():
-    from megatron_fastpath.checkpoint.manager import _config_diff
+    from megatron_fastpath.checkpoint.train_state import config_diff as _config_diff
     from megatron_fastpath.train.checkpointing import may_differ
 
     now = fingerprint()

@@ -1,4 +1,4 @@
-"""G1: with CUDA graphs the RNG tracker is graph-safe (Megatron's ``CudaRNGStatesTracker(
+"""With CUDA graphs the RNG tracker is graph-safe (Megatron's ``CudaRNGStatesTracker(
 use_cudagraphable_rng=True)`` or TE's): its states are ``torch.Generator`` objects, which a
 captured graph registered. A checkpoint save called ``.cpu()`` on them (AttributeError at the
 first save) and a restore handed byte tensors to a tracker whose ``fork()`` passes them to

@@ -1,4 +1,4 @@
-"""Gemma 2 (``model_type: gemma2``, issue 26 item 4) against transformers.
+"""Gemma 2 (``model_type: gemma2``) against transformers.
 
 * Packed logits equal transformers' (eager) per sequence on a packed batch: the (1 + weight)
   float32 norms (four per layer: the attention / MLP outputs normed before the residual add),

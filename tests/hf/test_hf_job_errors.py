@@ -102,7 +102,7 @@ def test_moved_export_keys_name_the_new_key(mcore_parallel, capsys, old, new):
 
 
 def test_adapter_export_needs_lora(mcore_parallel, tiny, capsys):
-    run_expecting(["model=hf", f"model.path={tiny}", "export.adapter_dir=/tmp/x"], ValueError,
+    run_expecting(["model=hf", f"model.path={tiny}", "export.adapter_dir=/tmp/x", "export.synthetic_data=true"], ValueError,
                   "export.adapter_dir writes a PEFT adapter and needs fastpath.lora=true", capsys)
 
 

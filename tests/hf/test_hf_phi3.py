@@ -1,4 +1,4 @@
-"""Phi-3 / Phi-3.5 (``model_type: phi3``, issue 26 item 4) against transformers.
+"""Phi-3 / Phi-3.5 (``model_type: phi3``) against transformers.
 
 * Weights: the fused ``qkv_proj`` (rows ``[q; k; v]``) and ``gate_up_proj`` (rows ``[gate; up]``)
   become Megatron's per-group ``linear_qkv`` and ``[gate; up]`` ``linear_fc1``, TP shards included;

@@ -1,4 +1,4 @@
-"""Sliding-window attention on sequences longer than the window (issue 26 item 4), against
+"""Sliding-window attention on sequences longer than the window, against
 transformers 4.57, whose windowed layers keep key kv of query q iff ``kv_idx > q_idx - W`` on
 top of causal (``masking_utils.sliding_window_overlay``).
 

@@ -1,4 +1,4 @@
-"""Mistral's sliding window and YaRN RoPE scaling (issue 26 item 4), against transformers.
+"""Mistral's sliding window and YaRN RoPE scaling, against transformers.
 
 * A sliding window W (transformers keeps key kv of query q iff ``kv_idx > q_idx - W``,
   masking_utils ``sliding_window_overlay``): where no sequence is longer than W the layers run

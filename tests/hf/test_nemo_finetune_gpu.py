@@ -1,4 +1,4 @@
-"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` for a few steps on a GPU (issue 12 point 7).
+"""NeMo 2's ``llm.finetune`` with ``apply_fastpath`` for a few steps on a GPU.
 
 On this CPU machine NeMo trains only under test-only stand-ins (``torch.cuda.Stream`` in
 ``nemo/lightning/megatron_parallel.py`` and the rest: ``tests/support/nemo_on_cpu.py``), which

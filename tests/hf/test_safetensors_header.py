@@ -1,6 +1,5 @@
 """Crafted safetensors files and indexes are refused with the file named, never a raw
-TypeError / KeyError / RecursionError, and without reading a huge declared header (issue 27
-items 10 and 11)."""
+TypeError / KeyError / RecursionError, and without reading a huge declared header."""
 
 import json
 import os

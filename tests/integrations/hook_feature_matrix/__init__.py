@@ -1,4 +1,4 @@
-"""The hooks' feature matrix (issue 22, the hooks' half): every combination of what the NeMo 2 /
+"""The hooks' feature matrix (the hooks' half of the feature matrices): every combination of what the NeMo 2 /
 Megatron-Bridge hooks read -- the user's :class:`HookRequest` and the :class:`ModelFacts` of
 the framework config -- through their shared decision layer ``integrations/core.py``.
 

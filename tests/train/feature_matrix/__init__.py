@@ -33,9 +33,8 @@ features the config accepts, parsed the way the main job parses it and, where ac
   step inside its modes, equal to the straight run's step without them, and showing exactly
   the host reads expected (``matrix_runs.expected_syncs``). Each run builds the job from
   ``config_tree(combo)`` (equal to Hydra's composition:
-  :func:`test_config_tree_is_hydras_composition`), not from Hydra. (It used to be three runs:
-  4 straight, 3 with ``training.stop_at_step`` and a save, the resume; the straight run saving
-  at step 3 checks the same resume with 5 steps instead of 8.)
+  :func:`test_config_tree_is_hydras_composition`), not from Hydra. (The straight run saving at step 3 checks the
+  resume with 5 steps, where a separate stopped run would take 8.)
 * **Runs** (integration tier): every accepted world-1 combination of both worlds and every
   world-2 one without TE runs -- of the TE world's world-2 ones a pairwise cover per layout
   (:data:`TE_WORLD2_NOT_RUN`) --, in worker

@@ -68,7 +68,7 @@ MEASURED: tuple = (
     "same runs in 4 / 8 world-1 tests and 2 launches per layout without TE (more worker",
     "processes to start), and 1,665 s at 646b10e (each combination its own run, the straight",
     "run's steps counted by the sync sentinel; `[te-i]` 111-119 s each for 136-137 runs).",
-    "With the flex runs (session 32: 36 world-1 and 57 world-2 runs without TE, the 17-run",
+    "With the flex runs (36 world-1 and 57 world-2 runs without TE, the 17-run",
     "flex cover and 11 more world-2 cover runs with TE), this module took 1,271 s in a run of",
     "it alone on this machine (its first ~10 minutes beside other probes): `[0-1]` 46 / 47 s,",
     "`[te-0..3]` 142-155 s, TP2 / PP2 / EP2 / CP2 76 / 96 / 106 / 27 s, the TE world's 55 / 41 /",
