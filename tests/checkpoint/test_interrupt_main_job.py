@@ -5,12 +5,11 @@ uninterrupted run's exactly. A second Ctrl-C stops at once."""
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 
 from megatron_fastpath.train.checkpointing import INTERRUPTED_EXIT_CODE
-from tests.support.main_job import job_env, main_job_cmd, run_main_job
+from tests.support.main_job import job_env, main_job_cmd, run_main_job, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +23,6 @@ def _cmd(tmp_path, *overrides):
     return main_job_cmd([*FAST, f"hydra.run.dir={tmp_path}/hydra", *overrides])
 
 
-def _wait_for(proc, pred, what, timeout_s=300):
-    deadline = time.time() + timeout_s
-    while not pred():
-        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_ctrl_c_saves_prints_how_to_resume_and_the_rerun_matches(tmp_path):
@@ -40,7 +33,7 @@ def test_ctrl_c_saves_prints_how_to_resume_and_the_rerun_matches(tmp_path):
     with open(log, "w") as f:
         proc = subprocess.Popen(_cmd(tmp_path, f"checkpoint.dir={d}"), env=job_env(), stdout=f,
                                 stderr=subprocess.STDOUT)
-        _wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
+        wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=300) == INTERRUPTED_EXIT_CODE
     text = log.read_text()
@@ -66,9 +59,9 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         # async saves on: the second Ctrl-C lands while the first one's step / save runs
         proc = subprocess.Popen(_cmd(tmp_path, f"checkpoint.dir={d}", "training.steps=400"),
                                 env=job_env(), stdout=f, stderr=subprocess.STDOUT)
-        _wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
+        wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
         proc.send_signal(signal.SIGINT)
-        _wait_for(proc, lambda: "Ctrl-C again stops at once" in log.read_text(), "the first Ctrl-C")
+        wait_for(proc, lambda: "Ctrl-C again stops at once" in log.read_text(), "the first Ctrl-C")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=300) == INTERRUPTED_EXIT_CODE
     text = log.read_text()

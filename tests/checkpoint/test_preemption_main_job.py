@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
-from tests.support.main_job import job_env, main_job_cmd, run_main_job
+from tests.support.main_job import job_env, main_job_cmd, run_main_job, wait_for
 
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
@@ -44,12 +43,6 @@ def straight(tmp_path_factory):
     return [(r["step"], r["loss"], r["lr"]) for r in run_main_job(FAST, d, env=_env()).summary["records"]]
 
 
-def _wait_for(proc, pred, what, timeout_s=300):
-    deadline = time.time() + timeout_s
-    while not pred():
-        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.mark.integration
@@ -60,7 +53,7 @@ def test_signal_saves_exits_75_and_rerun_matches_uninterrupted(tmp_path, straigh
     with open(log, "w") as f:
         proc = subprocess.Popen(_cmd(tmp_path, f"checkpoint.dir={d}"), env=_env(), stdout=f,
                                 stderr=subprocess.STDOUT)
-        _wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
+        wait_for(proc, lambda: "step    2/" in log.read_text(), "step 2")
         proc.send_signal(sig)
         assert proc.wait(timeout=300) == PREEMPTED_EXIT_CODE
     text = log.read_text()
@@ -89,7 +82,7 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, straight
                  "checkpoint.async_save=false",
                  launcher=Path(__file__).parents[1] / "workers" / "slow_save_launcher.py"),
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_for(proc, marker.exists, "the save of step 4")
+        wait_for(proc, marker.exists, "the save of step 4")
         os.killpg(proc.pid, signal.SIGKILL)  # step 4's files are written, not published
         proc.wait(timeout=60)
     assert (d / ".tmp.step_00000004" / "model" / "metadata.json").exists()  # written, unpublished

@@ -20,3 +20,16 @@ def checkpoints(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama checkpoint (examples/make_tiny_hf_llama.py, tokenizer trained on
+    ``hf_reference.DATA``), written once per module."""
+    import make_tiny_hf_llama
+
+    from tests.hf.hf_reference import DATA
+
+    path = str(tmp_path_factory.mktemp("tiny") / "ckpt")
+    make_tiny_hf_llama.main(path, DATA)
+    return path

@@ -19,15 +19,6 @@ transformers = pytest.importorskip("transformers")
 STEPS, EVERY, SAMPLES, NEW = 10, 5, 2, 8
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import make_tiny_hf_llama
-
-    path = str(tmp_path_factory.mktemp("tiny") / "ckpt")
-    make_tiny_hf_llama.main(path, DATA)
-    return path
-
-
 # ------------------------------------------------------------------ parse refusals
 def test_settings_are_checked_at_parse():
     from megatron_fastpath.hf.data import DataError, JsonlDataConfig

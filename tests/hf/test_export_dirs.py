@@ -14,15 +14,6 @@ from tests.hf.hf_reference import DATA
 from tests.support.hydra_compose import compose_job
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import make_tiny_hf_llama
-
-    path = str(tmp_path_factory.mktemp("tiny") / "ckpt")
-    make_tiny_hf_llama.main(path, DATA)
-    return path
-
-
 def parse(*overrides):
     from megatron_fastpath.train import parse_job_config
 

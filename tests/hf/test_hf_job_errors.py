@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -17,15 +16,6 @@ DATA = os.path.join(REPO, "examples", "data", "arith_chat.jsonl")
 
 def cfg(overrides):
     return compose_job(list(overrides))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import make_tiny_hf_llama
-
-    path = str(tmp_path_factory.mktemp("tiny"))
-    make_tiny_hf_llama.main(path, DATA)
-    return path
 
 
 def run_expecting(overrides, exc, match, capsys):

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -150,3 +151,13 @@ class SharedRuns:
 
 __all__ = ["JobRun", "REPO", "SharedRuns", "job_env", "main_job_cmd", "run_main_job",
            "train_in_process"]
+
+
+def wait_for(proc: subprocess.Popen, pred, what: str, timeout_s: float = 300) -> None:
+    """Poll ``pred()`` every 20 ms until it holds; fail naming ``what`` if ``proc`` ends first or
+    ``timeout_s`` passes."""
+    deadline = time.time() + timeout_s
+    while not pred():
+        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
