@@ -305,22 +305,23 @@ def test_the_suite_check_sees_each_planted_form():
 
 
 # Modules under tests/ that run as a script but are no child process of a test: a person runs
-# them (or, for the two feature matrices, each shard launch runs the test module itself).
+# them.
 SCRIPTS_OUTSIDE_WORKERS = {
     os.path.join("slurm", "slurm_cluster.py"): "a person's `up` / `down` of the local cluster (docs/slurm.md)",
     os.path.join("support", "standin_registry.py"): "writes docs/cuda-graphs.md's stand-in table",
-    os.path.join("train", "test_feature_matrix.py"): "its shard launches run `-m tests.train.test_feature_matrix`",
-    os.path.join("integrations", "test_hook_feature_matrix.py"):
-        "its shard launches run `-m tests.integrations.test_hook_feature_matrix`",
 }
 
 
 def scripts_outside_workers(sources) -> list[str]:
-    """Modules of the suite with a module-level ``if __name__ == "__main__":`` (a child-process
-    entry: torchrun / ``python -m`` / a path) outside ``tests/workers/``."""
+    """Modules of the suite with a module-level ``if __name__ == "__main__":`` or a package's
+    ``__main__.py`` (a child-process entry: torchrun / ``python -m`` / a path) outside
+    ``tests/workers/``."""
     found = []
     for rel, src in sources:
         if rel.startswith("workers" + os.sep) or rel in SCRIPTS_OUTSIDE_WORKERS:
+            continue
+        if os.path.basename(rel) == "__main__.py":
+            found.append(f"{rel}:1")
             continue
         for node in ast.parse(src, rel).body:
             if isinstance(node, ast.If) and ast.unparse(node.test) in ('__name__ == "__main__"',
@@ -338,5 +339,7 @@ def test_child_process_workers_live_in_tests_workers():
 def test_the_workers_check_sees_a_planted_script():
     planted = [(os.path.join("train", "x_worker.py"), 'def f():\n    pass\n\nif __name__ == "__main__":\n    f()\n'),
                (os.path.join("workers", "y_worker.py"), 'if __name__ == "__main__":\n    pass\n'),
-               (os.path.join("support", "z.py"), 'def g():\n    if __name__ == "__main__":\n        pass\n')]
-    assert scripts_outside_workers(planted) == [os.path.join("train", "x_worker.py") + ":4"]
+               (os.path.join("support", "z.py"), 'def g():\n    if __name__ == "__main__":\n        pass\n'),
+               (os.path.join("train", "matrix", "__main__.py"), 'print("run")\n')]
+    assert scripts_outside_workers(planted) == [os.path.join("train", "x_worker.py") + ":4",
+                                                os.path.join("train", "matrix", "__main__.py") + ":1"]

@@ -222,7 +222,7 @@ def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
     out, spec = tmp_path / "runs", tmp_path / "labels.json"
     spec.write_text(json.dumps([c.label for c in want]))
     cmd = main_job_cmd(["run", RUN_STATUSES[status], str(spec), str(out)], nproc=nproc,
-                       entry=["-m", "tests.integrations.hook_feature_matrix"])
+                       entry=["-m", "tests.workers.hook_matrix_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=te_env() if status in (RUN_TE, RUN2_TE) else job_env(),
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

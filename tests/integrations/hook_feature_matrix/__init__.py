@@ -40,6 +40,6 @@ the framework config -- through their shared decision layer ``integrations/core.
   (:func:`run_pipelined`).
 
 The package: ``matrix.py`` (generator, classifier, runner), ``doc.py`` (docs/hook-feature-matrix.md,
-generated: ``render``, kept equal by ``test_listing_is_up_to_date``), ``__main__.py`` (the child
+generated: ``render``, kept equal by ``test_listing_is_up_to_date``), tests/workers/hook_matrix_worker.py (the child
 runs); the tests are tests/integrations/test_hook_feature_matrix.py.
 """

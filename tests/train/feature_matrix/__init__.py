@@ -12,7 +12,7 @@ features the config accepts, parsed the way the main job parses it and, where ac
   and a GPU user's with it -- the fake TE 2.10 (``tests/support/fake_te``), importable only in
   child processes. The TE world adds the ``linear`` (``fastpath.linear_impl``) and ``te_rng``
   (``cuda_graphs.use_te_rng_tracker``) axes; a child process classifies it
-  (``python -m tests.train.feature_matrix --classify-te``) and its verdicts are committed
+  (``python -m tests.workers.feature_matrix_te_classify_worker --classify-te``) and its verdicts are committed
   (``feature_matrix_te.json``, checked current by :func:`test_te_world_verdicts_are_current`).
 * **Classifier** (:func:`classify`): each combination is parsed by ``parse_job_config`` on
   ``training.device=cuda`` under the GPU stand-ins (``tests/support/graph_safe_standins.py``:
@@ -58,6 +58,6 @@ features the config accepts, parsed the way the main job parses it and, where ac
   measured wall times.
 
 The package: ``matrix.py`` (generator, classifier, runner), ``doc.py`` (docs/feature-matrix.md,
-generated: ``render``, kept equal by ``test_listing_is_up_to_date``), ``__main__.py`` (the TE
+generated: ``render``, kept equal by ``test_listing_is_up_to_date``), tests/workers/feature_matrix_te_classify_worker.py (the TE
 world's classifier); the tests are tests/train/test_feature_matrix.py.
 """

@@ -117,7 +117,7 @@ def render() -> str:
         "main job refuses what needs it), the other the fake TE (`tests/support/fake_te`:",
         "Megatron's TE wrappers on a stand-in that keeps TE 2.10's contracts) -- a GPU user's",
         "machine. The TE world is classified by a child process with the fake importable",
-        "(`python -m tests.train.feature_matrix --classify-te`; the pytest process never imports TE) and its",
+        "(`python -m tests.workers.feature_matrix_te_classify_worker --classify-te`; the pytest process never imports TE) and its",
         "verdicts committed, run-length encoded, in `tests/train/feature_matrix_te.json`",
         "(`test_te_world_verdicts_are_current` re-classifies and compares).",
         "",

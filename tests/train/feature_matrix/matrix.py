@@ -406,7 +406,7 @@ def classify_world(te: bool) -> dict:
 
 
 # The TE world's verdicts, classified by a child process with the fake TE importable
-# (``python -m tests.train.feature_matrix --classify-te``; the pytest process never
+# (``python -m tests.workers.feature_matrix_te_classify_worker --classify-te``; the pytest process never
 # imports TE), committed
 # run-length encoded: test_te_world_verdicts_are_current re-classifies and compares.
 TE_VERDICTS = REPO / "tests" / "train" / "feature_matrix_te.json"
@@ -462,7 +462,7 @@ def classify_te_world_in_child(tmp: Path) -> dict:
     from tests.support.fake_te.activate import te_env
 
     out = Path(tmp) / "te_verdicts.json"
-    subprocess.run([sys.executable, "-m", "tests.train.feature_matrix", "--classify-te", str(out)],
+    subprocess.run([sys.executable, "-m", "tests.workers.feature_matrix_te_classify_worker", "--classify-te", str(out)],
                    env=te_env(), cwd=tmp, check=True, timeout=1200)
     return json.loads(out.read_text())
 

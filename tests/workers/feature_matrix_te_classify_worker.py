@@ -1,5 +1,5 @@
 """The TE world's classifier, in a process where the fake TE is importable:
-``python -m tests.train.feature_matrix --classify-te OUT`` (``matrix.classify_te_world_in_child``)."""
+``python -m tests.workers.feature_matrix_te_classify_worker --classify-te OUT`` (``matrix.classify_te_world_in_child``)."""
 
 import json
 import sys

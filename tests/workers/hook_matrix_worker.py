@@ -1,4 +1,4 @@
-"""A child of ``test_hook_feature_matrix_child_runs``: ``python -m tests.integrations.hook_feature_matrix run
+"""A child of ``test_hook_feature_matrix_child_runs``: ``python -m tests.workers.hook_matrix_worker run
 KEY SPEC OUT`` (``matrix._run_child``)."""
 
 import sys
