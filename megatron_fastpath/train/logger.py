@@ -214,7 +214,7 @@ class StepLogger:
         self._samples: dict = {}  # step -> EvalSamples printed after that step's line
         self._step_end: dict = {}  # step -> perf_counter when it returned (its line is lagged)
         self._times: Optional[tuple] = None  # the last line's elapsed, ETA and last step
-        self.bar = ProgressBar(enabled=None if self.show else False)  # stdout a terminal: a bar
+        self.bar = ProgressBar(enabled=None if job.rank == 0 else False)  # rank 0 on a terminal
 
     def print(self, text: str) -> None:
         if self.show:
