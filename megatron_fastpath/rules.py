@@ -487,7 +487,7 @@ FEATURE_SWITCHES = {"lora": "fastpath.lora", "offload": "fastpath.offload",
 # saved num_steps, :384).
 NOT_WEIGHT_SETTINGS = (
     "training.stop_at_step", "training.summary_json", "training.log_all_ranks", "training.device",
-    "training.sync_check", "training.skip_memory_check",
+    "training.sync_check", "training.skip_memory_check", "training.dry_run",
     "data.eval_every", "data.eval_samples", "data.eval_max_new_tokens", "data.cache",
 )
 SCHEDULE_SETTINGS = ("training.steps", "training.epochs")

@@ -128,6 +128,8 @@ def main() -> None:
 
             print(f"error: {exc}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr, flush=True)
             sys.exit(USER_ERROR_EXIT_CODE)
+        if isinstance(summary, dict):  # training.dry_run: the plan printed, nothing started
+            return
         if summary.stopped == "signal SIGINT":  # saved; how to resume is printed
             _exit_preempted(INTERRUPTED_EXIT_CODE)
         if summary.stopped and summary.stopped.startswith("signal"):

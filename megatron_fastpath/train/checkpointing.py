@@ -50,6 +50,8 @@ def fingerprint_config(cfg, dp_world: int) -> dict:
     training = _weights_only("training", dataclasses.asdict(cfg.training))
     if training["epochs"] is None:  # a run without epochs fingerprints as before they existed
         del training["epochs"]
+    if training["lr_schedule"] == "cosine":  # checkpoints written without the key match
+        del training["lr_schedule"]
     training["global_micro_batches"] = training.pop("micro_batches") * dp_world
     out = {
         "model": dataclasses.asdict(cfg.model), "data": _weights_only("data", dataclasses.asdict(cfg.data)),

@@ -74,15 +74,18 @@ class TrainingConfig:
     # (data.EpochOrder). null: one packed order cycled through for `steps` steps.
     epochs: Optional[int] = bounded(None, POSITIVE)
     micro_batches: int = bounded(2, POSITIVE)
-    lr: float = bounded(3e-3, FINITE_POSITIVE)
-    min_lr: float = bounded(3e-4, FINITE_NON_NEGATIVE)
-    warmup_steps: int = bounded(4, NON_NEGATIVE)
+    # null: the model provider's default (train/defaults.py SCHEDULE_DEFAULTS), set at parse
+    lr: Optional[float] = bounded(None, FINITE_POSITIVE)
+    min_lr: Optional[float] = bounded(None, FINITE_NON_NEGATIVE)
+    warmup_steps: Optional[int] = bounded(None, NON_NEGATIVE)
+    lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant (to min_lr)
     weight_decay: float = bounded(0.01, FINITE_NON_NEGATIVE)
     clip_grad: float = bounded(1.0, FINITE_NON_NEGATIVE)  # 0: no clipping
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16
     log_all_ranks: bool = False
+    dry_run: bool = False  # parse, build the data, check memory, print the plan; no step
     summary_json: Optional[str] = None
     skip_memory_check: bool = False  # train/memory.py: refuse jobs that cannot fit
     # Stop after this step (saving a checkpoint when checkpoint.dir is set); the LR schedule and
@@ -474,6 +477,9 @@ def parse_job_config(cfg: Any) -> JobConfig:
                             chosen_by_auto=fast.attention_backend == "auto")
     _check_cuda_only(device, backend, linear_impl, features["fp8"] is not None)
     lora = features["lora"]
+    from megatron_fastpath.train.defaults import resolve_schedule_defaults
+
+    train = resolve_schedule_defaults(train, model_key, lora is not None)
     _check_lora_dtype(lora, device, train.dtype)
     plan = plan_graphs_and_fp8(
         features["cuda_graphs"], features["fp8"], device,

@@ -19,6 +19,7 @@ import torch
 
 from megatron_fastpath.train.evaluate import perplexity
 from megatron_fastpath.train.history import RunHistory, StepRecord
+from megatron_fastpath.train.progress import RATE_WINDOW, ProgressBar, clock, eta_s, peak_memory, window_rate
 
 __all__ = ["LaggedReadback", "StepResult", "StepRecord", "TrainSummary", "StepLogger", "RunHistory"]
 
@@ -118,6 +119,7 @@ class TrainSummary:
     checkpoint_saves: tuple = ()
     best_checkpoint: Optional[str] = None  # checkpoint.keep_best: lowest held-out loss
     sync_checked_steps: int = 0  # steps counted by the sync sentinel (training.sync_check)
+    wall_s: float = 0.0  # this process's first step's start to its last step's end
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -210,9 +212,13 @@ class StepLogger:
         self.first_step: Optional[int] = None  # the first step this process ran
         self.wall: list = [None, None]  # perf_counter at its start and after its last step
         self._samples: dict = {}  # step -> EvalSamples printed after that step's line
+        self._step_end: dict = {}  # step -> perf_counter when it returned (its line is lagged)
+        self._times: Optional[tuple] = None  # the last line's elapsed, ETA and last step
+        self.bar = ProgressBar(enabled=None if job.rank == 0 else False)  # rank 0 on a terminal
 
     def print(self, text: str) -> None:
         if self.show:
+            self.bar.clear()
             text = "\n".join(f"{self.prefix}{line}" for line in text.splitlines())
             print(text, flush=True)
             if self.metrics is not None:
@@ -220,7 +226,7 @@ class StepLogger:
 
     def start_clock(self, step: int) -> None:
         """The run's first step starts now (the summary's tok/s counts from here)."""
-        self.first_step, self.wall[0] = step, time.perf_counter()
+        self.first_step, self.wall[0], self._times = step, time.perf_counter(), None
 
     def header(self) -> None:
         j, c = self.job, self.job.cfg
@@ -249,6 +255,7 @@ class StepLogger:
     def log(self, result: StepResult, evaluation=None) -> None:
         """``evaluation``: the :class:`~megatron_fastpath.train.evaluate.EvalResult` measured
         right after this step (None: none)."""
+        self._step_end[result.step] = time.perf_counter()
         values = {"loss_sum": result.loss_sum}
         if isinstance(result.grad_norm, torch.Tensor):
             values["grad_norm"] = result.grad_norm
@@ -300,13 +307,30 @@ class StepLogger:
             off += f" | eval loss {rec.eval_loss:.4f}{_eval_extras(rec.eval_loss, rec.eval_token_accuracy)}"
         self.print(
             f"step {rec.step:4d}/{self.job.cfg.training.steps}{self._epoch(rec.step)} | loss {rec.loss:.4f} | lr "
-            f"{rec.lr:.2e} | {rec.tokens_per_s:9.0f} tok/s | host syncs: "
+            f"{rec.lr:.2e} | {rec.tokens_per_s:.0f} tok/s{self._progress(rec.step)} | host syncs: "
             + (f"fwd+bwd {rec.syncs_fwd_bwd}, step {rec.syncs_step}" if rec.syncs_step is not None
                else "not counted")
             + f" | cache builds {rec.cache_builds}"
             f"{off}"
         )
         self._print_samples(self._samples.pop(rec.step, ()))
+        if self._times is not None:
+            self.bar.draw(rec.step, self._times[2], *self._times[:2])
+
+    def _progress(self, step: int) -> str:
+        """`` (N-step rate) | elapsed ETA eta | peak memory`` of ``step`` (sets ``_times``:
+        elapsed, ETA and the last step, for the bar)."""
+        records, end, self._times = self.history.records, self._step_end.pop(step, None), None
+        n = min(len(records), RATE_WINDOW)
+        out = f" ({n}-step {window_rate(records, n):.0f})"
+        if end is not None and self.first_step is not None:
+            t = self.job.cfg.training
+            last = t.stop_at_step or t.steps
+            elapsed = end - self.wall[0]
+            eta = eta_s(elapsed, step - self.first_step + 1, last - step)
+            self._times = (elapsed, eta, last)
+            out += f" | {clock(elapsed)} ETA {clock(eta)}"
+        return out + f" | {peak_memory(self.job.cfg.device)}"
 
     def _epoch(self, step: int) -> str:
         """`` (epoch e/E)`` with ``training.epochs``: the epoch of the step's first microbatch."""
@@ -355,6 +379,7 @@ class StepLogger:
             first_loss=sum(r.loss for r in records[:k]) / k,
             last_loss=sum(r.loss for r in records[-k:]) / k,
             tokens_per_s=self._tokens_per_s(),
+            wall_s=self._wall_s(),
             mean_tokens_per_s=sum(r.tokens_per_s for r in records[1:] or records) / max(len(records) - 1, 1),
             syncs_fwd_bwd_per_step=_mean([r.syncs_fwd_bwd for r in checked]),
             syncs_per_step=_mean([r.syncs_step for r in checked]),
@@ -373,6 +398,10 @@ class StepLogger:
             artifacts=dict(self.artifacts) or None,
         )
 
+    def _wall_s(self) -> float:
+        start, end = self.wall
+        return end - start if start is not None and end is not None else 0.0
+
     def _tokens_per_s(self) -> float:
         """Tokens of the steps this process ran / their wall time (0.0: it ran none)."""
         start, end = self.wall
@@ -384,7 +413,7 @@ class StepLogger:
         k = min(SUMMARY_LOSS_STEPS, s.steps)
         self.print(
             f"summary: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} (mean of "
-            f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | "
+            f"the first / last {k} steps) | {s.tokens_per_s:.0f} tok/s | wall {clock(s.wall_s)} | "
             + (f"host syncs per step: fwd+bwd {s.syncs_fwd_bwd_per_step:g}, whole step "
                f"{s.syncs_per_step:g} ({s.sync_checked_steps} of {s.steps} steps counted)"
                if s.sync_checked_steps else "host syncs not counted (training.sync_check=off)")

@@ -39,6 +39,10 @@ def run(cfg, return_job: bool = False, announce: bool = True):
 
         announce_resume(cfg)  # the first line: resuming or not (before anything is built)
     job_cfg = parse_job_config(cfg)
+    if job_cfg.training.dry_run:  # the plan (a dict), nothing built on the device or written
+        from megatron_fastpath.train.dry_run import dry_run
+
+        return dry_run(job_cfg)
     job = build_job(job_cfg)
     logger = StepLogger(job)
     ckpt, start = _checkpointer(job, logger)

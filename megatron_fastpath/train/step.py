@@ -128,17 +128,19 @@ def train_step(job, batch: StepBatch, audit: bool = False, check_syncs: bool = T
 
 
 def build_scheduler(optimizer, train_cfg: TrainingConfig):
-    """Megatron's cosine LR schedule (its warmup must be shorter than the decay: short runs get
+    """Megatron's LR schedule: ``training.lr_schedule`` after a linear warm-up (its warmup must be shorter than the decay: short runs get
     a shorter warmup). A resume takes this run's values, not the checkpoint's
     (``override_opt_param_scheduler``, Megatron's --override-opt_param-scheduler): the
     fingerprint makes them equal but for a finished run extended (rules.SCHEDULE_SETTINGS),
     whose schedule is recomputed for the new total while the step count continues."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_fastpath.train.defaults import LR_SCHEDULES
+
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
         lr_warmup_steps=min(train_cfg.warmup_steps, train_cfg.steps - 1),
-        lr_decay_steps=train_cfg.steps, lr_decay_style="cosine",
+        lr_decay_steps=train_cfg.steps, lr_decay_style=LR_SCHEDULES[train_cfg.lr_schedule],
         start_wd=train_cfg.weight_decay, end_wd=train_cfg.weight_decay,
         wd_incr_steps=train_cfg.steps, wd_incr_style="constant",
         override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,

@@ -169,7 +169,7 @@ def _job_steps(kind, graphs):
     cache = _cache(3)
     model = _model(kind, graphs, cache)
     parts = gpu_train_step(model, model.config, TrainingConfig(steps=4, warmup_steps=1,
-                                                               micro_batches=3), cache)
+                                                               lr=3e-3, min_lr=3e-4, micro_batches=3), cache)
     mbs = _microbatches()
     tokens = int(sum(mb.loss_mask_1T.sum() for mb in mbs))
     out = []

@@ -18,7 +18,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from tests.hf.hf_reference import DATA  # noqa: E402
-from tests.support.main_job import job_env, run_main_job  # noqa: E402
+from tests.support.main_job import TINY_CHECKPOINT_OPTIMIZER, job_env, run_main_job  # noqa: E402
 
 import make_tiny_hf_llama as tiny  # noqa: E402  (examples/, on pytest.ini's pythonpath)
 
@@ -201,7 +201,7 @@ def ckpt(tmp_path_factory):
 def train(ckpt, data, cwd, *extra):
     run = run_main_job(["model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}",
                         "fastpath.lora=true", f"training.steps={STEPS}", "data.eval_every=0",
-                        "metrics.tensorboard=false", "metrics.wandb=off", *extra],
+                        "metrics.tensorboard=false", "metrics.wandb=off", *TINY_CHECKPOINT_OPTIMIZER, *extra],
                        cwd, env=job_env(WANDB_MODE="offline"))
     return run
 

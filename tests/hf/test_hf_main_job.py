@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from tests.hf.hf_reference import DATA, REPO, held_out_loss
-from tests.support.main_job import job_env, run_main_job
+from tests.support.main_job import TINY_CHECKPOINT_OPTIMIZER, job_env, run_main_job
 
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def finetuned(tmp_path_factory):
         "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
         f"export.adapter_dir={out['adapter']}", f"export.merged_dir={out['merged']}",
         f"training.steps={STEPS}", f"training.summary_json={summary}", f"metrics.dir={out['metrics']}",
-        f"hydra.run.dir={out['run']}",
+        f"hydra.run.dir={out['run']}", *TINY_CHECKPOINT_OPTIMIZER,
     ], cwd=str(tmp))
     return dict(out, ckpt=ckpt, data=data, stdout=stdout, summary=json.load(open(summary)))
 

@@ -81,7 +81,7 @@ def test_nemo_lora_finetune_with_fastpath_gives_the_main_jobs_losses(tmp_path):
         "model=hf", f"model.path={hf}", "data=jsonl", f"data.path={data}", f"data.max_tokens={T}",
         "fastpath.lora=true", "lora.dropout=0.0",  # rank 16, alpha 32, qkv + proj: NeMo's LoRA below
         f"training.steps={STEPS}", "training.micro_batches=1",  # one pack per step (NeMo: gbs = mbs = 1)
-        "training.warmup_steps=0", "training.min_lr=3e-3",  # constant lr 3e-3 (NeMo: no scheduler)
+        "training.lr=3e-3", "training.warmup_steps=0", "training.min_lr=3e-3",  # constant lr 3e-3 (NeMo: no scheduler)
         f"training.summary_json={summary}", f"hydra.run.dir={tmp_path / 'hydra'}",
         f"metrics.dir={tmp_path / 'metrics'}", dump,
     ]

@@ -25,6 +25,11 @@ from tests.support.subproc import child_env, free_port
 REPO = str(Path(__file__).resolve().parents[2])
 
 
+# model=hf's optimizer defaults are a real checkpoint's fine-tune (train/defaults.py: LoRA lr 3e-4,
+# full 2e-5, 100 warm-up steps); the tests' tiny random checkpoints learn in a few steps only with
+# the synthetic tiny models' values, set explicitly
+TINY_CHECKPOINT_OPTIMIZER = ("training.lr=3e-3", "training.min_lr=3e-4", "training.warmup_steps=4")
+
 def train_in_process(overrides: Sequence[str] = (), *, header: bool = False):
     """(job, summary) of the main job composed from ``overrides``, trained in this process."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

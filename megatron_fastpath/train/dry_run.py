@@ -1,0 +1,65 @@
+"""``training.dry_run=true``: what the job would do, without doing it.
+
+The config is parsed (every refusal the real run raises at parse), the data is built (its
+records, the packed microbatches, the steps ``training.epochs`` takes), the memory estimate is
+made and checked against the machine (:func:`~megatron_fastpath.train.memory.check_memory`,
+unless ``training.skip_memory_check``), and the plan is printed. No process group, model or
+step; no checkpoint or export is written (``checkpoint.dir`` and the export directories are
+not created).
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_fastpath.train.config import JobConfig, set_steps
+
+__all__ = ["dry_run"]
+
+
+def _dp_world(cfg: JobConfig) -> int:
+    """Data-parallel ranks of the launcher's world (WORLD_SIZE / SLURM_NTASKS; 1 unset)."""
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    return max(world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                         * p.context_parallel_size), 1)
+
+
+def dry_run(cfg: JobConfig, log=print) -> dict:
+    """Print the plan of ``cfg`` (a parsed :class:`JobConfig`) and return it as a dict."""
+    from megatron_fastpath.providers import data_provider
+    from megatron_fastpath.train.memory import check_memory, estimate_memory
+
+    dp_world = _dp_world(cfg)
+    parts = data_provider(cfg.data_provider).build(cfg, 0, dp_world)
+    cfg = set_steps(cfg, parts.train)
+    est = estimate_memory(cfg) if cfg.training.skip_memory_check else check_memory(cfg)
+    m, p, t, data = cfg.model, cfg.parallel, cfg.training, parts.train
+    steps = t.stop_at_step or t.steps
+    records = (parts.report or {}).get("records", getattr(cfg.data, "num_samples", None))
+    plan = dict(
+        params=est.params_total, memory_bytes=est.total, dp_world=dp_world,
+        records=records, packed_microbatches=data.num_microbatches, steps=steps,
+        microbatches_per_step=data.per_step, max_tokens=steps * data.per_step * cfg.data.max_tokens,
+        lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule,
+    )
+    experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if cfg.is_moe else ""
+    log("dry run (training.dry_run=true): the plan; no step runs, no checkpoint or export is written")
+    log(f"  model: {m.num_layers} layers, hidden {m.hidden_size}{experts}, {est.params_total:,} params"
+        f" ({cfg.model_source.provider if cfg.model_source else 'synthetic'}), {t.dtype} on {cfg.device}")
+    log(f"  parallelism: dp {dp_world}, tp {p.tensor_model_parallel_size}, pp "
+        f"{p.pipeline_model_parallel_size}, ep {p.expert_model_parallel_size}, cp "
+        f"{p.context_parallel_size}{', sequence parallel' if p.sequence_parallel else ''}")
+    log(f"  features: {', '.join(cfg.features) or 'none'}; attention {cfg.attention_backend}, "
+        f"linears {cfg.linear_impl}")
+    log(f"  data: {records if records is not None else '?'} records -> {data.num_microbatches} packed "
+        f"microbatches of <= {cfg.data.max_tokens} tokens; {steps} steps x {data.per_step} "
+        f"microbatches (at most {plan['max_tokens']:,} tokens)"
+        + (f", {t.epochs} epochs" if t.epochs else ""))
+    for key, value in (parts.report or {}).items():
+        if key != "records":
+            log(f"    {key}: {value}")
+    log(f"  optimizer: lr {t.lr:g} -> {t.min_lr:g} ({t.lr_schedule}), {t.warmup_steps} warm-up steps")
+    log(f"  memory: estimated {est.describe()} per process"
+        + (" (not checked: training.skip_memory_check)" if t.skip_memory_check else " (fits)"))
+    return plan
