@@ -327,8 +327,8 @@ def test_records_of_no_known_format_are_refused_once_naming_their_keys(tok_dirs,
             "'question', 'answer' (12 records). A record needs 'messages' (chat: a list of "
             "{\"role\", \"content\"}), 'conversations' (ShareGPT: {\"from\", \"value\"}), 'prompt' + "
             "'completion', 'instruction' + 'output' (Alpaca, optional 'input') or 'text' (plain "
-            "text): map the keys to one of these, e.g. rename 'question' to 'prompt' and 'answer' to "
-            "'completion'")
+            "text): map the keys onto these with data.columns, e.g. data.columns.prompt=question "
+            "data.columns.completion=answer")
         assert logs == []  # nothing tokenized, nothing cached
     assert sorted(os.listdir(tmp_path)) == ["qa.jsonl"]
 
@@ -377,3 +377,62 @@ def test_an_empty_assistant_reply_is_a_bad_record(tok_dirs, tmp_path):
                                              {"prompt": "2 + 2 =", "completion": ""}])
     with pytest.raises(DataError, match=r"line 2 \(an empty 'completion': nothing to learn but the EOS token\)"):
         load_jsonl_splits(JsonlDataConfig(path=pc, eval_fraction=0.0, cache=False), tagged, log=lambda m: None)
+
+
+# --------------------------------------------------------------------------- data.columns
+def test_columns_map_other_keys_before_the_format_is_detected(tok_dirs, tmp_path):
+    """data.columns.prompt=question data.columns.completion=answer trains {"question", "answer"}
+    records as the prompt-completion records they map onto (same ids and loss masks); the
+    messages and text keys map the same way."""
+    tagged, _ = tok_dirs
+    qa = [{"id": k, "question": f"Q: {k} + 1?\nA:", "answer": f" {k + 1}."} for k in range(4)]
+    pc = [{"id": k, "prompt": r["question"], "completion": r["answer"]} for k, r in enumerate(qa)]
+    chat = [{"conversation": c} for c in CONVERSATIONS[:2]]
+    text = [{"body": "1 + 1 = 2."}, {"body": "2 + 2 = 4."}]
+
+    def tokens(records, name, **cfg):
+        path = write_jsonl(tmp_path / name, records)
+        train, _, _ = load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False, **cfg),
+                                        tagged, log=lambda m: None)
+        return [(t.tolist(), m.tolist()) for t, m in train.samples]
+
+    want = tokens(pc, "pc.jsonl")
+    assert len(want) == 4
+    assert tokens(qa, "qa.jsonl", columns={"prompt": "question", "completion": "answer", "text": None}) == want
+    assert tokens(chat, "chat.jsonl", columns={"messages": "conversation"}) == tokens(
+        [{"messages": c} for c in CONVERSATIONS[:2]], "msgs.jsonl")
+    assert tokens(text, "body.jsonl", columns={"text": "body"}) == tokens(
+        [{"text": r["body"]} for r in text], "text.jsonl")
+
+
+def test_an_unknown_column_is_refused_in_one_line():
+    with pytest.raises(DataError) as e:
+        JsonlDataConfig(path="x.jsonl", columns={"question": "q"})
+    assert str(e.value) == (
+        "data.columns.question: no such column; data.columns maps a record's keys onto messages, "
+        "conversations, prompt, completion, instruction, input, output, text "
+        "(e.g. data.columns.prompt=question)")
+    with pytest.raises(DataError, match="maps one key onto several columns"):
+        JsonlDataConfig(path="x.jsonl", columns={"prompt": "q", "text": "q"})
+
+
+def test_columns_compose_from_the_command_line():
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    cfg = parse_job_config(compose_job(["training.steps=4", "data=jsonl", "data.path=chat.jsonl",
+                                        "data.tokenizer_path=tok", "data.columns.prompt=question",
+                                        "data.columns.completion=answer"]))
+    assert cfg.data.columns == {"completion": "answer", "prompt": "question"}
+
+
+def test_an_unknown_format_record_names_the_columns_to_map(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    good = {"messages": CONVERSATIONS[0]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, {"question": "1 + 1?", "answer": "2"}, good])
+    with pytest.raises(DataError) as e:
+        load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False), tagged,
+                          log=lambda m: None)
+    assert ("line 2 (no 'messages' key (nor 'conversations', string or message-list 'prompt' and "
+            "'completion', 'instruction' and 'output', or 'text'; its keys: 'question', 'answer'; map "
+            "them with data.columns.prompt=question data.columns.completion=answer)") in str(e.value)

@@ -37,7 +37,8 @@ def _digest(source: DataSource, *settings: str) -> str:
 
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
     source = resolve_source(cfg.path)
-    digest = _digest(source, f"format={cfg.format}", f"max_tokens={cfg.max_tokens}", os.path.join(tok_dir, "tokenizer.json"),
+    digest = _digest(source, f"format={cfg.format}", f"max_tokens={cfg.max_tokens}",
+                     f"columns={sorted((cfg.columns or {}).items())}", os.path.join(tok_dir, "tokenizer.json"),
                      os.path.join(tok_dir, "tokenizer_config.json"),
                      os.path.join(tok_dir, "chat_template.jinja"))
     return f"{source.path}.{digest}.tokens.npz"  # beside the file or directory
@@ -91,7 +92,7 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
             return data
         except ValueError as exc:
             log(f"data: {exc}; tokenizing again")
-    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format, cfg.max_tokens)
+    data = tokenize_jsonl(cfg.path, tokenizer, cfg.format, cfg.max_tokens, cfg.columns)
     if cache and len(data.ids):  # data that gave nothing is refused: no cache of it
         try:
             _save_cache(cache, data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron_fastpath.hf.data.records import FORMATS
+from megatron_fastpath.hf.data.records import COLUMNS, FORMATS
 from megatron_fastpath.hf.data.sources import DataError
 
 __all__ = ["JsonlDataConfig"]
@@ -26,6 +26,9 @@ class JsonlDataConfig:
     cache: cache tokenized records beside the data file.
     format: auto (detected per record from its keys, as TRL does) | messages |
         prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
+    columns: {key data=jsonl reads (:data:`COLUMNS`): the records' own key}, applied to every
+        record before its format is detected (``data.columns.prompt=question``); unset keys
+        (null) are not mapped.
     """
 
     path: str = ""
@@ -40,6 +43,7 @@ class JsonlDataConfig:
     cache: bool = True
     seed: int = 1234
     format: str = "auto"
+    columns: Optional[dict] = None
 
     def __post_init__(self):
         if not self.path:
@@ -47,6 +51,18 @@ class JsonlDataConfig:
                             ".parquet, .arrow, or a directory>)")
         if self.format not in FORMATS:
             raise DataError(f"data.format must be one of {', '.join(FORMATS)}; got {self.format!r}")
+        columns = {k: v for k, v in (self.columns or {}).items() if v is not None}
+        unknown = sorted(k for k in columns if k not in COLUMNS)
+        if unknown:
+            raise DataError(f"data.columns.{unknown[0]}: no such column; data.columns maps a record's "
+                            f"keys onto {', '.join(COLUMNS)} (e.g. data.columns.prompt=question)")
+        for k, v in columns.items():
+            if not isinstance(v, str) or not v:
+                raise DataError(f"data.columns.{k}={v!r}: must name a key of the records (a string)")
+        if len(set(columns.values())) < len(columns):
+            raise DataError(f"data.columns maps one key onto several columns ({columns}); map each "
+                            "key of the records once")
+        object.__setattr__(self, "columns", dict(sorted(columns.items())))
         if self.bad_records not in ("error", "skip"):
             raise DataError(f"data.bad_records must be 'error' or 'skip'; got {self.bad_records!r}")
         if self.eval_every < 0:

@@ -12,7 +12,7 @@ import numpy as np
 from megatron_fastpath.hf.data.arrays import Column, Ragged, TokenizedData, _View
 from megatron_fastpath.hf.data.cache import load_tokenized
 from megatron_fastpath.hf.data.config import JsonlDataConfig
-from megatron_fastpath.hf.data.records import ACCEPTED, keys_text
+from megatron_fastpath.hf.data.records import ACCEPTED, columns_hint, keys_text
 from megatron_fastpath.hf.data.sources import DataError, resolve_source
 
 __all__ = ["JsonlDataset", "load_jsonl_splits", "bad_record_counts"]
@@ -49,13 +49,11 @@ def _refuse_nothing(cfg: JsonlDataConfig, data: TokenizedData) -> None:
                       for keys, count in data.unknown_keys[:3])
     if len(data.unknown_keys) > 3:
         found += f"; ... ({len(data.unknown_keys) - 3} more key sets)"
-    keys = data.unknown_keys[0][0]
-    example = (f"rename {keys[0]!r} to 'prompt' and {keys[1]!r} to 'completion'" if len(keys) == 2 else
-               "rename the prompt's key to 'prompt' and the reply's to 'completion'")
+    example = columns_hint(data.unknown_keys[0][0])
     raise DataError(
         f"{cfg.path}: none of its {n} record{'s' if n > 1 else ''} is in a format data=jsonl "
-        f"reads; the keys found: {found}. A record needs {ACCEPTED}: map the keys to "
-        f"one of these, e.g. {example}")
+        f"reads; the keys found: {found}. A record needs {ACCEPTED}: map the keys onto "
+        f"these with data.columns, e.g. {example}")
 
 
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:

@@ -18,6 +18,7 @@ from megatron_fastpath.hf.data.records import (
     _too_long,
     _validate,
     line_byte_limit,
+    map_columns,
     record_char_limit,
 )
 from megatron_fastpath.hf.data.sources import _LongLine, _source_records, resolve_source
@@ -35,16 +36,19 @@ def _progress(total: int, desc: str):
 
 
 
-def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None) -> TokenizedData:
+def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None,
+                   columns: Optional[dict] = None) -> TokenizedData:
     """Tokenize every record of ``path`` (a JSONL / JSON / Parquet / Arrow file, a directory of
     shards or a save_to_disk directory; no caching here); ``fmt``: data.format; ``max_tokens``:
-    data.max_tokens, for the size checks before parsing and tokenizing (None: none)."""
+    data.max_tokens, for the size checks before parsing and tokenizing (None: none); ``columns``:
+    data.columns, the keys renamed before each record's format is detected."""
     source = resolve_source(path)
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
     lines = None if max_tokens is None else line_byte_limit(max_tokens)
     with BoundedRenderer(tokenizer, source.path) as renderer:  # templates bounded in time and memory
-        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens)
+        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens,
+                                 columns)
 
 
 def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
@@ -55,7 +59,7 @@ def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
 
 
 def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
-                      max_tokens: Optional[int] = None) -> TokenizedData:
+                      max_tokens: Optional[int] = None, columns: Optional[dict] = None) -> TokenizedData:
     """``records``: (number, where, raw) with raw a JSONL line (bytes or str: decoded and parsed
     on its own, so a line of invalid UTF-8 is one bad record, not the file's end), a
     :class:`_LongLine` or a parsed record (a dict from datasets). Bad records are collected as
@@ -99,6 +103,7 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
                 continue
         else:
             rec = raw
+        rec = map_columns(rec, columns)
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((where, *why))
