@@ -436,3 +436,45 @@ def test_an_unknown_format_record_names_the_columns_to_map(tok_dirs, tmp_path):
     assert ("line 2 (no 'messages' key (nor 'conversations', string or message-list 'prompt' and "
             "'completion', 'instruction' and 'output', or 'text'; its keys: 'question', 'answer'; map "
             "them with data.columns.prompt=question data.columns.completion=answer)") in str(e.value)
+
+
+# --------------------------------------------------------------------------- data.eval_path
+def test_eval_path_holds_out_its_records_and_trains_all_of_data_path(tok_dirs, tmp_path):
+    """data.eval_path: the held-out split is that file's records (any of data.path's formats:
+    here prompt-completion beside chat training data), every record of data.path trains; its
+    bad records are reported naming the eval file."""
+    tagged, _ = tok_dirs
+    train_path = write_jsonl(tmp_path / "train.jsonl", [{"messages": c} for c in CONVERSATIONS[:2]] * 3)
+    pcs = [{"prompt": f"Q: {k} + 1?\nA:", "completion": f" {k + 1}."} for k in range(3)]
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", pcs)
+    cfg = JsonlDataConfig(path=train_path, eval_path=eval_path, cache=False)
+    assert cfg.eval_fraction == 0.0 and cfg.evaluates
+    train, held, report = load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    alone, _, _ = load_jsonl_splits(JsonlDataConfig(path=train_path, eval_fraction=0.0, cache=False),
+                                    tagged, log=lambda m: None)
+    assert [t.tolist() for t, _ in train.samples] == [t.tolist() for t, _ in alone.samples]
+    assert len(train) == 6 and report["records"] == 6 and report["train_records"] == 6
+    tok = ChatTokenizer(tagged)
+    assert [t.tolist() for t, _ in held.samples] == [
+        list(tok.encode_prompt_completion(r["prompt"], r["completion"])[0]) for r in pcs]
+    assert list(held.lines) == [1, 2, 3] and report["eval_records"] == 3 and report["eval_path_records"] == 3
+    bad = write_jsonl(tmp_path / "bad.jsonl", pcs + ["{oops"])
+    with pytest.raises(DataError, match=rf"^{bad}: 1 malformed record\(s\): line 4 \(invalid JSON"):
+        load_jsonl_splits(JsonlDataConfig(path=train_path, eval_path=bad, cache=False), tagged,
+                          log=lambda m: None)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"data.eval_path '.*empty.jsonl' is empty \(0 bytes\): there are "
+                                        r"no records to hold out; point data.eval_path at the data"):
+        load_jsonl_splits(JsonlDataConfig(path=train_path, eval_path=str(empty), cache=False), tagged,
+                          log=lambda m: None)
+
+
+def test_eval_path_with_eval_fraction_is_refused_in_one_line():
+    with pytest.raises(DataError) as e:
+        JsonlDataConfig(path="t.jsonl", eval_path="e.jsonl", eval_fraction=0.1)
+    assert str(e.value) == ("data.eval_path='e.jsonl' and data.eval_fraction=0.1 both set: the held-out "
+                            "records come either from a separate file or from a share of data.path; "
+                            "drop one of them")
+    assert JsonlDataConfig(path="t.jsonl").eval_fraction == 0.1  # the default share
+    assert JsonlDataConfig(path="t.jsonl", eval_path="e.jsonl", eval_samples=2).eval_samples == 2

@@ -17,7 +17,10 @@ class JsonlDataConfig:
 
     path: the data file or directory (:func:`resolve_source`). tokenizer_path: directory with tokenizer.json (default model.path).
     max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
-    eval_fraction: held-out share of records (at least one record when > 0).
+    eval_fraction: held-out share of the records of ``path`` (at least one record when > 0; None:
+        0.1, or 0 with ``eval_path``).
+    eval_path: a separate held-out file or directory (the formats of ``path``): the held-out
+        split comes from it and all of ``path`` trains; refused with ``eval_fraction`` set.
     eval_every: held-out loss every this many steps (0: only before and after training).
     eval_samples: at each evaluation, the model's greedy completion of the first this many
         held-out prompts, printed and written to the metrics directory (0: none).
@@ -35,7 +38,8 @@ class JsonlDataConfig:
     tokenizer_path: Optional[str] = None
     max_tokens: int = 512
     max_seqs: int = 32
-    eval_fraction: float = 0.1
+    eval_fraction: Optional[float] = None
+    eval_path: Optional[str] = None
     eval_every: int = 10
     eval_samples: int = 0
     eval_max_new_tokens: int = 32
@@ -65,6 +69,14 @@ class JsonlDataConfig:
         object.__setattr__(self, "columns", dict(sorted(columns.items())))
         if self.bad_records not in ("error", "skip"):
             raise DataError(f"data.bad_records must be 'error' or 'skip'; got {self.bad_records!r}")
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise DataError(f"data.eval_path={self.eval_path!r} and data.eval_fraction={self.eval_fraction} "
+                            "both set: the held-out records come either from a separate file or from "
+                            "a share of data.path; drop one of them")
+        if self.eval_path is not None and not self.eval_path:
+            raise DataError("data.eval_path='' names no data: set it to the held-out file or null")
+        if self.eval_fraction is None:
+            object.__setattr__(self, "eval_fraction", 0.0 if self.eval_path else 0.1)
         if self.eval_every < 0:
             raise DataError(f"data.eval_every must be >= 0; got {self.eval_every}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -73,8 +85,13 @@ class JsonlDataConfig:
             raise DataError(f"data.eval_samples must be >= 0 (0: no samples); got {self.eval_samples}")
         if self.eval_max_new_tokens < 1:
             raise DataError(f"data.eval_max_new_tokens must be >= 1; got {self.eval_max_new_tokens}")
-        if self.eval_samples and self.eval_fraction == 0:
+        if self.eval_samples and not self.evaluates:
             raise DataError(
                 f"data.eval_samples={self.eval_samples} completes held-out prompts, but "
                 "data.eval_fraction=0 holds out no records: set data.eval_fraction > 0 (e.g. 0.1) "
-                "or data.eval_samples=0")
+                "or data.eval_path, or data.eval_samples=0")
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the job has held-out records (a share of data.path or data.eval_path)."""
+        return bool(self.eval_path) or self.eval_fraction > 0

@@ -5,6 +5,7 @@ packs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -33,15 +34,16 @@ def _split_too_long(malformed: list) -> tuple:
     return ([m for m in malformed if m[1] != "too_long"], [m for m in malformed if m[1] == "too_long"])
 
 
-def _refuse_nothing(cfg: JsonlDataConfig, data: TokenizedData) -> None:
+def _refuse_nothing(cfg: JsonlDataConfig, data: TokenizedData, key: str = "data.path") -> None:
     """DataError, in one line, for data that gave no record: it is empty, or none of its records
     is in a format data=jsonl reads (what data.max_tokens or bad_records=skip cannot help)."""
     if not data.malformed:
         source = resolve_source(cfg.path)
         size = sum(os.path.getsize(f) for f in source.digest_files if os.path.isfile(f))
         what = ("0 bytes" if size == 0 else "blank lines only" if source.kind == "jsonl" else "0 rows")
-        raise DataError(f"data.path {cfg.path!r} is empty ({what}): there are no records to train on; "
-                        "point data.path at the data (JSONL: one JSON object a line)")
+        raise DataError(f"{key} {cfg.path!r} is empty ({what}): there are no records to "
+                        f"{'train on' if key == 'data.path' else 'hold out'}; point {key} at the data "
+                        "(JSONL: one JSON object a line)")
     if {code for _, code, _ in data.malformed} != {"unknown_format"} or not data.unknown_keys:
         return  # the report names each record and why
     n = len(data.malformed)
@@ -125,16 +127,11 @@ class JsonlDataset:
         return int(self.ids.reduce(np.maximum, -1))
 
 
-def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
-    """(train JsonlDataset, eval JsonlDataset or None, report dict) -- all checks before
-    training: file, chat template, malformed lines, over-long records."""
-    from megatron_fastpath.hf.tokenizer import ChatTokenizer
-
-    tok_dir = cfg.tokenizer_path or tokenizer_path
-    tokenizer = ChatTokenizer(tok_dir)
-    data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
+def _usable(cfg: JsonlDataConfig, data: TokenizedData, log, key: str = "data.path"):
+    """(indices of the samples that train, over-long records) of ``data`` read from ``cfg.path``
+    (``key``: the setting that names it): data that gives nothing refused, bad records reported."""
     if not len(data.ids):
-        _refuse_nothing(cfg, data)
+        _refuse_nothing(cfg, data, key)
     lengths = data.lengths
     too_long = [(data.wheres[k], "too_long", f"{int(lengths[k])} tokens")
                 for k in np.flatnonzero(lengths > cfg.max_tokens)]
@@ -148,8 +145,13 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     keep = np.flatnonzero(lengths <= cfg.max_tokens)
     if not len(keep):
         raise DataError(f"{cfg.path}: no usable records (with loss tokens, <= max_tokens)")
-    # held out by record: the samples of a split conversation stay together (one group each,
-    # groups numbered in order of their first sample)
+    return keep, too_long
+
+
+def _hold_out(cfg: JsonlDataConfig, data: TokenizedData, keep: np.ndarray) -> tuple:
+    """(train indices, held-out indices) of the kept samples: ``data.eval_fraction`` of the
+    records held out by ``data.seed``, the samples of a split conversation kept together."""
+    # one group per record, numbered in order of its first sample
     _, first, inverse = np.unique(data.lines.values[keep], return_index=True, return_inverse=True)
     rank = np.empty(len(first), dtype=np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first))
@@ -162,16 +164,42 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
                         f"{cfg.eval_fraction}; lower data.eval_fraction")
     held_group = np.zeros(n_groups, dtype=bool)
     held_group[order[:n_eval]] = True
-    eval_idx = keep[held_group[group]]
-    train_idx = keep[~held_group[group]]
+    return keep[~held_group[group]], keep[held_group[group]]
 
-    def subset(idx):
-        return JsonlDataset(data.ids.take(idx), data.masks.take(idx), Column(data.lines.values[idx]))  # views
 
+def _subset(data: TokenizedData, idx) -> JsonlDataset:
+    return JsonlDataset(data.ids.take(idx), data.masks.take(idx), Column(data.lines.values[idx]))  # views
+
+
+def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
+    """(train JsonlDataset, eval JsonlDataset or None, report dict) -- all checks before
+    training: file, chat template, malformed lines, over-long records. The held-out split is
+    ``data.eval_fraction`` of ``data.path``'s records, or the records of ``data.eval_path``."""
+    from megatron_fastpath.hf.tokenizer import ChatTokenizer
+
+    tok_dir = cfg.tokenizer_path or tokenizer_path
+    tokenizer = ChatTokenizer(tok_dir)
+    data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
+    keep, too_long = _usable(cfg, data, log)
+    if cfg.eval_path is None:
+        train_idx, eval_idx = _hold_out(cfg, data, keep)
+        train, held = _subset(data, train_idx), _subset(data, eval_idx)
+        extra = dict(eval_records=len(eval_idx))
+    else:  # all of data.path trains; the held-out records are data.eval_path's
+        ecfg = dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None, eval_fraction=0.0)
+        edata = load_tokenized(ecfg, tokenizer, tok_dir, log=log)
+        ekeep, etoo_long = _usable(ecfg, edata, log, key="data.eval_path")
+        train, held = _subset(data, keep), _subset(edata, ekeep)
+        emal, elong = _split_too_long(edata.malformed)
+        extra = dict(eval_records=len(ekeep), eval_path_records=len(edata.ids) - edata.split_for_template
+                     + len(edata.malformed), eval_path_malformed=len(emal),
+                     eval_path_too_long=len(elong) + len(etoo_long),
+                     eval_path_bad_records=bad_record_counts(edata, etoo_long))
     # records: the data's records; train_records / eval_records: the samples of each split
     # (split_for_template more than records when conversations were split per assistant turn)
+    split = data.split_for_template
     malformed, longest = _split_too_long(data.malformed)
     report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(malformed),
                   too_long=len(longest) + len(too_long), bad_records=bad_record_counts(data, too_long),
-                  split_for_template=split, train_records=len(train_idx), eval_records=len(eval_idx))
-    return subset(train_idx), (subset(eval_idx) if len(eval_idx) else None), report
+                  split_for_template=split, train_records=len(train), **extra)
+    return train, (held if len(held) else None), report
