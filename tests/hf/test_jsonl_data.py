@@ -478,3 +478,71 @@ def test_eval_path_with_eval_fraction_is_refused_in_one_line():
                             "drop one of them")
     assert JsonlDataConfig(path="t.jsonl").eval_fraction == 0.1  # the default share
     assert JsonlDataConfig(path="t.jsonl", eval_path="e.jsonl", eval_samples=2).eval_samples == 2
+
+
+# --------------------------------------------------------------------------- data.overlong
+def test_overlong_records_truncated_from_the_right(tok_dirs, tmp_path):
+    """data.overlong=truncate: a record longer than data.max_tokens keeps its first max_tokens
+    tokens (the prompt whole, the completion / last assistant reply cut) and drops the tokens
+    after the last loss token left; one whose prompt alone fills max_tokens stays over-long
+    (data.bad_records); the truncated records are counted in the report and the log."""
+    tagged, _ = tok_dirs
+    tok = ChatTokenizer(tagged)
+    short = {"prompt": "1 + 1 =", "completion": " 2."}
+    long_pc = {"prompt": "Count:", "completion": " 1" * 60}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1 + 1 = 2."},
+             {"role": "user", "content": "more " * 40}, {"role": "assistant", "content": "ok"}]
+    huge_prompt = {"prompt": "7 " * 80, "completion": " 8."}
+    path = write_jsonl(tmp_path / "d.jsonl", [short, long_pc, short])
+    full_ids, full_mask = tok.encode_prompt_completion(long_pc["prompt"], long_pc["completion"])
+    assert len(full_ids) > 32
+    logs = []
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0,
+                                                         cache=False, overlong="truncate"),
+                                         tagged, log=logs.append)
+    assert report["truncated"] == 1 and report["too_long"] == 0 and len(train) == 3
+    tokens, loss = train.samples[1]
+    assert tokens.tolist() == list(full_ids[:32])
+    assert loss[:-1].tolist() == [float(x) for x in full_mask[1:32]] and loss[-1] == 0
+    assert [m for m in logs if m.startswith("data: truncated")] == [
+        f"data: truncated 1 record(s) of {path} longer than data.max_tokens=32 from the right "
+        f"(data.overlong=truncate): line 2 ({len(full_ids)} -> 32 tokens)"]
+    # a conversation cut inside its second user turn: the first reply kept, the rest dropped
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}, {"messages": CONVERSATIONS[0]}])
+    ids, mask = tok.encode_chat(turns)
+    first_reply_end = max(j for j in range(40) if mask[j]) + 1
+    assert len(ids) > 40 and not any(mask[first_reply_end:40])
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=chat, max_tokens=40, eval_fraction=0.0,
+                                                         cache=False, overlong="truncate"),
+                                         tagged, log=lambda m: None)
+    assert train.samples[0][0].tolist() == list(ids[:first_reply_end]) and report["truncated"] == 1
+    # a prompt longer than max_tokens: nothing left to train, so it is over-long as before
+    bad = write_jsonl(tmp_path / "b.jsonl", [short, huge_prompt, short])
+    with pytest.raises(DataError, match=r"1 record\(s\) longer than data.max_tokens=32: line 2 .*"
+                                        r"Fix the records, raise data.max_tokens, or set data.bad_records=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=bad, max_tokens=32, eval_fraction=0.0, cache=False,
+                                          overlong="truncate"), tagged, log=lambda m: None)
+
+
+def test_overlong_policy_apart_from_bad_records(tok_dirs, tmp_path):
+    """data.overlong=skip drops over-long records while bad_records=error still refuses
+    malformed ones, and overlong=error refuses over-long records under bad_records=skip; unset,
+    over-long records follow data.bad_records (the default error names the truncate option)."""
+    tagged, _ = tok_dirs
+    short = {"prompt": "1 + 1 =", "completion": " 2."}
+    long_pc = {"prompt": "Count:", "completion": " 1" * 60}
+    path = write_jsonl(tmp_path / "d.jsonl", [short, long_pc, short])
+    logs = []
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0,
+                                                         cache=False, overlong="skip"), tagged, log=logs.append)
+    assert len(train) == 2 and report["too_long"] == 1 and report["truncated"] == 0
+    assert any(m.startswith("data: skipped") for m in logs)
+    with pytest.raises(DataError, match=r"Fix the records, raise data.max_tokens, set data.overlong=truncate, "
+                                        r"or set data.bad_records=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0, cache=False),
+                          tagged, log=lambda m: None)
+    with pytest.raises(DataError, match=r"set data.overlong=truncate, or set data.overlong=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0, cache=False,
+                                          overlong="error", bad_records="skip"), tagged, log=lambda m: None)
+    with pytest.raises(DataError, match="data.overlong must be null"):
+        JsonlDataConfig(path="x.jsonl", overlong="cut")

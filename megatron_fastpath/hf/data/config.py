@@ -26,6 +26,9 @@ class JsonlDataConfig:
         held-out prompts, printed and written to the metrics directory (0: none).
     eval_max_new_tokens: the most tokens each completion runs to (it stops earlier at EOS).
     bad_records: error | skip (bad records and records longer than max_tokens; counted by reason).
+    overlong: None (records longer than max_tokens follow bad_records) | error | skip | truncate
+        (cut from the right to max_tokens: the prompt whole, the last assistant reply or the
+        completion cut; counted as ``truncated``).
     cache: cache tokenized records beside the data file.
     format: auto (detected per record from its keys, as TRL does) | messages |
         prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
@@ -44,6 +47,7 @@ class JsonlDataConfig:
     eval_samples: int = 0
     eval_max_new_tokens: int = 32
     bad_records: str = "error"
+    overlong: Optional[str] = None
     cache: bool = True
     seed: int = 1234
     format: str = "auto"
@@ -77,6 +81,9 @@ class JsonlDataConfig:
             raise DataError("data.eval_path='' names no data: set it to the held-out file or null")
         if self.eval_fraction is None:
             object.__setattr__(self, "eval_fraction", 0.0 if self.eval_path else 0.1)
+        if self.overlong not in (None, "error", "skip", "truncate"):
+            raise DataError(f"data.overlong must be null (as data.bad_records), 'error', 'skip' or "
+                            f"'truncate'; got {self.overlong!r}")
         if self.eval_every < 0:
             raise DataError(f"data.eval_every must be >= 0; got {self.eval_every}")
         if not 0.0 <= self.eval_fraction < 1.0:

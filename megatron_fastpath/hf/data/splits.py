@@ -58,8 +58,15 @@ def _refuse_nothing(cfg: JsonlDataConfig, data: TokenizedData, key: str = "data.
         f"these with data.columns, e.g. {example}")
 
 
+def _overlong_policy(cfg: JsonlDataConfig) -> str:
+    """error | skip for the over-long records left (data.overlong, else data.bad_records: those
+    truncation cannot keep follow data.bad_records too)."""
+    return cfg.overlong if cfg.overlong in ("error", "skip") else cfg.bad_records
+
+
 def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> None:
-    """Count (by reason) and list bad records; raise under bad_records=error."""
+    """Count (by reason) and list bad records; raise under bad_records=error (over-long
+    records: data.overlong=error, or bad_records=error with data.overlong unset or truncate)."""
     def fmt(items, k=10):
         shown = ", ".join(f"{where} ({why})" for where, *_, why in items[:k])
         return shown + (f", ... ({len(items) - k} more)" if len(items) > k else "")
@@ -68,17 +75,52 @@ def _report(cfg: JsonlDataConfig, data: TokenizedData, too_long: list, log) -> N
     malformed, longest = _split_too_long(data.malformed)
     if malformed:
         problems.append(f"{len(malformed)} malformed record(s): {fmt(malformed)}")
-    if longest or too_long:
-        problems.append(f"{len(longest) + len(too_long)} record(s) longer than data.max_tokens="
-                        f"{cfg.max_tokens}: {fmt(longest + too_long)}")
+    longer = longest + too_long
+    if longer:
+        problems.append(f"{len(longer)} record(s) longer than data.max_tokens="
+                        f"{cfg.max_tokens}: {fmt(longer)}")
     if not problems:
         return
     counts = ", ".join(f"{k}={v}" for k, v in bad_record_counts(data, too_long).items())
     msg = f"{cfg.path}: " + "; ".join(problems) + f" [by reason: {counts}]"
-    if cfg.bad_records == "error":
-        longer = ", raise data.max_tokens" if longest or too_long else ""  # only over-long records need it
-        raise DataError(msg + f". Fix the records{longer}, or set data.bad_records=skip")
+    bad_error = malformed and cfg.bad_records == "error"
+    long_error = longer and _overlong_policy(cfg) == "error"
+    if bad_error or long_error:
+        fixes = ["raise data.max_tokens"] if longer else []  # only over-long records need it
+        if longer and cfg.overlong != "truncate":
+            fixes.append("set data.overlong=truncate")
+        fixes.append("set data.bad_records=skip" if bad_error or cfg.overlong != "error" else
+                     "set data.overlong=skip")
+        raise DataError(msg + ". Fix the records, " + ", ".join(fixes[:-1])
+                        + (", or " if len(fixes) > 1 else "or ") + fixes[-1])
     log(f"data: skipped {msg}")
+
+
+def _truncate(cfg: JsonlDataConfig, data: TokenizedData, log) -> tuple:
+    """(data, count) with the samples longer than data.max_tokens cut from the right to fit
+    (data.overlong=truncate): the prompt stays whole, the last assistant reply / completion is
+    cut, and the tokens after the last loss token that is left are dropped. A sample whose
+    first loss token falls past data.max_tokens cannot be cut to train anything and stays over-long."""
+    lengths = data.lengths
+    over = np.flatnonzero(lengths > cfg.max_tokens)
+    if cfg.overlong != "truncate" or not len(over):
+        return data, 0
+    ends = data.ids.ends.copy()
+    cut = []
+    for k in over:
+        m = data.masks[k][:cfg.max_tokens]
+        trained = np.flatnonzero(m[1:])  # position j predicts token j + 1: token 0 trains nothing
+        if len(trained):
+            ends[k] = data.ids.starts[k] + int(trained[-1]) + 2
+            cut.append(k)
+    if not cut:
+        return data, 0
+    shown = ", ".join(f"{data.wheres[k]} ({int(lengths[k])} -> {int(ends[k] - data.ids.starts[k])} tokens)"
+                      for k in cut[:10]) + (f", ... ({len(cut) - 10} more)" if len(cut) > 10 else "")
+    log(f"data: truncated {len(cut)} record(s) of {cfg.path} longer than data.max_tokens="
+        f"{cfg.max_tokens} from the right (data.overlong=truncate): {shown}")
+    ids, masks = Ragged(data.ids.flat, data.ids.starts, ends), Ragged(data.masks.flat, data.ids.starts, ends)
+    return dataclasses.replace(data, ids=ids, masks=masks), len(cut)
 
 
 class _Samples(_View):
@@ -128,10 +170,12 @@ class JsonlDataset:
 
 
 def _usable(cfg: JsonlDataConfig, data: TokenizedData, log, key: str = "data.path"):
-    """(indices of the samples that train, over-long records) of ``data`` read from ``cfg.path``
+    """(data, indices of the samples that train, over-long records, truncated records) of
+    ``data`` read from ``cfg.path`` (over-long samples cut under data.overlong=truncate)
     (``key``: the setting that names it): data that gives nothing refused, bad records reported."""
     if not len(data.ids):
         _refuse_nothing(cfg, data, key)
+    data, truncated = _truncate(cfg, data, log)
     lengths = data.lengths
     too_long = [(data.wheres[k], "too_long", f"{int(lengths[k])} tokens")
                 for k in np.flatnonzero(lengths > cfg.max_tokens)]
@@ -145,7 +189,7 @@ def _usable(cfg: JsonlDataConfig, data: TokenizedData, log, key: str = "data.pat
     keep = np.flatnonzero(lengths <= cfg.max_tokens)
     if not len(keep):
         raise DataError(f"{cfg.path}: no usable records (with loss tokens, <= max_tokens)")
-    return keep, too_long
+    return data, keep, too_long, truncated
 
 
 def _hold_out(cfg: JsonlDataConfig, data: TokenizedData, keep: np.ndarray) -> tuple:
@@ -180,7 +224,7 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     tok_dir = cfg.tokenizer_path or tokenizer_path
     tokenizer = ChatTokenizer(tok_dir)
     data = load_tokenized(cfg, tokenizer, tok_dir, log=log)
-    keep, too_long = _usable(cfg, data, log)
+    data, keep, too_long, truncated = _usable(cfg, data, log)
     if cfg.eval_path is None:
         train_idx, eval_idx = _hold_out(cfg, data, keep)
         train, held = _subset(data, train_idx), _subset(data, eval_idx)
@@ -188,18 +232,19 @@ def load_jsonl_splits(cfg: JsonlDataConfig, tokenizer_path: str, log=print):
     else:  # all of data.path trains; the held-out records are data.eval_path's
         ecfg = dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None, eval_fraction=0.0)
         edata = load_tokenized(ecfg, tokenizer, tok_dir, log=log)
-        ekeep, etoo_long = _usable(ecfg, edata, log, key="data.eval_path")
+        edata, ekeep, etoo_long, etruncated = _usable(ecfg, edata, log, key="data.eval_path")
         train, held = _subset(data, keep), _subset(edata, ekeep)
         emal, elong = _split_too_long(edata.malformed)
         extra = dict(eval_records=len(ekeep), eval_path_records=len(edata.ids) - edata.split_for_template
                      + len(edata.malformed), eval_path_malformed=len(emal),
                      eval_path_too_long=len(elong) + len(etoo_long),
-                     eval_path_bad_records=bad_record_counts(edata, etoo_long))
+                     eval_path_bad_records=bad_record_counts(edata, etoo_long),
+                     eval_path_truncated=etruncated)
     # records: the data's records; train_records / eval_records: the samples of each split
     # (split_for_template more than records when conversations were split per assistant turn)
     split = data.split_for_template
     malformed, longest = _split_too_long(data.malformed)
     report = dict(records=len(data.ids) - split + len(data.malformed), malformed=len(malformed),
                   too_long=len(longest) + len(too_long), bad_records=bad_record_counts(data, too_long),
-                  split_for_template=split, train_records=len(train), **extra)
+                  truncated=truncated, split_for_template=split, train_records=len(train), **extra)
     return train, (held if len(held) else None), report
