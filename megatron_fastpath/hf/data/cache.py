@@ -16,7 +16,7 @@ from megatron_fastpath.hf.data.tokenize import _tokenized, tokenize_jsonl
 
 __all__ = ["CACHE_VERSION", "load_tokenized"]
 
-CACHE_VERSION = 7  # bump when tokenization, masking or the cache layout changes
+CACHE_VERSION = 8  # bump when tokenization, masking or the cache layout changes
 
 
 def _digest(source: DataSource, *settings: str) -> str:
@@ -51,7 +51,9 @@ def _save_cache(path: str, data: TokenizedData) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, ids=data.ids.flat, masks=data.masks.flat, lengths=data.lengths,
              lines=data.lines.values, malformed=bad,
-             where_prefixes=np.asarray(w.prefixes, dtype=str), where_prefix=w.prefix, where_num=w.num)
+             where_prefixes=np.asarray(w.prefixes, dtype=str), where_prefix=w.prefix, where_num=w.num,
+             format_names=np.asarray([f for f, _ in data.formats], dtype=str),
+             format_counts=np.asarray([n for _, n in data.formats], dtype=np.int64))
     os.replace(tmp, path)
 
 
@@ -59,7 +61,8 @@ def _load_cache(path: str) -> TokenizedData:
     """The cached tokens, read without unpickling (``allow_pickle=False``: an object array in a
     planted or damaged cache raises instead of running code) and checked for consistency;
     ValueError when the file is not a cache this module wrote."""
-    keys = ("ids", "masks", "lengths", "lines", "malformed", "where_prefixes", "where_prefix", "where_num")
+    keys = ("ids", "masks", "lengths", "lines", "malformed", "where_prefixes", "where_prefix", "where_num",
+            "format_names", "format_counts")
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in keys}
@@ -68,8 +71,10 @@ def _load_cache(path: str) -> TokenizedData:
     ids, masks, lengths, lines = (arrays[k] for k in ("ids", "masks", "lengths", "lines"))
     prefixes, prefix, num = (arrays[k] for k in ("where_prefixes", "where_prefix", "where_num"))
     bad = arrays["malformed"].tolist()
-    if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines, prefix, num))
+    names, counts = arrays["format_names"], arrays["format_counts"]
+    if not (all(a.dtype.kind in "iu" and a.ndim == 1 for a in (ids, masks, lengths, lines, prefix, num, counts))
             and arrays["malformed"].dtype.kind in "U" and prefixes.dtype.kind in "U"
+            and names.dtype.kind in "U" and names.shape == counts.shape
             and len(ids) == len(masks) and len(prefix) == len(num) == len(lines)
             and len(lengths) == len(lines) and (lengths >= 0).all() and int(lengths.sum()) == len(ids)
             and (not len(prefix) or (prefix.min() >= 0 and prefix.max() < len(prefixes)))
@@ -78,7 +83,8 @@ def _load_cache(path: str) -> TokenizedData:
     malformed = [tuple(s.split("\t", 2)) for s in bad]
     return _tokenized(ids.astype(np.int32, copy=False), masks.astype(np.uint8, copy=False),
                       lengths.astype(np.int64, copy=False), lines.astype(np.int64, copy=False),
-                      malformed, Wheres(prefixes.tolist(), prefix, num))
+                      malformed, Wheres(prefixes.tolist(), prefix, num),
+                      formats=tuple(zip(names.tolist(), (int(n) for n in counts))))
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:

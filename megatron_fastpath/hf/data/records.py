@@ -169,12 +169,31 @@ ACCEPTED = ("'messages' (chat: a list of {\"role\", \"content\"}), 'conversation
             "optional 'input') or 'text' (plain text)")
 
 
+# how the log names each format
+FORMAT_NAMES = {"messages": "chat messages", "sharegpt": "ShareGPT conversations",
+                "prompt_completion": "prompt-completion", "alpaca": "Alpaca instruction/output",
+                "text": "plain text"}
+
+
+def formats_text(formats) -> str:
+    """((format, records), ...) as the log names them: 'chat messages', or 'chat messages (300
+    records), prompt-completion (100 records)' for a mix."""
+    if len(formats) == 1:
+        return FORMAT_NAMES.get(formats[0][0], formats[0][0])
+    return ", ".join(f"{FORMAT_NAMES.get(f, f)} ({n} records)" for f, n in formats) or "none"
+
+
 def keys_text(keys, limit: int = 8) -> str:
     """A record's keys as a message shows them, in the record's order ('question', 'answer'; at
     most ``limit``)."""
     keys = [str(k) for k in keys]
     shown = ", ".join(repr(k[:40]) for k in keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "") if keys else "none"
+
+
+def record_format(rec, forced: str = "auto") -> Optional[str]:
+    """The format of the record ``rec`` (a dict) under data.format ``forced`` (None: unknown)."""
+    return forced if forced != "auto" else _detect(rec)
 
 
 def _validate(rec, forced: str = "auto", family: Optional[str] = None):
@@ -184,7 +203,7 @@ def _validate(rec, forced: str = "auto", family: Optional[str] = None):
     conversational records from mixing silently."""
     if not isinstance(rec, dict):
         return None, None, ("not_an_object", "not a JSON object")
-    fmt = forced if forced != "auto" else _detect(rec)
+    fmt = record_format(rec, forced)
     if fmt is None:
         return None, None, ("unknown_format", "no 'messages' key (nor 'conversations', string or "
                             "message-list 'prompt' and 'completion', 'instruction' and 'output', or "

@@ -13,7 +13,7 @@ import numpy as np
 from megatron_fastpath.hf.data.arrays import Column, Ragged, TokenizedData, _View
 from megatron_fastpath.hf.data.cache import load_tokenized
 from megatron_fastpath.hf.data.config import JsonlDataConfig
-from megatron_fastpath.hf.data.records import ACCEPTED, columns_hint, keys_text
+from megatron_fastpath.hf.data.records import ACCEPTED, columns_hint, formats_text, keys_text
 from megatron_fastpath.hf.data.sources import DataError, resolve_source
 
 __all__ = ["JsonlDataset", "load_jsonl_splits", "bad_record_counts"]
@@ -175,6 +175,11 @@ def _usable(cfg: JsonlDataConfig, data: TokenizedData, log, key: str = "data.pat
     (``key``: the setting that names it): data that gives nothing refused, bad records reported."""
     if not len(data.ids):
         _refuse_nothing(cfg, data, key)
+    records = len(data.ids) - data.split_for_template + len(data.malformed)
+    mapped = (" (data.columns: " + ", ".join(f"{k}={v}" for k, v in cfg.columns.items()) + ")"
+              if cfg.columns else "")
+    log(f"data: {cfg.path}, {records} records, format {formats_text(data.formats)}{mapped}"
+        + ("" if key == "data.path" else " (held out: data.eval_path)"))
     data, truncated = _truncate(cfg, data, log)
     lengths = data.lengths
     too_long = [(data.wheres[k], "too_long", f"{int(lengths[k])} tokens")
