@@ -135,11 +135,12 @@ def test_bad_rows_reported_with_file_and_row(tok_dir, tmp_path):
 
 def test_cache_key_covers_every_shard(tok_dir, tmp_path):
     path = build("parquet_shards", tmp_path)
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     logs = []
     first = load_jsonl_splits(cfg, tok_dir, log=logs.append)
     assert any("cached in" in m for m in logs)
-    assert [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]  # beside the directory
+    assert len(os.listdir(tmp_path / "cache")) == 1  # in the cache directory
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
     assert not [f for f in os.listdir(path) if f.endswith(".tokens.npz")]
     logs.clear()
     again = load_jsonl_splits(cfg, tok_dir, log=logs.append)
@@ -274,7 +275,7 @@ def test_the_format_is_logged_once_and_datasets_shows_no_progress_bars(tok_dir, 
     token cache); reading through datasets turns its progress bars off."""
     datasets.enable_progress_bars()
     path = build("parquet", tmp_path)
-    cfg = JsonlDataConfig(path=path, max_tokens=128)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache_dir=str(tmp_path / "cache"))
     for _ in range(2):  # tokenized, then from the cache
         logs = []
         load_jsonl_splits(cfg, tok_dir, log=logs.append)

@@ -141,15 +141,17 @@ def test_prompt_completion_records(tok_dirs, tmp_path):
     assert loss.tolist() == [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0]
 
 
-def test_tokenized_records_cached_beside_the_data(tok_dirs, tmp_path):
+def test_tokenized_records_cached_in_the_cache_dir(tok_dirs, tmp_path):
     tagged, _ = tok_dirs
     path = str(tmp_path / "copy.jsonl")
     open(path, "w").write(open(DATA).read())
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     logs = []
     first = load_jsonl_splits(cfg, tagged, log=logs.append)
-    caches = [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
-    assert len(caches) == 1 and any("cached in" in m for m in logs)
+    caches = os.listdir(tmp_path / "cache")
+    assert len(caches) == 1 and caches[0].startswith("copy.jsonl.") and caches[0].endswith(".tokens.npz")
+    assert sorted(os.listdir(tmp_path)) == ["cache", "copy.jsonl"]  # nothing beside the data
+    assert any(f"cached in {tmp_path / 'cache' / caches[0]}" in m for m in logs)
     logs.clear()
     second = load_jsonl_splits(cfg, tagged, log=logs.append)
     assert any("from cache" in m for m in logs)
@@ -203,16 +205,16 @@ class _RunsOnLoad:
 
 @pytest.mark.parametrize("planted", ["object-array", "not-a-zip", "inconsistent"])
 def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_path, planted):
-    """The token cache is a file beside the user's data: a planted one holding a pickled object
+    """The token cache is a file in a shared cache directory: a planted one holding a pickled object
     array is read with allow_pickle=False (nothing runs), and any cache that is not one this
     module wrote is tokenized again -- the samples equal a fresh tokenization."""
     tagged, _ = tok_dirs
     path = str(tmp_path / "copy.jsonl")
     open(path, "w").write(open(DATA).read())
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     fresh = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=128, cache=False), tagged, log=lambda m: None)
     load_jsonl_splits(cfg, tagged, log=lambda m: None)
-    (cache,) = [tmp_path / f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
+    (cache,) = [tmp_path / "cache" / f for f in os.listdir(tmp_path / "cache") if f.endswith(".tokens.npz")]
     marker = tmp_path / "ran"
     with np.load(cache) as z:
         arrays = dict(z)
@@ -546,3 +548,21 @@ def test_overlong_policy_apart_from_bad_records(tok_dirs, tmp_path):
                                           overlong="error", bad_records="skip"), tagged, log=lambda m: None)
     with pytest.raises(DataError, match="data.overlong must be null"):
         JsonlDataConfig(path="x.jsonl", overlong="cut")
+
+
+def test_the_default_cache_dir_is_xdg_cache_home(tok_dirs, tmp_path, monkeypatch):
+    """Unset, data.cache_dir is $XDG_CACHE_HOME/megatron_fastpath/tokens (~/.cache/... without
+    it): the cache is written there, not beside the data."""
+    from megatron_fastpath.hf.data.cache import cache_dir
+
+    tagged, _ = tok_dirs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVERSATIONS[:2]] * 2)
+    cfg = JsonlDataConfig(path=path, eval_fraction=0.0)
+    assert cache_dir(cfg) == str(tmp_path / "xdg" / "megatron_fastpath" / "tokens")
+    load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    assert len(os.listdir(tmp_path / "xdg" / "megatron_fastpath" / "tokens")) == 1
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "xdg"]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir(cfg) == str(tmp_path / "home" / ".cache" / "megatron_fastpath" / "tokens")

@@ -1,6 +1,8 @@
-"""The token cache beside the data: ``<data.path>.<digest>.tokens.npz``, keyed on every shard's
-bytes, the settings that change tokens and the tokenizer and template files; the flat arrays
-stored as they are and read back without unpickling."""
+"""The token cache: ``<cache dir>/<name of data.path>.<digest>.tokens.npz`` in ``data.cache_dir``
+(default ``$XDG_CACHE_HOME/megatron_fastpath/tokens``, ``~/.cache/...`` without it; never beside
+the user's data), keyed on the data's path and every shard's bytes, the settings that change
+tokens and the tokenizer and template files; the flat arrays stored as they are and read back
+without unpickling."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from megatron_fastpath.hf.data.config import JsonlDataConfig
 from megatron_fastpath.hf.data.sources import DataSource, resolve_source
 from megatron_fastpath.hf.data.tokenize import _tokenized, tokenize_jsonl
 
-__all__ = ["CACHE_VERSION", "load_tokenized"]
+__all__ = ["CACHE_VERSION", "load_tokenized", "cache_dir"]
 
 CACHE_VERSION = 8  # bump when tokenization, masking or the cache layout changes
 
@@ -35,19 +37,30 @@ def _digest(source: DataSource, *settings: str) -> str:
 
 
 
+def cache_dir(cfg: JsonlDataConfig) -> str:
+    """Where the token caches go: data.cache_dir, else $XDG_CACHE_HOME/megatron_fastpath/tokens
+    (~/.cache/megatron_fastpath/tokens when XDG_CACHE_HOME is unset or empty)."""
+    if cfg.cache_dir:
+        return os.path.abspath(os.path.expanduser(cfg.cache_dir))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "megatron_fastpath", "tokens")
+
+
 def _cache_path(cfg: JsonlDataConfig, tok_dir: str) -> str:
     source = resolve_source(cfg.path)
-    digest = _digest(source, f"format={cfg.format}", f"max_tokens={cfg.max_tokens}",
+    # the data's absolute path is in the key: reports name a shard's or row's file by its path
+    digest = _digest(source, f"path={os.path.abspath(source.path)}", f"format={cfg.format}", f"max_tokens={cfg.max_tokens}",
                      f"columns={sorted((cfg.columns or {}).items())}", os.path.join(tok_dir, "tokenizer.json"),
                      os.path.join(tok_dir, "tokenizer_config.json"),
                      os.path.join(tok_dir, "chat_template.jinja"))
-    return f"{source.path}.{digest}.tokens.npz"  # beside the file or directory
+    return os.path.join(cache_dir(cfg), f"{os.path.basename(os.path.abspath(source.path))}.{digest}.tokens.npz")
 
 
 def _save_cache(path: str, data: TokenizedData) -> None:
     """The flat arrays as they are (no per-record objects, no concatenation)."""
     bad = np.asarray([f"{where}\t{code}\t{why}" for where, code, why in data.malformed], dtype=str)
     w = data.wheres
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.npz"
     np.savez(tmp, ids=data.ids.flat, masks=data.masks.flat, lengths=data.lengths,
              lines=data.lines.values, malformed=bad,
@@ -88,7 +101,7 @@ def _load_cache(path: str) -> TokenizedData:
 
 
 def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> TokenizedData:
-    """Tokenized records from the cache beside the data, or tokenize (and cache) them."""
+    """Tokenized records from the token cache (:func:`cache_dir`), or tokenize (and cache) them."""
     resolve_source(cfg.path)  # no such file, empty directory, mixed shards: before any work
     cache = _cache_path(cfg, tok_dir) if cfg.cache else None
     if cache and os.path.isfile(cache):
@@ -104,5 +117,6 @@ def load_tokenized(cfg: JsonlDataConfig, tokenizer, tok_dir: str, log=print) -> 
             _save_cache(cache, data)
             log(f"data: tokenized {len(data.ids)} records, cached in {cache}")
         except OSError as exc:
-            log(f"data: could not write the token cache beside the data ({exc}); continuing")
+            log(f"data: could not write the token cache in {os.path.dirname(cache)} ({exc}); continuing "
+                "(set data.cache_dir to a writable directory, or data.cache=false)")
     return data

@@ -29,7 +29,9 @@ class JsonlDataConfig:
     overlong: None (records longer than max_tokens follow bad_records) | error | skip | truncate
         (cut from the right to max_tokens: the prompt whole, the last assistant reply or the
         completion cut; counted as ``truncated``).
-    cache: cache tokenized records beside the data file.
+    cache: cache tokenized records (in ``cache_dir``).
+    cache_dir: the token caches' directory (None: $XDG_CACHE_HOME/megatron_fastpath/tokens, or
+        ~/.cache/megatron_fastpath/tokens).
     format: auto (detected per record from its keys, as TRL does) | messages |
         prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
     columns: {key data=jsonl reads (:data:`COLUMNS`): the records' own key}, applied to every
@@ -49,6 +51,7 @@ class JsonlDataConfig:
     bad_records: str = "error"
     overlong: Optional[str] = None
     cache: bool = True
+    cache_dir: Optional[str] = None
     seed: int = 1234
     format: str = "auto"
     columns: Optional[dict] = None
