@@ -287,3 +287,6 @@ def test_the_format_is_logged_once_and_datasets_shows_no_progress_bars(tok_dir, 
     logs = []
     load_jsonl_splits(JsonlDataConfig(path=str(chat), max_tokens=128, cache=False), tok_dir, log=logs.append)
     assert logs[0] == f"data: {chat}, 370 records, format chat messages"
+    from megatron_fastpath.hf.data.records import formats_text
+
+    assert formats_text((("messages", 2), ("text", 1))) == "chat messages (2 records), plain text (1 record)"

@@ -180,7 +180,8 @@ def formats_text(formats) -> str:
     records), prompt-completion (100 records)' for a mix."""
     if len(formats) == 1:
         return FORMAT_NAMES.get(formats[0][0], formats[0][0])
-    return ", ".join(f"{FORMAT_NAMES.get(f, f)} ({n} records)" for f, n in formats) or "none"
+    return ", ".join(f"{FORMAT_NAMES.get(f, f)} ({n} record{'s' if n != 1 else ''})"
+                     for f, n in formats) or "none"
 
 
 def keys_text(keys, limit: int = 8) -> str:
