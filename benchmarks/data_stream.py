@@ -24,6 +24,7 @@ kind of child process, for comparison (0: skip).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -132,8 +133,11 @@ def child(args) -> None:
 
     rss_imports = _rss_mib()
     import_s = time.perf_counter() - t0
+    # the token cache beside the records (the old commit's place; today's data.cache_dir)
+    where = ({"cache_dir": os.path.dirname(os.path.abspath(args.path))}
+             if "cache_dir" in {f.name for f in dataclasses.fields(JsonlDataConfig)} else {})
     data = JsonlDataConfig(path=args.path, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS, eval_fraction=0.01,
-                           bad_records="skip", cache=True)
+                           bad_records="skip", cache=True, **where)
     ns = types.SimpleNamespace
     cfg = ns(data=data, model_source=ModelSource("hf", None, None, tokenizer_path=args.tok),
              model=ns(vocab_size=1 << 20), parallel=ns(context_parallel_size=1),

@@ -489,6 +489,7 @@ NOT_WEIGHT_SETTINGS = (
     "training.stop_at_step", "training.summary_json", "training.log_all_ranks", "training.device",
     "training.sync_check", "training.skip_memory_check", "training.dry_run",
     "data.eval_every", "data.eval_samples", "data.eval_max_new_tokens", "data.cache",
+    "data.eval_path", "data.cache_dir",
 )
 SCHEDULE_SETTINGS = ("training.steps", "training.epochs")
 

@@ -1,7 +1,9 @@
 """Shared test fixtures: a one-process gloo group + Megatron parallel state on CPU, and the
 `gpu` marker (tests that need CUDA are skipped, with the reason, on CPU machines), and the
-flash-attn / Transformer Engine attention stand-ins as fixtures."""
+flash-attn / Transformer Engine attention stand-ins as fixtures. data=jsonl's token caches go to
+a temporary XDG_CACHE_HOME (child processes inherit it), never the user's ~/.cache."""
 
+import os
 import sys
 
 import pytest
@@ -33,6 +35,18 @@ def main_job_runs(request, tmp_path_factory):
     from tests.support.main_job import SharedRuns
 
     return SharedRuns(tmp_path_factory.mktemp("runs"), getattr(request.module, "MAIN_JOB_COMMON", ()))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache_home(tmp_path_factory):
+    """XDG_CACHE_HOME (the default data.cache_dir's base) in a temporary directory."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture(autouse=True)

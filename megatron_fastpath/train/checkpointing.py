@@ -53,8 +53,12 @@ def fingerprint_config(cfg, dp_world: int) -> dict:
     if training["lr_schedule"] == "cosine":  # checkpoints written without the key match
         del training["lr_schedule"]
     training["global_micro_batches"] = training.pop("micro_batches") * dp_world
+    data = _weights_only("data", dataclasses.asdict(cfg.data))
+    for key, unset in (("columns", {}), ("overlong", None)):  # unset: as before these keys existed
+        if key in data and data[key] == unset:
+            del data[key]
     out = {
-        "model": dataclasses.asdict(cfg.model), "data": _weights_only("data", dataclasses.asdict(cfg.data)),
+        "model": dataclasses.asdict(cfg.model), "data": data,
         "training": training, "moe_capacity_factor": cfg.fastpath.moe_capacity_factor,
         "lora": dataclasses.asdict(cfg.lora) if cfg.lora is not None else None,
     }

@@ -457,9 +457,10 @@ def parse_job_config(cfg: Any) -> JobConfig:
     export = section(cfg, "export", ExportConfig) if cfg is not None and "export" in cfg else None
     model_prov.check(source, lora=features["lora"], export=export, data=data,
                      pipeline_size=par.pipeline_model_parallel_size)
-    if getattr(data, "eval_fraction", 0) > 0 and par.pipeline_model_parallel_size > 1:
+    if getattr(data, "evaluates", False) and par.pipeline_model_parallel_size > 1:
         raise ValueError("held-out evaluation runs the model outside Megatron's pipeline "
-                         "schedule: with pipeline parallelism set data.eval_fraction=0")
+                         "schedule: with pipeline parallelism set data.eval_fraction=0 "
+                         "(and no data.eval_path)")
     metrics = section(cfg, "metrics", MetricsConfig) if cfg is not None and "metrics" in cfg else None
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
@@ -528,10 +529,11 @@ def _checkpoint_section(cfg: Any, fast: FastpathConfig, data: Any = None):
     from megatron_fastpath.checkpoint import CheckpointConfig
 
     ckpt = section(cfg, "checkpoint", CheckpointConfig)
-    if ckpt.keep_best and not (ckpt.enabled and getattr(data, "eval_fraction", 0)):
+    if ckpt.keep_best and not (ckpt.enabled and getattr(data, "evaluates", False)):
         raise ValueError(
             "checkpoint.keep_best keeps the checkpoint with the lowest held-out loss: it needs "
-            "checkpoint.dir and held-out evaluation (data=jsonl with data.eval_fraction > 0)")
+            "checkpoint.dir and held-out evaluation (data=jsonl with data.eval_fraction > 0 or "
+            "data.eval_path)")
     if ckpt.adapters_only and not fast.lora:
         raise ValueError("checkpoint.adapters_only=true needs LoRA (fastpath.lora=true)")
     if ckpt.base_dir is not None and not os.path.isdir(ckpt.base_dir):

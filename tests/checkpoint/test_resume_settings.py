@@ -26,9 +26,19 @@ def test_settings_that_do_not_change_the_weights_leave_the_fingerprint():
 
 
 @pytest.mark.parametrize("setting", ["data.eval_fraction=0.2", "training.lr=1e-3", "data.seed=7",
-                                     "training.steps=5"])
+                                     "training.steps=5", "data.columns.text=body", "data.overlong=truncate",
+                                     "data.eval_path=held.jsonl"])
 def test_settings_that_change_the_weights_stay_in_it(setting):
     assert fingerprint(setting) != fingerprint()
+
+
+def test_data_keys_left_unset_fingerprint_as_before_they_existed():
+    """data.columns / data.overlong unset, and data.eval_path / data.cache_dir (not weights),
+    leave the fingerprint: a checkpoint written before these keys existed still resumes."""
+    base = fingerprint()
+    assert not {"columns", "overlong", "eval_path", "cache_dir"} & set(base["data"])
+    assert fingerprint("data.cache_dir=/tmp/elsewhere") == base
+    assert fingerprint("data.columns.text=body")["data"]["columns"] == {"text": "body"}
 
 
 def test_an_older_fingerprint_holding_them_is_no_mismatch():

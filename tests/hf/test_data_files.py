@@ -135,11 +135,12 @@ def test_bad_rows_reported_with_file_and_row(tok_dir, tmp_path):
 
 def test_cache_key_covers_every_shard(tok_dir, tmp_path):
     path = build("parquet_shards", tmp_path)
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     logs = []
     first = load_jsonl_splits(cfg, tok_dir, log=logs.append)
     assert any("cached in" in m for m in logs)
-    assert [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]  # beside the directory
+    assert len(os.listdir(tmp_path / "cache")) == 1  # in the cache directory
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
     assert not [f for f in os.listdir(path) if f.endswith(".tokens.npz")]
     logs.clear()
     again = load_jsonl_splits(cfg, tok_dir, log=logs.append)
@@ -267,3 +268,25 @@ def test_planted_bad_records_counted_by_reason_in_the_summary(ckpt, tmp_path):
             "unknown_role=2") in run.output
     s = run.summary
     assert s["last_loss"] < s["first_loss"] - 0.5
+
+
+def test_the_format_is_logged_once_and_datasets_shows_no_progress_bars(tok_dir, tmp_path):
+    """One line names the data, its records and their detected formats (the same from the
+    token cache); reading through datasets turns its progress bars off."""
+    datasets.enable_progress_bars()
+    path = build("parquet", tmp_path)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache_dir=str(tmp_path / "cache"))
+    for _ in range(2):  # tokenized, then from the cache
+        logs = []
+        load_jsonl_splits(cfg, tok_dir, log=logs.append)
+        assert [m for m in logs if ", format " in m] == [
+            f"data: {path}, 400 records, format chat messages (370 records), prompt-completion (30 records)"]
+    assert datasets.utils.are_progress_bars_disabled()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in records_of() if "messages" in r))
+    logs = []
+    load_jsonl_splits(JsonlDataConfig(path=str(chat), max_tokens=128, cache=False), tok_dir, log=logs.append)
+    assert logs[0] == f"data: {chat}, 370 records, format chat messages"
+    from megatron_fastpath.hf.data.records import formats_text
+
+    assert formats_text((("messages", 2), ("text", 1))) == "chat messages (2 records), plain text (1 record)"

@@ -141,15 +141,17 @@ def test_prompt_completion_records(tok_dirs, tmp_path):
     assert loss.tolist() == [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0]
 
 
-def test_tokenized_records_cached_beside_the_data(tok_dirs, tmp_path):
+def test_tokenized_records_cached_in_the_cache_dir(tok_dirs, tmp_path):
     tagged, _ = tok_dirs
     path = str(tmp_path / "copy.jsonl")
     open(path, "w").write(open(DATA).read())
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     logs = []
     first = load_jsonl_splits(cfg, tagged, log=logs.append)
-    caches = [f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
-    assert len(caches) == 1 and any("cached in" in m for m in logs)
+    caches = os.listdir(tmp_path / "cache")
+    assert len(caches) == 1 and caches[0].startswith("copy.jsonl.") and caches[0].endswith(".tokens.npz")
+    assert sorted(os.listdir(tmp_path)) == ["cache", "copy.jsonl"]  # nothing beside the data
+    assert any(f"cached in {tmp_path / 'cache' / caches[0]}" in m for m in logs)
     logs.clear()
     second = load_jsonl_splits(cfg, tagged, log=logs.append)
     assert any("from cache" in m for m in logs)
@@ -203,16 +205,16 @@ class _RunsOnLoad:
 
 @pytest.mark.parametrize("planted", ["object-array", "not-a-zip", "inconsistent"])
 def test_planted_token_cache_is_never_unpickled_and_is_rebuilt(tok_dirs, tmp_path, planted):
-    """The token cache is a file beside the user's data: a planted one holding a pickled object
+    """The token cache is a file in a shared cache directory: a planted one holding a pickled object
     array is read with allow_pickle=False (nothing runs), and any cache that is not one this
     module wrote is tokenized again -- the samples equal a fresh tokenization."""
     tagged, _ = tok_dirs
     path = str(tmp_path / "copy.jsonl")
     open(path, "w").write(open(DATA).read())
-    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True)
+    cfg = JsonlDataConfig(path=path, max_tokens=128, cache=True, cache_dir=str(tmp_path / "cache"))
     fresh = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=128, cache=False), tagged, log=lambda m: None)
     load_jsonl_splits(cfg, tagged, log=lambda m: None)
-    (cache,) = [tmp_path / f for f in os.listdir(tmp_path) if f.endswith(".tokens.npz")]
+    (cache,) = [tmp_path / "cache" / f for f in os.listdir(tmp_path / "cache") if f.endswith(".tokens.npz")]
     marker = tmp_path / "ran"
     with np.load(cache) as z:
         arrays = dict(z)
@@ -327,8 +329,8 @@ def test_records_of_no_known_format_are_refused_once_naming_their_keys(tok_dirs,
             "'question', 'answer' (12 records). A record needs 'messages' (chat: a list of "
             "{\"role\", \"content\"}), 'conversations' (ShareGPT: {\"from\", \"value\"}), 'prompt' + "
             "'completion', 'instruction' + 'output' (Alpaca, optional 'input') or 'text' (plain "
-            "text): map the keys to one of these, e.g. rename 'question' to 'prompt' and 'answer' to "
-            "'completion'")
+            "text): map the keys onto these with data.columns, e.g. data.columns.prompt=question "
+            "data.columns.completion=answer")
         assert logs == []  # nothing tokenized, nothing cached
     assert sorted(os.listdir(tmp_path)) == ["qa.jsonl"]
 
@@ -377,3 +379,190 @@ def test_an_empty_assistant_reply_is_a_bad_record(tok_dirs, tmp_path):
                                              {"prompt": "2 + 2 =", "completion": ""}])
     with pytest.raises(DataError, match=r"line 2 \(an empty 'completion': nothing to learn but the EOS token\)"):
         load_jsonl_splits(JsonlDataConfig(path=pc, eval_fraction=0.0, cache=False), tagged, log=lambda m: None)
+
+
+# --------------------------------------------------------------------------- data.columns
+def test_columns_map_other_keys_before_the_format_is_detected(tok_dirs, tmp_path):
+    """data.columns.prompt=question data.columns.completion=answer trains {"question", "answer"}
+    records as the prompt-completion records they map onto (same ids and loss masks); the
+    messages and text keys map the same way."""
+    tagged, _ = tok_dirs
+    qa = [{"id": k, "question": f"Q: {k} + 1?\nA:", "answer": f" {k + 1}."} for k in range(4)]
+    pc = [{"id": k, "prompt": r["question"], "completion": r["answer"]} for k, r in enumerate(qa)]
+    chat = [{"conversation": c} for c in CONVERSATIONS[:2]]
+    text = [{"body": "1 + 1 = 2."}, {"body": "2 + 2 = 4."}]
+
+    def tokens(records, name, **cfg):
+        path = write_jsonl(tmp_path / name, records)
+        train, _, _ = load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False, **cfg),
+                                        tagged, log=lambda m: None)
+        return [(t.tolist(), m.tolist()) for t, m in train.samples]
+
+    want = tokens(pc, "pc.jsonl")
+    assert len(want) == 4
+    assert tokens(qa, "qa.jsonl", columns={"prompt": "question", "completion": "answer", "text": None}) == want
+    assert tokens(chat, "chat.jsonl", columns={"messages": "conversation"}) == tokens(
+        [{"messages": c} for c in CONVERSATIONS[:2]], "msgs.jsonl")
+    assert tokens(text, "body.jsonl", columns={"text": "body"}) == tokens(
+        [{"text": r["body"]} for r in text], "text.jsonl")
+
+
+def test_an_unknown_column_is_refused_in_one_line():
+    with pytest.raises(DataError) as e:
+        JsonlDataConfig(path="x.jsonl", columns={"question": "q"})
+    assert str(e.value) == (
+        "data.columns.question: no such column; data.columns maps a record's keys onto messages, "
+        "conversations, prompt, completion, instruction, input, output, text "
+        "(e.g. data.columns.prompt=question)")
+    with pytest.raises(DataError, match="maps one key onto several columns"):
+        JsonlDataConfig(path="x.jsonl", columns={"prompt": "q", "text": "q"})
+
+
+def test_columns_compose_from_the_command_line():
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    cfg = parse_job_config(compose_job(["training.steps=4", "data=jsonl", "data.path=chat.jsonl",
+                                        "data.tokenizer_path=tok", "data.columns.prompt=question",
+                                        "data.columns.completion=answer"]))
+    assert cfg.data.columns == {"completion": "answer", "prompt": "question"}
+
+
+def test_an_unknown_format_record_names_the_columns_to_map(tok_dirs, tmp_path):
+    tagged, _ = tok_dirs
+    good = {"messages": CONVERSATIONS[0]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, {"question": "1 + 1?", "answer": "2"}, good])
+    with pytest.raises(DataError) as e:
+        load_jsonl_splits(JsonlDataConfig(path=path, eval_fraction=0.0, cache=False), tagged,
+                          log=lambda m: None)
+    assert ("line 2 (no 'messages' key (nor 'conversations', string or message-list 'prompt' and "
+            "'completion', 'instruction' and 'output', or 'text'; its keys: 'question', 'answer'; map "
+            "them with data.columns.prompt=question data.columns.completion=answer)") in str(e.value)
+
+
+# --------------------------------------------------------------------------- data.eval_path
+def test_eval_path_holds_out_its_records_and_trains_all_of_data_path(tok_dirs, tmp_path):
+    """data.eval_path: the held-out split is that file's records (any of data.path's formats:
+    here prompt-completion beside chat training data), every record of data.path trains; its
+    bad records are reported naming the eval file."""
+    tagged, _ = tok_dirs
+    train_path = write_jsonl(tmp_path / "train.jsonl", [{"messages": c} for c in CONVERSATIONS[:2]] * 3)
+    pcs = [{"prompt": f"Q: {k} + 1?\nA:", "completion": f" {k + 1}."} for k in range(3)]
+    eval_path = write_jsonl(tmp_path / "eval.jsonl", pcs)
+    cfg = JsonlDataConfig(path=train_path, eval_path=eval_path, cache=False)
+    assert cfg.eval_fraction == 0.0 and cfg.evaluates
+    train, held, report = load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    alone, _, _ = load_jsonl_splits(JsonlDataConfig(path=train_path, eval_fraction=0.0, cache=False),
+                                    tagged, log=lambda m: None)
+    assert [t.tolist() for t, _ in train.samples] == [t.tolist() for t, _ in alone.samples]
+    assert len(train) == 6 and report["records"] == 6 and report["train_records"] == 6
+    tok = ChatTokenizer(tagged)
+    assert [t.tolist() for t, _ in held.samples] == [
+        list(tok.encode_prompt_completion(r["prompt"], r["completion"])[0]) for r in pcs]
+    assert list(held.lines) == [1, 2, 3] and report["eval_records"] == 3 and report["eval_path_records"] == 3
+    bad = write_jsonl(tmp_path / "bad.jsonl", pcs + ["{oops"])
+    with pytest.raises(DataError, match=rf"^{bad}: 1 malformed record\(s\): line 4 \(invalid JSON"):
+        load_jsonl_splits(JsonlDataConfig(path=train_path, eval_path=bad, cache=False), tagged,
+                          log=lambda m: None)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"data.eval_path '.*empty.jsonl' is empty \(0 bytes\): there are "
+                                        r"no records to hold out; point data.eval_path at the data"):
+        load_jsonl_splits(JsonlDataConfig(path=train_path, eval_path=str(empty), cache=False), tagged,
+                          log=lambda m: None)
+
+
+def test_eval_path_with_eval_fraction_is_refused_in_one_line():
+    with pytest.raises(DataError) as e:
+        JsonlDataConfig(path="t.jsonl", eval_path="e.jsonl", eval_fraction=0.1)
+    assert str(e.value) == ("data.eval_path='e.jsonl' and data.eval_fraction=0.1 both set: the held-out "
+                            "records come either from a separate file or from a share of data.path; "
+                            "drop one of them")
+    assert JsonlDataConfig(path="t.jsonl").eval_fraction == 0.1  # the default share
+    assert JsonlDataConfig(path="t.jsonl", eval_path="e.jsonl", eval_samples=2).eval_samples == 2
+
+
+# --------------------------------------------------------------------------- data.overlong
+def test_overlong_records_truncated_from_the_right(tok_dirs, tmp_path):
+    """data.overlong=truncate: a record longer than data.max_tokens keeps its first max_tokens
+    tokens (the prompt whole, the completion / last assistant reply cut) and drops the tokens
+    after the last loss token left; one whose prompt alone fills max_tokens stays over-long
+    (data.bad_records); the truncated records are counted in the report and the log."""
+    tagged, _ = tok_dirs
+    tok = ChatTokenizer(tagged)
+    short = {"prompt": "1 + 1 =", "completion": " 2."}
+    long_pc = {"prompt": "Count:", "completion": " 1" * 60}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1 + 1 = 2."},
+             {"role": "user", "content": "more " * 40}, {"role": "assistant", "content": "ok"}]
+    huge_prompt = {"prompt": "7 " * 80, "completion": " 8."}
+    path = write_jsonl(tmp_path / "d.jsonl", [short, long_pc, short])
+    full_ids, full_mask = tok.encode_prompt_completion(long_pc["prompt"], long_pc["completion"])
+    assert len(full_ids) > 32
+    logs = []
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0,
+                                                         cache=False, overlong="truncate"),
+                                         tagged, log=logs.append)
+    assert report["truncated"] == 1 and report["too_long"] == 0 and len(train) == 3
+    tokens, loss = train.samples[1]
+    assert tokens.tolist() == list(full_ids[:32])
+    assert loss[:-1].tolist() == [float(x) for x in full_mask[1:32]] and loss[-1] == 0
+    assert [m for m in logs if m.startswith("data: truncated")] == [
+        f"data: truncated 1 record(s) of {path} longer than data.max_tokens=32 from the right "
+        f"(data.overlong=truncate): line 2 ({len(full_ids)} -> 32 tokens)"]
+    # a conversation cut inside its second user turn: the first reply kept, the rest dropped
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}, {"messages": CONVERSATIONS[0]}])
+    ids, mask = tok.encode_chat(turns)
+    first_reply_end = max(j for j in range(40) if mask[j]) + 1
+    assert len(ids) > 40 and not any(mask[first_reply_end:40])
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=chat, max_tokens=40, eval_fraction=0.0,
+                                                         cache=False, overlong="truncate"),
+                                         tagged, log=lambda m: None)
+    assert train.samples[0][0].tolist() == list(ids[:first_reply_end]) and report["truncated"] == 1
+    # a prompt longer than max_tokens: nothing left to train, so it is over-long as before
+    bad = write_jsonl(tmp_path / "b.jsonl", [short, huge_prompt, short])
+    with pytest.raises(DataError, match=r"1 record\(s\) longer than data.max_tokens=32: line 2 .*"
+                                        r"Fix the records, raise data.max_tokens, or set data.bad_records=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=bad, max_tokens=32, eval_fraction=0.0, cache=False,
+                                          overlong="truncate"), tagged, log=lambda m: None)
+
+
+def test_overlong_policy_apart_from_bad_records(tok_dirs, tmp_path):
+    """data.overlong=skip drops over-long records while bad_records=error still refuses
+    malformed ones, and overlong=error refuses over-long records under bad_records=skip; unset,
+    over-long records follow data.bad_records (the default error names the truncate option)."""
+    tagged, _ = tok_dirs
+    short = {"prompt": "1 + 1 =", "completion": " 2."}
+    long_pc = {"prompt": "Count:", "completion": " 1" * 60}
+    path = write_jsonl(tmp_path / "d.jsonl", [short, long_pc, short])
+    logs = []
+    train, _, report = load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0,
+                                                         cache=False, overlong="skip"), tagged, log=logs.append)
+    assert len(train) == 2 and report["too_long"] == 1 and report["truncated"] == 0
+    assert any(m.startswith("data: skipped") for m in logs)
+    with pytest.raises(DataError, match=r"Fix the records, raise data.max_tokens, set data.overlong=truncate, "
+                                        r"or set data.bad_records=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0, cache=False),
+                          tagged, log=lambda m: None)
+    with pytest.raises(DataError, match=r"set data.overlong=truncate, or set data.overlong=skip$"):
+        load_jsonl_splits(JsonlDataConfig(path=path, max_tokens=32, eval_fraction=0.0, cache=False,
+                                          overlong="error", bad_records="skip"), tagged, log=lambda m: None)
+    with pytest.raises(DataError, match="data.overlong must be null"):
+        JsonlDataConfig(path="x.jsonl", overlong="cut")
+
+
+def test_the_default_cache_dir_is_xdg_cache_home(tok_dirs, tmp_path, monkeypatch):
+    """Unset, data.cache_dir is $XDG_CACHE_HOME/megatron_fastpath/tokens (~/.cache/... without
+    it): the cache is written there, not beside the data."""
+    from megatron_fastpath.hf.data.cache import cache_dir
+
+    tagged, _ = tok_dirs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVERSATIONS[:2]] * 2)
+    cfg = JsonlDataConfig(path=path, eval_fraction=0.0)
+    assert cache_dir(cfg) == str(tmp_path / "xdg" / "megatron_fastpath" / "tokens")
+    load_jsonl_splits(cfg, tagged, log=lambda m: None)
+    assert len(os.listdir(tmp_path / "xdg" / "megatron_fastpath" / "tokens")) == 1
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "xdg"]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir(cfg) == str(tmp_path / "home" / ".cache" / "megatron_fastpath" / "tokens")

@@ -17,8 +17,9 @@ One module per step:
   (a line) or tokenized (its text, at :data:`CHARS_PER_TOKEN` characters a token);
 * :mod:`.tokenize`: records -> token ids and assistant masks in flat arrays (:mod:`.arrays`:
   :class:`Ragged`, :class:`Column`, :class:`Wheres`, :class:`TokenizedData`);
-* :mod:`.cache`: the tokens cached beside the data, keyed on every shard's bytes, the tokenizer
-  and template files;
+* :mod:`.cache`: the tokens cached in ``data.cache_dir`` (default
+  ``$XDG_CACHE_HOME/megatron_fastpath/tokens``), keyed on the data's path and every shard's
+  bytes, the settings, the tokenizer and template files;
 * :mod:`.splits`: the report of bad records, the deterministic ``eval_fraction`` held out by
   record, the :class:`JsonlDataset` of each split (packed first-fit decreasing into
   ``max_tokens`` by :func:`megatron_fastpath.data.pack_microbatches`);

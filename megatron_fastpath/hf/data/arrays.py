@@ -171,6 +171,9 @@ class TokenizedData:
     # the key sets of the records of no known format: ((keys as written), count), most common first
     # (tokenizing gives them; a cache, written only for data with usable records, does not)
     unknown_keys: tuple = ()
+    # the format of each record that trains, as ((format name, records), ...) most common first
+    # (data.format's names: messages, sharegpt, prompt_completion, alpaca, text)
+    formats: tuple = ()
 
     @property
     def lengths(self) -> np.ndarray:

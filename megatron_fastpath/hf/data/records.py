@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["FORMATS", "ROLES", "SHAREGPT_ROLES", "CHARS_PER_TOKEN", "record_char_limit", "line_byte_limit"]
+__all__ = ["FORMATS", "COLUMNS", "ROLES", "SHAREGPT_ROLES", "CHARS_PER_TOKEN", "record_char_limit", "line_byte_limit"]
 
 # A record is refused as too long before it is parsed or tokenized when it cannot fit
 # data.max_tokens: its text (the strings of its messages, prompt / completion or text) may hold
@@ -40,6 +40,34 @@ ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
                   "bing": "assistant", "model": "assistant", "tool": "tool"}
+
+
+# data.columns: the keys a record's own keys may be mapped onto (data.columns.prompt=question
+# reads a record's 'question' as its 'prompt'), applied before its format is detected
+COLUMNS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
+
+
+def map_columns(rec, columns: dict):
+    """``rec`` with its keys renamed by ``columns`` ({key data=jsonl reads: the record's key});
+    a record without a mapped key keeps its keys (its format is then detected as usual)."""
+    if not columns or not isinstance(rec, dict):
+        return rec
+    theirs = set(columns.values())
+    out = {k: v for k, v in rec.items() if k not in theirs}
+    for ours, key in columns.items():
+        if key in rec:
+            out[ours] = rec[key]
+    return out
+
+
+def columns_hint(keys) -> str:
+    """The data.columns overrides that map a record of ``keys`` onto a format data=jsonl reads."""
+    keys = [str(k) for k in keys]
+    if len(keys) == 2:
+        return f"data.columns.prompt={keys[0]} data.columns.completion={keys[1]}"
+    if len(keys) == 1:
+        return f"data.columns.text={keys[0]}"
+    return "data.columns.prompt=<its prompt's key> data.columns.completion=<its reply's key>"
 
 
 def _detect(rec) -> Optional[str]:
@@ -141,12 +169,32 @@ ACCEPTED = ("'messages' (chat: a list of {\"role\", \"content\"}), 'conversation
             "optional 'input') or 'text' (plain text)")
 
 
+# how the log names each format
+FORMAT_NAMES = {"messages": "chat messages", "sharegpt": "ShareGPT conversations",
+                "prompt_completion": "prompt-completion", "alpaca": "Alpaca instruction/output",
+                "text": "plain text"}
+
+
+def formats_text(formats) -> str:
+    """((format, records), ...) as the log names them: 'chat messages', or 'chat messages (300
+    records), prompt-completion (100 records)' for a mix."""
+    if len(formats) == 1:
+        return FORMAT_NAMES.get(formats[0][0], formats[0][0])
+    return ", ".join(f"{FORMAT_NAMES.get(f, f)} ({n} record{'s' if n != 1 else ''})"
+                     for f, n in formats) or "none"
+
+
 def keys_text(keys, limit: int = 8) -> str:
     """A record's keys as a message shows them, in the record's order ('question', 'answer'; at
     most ``limit``)."""
     keys = [str(k) for k in keys]
     shown = ", ".join(repr(k[:40]) for k in keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "") if keys else "none"
+
+
+def record_format(rec, forced: str = "auto") -> Optional[str]:
+    """The format of the record ``rec`` (a dict) under data.format ``forced`` (None: unknown)."""
+    return forced if forced != "auto" else _detect(rec)
 
 
 def _validate(rec, forced: str = "auto", family: Optional[str] = None):
@@ -156,11 +204,11 @@ def _validate(rec, forced: str = "auto", family: Optional[str] = None):
     conversational records from mixing silently."""
     if not isinstance(rec, dict):
         return None, None, ("not_an_object", "not a JSON object")
-    fmt = forced if forced != "auto" else _detect(rec)
+    fmt = record_format(rec, forced)
     if fmt is None:
         return None, None, ("unknown_format", "no 'messages' key (nor 'conversations', string or "
                             "message-list 'prompt' and 'completion', 'instruction' and 'output', or "
-                            f"'text'; its keys: {keys_text(rec)})")
+                            f"'text'; its keys: {keys_text(rec)}; map them with {columns_hint(list(rec))})")
     if forced == "auto" and family is not None and (fmt == "text") != (family == "text"):
         return None, None, ("mixed_format", f"a {fmt} record in a {family} file (the format of its "
                             "first record); set data.format to train one format")

@@ -88,6 +88,7 @@ def _require_datasets(source: DataSource):
             f"could not be imported ({type(exc).__name__}: {exc}). Install it with `pip install "
             "datasets` (or `pip install megatron_fastpath[hf]`), or convert the data to JSONL, "
             "which needs nothing extra") from exc
+    datasets.disable_progress_bars()  # the job logs what it read; no bars from datasets' loaders
     return datasets
 
 

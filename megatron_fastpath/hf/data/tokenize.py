@@ -18,6 +18,8 @@ from megatron_fastpath.hf.data.records import (
     _too_long,
     _validate,
     line_byte_limit,
+    map_columns,
+    record_format,
     record_char_limit,
 )
 from megatron_fastpath.hf.data.sources import _LongLine, _source_records, resolve_source
@@ -35,16 +37,19 @@ def _progress(total: int, desc: str):
 
 
 
-def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None) -> TokenizedData:
+def tokenize_jsonl(path: str, tokenizer, fmt: str = "auto", max_tokens: Optional[int] = None,
+                   columns: Optional[dict] = None) -> TokenizedData:
     """Tokenize every record of ``path`` (a JSONL / JSON / Parquet / Arrow file, a directory of
     shards or a save_to_disk directory; no caching here); ``fmt``: data.format; ``max_tokens``:
-    data.max_tokens, for the size checks before parsing and tokenizing (None: none)."""
+    data.max_tokens, for the size checks before parsing and tokenizing (None: none); ``columns``:
+    data.columns, the keys renamed before each record's format is detected."""
     source = resolve_source(path)
     from megatron_fastpath.hf.template_guard import BoundedRenderer
 
     lines = None if max_tokens is None else line_byte_limit(max_tokens)
     with BoundedRenderer(tokenizer, source.path) as renderer:  # templates bounded in time and memory
-        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens)
+        return _tokenize_records(_source_records(source, lines), tokenizer, renderer, fmt, max_tokens,
+                                 columns)
 
 
 def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
@@ -55,7 +60,7 @@ def _tokenize_lines(lines: list, tokenizer, renderer, fmt: str = "auto",
 
 
 def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
-                      max_tokens: Optional[int] = None) -> TokenizedData:
+                      max_tokens: Optional[int] = None, columns: Optional[dict] = None) -> TokenizedData:
     """``records``: (number, where, raw) with raw a JSONL line (bytes or str: decoded and parsed
     on its own, so a line of invalid UTF-8 is one bad record, not the file's end), a
     :class:`_LongLine` or a parsed record (a dict from datasets). Bad records are collected as
@@ -67,7 +72,7 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
     # and where per sample: no Python object per record survives its tokenization
     ids, masks, lengths, nums = array.array("i"), array.array("B"), array.array("q"), array.array("q")
     wheres, malformed = _WheresBuilder(), []
-    unknown_keys = collections.Counter()
+    unknown_keys, formats = collections.Counter(), collections.Counter()
     chat_seen = False
     family = None  # "text" or "conversational": the file's, from its first good record
     bar = _progress(None, "tokenizing")
@@ -99,6 +104,7 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
                 continue
         else:
             rec = raw
+        rec = map_columns(rec, columns)
         kind, payload, why = _validate(rec, fmt, family)
         if kind is None:
             malformed.append((where, *why))
@@ -128,22 +134,26 @@ def _tokenize_records(records, tokenizer, renderer, fmt: str = "auto",
             encoded = [tokenizer.encode_prompt_completion(*payload)]
         else:  # text: continued pretraining, every token in the loss
             encoded = [tokenizer.encode_prompt_completion("", payload)]
+        trained = False
         for i, m in encoded:
             if not any(m[1:]):  # position j predicts token j+1: a loss on token 0 alone trains nothing
                 malformed.append((where, "no_loss_token", "no loss token (the template put nothing "
                                   "of the assistant reply inside its generation span)"))
                 continue
             family = family or ("text" if kind == "text" else "conversational")
+            trained = True
             ids.extend(i)
             masks.extend(m)
             lengths.append(len(i))
             nums.append(num)
             wheres.append(where)
+        if trained:
+            formats[record_format(rec, fmt)] += 1
     if bar is not None:
         bar.close()
     return _tokenized(_as_array(ids, np.int32), _as_array(masks, np.uint8),
                       _as_array(lengths, np.int64), _as_array(nums, np.int64), malformed, wheres.build(),
-                      unknown_keys.most_common())
+                      unknown_keys.most_common(), formats.most_common())
 
 
 def _as_array(buf: array.array, dtype) -> np.ndarray:
@@ -155,7 +165,7 @@ def _as_array(buf: array.array, dtype) -> np.ndarray:
     return out if out.dtype == np.dtype(dtype) else out.astype(dtype)
 
 
-def _tokenized(ids, masks, lengths, lines, malformed, wheres, unknown_keys=()) -> TokenizedData:
+def _tokenized(ids, masks, lengths, lines, malformed, wheres, unknown_keys=(), formats=()) -> TokenizedData:
     ids = Ragged.from_lengths(ids, lengths)
     return TokenizedData(ids, Ragged(masks, ids.starts, ids.ends), Column(lines), malformed, wheres,
-                         tuple(unknown_keys))
+                         tuple(unknown_keys), tuple(formats))
