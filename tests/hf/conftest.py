@@ -35,14 +35,15 @@ def tiny(tmp_path_factory):
     return path
 
 
+
 @pytest.fixture(scope="module")
-def tiny_adapter(tiny, mcore_parallel, tmp_path_factory):
-    """``(adapter_dir, lora_config)``: a PEFT adapter of :func:`tiny` written by the package's
-    export (``save_peft_adapter``) from a LoRA model whose B matrices are random (non-zero, so
-    the adapter changes the model's outputs), written once per module."""
+def tiny_export(tiny, mcore_parallel, tmp_path_factory):
+    """``{"adapter": dir, "merged": dir}``: the package's exports (``save_peft_adapter``,
+    ``save_merged_checkpoint``) of :func:`tiny` with LoRA on every linear, its B matrices random
+    (non-zero: the adapter changes the model's outputs), written once per module."""
     import torch
 
-    from megatron_fastpath.hf.export import save_peft_adapter
+    from megatron_fastpath.hf.export import save_merged_checkpoint, save_peft_adapter
     from megatron_fastpath.lora import LoRAConfig, LoRALinear
     from tests.hf.hf_reference import build_ours
 
@@ -54,6 +55,8 @@ def tiny_adapter(tiny, mcore_parallel, tmp_path_factory):
         for mod in model.modules():
             if isinstance(mod, LoRALinear):
                 mod.lora_B.copy_(torch.randn(mod.lora_B.shape, generator=gen) * 0.5)
-    out = str(tmp_path_factory.mktemp("adapter") / "adapter")
-    save_peft_adapter(model, spec, cfg, out)
-    return out, cfg
+    root = tmp_path_factory.mktemp("export")
+    out = {"adapter": str(root / "adapter"), "merged": str(root / "merged")}
+    save_peft_adapter(model, spec, cfg, out["adapter"])
+    save_merged_checkpoint(model, spec, out["merged"])
+    return out

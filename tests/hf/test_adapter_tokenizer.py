@@ -12,8 +12,8 @@ TEXTS = ["What is 12 + 30?", "  spaces,\ttabs and <|eot_id|> specials\n", "ünï
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
-def test_the_adapter_folder_loads_as_the_base_tokenizer(tiny, tiny_adapter):
-    adapter_dir, _ = tiny_adapter
+def test_the_adapter_folder_loads_as_the_base_tokenizer(tiny, tiny_export):
+    adapter_dir = tiny_export["adapter"]
     for name in ("tokenizer.json", "tokenizer_config.json"):  # what the tiny checkpoint has
         assert filecmp.cmp(os.path.join(tiny, name), os.path.join(adapter_dir, name), shallow=False)
     base = transformers.AutoTokenizer.from_pretrained(tiny)
