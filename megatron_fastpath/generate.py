@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Optional
 
-__all__ = ["GenerateArgs", "parse_args", "check_adapter", "generate", "main"]
+__all__ = ["GenerateArgs", "GenerateError", "parse_args", "check_adapter", "prompt_ids", "generate", "main"]
 
 USER_ERROR_EXIT_CODE = 2
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
