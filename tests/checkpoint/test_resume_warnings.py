@@ -5,7 +5,6 @@ messages from those modules, and every other warning of the load stays."""
 
 import warnings
 
-import pytest
 from tests.support.hydra_compose import compose_job
 
 from megatron_fastpath.train import run
