@@ -472,12 +472,10 @@ class CheckpointManager:
         raise CheckpointCorruptError("no loadable checkpoint in " + self.root + ":\n  " + "\n  ".join(notes))
 
     def _load_one(self, path: str, parts: dict, restore_fp8=None) -> ResumeState:
-        from megatron.core import dist_checkpointing
-
         from megatron_fastpath.checkpoint.rng import restore_rng
         from megatron_fastpath.checkpoint.safety import check_safe_to_load
         from megatron_fastpath.checkpoint.storage import check_storage_files
-        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_load
 
         state = self.verify(path)
         model_dir = os.path.join(path, "model")
@@ -497,8 +495,7 @@ class CheckpointManager:
                 sharded[name] = tensors
         sharded = _drop_objects(sharded)
         self.check_compatible(path, state, sharded)
-        with dist_checkpointing_on_cpu():
-            loaded = dist_checkpointing.load(sharded, model_dir)
+        loaded = dist_checkpointing_load(sharded, model_dir)
         for name, part in parts.items():  # in order: the model before its optimizer
             part.load_state_dict({**saved.get(name, {}), **({SHARDED: loaded[name]} if name in loaded else {})})
         notes = []

@@ -15,7 +15,8 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.moe` -- MoELayer / TopKRouter state without their CUDA-only constructors
 * :mod:`.te` -- TE LayerNormLinear for LoRA; FP8 delayed-scaling state without pickle
 * :mod:`.te_quantized` -- TE quantized tensors and do-not-offload marks (activation offload)
-* :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU
+* :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU; its loads without torch's
+  ShardedTensor deprecation warnings
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
 * :mod:`.spec` -- the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder)
 

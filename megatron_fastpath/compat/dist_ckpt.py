@@ -1,4 +1,5 @@
-"""dist_checkpointing on a CPU (checkpoint/manager.py, train/checkpointing.py)."""
+"""dist_checkpointing on a CPU, and its loads without torch's ShardedTensor deprecation warnings
+(checkpoint/manager.py, train/checkpointing.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,48 @@ def dist_checkpointing_on_cpu():
         mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu"))
     )
     return stack
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's FutureWarnings inside a torch_dist load
+#
+# Megatron's torch_dist load (``TorchDistLoadShardedStrategy.load``, 0.16.1
+# strategies/torch.py:770, 0.19.2 :924) wraps every tensor in a torch ``ShardedTensor``
+# (``mcore_to_pyt_state_dict``, 0.16.1 :796, 0.19.2 :974) and hands them to
+# torch.distributed.checkpoint, whose planner reads each one (torch 2.13
+# distributed/checkpoint/planner_helpers.py:489 ``getattr(value, "device", None)``,
+# default_planner.py:503 ``obj.size()``) through ``ShardedTensor.__torch_function__``, which
+# torch deprecates with a FutureWarning at every call (distributed/_shard/sharded_tensor/api.py:
+# 1203-1204, "Please use DTensor instead and we are deprecating ShardedTensor."). 0.16.x also
+# loads with ``checkpoint.load_state_dict`` (0.16.1 strategies/torch.py:799), deprecated for
+# ``load`` (torch distributed/checkpoint/state_dict_loader.py:31-35); 0.19.x calls ``load``
+# (0.19.2 :979). No argument of ``dist_checkpointing.load`` chooses a load without ShardedTensor
+# or (0.16.x) without ``load_state_dict``, so every resume printed these three warnings to the
+# user, who can do nothing about them. ``dist_checkpointing_load`` ignores exactly these
+# messages, from these modules, inside the call; every other warning stays.
+# ---------------------------------------------------------------------------------------------
+
+TORCH_DIST_LOAD_WARNINGS = (  # (message regex, module regex): FutureWarning only
+    (r"Please use DTensor instead and we are deprecating ShardedTensor\.",
+     r"torch\.distributed\.checkpoint\.(planner_helpers|default_planner)$"),
+    (r"`load_state_dict` is deprecated and will be removed in future versions\.",
+     r"megatron\.core\.dist_checkpointing\.strategies\.torch$"),
+)
+
+
+def dist_checkpointing_load(sharded_state_dict, checkpoint_dir: str):
+    """``dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`` on a CPU too (see
+    :func:`dist_checkpointing_on_cpu`), without torch's deprecation warnings about the
+    ShardedTensors Megatron's load makes (see the section above)."""
+    import warnings
+
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():
+        for message, module in TORCH_DIST_LOAD_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+        with dist_checkpointing_on_cpu():
+            return dist_checkpointing.load(sharded_state_dict, checkpoint_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Export a fastpath LoRA run for Hugging Face: a PEFT adapter directory, or merged weights.
 
-PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors`` + the source tokenizer
+files, keys
 ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...): a fused adapter
 delta ``s * B @ A`` on ``linear_qkv`` (rows in Megatron's per-group order) is exactly three
 rank-r PEFT adapters sharing A: ``q_proj: (A, B_q)``, ``k_proj: (A, B_k)``, ``v_proj: (A, B_v)``
@@ -30,7 +31,7 @@ from megatron_fastpath.hf.convert import hf_layer_names, resolve_param, split_qk
 from megatron_fastpath.lora.config import HF_TARGETS
 
 __all__ = ["peft_state_dict", "save_peft_adapter", "save_merged_checkpoint", "PEFT_MODULES",
-           "peft_modules"]
+           "peft_modules", "copy_tokenizer_files"]
 
 # Megatron LoRA target -> HF module names it becomes (the same table reads lora.targets).
 PEFT_MODULES = HF_TARGETS
@@ -44,6 +45,19 @@ def peft_modules(spec: HFModelSpec) -> dict:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")
+
+
+def copy_tokenizer_files(src_dir: str, out_dir: str) -> list:
+    """Copy the checkpoint's tokenizer files (chat template and generation config included)
+    that exist in ``src_dir`` into ``out_dir``, so the exported folder loads with
+    ``AutoTokenizer.from_pretrained``; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = os.path.join(src_dir, name)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(out_dir, name))
+            copied.append(name)
+    return copied
 
 
 def _tp_group():
@@ -123,7 +137,8 @@ def _is_writer() -> bool:
 
 
 def save_peft_adapter(model, spec: HFModelSpec, lora_cfg, out_dir: str) -> dict:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors``; returns the config."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` and the checkpoint's
+    tokenizer files (as the merged export does); returns the config."""
     from safetensors.torch import save_file
 
     from megatron.core import parallel_state as ps
@@ -147,6 +162,7 @@ def save_peft_adapter(model, spec: HFModelSpec, lora_cfg, out_dir: str) -> dict:
                   metadata={"format": "pt"})
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        copy_tokenizer_files(spec.path, out_dir)
     return config
 
 
@@ -250,8 +266,5 @@ def save_merged_checkpoint(model, spec: HFModelSpec, out_dir: str, dtype=None) -
             cfg[key] = str(dtype).replace("torch.", "")
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        for name in TOKENIZER_FILES:
-            src = os.path.join(spec.path, name)
-            if os.path.isfile(src):
-                shutil.copy2(src, os.path.join(out_dir, name))
+        copy_tokenizer_files(spec.path, out_dir)
     return files

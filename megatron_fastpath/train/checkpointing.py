@@ -310,19 +310,16 @@ class JobCheckpointer:
         """Base weights (every non-adapter tensor) from ``checkpoint.base_dir``."""
         if self.cfg.base_dir is None:
             return None
-        from megatron.core import dist_checkpointing
-
         from megatron_fastpath.checkpoint import check_safe_to_load, is_adapter_key
         from megatron_fastpath.checkpoint.manager import _drop_objects
         from megatron_fastpath.checkpoint.storage import check_storage_files
-        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_on_cpu
+        from megatron_fastpath.compat.dist_ckpt import dist_checkpointing_load
 
         check_storage_files(self.cfg.base_dir)  # no file outside it, no FIFO
         check_safe_to_load(self.cfg.base_dir)
         wanted = _drop_objects({k: v for k, v in self.job.model.sharded_state_dict().items()
                                 if not is_adapter_key(k)})
-        with dist_checkpointing_on_cpu():
-            loaded = dist_checkpointing.load(wanted, self.cfg.base_dir)
+        loaded = dist_checkpointing_load(wanted, self.cfg.base_dir)
         result = self.job.model.load_state_dict(loaded, strict=False)
         missing = [k for k in result.missing_keys if not (k.endswith("_extra_state") or is_adapter_key(k))]
         if missing:
