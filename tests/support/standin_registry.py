@@ -436,6 +436,15 @@ REGISTRY: tuple[Entry, ...] = (
         "device check",
     ),
     Entry(
+        "torch.cuda.max_memory_allocated",
+        None,
+        "",
+        reason="the step line's peak memory on a GPU (train/progress.py): torch's own function "
+               "runs under cuda_as_cpu and reads 0, because memory_stats returns {} while CUDA is "
+               "not initialized (torch 2.13 torch/cuda/memory.py:354-355, :568), which the stand-in "
+               "GPU never is; the figure is asserted on a GPU only",
+    ),
+    Entry(
         "torch.cuda.get_device_capability",
         (f"{_SUPPORT}.cuda_as_cpu.device_capability_standin",
          f"{_SUPPORT}.fake_cuda_graph.fake_cuda_graphs",
