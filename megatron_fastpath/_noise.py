@@ -3,9 +3,11 @@
 On a machine without Transformer Engine / Apex, Megatron-Core warns once per module that falls
 back to torch (about 7 lines per process), torch warns that ``pynvml`` is deprecated when it is
 imported, and Megatron logs "Unknown MLP type" for every fastpath MoE layer (our layer is
-built from its own ModuleSpec, which Megatron's ``TransformerLayer`` does not list; it then
-passes the default keyword arguments, which is what ours takes). A 4-rank job printed about 52
-such lines. The main job instead prints one line naming the absent optional packages and
+built from its own ModuleSpec, which megatron-core 0.16's ``TransformerLayer`` does not list; it
+then passes the default keyword arguments, which is what ours takes). megatron-core 0.19 logs
+"GPTModel IS DEPRECATED" (models/gpt/gpt_model.py:118-124, pointing at ``HybridModel``) once
+per model built: the main job builds Megatron's ``GPTModel`` on purpose (every supported line
+has it; docs/architecture.md). A 4-rank job printed about 52 such lines. The main job instead prints one line naming the absent optional packages and
 filters exactly these messages -- inside :func:`main_job_filters` (warnings and logging state
 restored on exit) and, for the warnings emitted while the package's modules are imported, when
 the package is run as a program (``python -m megatron_fastpath.<module>``, see
@@ -44,6 +46,11 @@ PACKAGE_INFO_LOGGERS = ("megatron.core.msc_utils", "megatron.core.distributed.fs
                         "megatron.core.optimizer_param_scheduler")
 UNKNOWN_MLP_LOGGER = "megatron.core.transformer.transformer_layer"
 UNKNOWN_MLP_MESSAGE = "Unknown MLP type"
+# logger -> the start of the one message the main job drops from it
+DROPPED_LOG_MESSAGES = {
+    UNKNOWN_MLP_LOGGER: UNKNOWN_MLP_MESSAGE,
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",  # megatron-core 0.19
+}
 
 
 def filter_import_warnings() -> None:
@@ -90,11 +97,11 @@ def main_job_filters(rank0: bool = None):
     line = absent_packages_line()
     if rank0 and line:
         print(line, flush=True)
-    drop = _DropMessage(UNKNOWN_MLP_MESSAGE)
-    logger = logging.getLogger(UNKNOWN_MLP_LOGGER)
+    drops = [(logging.getLogger(name), _DropMessage(prefix)) for name, prefix in DROPPED_LOG_MESSAGES.items()]
     with warnings.catch_warnings():
         _add_filters()
-        logger.addFilter(drop)
+        for logger, drop in drops:
+            logger.addFilter(drop)
         quiet = [logging.getLogger(name) for name in PACKAGE_INFO_LOGGERS]
         levels = [q.level for q in quiet]
         for q in quiet:
@@ -102,6 +109,7 @@ def main_job_filters(rank0: bool = None):
         try:
             yield
         finally:
-            logger.removeFilter(drop)
+            for logger, drop in drops:
+                logger.removeFilter(drop)
             for q, level in zip(quiet, levels):
                 q.setLevel(level)

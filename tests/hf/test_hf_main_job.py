@@ -160,7 +160,8 @@ def test_eval_history_survives_a_resume(finetuned, tmp_path):
     common = ["model=hf", f"model.path={finetuned['ckpt']}", "data=jsonl", f"data.path={finetuned['data']}",
               "fastpath.lora=true", f"training.steps={STEPS}", f"checkpoint.dir={ckpt_dir}",
               "checkpoint.interval=10", "checkpoint.keep=1", "checkpoint.keep_best=true",
-              f"hydra.run.dir={tmp_path}/run", "metrics.tensorboard=false", "metrics.wandb=off"]
+              f"hydra.run.dir={tmp_path}/run", "metrics.tensorboard=false", "metrics.wandb=off",
+              *TINY_CHECKPOINT_OPTIMIZER]  # the straight run's (the finetuned fixture's)
     run_job(common + ["training.stop_at_step=15"], cwd=str(tmp_path))
     out = run_job(common + [f"training.summary_json={summary}"], cwd=str(tmp_path))
     assert out.splitlines()[0].startswith(f"resuming from {ckpt_dir}/step_00000015")

@@ -65,6 +65,14 @@ def test_library_users_keep_every_warning(tmp_path):
                           cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "The pynvml package is deprecated" in proc.stderr
+    # torch warns of pynvml where the deprecated pynvml package is installed (megatron-core
+    # 0.16.1's environment; 0.19.2's has nvidia-ml-py): whatever a bare `import torch` shows here
+    bare = subprocess.run([sys.executable, "-c", "import torch"], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=600).stderr
+    assert ("The pynvml package is deprecated" in proc.stderr) == ("The pynvml package is deprecated" in bare)
     assert "Apex is not installed. Falling back" in proc.stderr
-    assert proc.stderr.count("Unknown MLP type") == 1
+    # megatron-core 0.16.1 logs it once per layer of an MLP type it does not list
+    # (transformer/transformer_layer.py:368); 0.19 has no such log
+    from megatron_fastpath import compat
+
+    assert proc.stderr.count("Unknown MLP type") == (1 if compat.mcore_line() == (0, 16) else 0)
