@@ -146,7 +146,7 @@ def test_te_standin_main_entry_reexecs_with_the_fake(tmp_path):
     from tests.support.main_job import job_env, run_main_job
 
     base = [o for o in BASE if not o.startswith("training.steps=")]
-    run = run_main_job([*base, "training.steps=2", "training.dtype=bfloat16"], tmp_path,
+    run = run_main_job(features_on([*base, "training.steps=2", "training.dtype=bfloat16"]), tmp_path,
                        env=job_env(), entry=["-m", "tests.workers.te_standin_main"])
     assert len(run.summary["records"]) == 2
     assert "linear_fc1.layer_norm_weight" in run.output  # the TE layout's fused norm parameter
