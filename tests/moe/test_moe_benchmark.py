@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from megatron_fastpath import compat
+
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
 
@@ -46,9 +48,12 @@ def test_moe_benchmark_quick_json(tmp_path):
         for F in (32, 64):
             syncs = lambda v: by[(v, E, F)]["host_syncs_per_layer"]  # noqa: E731
             assert syncs("d_fastpath_dispatch_only") == 0
-            assert syncs("f_megatron_permute_dispatch_only") == 2  # permute's masked_selects
-            assert syncs("e_megatron_tegrouped_mlp") == 3  # + the one tolist of m_splits
-            assert syncs("c_megatron_sequential_mlp") == 3
+            # megatron-core 0.16's permute reads the host twice (its masked_selects,
+            # moe_utils.py); 0.19.2's sorts with argsort instead and reads none (moe_utils.py:337)
+            permute = 2 if compat.mcore_line() == (0, 16) else 0
+            assert syncs("f_megatron_permute_dispatch_only") == permute
+            assert syncs("e_megatron_tegrouped_mlp") == permute + 1  # + the one tolist of m_splits
+            assert syncs("c_megatron_sequential_mlp") == permute + 1
             assert syncs("b_unsloth_bincount") == 2
             assert syncs("a2_where_loop_index_select") == E
             assert syncs("a_hf_where_loop") >= E
