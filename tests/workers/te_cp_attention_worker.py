@@ -47,7 +47,12 @@ def split(x, fmt="sbhd"):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     t = x.transpose(0, 1) if fmt == "sbhd" else x
-    t = get_batch_on_this_cp_rank({"x": t})["x"]
+    from megatron_fastpath import compat
+
+    # megatron-core 0.19 adds a required is_hybrid_cp (megatron/core/utils.py:2612-2614): False
+    # is 0.16.1's split
+    extra = {"is_hybrid_cp": False} if compat.mcore_line() >= (0, 19) else {}
+    t = get_batch_on_this_cp_rank({"x": t}, **extra)["x"]
     return (t.transpose(0, 1) if fmt == "sbhd" else t).contiguous()
 
 
