@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tests.support.main_job import run_main_job  # noqa: E402
+from tests.support.main_job import TINY_CHECKPOINT_OPTIMIZER, run_main_job  # noqa: E402
 from tests.hf.hf_reference import DATA, held_out_loss  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def test_tp2_load_train_export(tmp_path):
         "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
         f"export.adapter_dir={tmp_path / 'adapter'}", f"export.merged_dir={tmp_path / 'merged'}",
         "parallel.tensor_model_parallel_size=2", "training.steps=4", "training.clip_grad=0",
-        f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "s.json")
+        f"hydra.run.dir={tmp_path / 'run'}", *TINY_CHECKPOINT_OPTIMIZER], tmp_path / "s.json")
     assert s["world_size"] == 2
 
     _, held, _ = load_jsonl_splits(JsonlDataConfig(path=data), ckpt, log=lambda m: None)
