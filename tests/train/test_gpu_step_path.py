@@ -99,7 +99,12 @@ def test_megatron_optimizer_step_syncs_shown(mcore_parallel, capsys):
     out = capsys.readouterr().out
     n_params = sum(1 for p in job.model.parameters() if p.requires_grad)
     assert gpu.syncs_fwd_bwd_per_step == 0
-    assert gpu.syncs_per_step == 2 + n_params, gpu.records[0].sync_sites
+    # megatron-core 0.19's step also reads its grad-norm-group flag once, then caches it
+    # (optimizer.py:319 has_grad_norm_group, flag.item()): one more host read in the first step
+    from megatron_fastpath import compat
+
+    first_only = 0 if compat.mcore_line() == (0, 16) else 1
+    assert gpu.syncs_per_step == 2 + n_params + first_only / gpu.sync_checked_steps, gpu.records[0].sync_sites
     assert f"host syncs: fwd+bwd 0, step {2 + n_params} |" in out
     sites = " ".join(gpu.records[0].sync_sites)
     assert "clip_grads.py" in sites and "step_with_ready_grads" in sites
