@@ -176,7 +176,7 @@ def test_two_processes_full_iteration_equals_eager(tmp_path, layout):
     from tests.support.main_job import job_env, main_job_cmd
 
     out = tmp_path / "run"
-    cmd = main_job_cmd([str(out), *features_on([*BASE, *WORLD2[layout]]), f"hydra.run.dir={tmp_path}/hydra"],
+    cmd = main_job_cmd([str(out), *BASE, *WORLD2[layout], f"hydra.run.dir={tmp_path}/hydra"],
                        nproc=2, entry=["-m", "tests.workers.full_iteration_worker"])
     proc = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -22,8 +22,12 @@ def _train(overrides):
 
 
 def main(out: str, overrides: list) -> None:
-    eager, job_e = _train(overrides)
-    full, job_f = _train(overrides + ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration"])
+    from tests.support.hydra_compose import features_on
+
+    # each run keeps a feature group's settings only with its switch on (the parse refuses them
+    # while it is off)
+    eager, job_e = _train(features_on(overrides))
+    full, job_f = _train(features_on(overrides + ["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration"]))
     pe = {k: v.detach().float() for k, v in job_e.model.state_dict().items() if torch.is_tensor(v)}
     pf = {k: v.detach().float() for k, v in job_f.model.state_dict().items() if torch.is_tensor(v)}
     assert pe.keys() == pf.keys()
