@@ -44,15 +44,10 @@ def init():
 def split(x, fmt="sbhd"):
     """This CP rank's load-balanced chunks of a whole-sequence tensor (Megatron's
     ``get_batch_on_this_cp_rank``, which splits dim 1: sbhd goes through bshd)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from tests.support.megatron_cp import megatron_cp_split
 
     t = x.transpose(0, 1) if fmt == "sbhd" else x
-    from megatron_fastpath import compat
-
-    # megatron-core 0.19 adds a required is_hybrid_cp (megatron/core/utils.py:2612-2614): False
-    # is 0.16.1's split
-    extra = {"is_hybrid_cp": False} if compat.mcore_line() >= (0, 19) else {}
-    t = get_batch_on_this_cp_rank({"x": t}, **extra)["x"]
+    t = megatron_cp_split({"x": t})["x"]
     return (t.transpose(0, 1) if fmt == "sbhd" else t).contiguous()
 
 

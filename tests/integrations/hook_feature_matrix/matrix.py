@@ -866,7 +866,7 @@ def run_context_parallel(combo: Combo, config, spec, settings, pe: str, dtype, f
     its FP8 state fresh, so both forwards quantise with TE's initial scales)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from tests.support.megatron_cp import megatron_cp_split
 
     assert not settings.packed_cache, "the hooks refuse context parallelism with the packed cache"
     cp = ps.get_context_parallel_world_size()
@@ -879,7 +879,7 @@ def run_context_parallel(combo: Combo, config, spec, settings, pe: str, dtype, f
     tokens, labels, n = _packed_batch([11, 7, 9], gen, 64)
     full = {"tokens": tokens, "labels": labels, "position_ids": torch.arange(T)[None],
             "loss_mask": (torch.arange(T) < n)[None].float()}
-    mine = get_batch_on_this_cp_rank(dict(full))
+    mine = megatron_cp_split(full)
     per_token = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
     assert per_token.shape == (1, T // cp), per_token.shape
     local = (per_token.float() * mine["loss_mask"]).sum()
