@@ -102,6 +102,20 @@ def test_capture_warmup_selection(monkeypatch, warmup, capturing, v016, v019):
     assert graphs_compat.in_capture_warmup() is (v016 if INSTALLED == (0, 19) else v019)
 
 
+def test_static_input_wait_follows_the_installed_loader():
+    """The installed StaticBufferLoader's copy path makes its stream wait for the current one
+    exactly on the line the gate says it does (so the step path adds its own wait elsewhere)."""
+    import inspect
+
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    src = inspect.getsource(StaticBufferLoader.__call__)
+    assert ("self.stream.wait_stream(torch.cuda.current_stream())" in src) is \
+        graphs_compat.static_inputs_wait_upstream()
+    assert graphs_compat.static_inputs_wait_upstream(Version("0.19.2")) is True
+    assert graphs_compat.static_inputs_wait_upstream(Version("0.16.1")) is False
+
+
 # -- Sync-free optimizer: the gradients of the norm -------------------------------------------
 
 class _Leaf:

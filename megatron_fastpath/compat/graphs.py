@@ -245,6 +245,18 @@ def reset_full_cuda_graph_state() -> None:
     fcg.StaticBufferLoader.static_buffers = {"training": [], "validation": []}
 
 
+def static_inputs_wait_upstream(version: Optional["Version"] = None) -> bool:
+    """Whether Megatron's ``StaticBufferLoader`` itself makes its copy stream wait for the
+    current stream before copying a microbatch's inputs into the static buffers. 0.19.x does
+    (0.19.2 full_cuda_graph.py:115 and :129); 0.16.x copies without waiting (0.16.1
+    full_cuda_graph.py:72-86), so a host running ahead of the GPU (no sync in the step) could
+    overwrite inputs the previous step's replay still reads: the full-iteration step path
+    adds that wait itself there."""
+    return _require_checked_mcore(
+        "static_inputs_wait_upstream", "StaticBufferLoader's copy stream and when it waits",
+        version=version) == MCORE_0_19
+
+
 def full_cuda_graph_captured(stage: str = "training"):
     """The graph ``FullCudaGraphWrapper`` captured for ``stage`` (None before its capture)."""
     from megatron.core import full_cuda_graph as fcg

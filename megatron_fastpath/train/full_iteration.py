@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_fastpath.compat.graphs import static_inputs_wait_upstream
 from megatron_fastpath.packed_seq.runtime import cp_local, forward, masked_loss_sum
 from megatron_fastpath.train.config import TrainingConfig
 
@@ -155,10 +156,8 @@ class FullIterationStep:
             self.lr = DeviceLRSchedule.from_scheduler(self.scheduler, self.device)
             self.optimizer.use_device_lr(self.lr)
         before = self.cache.stats.snapshot()
-        # Megatron's StaticBufferLoader copies into the static buffers on its own stream, which
-        # does not wait for the work already queued: without this, a host running ahead (no
-        # sync in the step) would overwrite the inputs the previous step's replay still reads
-        self.wrapper.static_loader.stream.wait_stream(torch.cuda.current_stream())
+        if not static_inputs_wait_upstream():  # 0.16.x: the loader's copies would not wait
+            self.wrapper.static_loader.stream.wait_stream(torch.cuda.current_stream())
         with sync_check(check_syncs, "fwd+bwd") as fwd_bwd:
             self.wrapper(forward_step_func=self._forward_step, data_iterator=iter(inputs),
                          model=[self.ddp], num_microbatches=self.n,

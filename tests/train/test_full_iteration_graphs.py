@@ -193,9 +193,12 @@ def test_two_processes_full_iteration_equals_eager(tmp_path, layout):
 
 
 def test_static_input_copies_wait_for_the_previous_step(mcore_parallel, monkeypatch):
-    """Megatron's StaticBufferLoader copies the next step's inputs on its own stream; every step
-    first makes that stream wait for the current stream, so the copies cannot overtake the
-    previous step's replay (a GPU run is sync-free: the host runs ahead)."""
+    """Megatron's StaticBufferLoader copies the next step's inputs on its own stream; that stream
+    first waits for the current stream, so the copies cannot overtake the previous step's
+    replay (a GPU run is sync-free: the host runs ahead). megatron-core 0.19 waits before each
+    microbatch's copy itself (0.19.2 full_cuda_graph.py:115, :129) and the step path adds
+    nothing; on 0.16 the step path waits once per step."""
+    from megatron_fastpath.compat.graphs import static_inputs_wait_upstream
     from tests.support import cuda_as_cpu
 
     waits = []
@@ -203,7 +206,8 @@ def test_static_input_copies_wait_for_the_previous_step(mcore_parallel, monkeypa
                         lambda self, other: waits.append((self, other)))
     _, job = _train(FULL)
     loader_stream = job.step.graphs.wrapper.static_loader.stream
-    assert sum(w[0] is loader_stream for w in waits) == STEPS
+    per_step = job.step.graphs.n if static_inputs_wait_upstream() else 1
+    assert sum(w[0] is loader_stream for w in waits) == STEPS * per_step
 
 
 def test_moe_fp32_numerics_with_the_gpu_only_rule_lifted(mcore_parallel, monkeypatch):
