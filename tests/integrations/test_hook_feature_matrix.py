@@ -12,12 +12,12 @@ import pytest
 
 from tests.support.matrix import NA
 from tests.integrations.hook_feature_matrix.matrix import (
-    BUILD, Combo, DOC, FIXED_BY_THE_MODEL, LAUNCHES, NOT_CROSSED, NOT_SET_BY_HOOKS, ONE_AWAY,
-    REFUSED, REQUEST_AXES, RUN2_TE, RUN_STATUSES, RUN_TE, STATUSES, T, UNREACHABLE_MESSAGES,
+    BUILD, Combo, DOC, FIXED_BY_THE_MODEL, FULL_ENV, LAUNCHES, NOT_CROSSED, NOT_SET_BY_HOOKS, ONE_AWAY,
+    REFUSED, REQUEST_AXES, RUN, RUN2_TE, RUN_STATUSES, RUN_TE, STATUSES, T, UNREACHABLE_MESSAGES,
     UNREACHABLE_RULES, WORLD2, _CAPABILITY, _gpu, _launch_id, _of_layout, _resolved, _swap,
-    _without_recipe_rules, axes, child_launches, classified, classify, combinations,
+    _without_recipe_rules, axes, child_launches, ci_runs, classified, classify, combinations,
     facts_and_request, first_runnable, hook_messages, lone_reasons, message_kind, model_config,
-    one_away, run_combination, selected,
+    one_away, run_combination, runnable, runs, selected,
 )
 from tests.integrations.hook_feature_matrix.doc import render
 
@@ -176,16 +176,44 @@ def test_listing_is_up_to_date():
         "tests.integrations.hook_feature_matrix.doc import write; write()\"`")
 
 
+def test_ci_runs_cover_every_pair_of_each_launch():
+    """Unit tier: of each status and layout, the CI's runs are distinct builds (one per build
+    group) and every pair of axis values that some runnable combination of it has is in a
+    combination whose build the CI runs; the full tier runs every distinct build."""
+    def pairs(c):
+        items = list(c.items())
+        return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
+
+    total = 0
+    for status, layout in [(RUN, "1"), *child_launches()]:
+        chosen = ci_runs(status, layout)
+        builds = selected(status)
+        assert chosen and set(chosen) <= set(_of_layout(status, layout)), (status, layout)
+        members = [m for c in chosen for m in builds[c]]
+        want = set().union(*(pairs(c) for c in runnable(status) if c["layout"] == layout))
+        assert want <= set().union(*map(pairs, members)), (status, layout)
+        total += len(chosen)
+    assert total < sum(len(_of_layout(s, lay)) for s, lay in [(RUN, "1"), *child_launches()]) / 3
+
+
+def test_full_tier_switch_runs_every_build(monkeypatch):
+    monkeypatch.delenv(FULL_ENV, raising=False)
+    assert runs(RUN, "1") == ci_runs(RUN, "1")
+    monkeypatch.setenv(FULL_ENV, "/tmp/anywhere")
+    assert runs(RUN, "1") == _of_layout(RUN, "1") == list(selected())
+
+
 @pytest.mark.integration
 def test_hook_feature_matrix_runs(mcore_parallel, capsys):
-    """Integration tier: every runnable combination (one per distinct build), built as the hooked
-    config builds it, one forward + backward inside the GPU stand-ins."""
+    """Integration tier: the runnable combinations of this process (the CI's pairwise cover of
+    them, :func:`ci_runs`; every distinct build in the full tier), built as the hooked config
+    builds it, one forward + backward inside the GPU stand-ins."""
     from megatron_fastpath.integrations import clear_caches
     from tests.support.graph_safe_standins import gpu_standins
 
     results, failures = [], []
     try:
-        for combo in selected():
+        for combo in runs(RUN, "1"):
             try:
                 with gpu_standins():
                     results.append((combo.label, run_combination(combo)))
@@ -207,8 +235,9 @@ def test_hook_feature_matrix_runs(mcore_parallel, capsys):
 def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
     """Integration tier: the runnable combinations this process cannot run -- those that build
     Transformer Engine modules beyond its attention (the fake TE 2.10 is imported in a child
-    only) and those of 2 processes (torchrun) -- one per distinct build, run as
-    :func:`test_hook_feature_matrix_runs` runs the others, in a child process. The child
+    only) and those of 2 processes (torchrun) -- the CI's pairwise cover of each launch's, or
+    every distinct build in the full tier -- run as :func:`test_hook_feature_matrix_runs` runs
+    the others, in a child process. The child
     classifies each combination it is handed itself: the status must be this process's."""
     import json
     import subprocess
@@ -217,7 +246,7 @@ def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
     from tests.support.main_job import job_env, main_job_cmd
 
     assert (status, layout) in child_launches(), "a launch with nothing to run"
-    want = _of_layout(status, layout)
+    want = runs(status, layout)
     nproc = 2 if layout != "1" else 1
     out, spec = tmp_path / "runs", tmp_path / "labels.json"
     spec.write_text(json.dumps([c.label for c in want]))

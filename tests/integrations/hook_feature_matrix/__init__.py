@@ -25,9 +25,11 @@ the framework config -- through their shared decision layer ``integrations/core.
   combination gets ``core.plan``; its settings must make a ``FastpathSettings``, and the layer
   spec's build-time check (``resolve_backend`` on the training GPU with the model dtype) runs
   on it: what it refuses is listed as accepted by the hook but refused at build.
-* **Runner** (:func:`run_combination`, integration tier): every accepted world-1 combination a
+* **Runner** (:func:`run_combination`, integration tier): the accepted world-1 combinations a
   CPU can run, once per distinct build (:func:`build_inputs`: the axes that change the built
-  model, :data:`BUILT`, the hook's plan and the model config -- all the runner reads), builds
+  model, :data:`BUILT`, the hook's plan and the model config -- all the runner reads) -- in
+  the CI the builds of a pairwise cover of each launch's combinations (:func:`ci_runs`), in
+  the by-hand full tier (``FASTPATH_FULL_MATRIX``) every one --, builds
   the model the hooked config builds (``FastpathLayerSpec`` of the plan's settings, the plan's
   position embedding) inside the GPU stand-ins and runs one
   forward + backward through ``packed_seq.runtime.forward``: finite loss and gradients, the

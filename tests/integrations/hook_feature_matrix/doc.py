@@ -7,9 +7,9 @@ import collections
 
 from tests.support.matrix import axes_table, cell
 from tests.integrations.hook_feature_matrix.matrix import (
-    BUILD, BUILT, CP_LAYOUTS, Combo, DOC, MICROBATCHES, NOT_CROSSED, PIPELINE_LAYOUTS, REFUSED,
+    BUILD, BUILT, CP_LAYOUTS, Combo, DOC, FULL_ENV, MICROBATCHES, NOT_CROSSED, PIPELINE_LAYOUTS, REFUSED,
     RUN, RUN_LAYOUTS, RUN_STATUSES, RUN_TE, STATUSES, T, UNREACHABLE_MESSAGES, WORLD2, _of_layout,
-    axes, child_launches, classified, hook_messages, lone_reasons, selected,
+    axes, child_launches, ci_runs, classified, hook_messages, lone_reasons, selected,
 )
 
 
@@ -54,8 +54,10 @@ def render() -> str:
               "## Counts", "", "| | combinations |", "| --- | --- |",
               f"| product of the axes | {len(verdicts)} |"]
     lines += [f"| {status} | {counts[status]} |" for status in STATUSES]
-    lines += [f"| {status}: distinct builds, each run once by the integration tier | {len(selected(status))} |"
+    lines += [f"| {status}: distinct builds (run by the full tier) | {len(selected(status))} |"
               for status in RUN_STATUSES]
+    lines += [f"| {status}: distinct builds the CI runs (pairwise covers) | "
+              f"{sum(len(ci_runs(status, lay)) for lay in _layouts_of(status))} |" for status in RUN_STATUSES]
     lines += [""]
     lines += ["## Refused by the hook", "",
               "By the first reason (a combination may have several: the next table counts every "
@@ -74,23 +76,32 @@ def render() -> str:
         groups = collections.Counter(v.why for v in verdicts.values() if v.status == status)
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| why | combinations |", "| --- | --- |"]
         lines += [f"| {cell(why)} | {n} |" for why, n in sorted(groups.items())]
-    lines += ["", "## Run (world 1)", "",
-              f"{counts[RUN]} accepted combinations run on this CPU, all of them: the integration test",
-              f"runs each distinct build ({len(selected())}: what the runner reads of a combination -- the",
-              f"axes {', '.join(BUILT)}, the hook's plan and the framework's model config -- is equal",
-              "within a group, so one run checks the group): the model the hooked",
+    lines += ["", "## Which runs the CI trains", "",
+              "Every accepted combination is run once per distinct build (what the runner reads of a",
+              f"combination -- the axes {', '.join(BUILT)}, the hook's plan and the framework's model",
+              "config -- is equal within a group, so one run checks the group). The CI's integration",
+              "tier trains, of each status and layout, the builds of a pairwise cover of its runnable",
+              "combinations (`ci_runs`: every pair of axis values some accepted combination has is in a",
+              "combination whose build runs; checked by `test_ci_runs_cover_every_pair_of_each_launch`);",
+              f"the full tier, by hand (`{FULL_ENV}=<a directory> pytest",
+              "tests/integrations/test_hook_feature_matrix.py -m integration`), trains every distinct",
+              "build. The tables below mark the CI's runs `CI`.", ""]
+    lines += ["## Run (world 1)", "",
+              f"{counts[RUN]} accepted combinations run on this CPU ({len(selected())} distinct builds, "
+              f"{len(ci_runs(RUN, '1'))} in the CI): the model the hooked",
               "config builds (`FastpathLayerSpec` of the plan), inside the GPU stand-ins, one forward +",
               "backward through `packed_seq.runtime.forward`: finite loss and gradients; in fp32 with the",
               "packed cache and dropless (or no) experts, per-token losses equal to the same weights with",
               "Megatron's attention and RoPE, one sequence at a time. Graphs: the frameworks capture after",
               "the first step, which runs eagerly; capture is the main job's matrix (TE's RNG tracker",
               "runs on the fake TE only, tests/te_standin). LoRA: applied by the framework's PEFT, not here.", "",
-              "| run | combinations it stands for |", "| --- | --- |"]
-    lines += [f"| {c.label} | {len(members)} |" for c, members in selected().items()]
+              "| run | combinations it stands for | CI |", "| --- | --- | --- |"]
+    ci = set(ci_runs(RUN, "1"))
+    lines += [f"| {c.label} | {len(members)} | {'CI' if c in ci else ''} |" for c, members in selected().items()]
     lines += ["", "## Run in child processes", "",
               "What this process cannot run runs in a child (`test_hook_feature_matrix_child_runs`: "
               "`python -m tests.integrations.hook_feature_matrix run KEY LABELS OUT`, under "
-              "torchrun for 2 processes), each distinct build once, as above; the child classifies "
+              "torchrun for 2 processes), the CI's cover or every distinct build, as above; the child classifies "
               "each combination it runs itself and must agree:", "",
               "* **on the fake Transformer Engine** -- combinations that build TE modules beyond its "
               "attention (TE linears: FP8, or the 'te' attention backend's default; the "
@@ -123,15 +134,21 @@ def render() -> str:
               "for every trainable parameter of each stage; without FP8 (whose delayed scaling "
               "state moves with the run) the losses and gradients equal the same weights run as "
               "one model. The virtual pipeline is refused by the hooks.", "",
-              "| status | layout | distinct builds | combinations |", "| --- | --- | --- | --- |"]
+              "| status | layout | distinct builds | in the CI | combinations |", "| --- | --- | --- | --- | --- |"]
     for status, layout in child_launches():
         builds = _of_layout(status, layout)
-        lines.append(f"| {status} | {layout} | {len(builds)} | {sum(len(selected(status)[c]) for c in builds)} |")
+        lines.append(f"| {status} | {layout} | {len(builds)} | {len(ci_runs(status, layout))} "
+                     f"| {sum(len(selected(status)[c]) for c in builds)} |")
     lines += ["", "Of the fake TE's world-1 runs, each distinct build:", "",
-              "| run | needs | combinations it stands for |", "| --- | --- | --- |"]
-    lines += [f"| {c.label} | {cell(classified()[c].why)} | {len(members)} |"
+              "| run | needs | combinations it stands for | CI |", "| --- | --- | --- | --- |"]
+    ci = set(ci_runs(RUN_TE, "1"))
+    lines += [f"| {c.label} | {cell(classified()[c].why)} | {len(members)} | {'CI' if c in ci else ''} |"
               for c, members in selected(RUN_TE).items()]
     return "\n".join(lines) + "\n"
+
+
+def _layouts_of(status: str) -> list:
+    return [layout for s, layout in [(RUN, "1"), *child_launches()] if s == status]
 
 
 def write() -> None:

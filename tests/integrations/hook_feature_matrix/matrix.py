@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -17,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from tests.support.matrix import NA, Combination
+from tests.support.matrix import FULL_ENV, NA, Combination, pairwise_cover
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -999,10 +1000,10 @@ def build_inputs(combo: Combo) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def selected(status: str = RUN) -> dict:
-    """{one runnable combination: the runnable combinations with its build inputs}: every
-    runnable combination (of ``status``: :data:`RUN` in this process, :data:`RUN_TE` in the
-    fake TE's child) is run, once per distinct :func:`build_inputs` (the first of each, in
-    matrix order)."""
+    """{one runnable combination: the runnable combinations with its build inputs}: the
+    runnable combinations (of ``status``: :data:`RUN` in this process, :data:`RUN_TE` in the
+    fake TE's child) grouped by :func:`build_inputs`, each group keyed by its first in matrix
+    order: the build a run trains (the CI's, :func:`ci_runs`; all of them, the full tier)."""
     groups = collections.defaultdict(list)
     for c in runnable(status):
         groups[build_inputs(c)].append(c)
@@ -1049,6 +1050,31 @@ def child_launches() -> list:
 
 def _of_layout(status: str, layout: str) -> list:
     return [c for c in selected(status) if c["layout"] == layout]
+
+
+def full_tier() -> bool:
+    """Whether the runs train every distinct build (by hand, ``FASTPATH_FULL_MATRIX=<dir>``, the
+    main job's full tier's switch) rather than the CI's cover (:func:`ci_runs`)."""
+    return bool(os.environ.get(FULL_ENV))
+
+
+@functools.lru_cache(maxsize=None)
+def ci_runs(status: str, layout: str) -> list:
+    """The distinct builds the CI runs of one status and layout: those of a pairwise cover of
+    its runnable combinations (every pair of axis values some accepted combination of the
+    layout has is in a combination whose build runs), in matrix order. Every axis the runner
+    reads (:data:`BUILT`, the plan) takes each of its values and each pair of values in a run;
+    what only a triple of values could break is left to the full tier."""
+    rep = {c: r for r, members in selected(status).items() for c in members}
+    cover = pairwise_cover([c for c in runnable(status) if c["layout"] == layout])
+    chosen = {rep[c] for c in cover}
+    return [c for c in _of_layout(status, layout) if c in chosen]
+
+
+def runs(status: str, layout: str) -> list:
+    """The distinct builds a run test trains: :func:`ci_runs`, or with the full tier's switch
+    every one (:func:`_of_layout`)."""
+    return _of_layout(status, layout) if full_tier() else ci_runs(status, layout)
 
 
 def _launch_id(status: str, layout: str) -> str:

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.support.matrix import NA, Combination
+from tests.support.matrix import FULL_ENV, NA, Combination, pairwise_cover  # noqa: F401 -- the tests import them here
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -532,30 +532,6 @@ def world2_id(world: str, layout: str, part: int) -> str:
     return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{layout_label(layout)}-{part}]"
 
 
-def pairwise_cover(combos: list) -> list:
-    """A subset of ``combos`` (greedy, deterministic, none redundant) in which every pair of
-    axis values that occurs together in some combination of ``combos`` occurs together in one
-    of the subset."""
-    def pairs(c):
-        items = list(c.items())
-        return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
-
-    todo = set().union(*(pairs(c) for c in combos)) if combos else set()
-    chosen, left = [], list(combos)
-    while todo:
-        best = max(left, key=lambda c: len(pairs(c) & todo))  # the first of the best: deterministic
-        chosen.append(best)
-        left.remove(best)
-        todo -= pairs(best)
-    # greedy picks can be made redundant by later ones: drop each (latest first) whose pairs
-    # the others cover
-    for c in list(reversed(chosen)):
-        rest = [o for o in chosen if o is not c]
-        if pairs(c) <= set().union(*map(pairs, rest)):
-            chosen = rest
-    return sorted(chosen, key=combos.index)
-
-
 @functools.lru_cache(maxsize=None)
 def world2_accepted(world: str, layout: str) -> list:
     return [c for c, v in classified().items()
@@ -782,8 +758,6 @@ def _shared_lines(combos: list) -> list:
     """The report's lines for the combinations whose job one of ``combos`` trained."""
     return [f"same {c.label}  (the job of {rep.label})" for c, rep in sharing().items() if rep in combos]
 
-
-FULL_ENV = "FASTPATH_FULL_MATRIX"  # a directory: set, the full tier runs and each part records there
 
 FULL_RECORD = REPO / "tests" / "train" / "feature_matrix_full_run.json"
 
