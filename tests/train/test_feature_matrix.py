@@ -17,9 +17,9 @@ from tests.train.feature_matrix.matrix import (
     WORLD2, WORLDS, _check_cover, _finish, _full_params, _head_commit, _moe_graphs_combo,
     _passed_labels, _report, _run_world1, _shared_lines, _start, classified,
     classify_te_world_in_child, config_tree, distinct_jobs, feature, full_ids, full_tier,
-    layout_label, pairwise_cover, record_full_run, run_combination, runnable, shard_of, shards,
-    sharing, te_flex_cover, te_flex_world1, trained_by, world1_id, world2_accepted, world2_id,
-    world2_layouts, world_of,
+    accepted, ci_cover, layout_label, pairwise_cover, record_full_run, run_combination, run_groups,
+    runnable, shard_of, shards, sharing, trained_by, world1_id, world2_id, world2_layouts,
+    world_of,
 )
 from tests.train.feature_matrix.doc import render
 
@@ -108,16 +108,11 @@ def test_config_tree_is_hydras_composition():
 
 
 def test_every_accepted_combination_has_a_run():
-    """Unit tier: the job of every runnable and every accepted world-2 combination (of the TE
-    world's world-2 ones, the pairwise cover's) is in exactly one integration test's shard;
-    a combination shares a run only with one whose job is its own."""
+    """Unit tier: the job of every combination of each run group's pairwise cover is in exactly
+    one integration test's shard; a combination shares a run only with one whose job is its
+    own."""
     runs = [c for combos in shards().values() for c in combos]
-    covers = {c for layout in world2_layouts() for c in pairwise_cover(world2_accepted("te", layout))}
-    flex_cover = set(te_flex_cover())
-    wanted = [c for c, v in classified().items()
-              if (v.status == RUN and (world_of(c) == "absent" or c["attention"] != "flex"
-                                       or c in flex_cover))
-              or (v.status == WORLD2 and (world_of(c) == "absent" or c in covers))]
+    wanted = [c for world, layout in run_groups() for c in ci_cover(world, layout)]
     assert len(runs) == len(set(runs))
     assert set(runs) == {trained_by(c) for c in wanted}
     verdicts = classified()
@@ -126,7 +121,7 @@ def test_every_accepted_combination_has_a_run():
         assert rep["layout"] == c["layout"] and world_of(rep) == world_of(c)
     live = [c for c in wanted if world_of(c) == "absent"]  # the jobs themselves (TE's: the JSON)
     assert all(verdicts[c].job == verdicts[trained_by(c)].job is not None for c in live)
-    assert len(sharing()) > 0 and len(runs) < len(wanted)
+    assert len(sharing()) > 0
 
 
 def test_only_the_parse_reads_the_raw_backend_settings():
@@ -184,25 +179,16 @@ def test_a_run_never_reads_the_raw_backend_settings(mcore_parallel, tmp_path):
             straight_vs_resumed(config_tree(combo), tmp_path / str(k), feature(combo))
 
 
-def test_te_world1_flex_runs_cover_every_pair():
-    """Unit tier: every pair of axis values occurring together in a runnable TE-world world-1
-    flex combination occurs together in a run one; and the cover is smaller than the whole."""
-    every, cover = te_flex_world1(), te_flex_cover()
-    assert every and cover == pairwise_cover(every)
-    _check_cover(every, cover, "world-1 flex")
-    assert set(distinct_jobs(cover)) <= set(shard_of())
-    assert all(c["attention"] == "flex" for c in every)
-
-
-def test_te_world2_runs_cover_every_pair():
-    """Unit tier: per layout, every pair of axis values occurring together in an accepted
-    TE-world world-2 combination occurs together in a run one; and the cover is needed (no
-    run combination can be dropped: it alone covers some pair)."""
-    for layout in world2_layouts():
-        every = world2_accepted("te", layout)
-        cover = pairwise_cover(every)
-        _check_cover(every, cover, layout)
-        assert shards()[world2_id("te", layout, 0)] == distinct_jobs(cover)
+def test_ci_runs_cover_every_pair():
+    """Unit tier: per run group (world 1 and each layout of 2, per world), every pair of axis
+    values occurring together in an accepted combination occurs together in one whose job a
+    CI test trains; the cover is needed (each of its combinations alone covers some pair) and
+    smaller than the group."""
+    for world, layout in run_groups():
+        every, cover = accepted(world, layout), ci_cover(world, layout)
+        assert every and cover == pairwise_cover(every), (world, layout)
+        _check_cover(every, cover, f"{world} {layout}")
+        assert set(distinct_jobs(cover)) <= set(shard_of())
 
 
 @pytest.mark.integration
@@ -268,13 +254,13 @@ def test_world_of_two_runs(tmp_path, capsys, world, layout, part):
 
 def test_ci_and_the_full_tier_train_every_accepted_job():
     """Unit tier: the CI runs and the full tier's parts together train the job of every
-    accepted combination of both worlds, each job once; the full tier only the TE world's."""
-    accepted = [c for c, v in classified().items() if v.status in (RUN, WORLD2)]
+    accepted combination of both worlds, each job once; the full tier trains most of them."""
+    every = [c for c, v in classified().items() if v.status in (RUN, WORLD2)]
     ci = [c for combos in shards().values() for c in combos]
     full = [c for combos in full_tier().values() for c in combos]
     assert len(ci) + len(full) == len(set(ci) | set(full))
-    assert set(ci) | set(full) == set(distinct_jobs(accepted))
-    assert full and all(world_of(c) == "te" for c in full)
+    assert set(ci) | set(full) == set(distinct_jobs(every))
+    assert len(full) > 4 * len(ci) and {world_of(c) for c in full} == set(WORLDS)
     assert sorted(full_tier()) == sorted(full_ids()) and all(full_tier().values())
 
 
@@ -319,9 +305,10 @@ def test_record_full_run_gathers_every_part(tmp_path):
     n = len(full_ids())
     assert (got["commit"], got["date"], got["seconds"]) == ("c0", "2026-11-29", round(1.5 * n))
     assert got["failures"] == ["x fp8:mxfp8 TP2: boom"] and len(got["passed"]) == 2 * n
-    assert got["passed"] == sorted(got["passed"]) and got["parts"]["w1-0"] == {"passed": 2, "failed": 1, "seconds": 1.5}
-    Path(tmp_path, "w1-1.json").write_text(json.dumps(dict(
-        json.loads(Path(tmp_path, "w1-1.json").read_text()), commit="c1")))
+    first, second = full_ids()[:2]
+    assert got["passed"] == sorted(got["passed"]) and got["parts"][first] == {"passed": 2, "failed": 1, "seconds": 1.5}
+    Path(tmp_path, f"{second}.json").write_text(json.dumps(dict(
+        json.loads(Path(tmp_path, f"{second}.json").read_text()), commit="c1")))
     with pytest.raises(AssertionError, match="different commits"):
         record_full_run(str(tmp_path), tmp_path / "record.json")
 

@@ -35,19 +35,19 @@ features the config accepts, parsed the way the main job parses it and, where ac
   ``config_tree(combo)`` (equal to Hydra's composition:
   :func:`test_config_tree_is_hydras_composition`), not from Hydra. (The straight run saving at step 3 checks the
   resume with 5 steps, where a separate stopped run would take 8.)
-* **Runs** (integration tier): every accepted world-1 combination of both worlds and every
-  world-2 one without TE runs -- of the TE world's world-2 ones a pairwise cover per layout
-  (:data:`TE_WORLD2_NOT_RUN`) --, in worker
+* **Runs** (integration tier): of each group of accepted combinations -- per world, the
+  world-1 ones (status ``RUN``) and each layout's world-2 ones (``WORLD2``, one parallel size
+  2) -- the jobs of a pairwise cover (:func:`ci_cover`: every pair of axis values that occurs
+  together in an accepted combination of the group occurs together in one that runs), in worker
   processes that train their combinations one after the other (tests/workers/matrix_worker.py)
-  -- the world-1 ones (status ``RUN``) dealt round-robin to ``W1_SHARDS`` tests, each running
+  -- the world-1 ones dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
-  (``WORLD2``, one parallel size 2) per layout in ``W2_PARTS`` ``torchrun`` launches of 2
+  per layout in ``W2_PARTS`` ``torchrun`` launches of 2
   processes (:func:`test_world_of_two_runs`). A job runs once: combinations whose parsed jobs
   are equal (:func:`job_key`; ``auto`` and the backend it resolves to) share one run
-  (:func:`distinct_jobs`). Of the TE
-  world's world-1 flex ones a pairwise cover runs (:data:`TE_FLEX_NOT_RUN`). The **full
-  tier** (:func:`test_full_tier`, by hand: ``FASTPATH_FULL_MATRIX=<dir>``, ~70 min) trains the
-  jobs of the TE world's combinations the CI runs leave out; its last run is recorded in
+  (:func:`distinct_jobs`). The **full
+  tier** (:func:`test_full_tier`, by hand: ``FASTPATH_FULL_MATRIX=<dir>``) trains the
+  jobs of every accepted combination the CI runs leave out; its last run is recorded in
   ``feature_matrix_full_run.json`` (:func:`record_full_run`). A test
   lists every combination it ran and fails listing every one that failed. The flex backend,
   which has no backward on a CPU, trains on the test-only FlexAttention stand-in

@@ -12,23 +12,9 @@ from tests.support.matrix import NA, axes_table, cell
 from tests.train.feature_matrix.matrix import (
     DOC, FIXED, FULL_ENV, FULL_RECORD, FULL_W1_PARTS, FULL_W2_PARTS, KNOWN_BUGS, NOT_SELECTABLE,
     REFUSED, RUN, SIZES, TE_VERDICTS, W1_SHARDS, W2_PARTS, WORLD2, WORLDS, axes, classified,
-    classify_te_world_in_child, distinct_jobs, full_tier, known_bug, layout_label, shard_of,
-    shards, sharing, te_flex_cover, te_flex_world1, trained_by, world2_accepted, world2_layouts,
-    world_of,
+    accepted, ci_cover, classify_te_world_in_child, full_tier, known_bug, layout_label,
+    run_groups, shard_of, shards, sharing, trained_by, world2_accepted, world_of,
 )
-
-TE_FLEX_NOT_RUN = (
-    "the TE world's runnable world-1 flex combinations ({total}: the flex ones without TE "
-    "crossed with the linear, FP8 and te_rng settings TE adds) train in a pairwise cover "
-    "({run}) -- the flex "
-    "backend's own path is the same in both worlds, and every flex combination without TE runs")
-
-TE_WORLD2_NOT_RUN = (
-    "the TE world's accepted world-2 combinations are too many to train in CI time ({total}, "
-    "{jobs} distinct jobs: ~2 s of both cores each, ~{minutes} min); a pairwise cover of each "
-    "layout's ({run}) runs -- "
-    "every pair of axis values that occurs together in an accepted combination of the layout "
-    "occurs together in one that runs")
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,22 +44,8 @@ def _group_description(combos: list) -> str:
 # Wall times of the integration tests, measured (render() prints them as they are).
 MEASURED: tuple = (
     "",
-    "**Measured** (2026-11-28, from the junit of a clean-clone `CI=true bash .ci/run` at 84ad74c",
-    "on this 2-core machine, nothing else running; the whole suite took 3,365 s): this module",
-    "took 1,074 s, all its tests passing. Per test: `test_world_of_one_runs[0-1]` 31 s each",
-    "(41-42 runs), `[te-0..3]` 141-145 s each (199-200 runs; 572 s in all); `test_world_of_two_runs`",
-    "TP2 50 s (31 runs), PP2 57 s (45), EP2 69 s (42), CP2 27 s (16), the TE world's TP2 / PP2 /",
-    "EP2 / CP2 42 / 40 / 52 / 37 s (19 / 25 / 25 / 21); classifying the TE world in a child",
-    "process (`test_te_world_verdicts_are_current`) 38 s. Earlier the same day: 1,240 s with the",
-    "same runs in 4 / 8 world-1 tests and 2 launches per layout without TE (more worker",
-    "processes to start), and 1,665 s at 646b10e (each combination its own run, the straight",
-    "run's steps counted by the sync sentinel; `[te-i]` 111-119 s each for 136-137 runs).",
-    "With the flex runs (36 world-1 and 57 world-2 runs without TE, the 17-run",
-    "flex cover and 11 more world-2 cover runs with TE), this module took 1,271 s in a run of",
-    "it alone on this machine (its first ~10 minutes beside other probes): `[0-1]` 46 / 47 s,",
-    "`[te-0..3]` 142-155 s, TP2 / PP2 / EP2 / CP2 76 / 96 / 106 / 27 s, the TE world's 55 / 41 /",
-    "62 / 40 s, the TE world's classification 45 s. In the clean-clone `CI=true bash .ci/run`",
-    "at ff01c38 (the whole suite 3,640 s, all passing) it took 1,470 s.",
+    "**Measured**: see docs/architecture.md \"Tests\" for what each tier costs; this module's",
+    "integration tests are timed there with the rest of the tier.",
 )
 
 
@@ -137,25 +109,22 @@ def render() -> str:
     lines.append(row("run by the integration tests", run_by["absent"], run_by["te"]))
     shared_by = collections.Counter(world_of(c) for c in sharing())
     lines.append(row("trained by the run of another (the same job)", shared_by["absent"], shared_by["te"]))
-    te_w2 = by_world["te"][WORLD2]
-    te_w2_run = sum(1 for c in shard_of() if world_of(c) == "te" and c["layout"] != "1")
-    te_w2_jobs = sum(len(distinct_jobs(world2_accepted("te", layout))) for layout in world2_layouts())
     lines += [
         "",
-        f"**Runs.** The world-1 combinations are dealt round-robin to {W1_SHARDS['absent']}",
-        f"tests without TE (`test_world_of_one_runs[i]`) and {W1_SHARDS['te']} with it",
-        "(`test_world_of_one_runs[te-i]`), each 2 worker processes at once; the world-2 ones",
-        f"without TE, per layout, to {W2_PARTS['absent']} `torchrun` launches",
-        "(`test_world_of_two_runs[<layout>-<part>]`). Not every TE-world world-2 combination runs:",
-        TE_WORLD2_NOT_RUN.format(total=te_w2, jobs=te_w2_jobs, minutes=round(te_w2_jobs * 2 / 60),
-                                 run=te_w2_run) + ",",
-        "one launch per layout (`test_world_of_two_runs[te-<layout>-0]`); and",
-        TE_FLEX_NOT_RUN.format(total=len(te_flex_world1()),
-                               run=len(te_flex_cover())) + ".",
-        "The **full tier** trains the jobs of the rest, by hand, not in CI",
+        "**Runs.** Of each group of accepted combinations -- per world, the world-1 ones and each",
+        "layout's world-2 ones -- the CI trains the jobs of a pairwise cover (`ci_cover`: every",
+        "pair of axis values that occurs together in an accepted combination of the group occurs",
+        "together in one that runs; `test_ci_runs_cover_every_pair` checks it): the world-1 ones",
+        f"in {W1_SHARDS['absent']} test without TE (`test_world_of_one_runs[0]`) and "
+        f"{W1_SHARDS['te']} with it",
+        "(`test_world_of_one_runs[te-0]`), 2 worker processes at once; the world-2 ones per",
+        f"layout in {W2_PARTS['absent']} `torchrun` launch per world",
+        "(`test_world_of_two_runs[<layout>-0]`, `[te-<layout>-0]`). The **full tier** trains the",
+        "jobs of the rest, by hand, not in CI",
         f"(`{FULL_ENV}=<a directory> pytest tests/train/test_feature_matrix.py -k test_full_tier`:",
-        f"{FULL_W1_PARTS} world-1 tests and {FULL_W2_PARTS} `torchrun` launches per layout, each part",
-        "recording its result; `record_full_run` gathers them into",
+        f"per world {FULL_W1_PARTS['absent']} / {FULL_W1_PARTS['te']} world-1 tests and "
+        f"{FULL_W2_PARTS['absent']} / {FULL_W2_PARTS['te']} `torchrun` launches per layout",
+        "(without / with TE), each part recording its result; `record_full_run` gathers them into",
         "`tests/train/feature_matrix_full_run.json`): see \"Accepted, not run in CI\".",
         "The flex backend, which has no backward on a CPU, trains on the test-only",
         "FlexAttention stand-in (`tests/support/flex_standin.py`: torch's real flex forward, a",
@@ -194,21 +163,21 @@ def render() -> str:
     record = full_record()
     passed = set(record["passed"]) if record else set()
     lines += ["", "## Accepted, not run in CI", "",
-              "The TE world's accepted world-2 combinations outside the pairwise cover of their "
-              "layout and its world-1 flex ones outside theirs (see Runs), and those whose job "
-              "no CI run trains; the full tier (`test_full_tier`, by hand) trains them: "
+              "Per group, the accepted combinations outside its pairwise cover whose job no CI "
+              "run trains; the full tier (`test_full_tier`, by hand) trains them: "
               + (f"its last run, at {record['commit'][:7]} on {record['date']}, took "
-                 f"{record['seconds']:,} s ({sum(len(v) for v in full_tier().values()):,} jobs "
-                 f"now; {len(record['passed']):,} passed, {len(record['failures'])} failed)"
+                 f"{record['seconds']:,} s ({len(record['passed']):,} jobs passed, "
+                 f"{len(record['failures'])} failed; the tier has "
+                 f"{sum(len(v) for v in full_tier().values()):,} jobs now)"
                  if record else "it has not run") + ".", "",
-              "| layout | accepted | trained in CI (the cover's jobs) | trained by the full tier's last run | neither |",
-              "| --- | --- | --- | --- | --- |"]
-    groups = [("1 (flex)", te_flex_world1())] + [(layout_label(layout), world2_accepted("te", layout))
-                                                 for layout in world2_layouts()]
-    for name, every in groups:
+              "| world | layout | accepted | trained in CI (the cover's jobs) | trained by the full tier's last run | neither |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for world, layout in run_groups():
+        every = accepted(world, layout)
         ci = [c for c in every if trained_by(c) in shard_of()]
         full = [c for c in every if trained_by(c) not in shard_of() and trained_by(c).label in passed]
-        lines.append(f"| {name} | {len(every)} | {len(ci)} | {len(full)} | {len(every) - len(ci) - len(full)} |")
+        lines.append(f"| {world} | {layout_label(layout)} | {len(every)} | {len(ci)} | {len(full)} | "
+                     f"{len(every) - len(ci) - len(full)} |")
     if record and record["failures"]:
         lines += ["", "Failed in the full tier's last run:", ""]
         lines += [f"* {cell(f[:300])}" for f in record["failures"]]
@@ -242,8 +211,8 @@ def write() -> None:
     with tempfile.TemporaryDirectory() as d:
         data = classify_te_world_in_child(Path(d))
     TE_VERDICTS.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
-    for cached in (classified, shards, shard_of, sharing, world2_accepted, te_flex_world1,
-                   te_flex_cover, _values):
+    for cached in (classified, shards, shard_of, sharing, world2_accepted, accepted, ci_cover,
+                   full_tier, _values):
         cached.cache_clear()
     DOC.write_text(render(), encoding="utf-8")
 

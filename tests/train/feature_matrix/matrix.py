@@ -486,9 +486,9 @@ def parsing():
 
 WORLDS = ("absent", "te")  # the transformer_engine axis: without TE, with the fake TE
 
-W1_SHARDS = {"absent": 2, "te": 4}  # world-1 tests per world; its runnable combinations dealt round-robin
+W1_SHARDS = {"absent": 1, "te": 1}  # world-1 tests per world; its CI jobs dealt round-robin
 
-W2_PARTS = {"absent": 1, "te": 1}  # torchrun launches per layout of 2; its combinations dealt round-robin
+W2_PARTS = {"absent": 1, "te": 1}  # torchrun launches per layout of 2; its CI jobs dealt round-robin
 
 
 def world_of(combo: Combo) -> str:
@@ -499,25 +499,24 @@ def runnable(world: str = "absent") -> list:
     return [c for c, v in classified().items() if v.status == RUN and world_of(c) == world]
 
 
-@functools.lru_cache(maxsize=None)
-def te_flex_world1() -> list:
-    """The TE world's runnable flex combinations (a pairwise cover of them runs)."""
-    return [c for c in runnable("te") if c["attention"] == "flex"]
+def run_groups() -> list:
+    """The (world, layout) groups of accepted combinations the runs train: world 1 (``"1"``,
+    status RUN) and each layout of 2 processes (WORLD2), per ``transformer_engine`` world."""
+    return [(world, layout) for world in WORLDS for layout in _layouts()]
 
 
 @functools.lru_cache(maxsize=None)
-def te_flex_cover() -> list:
-    """The pairwise cover of :func:`te_flex_world1` that runs."""
-    return pairwise_cover(te_flex_world1())
+def accepted(world: str, layout: str) -> list:
+    """A group's accepted combinations (see :func:`run_groups`)."""
+    return runnable(world) if layout == "1" else world2_accepted(world, layout)
 
 
-def world1_run(world: str) -> list:
-    """The world-1 combinations a world's runs train: all of them, but of the TE world's flex
-    ones only a pairwise cover (:data:`TE_FLEX_NOT_RUN`)."""
-    if world == "absent":
-        return runnable(world)
-    cover = set(te_flex_cover())
-    return [c for c in runnable(world) if c["attention"] != "flex" or c in cover]
+@functools.lru_cache(maxsize=None)
+def ci_cover(world: str, layout: str) -> list:
+    """The combinations of a group whose jobs the CI trains: a pairwise cover of the group
+    (every pair of axis values that occurs together in an accepted combination of the group
+    occurs together in one whose job runs). The full tier trains the rest by hand."""
+    return pairwise_cover(accepted(world, layout))
 
 
 def world2_layouts() -> tuple:
@@ -551,18 +550,16 @@ def distinct_jobs(combos: list) -> list:
 
 @functools.lru_cache(maxsize=None)
 def shards() -> dict:
-    """{integration test id: the combinations it runs}: the job of every runnable (world-1)
-    combination of both worlds in one of its world's W1_SHARDS tests; of every accepted world-2
-    combination without TE in one of the W2_PARTS launches of its layout; of the TE world's
-    world-2 combinations those of a pairwise cover per layout (:data:`TE_WORLD2_NOT_RUN` says
-    why not all). A job runs once (:func:`distinct_jobs`): combinations with one job share it."""
+    """{integration test id: the combinations it runs}: of every run group (:func:`run_groups`)
+    the jobs of its pairwise cover (:func:`ci_cover`), the world-1 ones dealt round-robin to
+    their world's W1_SHARDS tests, each layout's world-2 ones to W2_PARTS launches. A job runs
+    once (:func:`distinct_jobs`): combinations with one job share it."""
     out = {}
     for world in WORLDS:
-        jobs = distinct_jobs(world1_run(world))
+        jobs = distinct_jobs(ci_cover(world, "1"))
         out.update({world1_id(world, i): jobs[i::W1_SHARDS[world]] for i in range(W1_SHARDS[world])})
         for layout in world2_layouts():
-            mates = world2_accepted(world, layout)
-            jobs = distinct_jobs(pairwise_cover(mates) if world == "te" else mates)
+            jobs = distinct_jobs(ci_cover(world, layout))
             out.update({world2_id(world, layout, p): jobs[p::W2_PARTS[world]]
                         for p in range(W2_PARTS[world])})
     return out
@@ -761,29 +758,37 @@ def _shared_lines(combos: list) -> list:
 
 FULL_RECORD = REPO / "tests" / "train" / "feature_matrix_full_run.json"
 
-FULL_W1_PARTS = 2  # tests for the TE world's world-1 flex jobs outside the CI cover
+FULL_W1_PARTS = {"absent": 1, "te": 4}  # full-tier world-1 tests per world (2 processes each)
 
-FULL_W2_PARTS = 16  # torchrun launches per layout for its TE-world world-2 jobs outside the CI cover
+FULL_W2_PARTS = {"absent": 2, "te": 16}  # full-tier torchrun launches per layout and world
+
+
+def _full_prefix(world: str) -> str:
+    return "te-" if world == "te" else ""
 
 
 def full_ids() -> list:
-    """The full tier's test ids (known without classifying: parts and layouts)."""
-    return ([f"w1-{i}" for i in range(FULL_W1_PARTS)]
-            + [f"{layout_label(layout)}-{p}" for layout in world2_layouts() for p in range(FULL_W2_PARTS)])
+    """The full tier's test ids (known without classifying: worlds, parts and layouts)."""
+    return [f"{_full_prefix(w)}{name}" for w in WORLDS for name in
+            [f"w1-{i}" for i in range(FULL_W1_PARTS[w])]
+            + [f"{layout_label(layout)}-{p}" for layout in world2_layouts() for p in range(FULL_W2_PARTS[w])]]
 
 
 @functools.lru_cache(maxsize=None)
 def full_tier() -> dict:
-    """{full-tier id: combinations}: the jobs of the TE world's accepted combinations that no
-    CI run trains (:data:`TE_WORLD2_NOT_RUN`, :data:`TE_FLEX_NOT_RUN`) -- the world-1 flex ones
-    dealt round-robin to ``FULL_W1_PARTS`` tests, each layout's world-2 ones to
-    ``FULL_W2_PARTS`` launches. With the CI runs, every accepted combination's job."""
+    """{full-tier id: combinations}: the jobs of the accepted combinations that no CI run trains
+    (outside the groups' pairwise covers, :func:`ci_cover`) -- per world, the world-1 ones dealt
+    round-robin to ``FULL_W1_PARTS`` tests, each layout's world-2 ones to ``FULL_W2_PARTS``
+    launches. With the CI runs, every accepted combination's job."""
     ci = set(shard_of())
-    flex = [c for c in distinct_jobs(te_flex_world1()) if c not in ci]
-    out = {f"w1-{i}": flex[i::FULL_W1_PARTS] for i in range(FULL_W1_PARTS)}
-    for layout in world2_layouts():
-        rest = [c for c in distinct_jobs(world2_accepted("te", layout)) if c not in ci]
-        out.update({f"{layout_label(layout)}-{p}": rest[p::FULL_W2_PARTS] for p in range(FULL_W2_PARTS)})
+    out = {}
+    for world in WORLDS:
+        pre, n1, n2 = _full_prefix(world), FULL_W1_PARTS[world], FULL_W2_PARTS[world]
+        rest = [c for c in distinct_jobs(accepted(world, "1")) if c not in ci]
+        out.update({f"{pre}w1-{i}": rest[i::n1] for i in range(n1)})
+        for layout in world2_layouts():
+            rest = [c for c in distinct_jobs(accepted(world, layout)) if c not in ci]
+            out.update({f"{pre}{layout_label(layout)}-{p}": rest[p::n2] for p in range(n2)})
     return out
 
 
