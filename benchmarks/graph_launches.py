@@ -258,11 +258,12 @@ def measure(layers: int, variant: str, steps: int = STEPS, timed=TIMED) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     import megatron_fastpath.train as train_mod
+    from megatron_fastpath.train import loop as train_loop
     from tests.support.fake_cuda_graph import FakeCUDAGraph
     from tests.support.graph_safe_standins import gpu_standins
     from tests.support.hydra_compose import compose_job
 
-    real_step, real_from_numpy = train_mod.train_step, torch.from_numpy
+    real_step, real_from_numpy = train_loop.train_step, torch.from_numpy
     state: dict = {}
     times: dict = {}
 
@@ -292,7 +293,7 @@ def measure(layers: int, variant: str, steps: int = STEPS, timed=TIMED) -> dict:
     get_cuda_rng_tracker().reset()
     t0 = time.perf_counter()
     with gpu_standins(), \
-            mock.patch.object(train_mod, "train_step", train_step), \
+            mock.patch.object(train_loop, "train_step", train_step), \
             mock.patch.object(FakeCUDAGraph, "replay", _counting_replay(FakeCUDAGraph.replay, state)):
         summary = train_mod.run(compose_job(overrides), announce=False)
     wall = time.perf_counter() - t0
