@@ -60,27 +60,10 @@ def test_every_check_listed(results):
     assert sorted(results) == sorted(CHECK_NAMES)
 
 
-# Checks that fail on megatron-core 0.19.2 and are not re-checked against it yet (Megatron's side
-# changed: its FP8 recipe's FP8-attention choice for MXFP8; the TE-spec MoE model under FP8
-# attention stops in torch.compile). There a failure is reported as an expected one naming its
-# last line; a pass is a pass.
-NOT_RECHECKED_ON_0_19 = {
-    "megatron_fp8_recipe_drives_fp8_attention", "megatron_te_spec_moe_gpt_bf16_under_fp8_attention",
-}
-
-
-def _check(name: str, result: str) -> None:
-    from megatron_fastpath import compat
-
-    if result != "ok" and name in NOT_RECHECKED_ON_0_19 and compat.mcore_line() == (0, 19):
-        pytest.xfail(f"not re-checked against megatron-core 0.19.2: {result.strip().splitlines()[-1]}")
-    assert result == "ok", result
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("name", CHECK_NAMES)
 def test_attention_contract(results, name):
-    _check(name, results[name])
+    assert results[name] == "ok", results[name]
 
 
 @pytest.mark.integration  # torchrun children (the fake TE never enters this process)
@@ -91,7 +74,7 @@ def test_every_cp_check_listed(cp_results):
 @pytest.mark.integration
 @pytest.mark.parametrize("name", CP_CHECK_NAMES)
 def test_context_parallel_attention_contract(cp_results, name):
-    _check(name, cp_results[name])
+    assert cp_results[name] == "ok", cp_results[name]
 
 
 def test_fake_dot_product_attention_importable_by_its_test_name():

@@ -468,11 +468,21 @@ def megatron_fp8_recipe_drives_fp8_attention():
     assert rec_cs.fp8_dpa
     with t.fp8_autocast(enabled=True, fp8_recipe=rec_cs), pytest.raises(ValueError, match=NO_BACKEND):
         megatron_dpa(cfg_cs)(q, k, v, None, attn_mask_type=AttnMaskType.causal)
-    # mxfp8 with fp8_dot_product_attention: Megatron's recipe carries no fp8_dpa (fp8_utils.py
-    # L569-572), so attention silently runs in bf16
+    # mxfp8 with fp8_dot_product_attention: megatron-core 0.16.1's recipe carries no fp8_dpa
+    # (fp8_utils.py:570-572), so attention silently runs in bf16; 0.19.2's carries it
+    # (fp8_utils.py:747-750) and TE refuses it at the attention (dpa.py:670-673)
+    from megatron_fastpath import compat
+
     cfg_mx = megatron_config(hidden_size=256, num_attention_heads=2, num_query_groups=1,
                              fp8="e4m3", fp8_recipe="mxfp8", fp8_dot_product_attention=True)
-    assert not get_fp8_recipe(cfg_mx).fp8_dpa
+    rec_mx = get_fp8_recipe(cfg_mx)
+    if compat.mcore_line() >= (0, 19):
+        assert rec_mx.fp8_dpa
+        with t.fp8_autocast(enabled=True, fp8_recipe=rec_mx), \
+                pytest.raises(AssertionError, match="does not support MXFP8BlockScaling recipe"):
+            megatron_dpa(cfg_mx)(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    else:
+        assert not rec_mx.fp8_dpa
     FP8GlobalStateManager.reset()
 
 
@@ -554,7 +564,12 @@ def megatron_te_spec_moe_gpt_bf16_under_fp8_attention():
         model = _gpt(spec, cfg)
         tokens = torch.randint(0, 128, (2, 32), device="cuda")
         pos = torch.arange(32, device="cuda").unsqueeze(0).expand(2, -1)
-        with te().fp8_autocast(enabled=True, fp8_recipe=get_fp8_recipe(cfg)):
+        # megatron-core 0.19 compiles the router's expert-bias update (router.py:727, jit_fuser
+        # = torch.compile, jit.py:21); dynamo cannot target the CUDA-as-CPU device (its triton
+        # check asks the driver for the device's properties), so the step runs it eagerly here,
+        # as 0.16.1 does (no jit_fuser there)
+        with te().fp8_autocast(enabled=True, fp8_recipe=get_fp8_recipe(cfg)), \
+                torch._dynamo.config.patch(disable=True):
             loss = model(tokens, pos, None, labels=tokens).float().mean()
         loss.backward()
         attn = [m for m in model.modules() if type(m).__name__ == "TEDotProductAttention"]
