@@ -70,7 +70,8 @@ def _close(a_records, b_records):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.every_line) if k == "ep2" else k
+                                    for k in sorted(LAYOUTS)])
 def test_exact_resume_two_processes(runs, layout):
     par = LAYOUTS[layout] + ["training.micro_batches=1", f"checkpoint.dir={{root}}/exact-{layout}"]
     ref = straight(runs, layout).summary

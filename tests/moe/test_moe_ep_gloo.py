@@ -139,6 +139,7 @@ def _spawn_two(worker, path: str) -> list:
 
 
 @pytest.mark.integration
+@pytest.mark.every_line
 def test_ep2_gloo_equals_ep1_and_counts_syncs(tmp_path):
     for rank, results in enumerate(_spawn_two(_worker, str(tmp_path / "ep_results"))):
         assert set(results) == set(MODES), results.keys()

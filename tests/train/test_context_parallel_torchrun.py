@@ -50,7 +50,7 @@ def _params(root, name):
 # TP=2 x CP=2: 4 processes against the TP=2 run (2 processes)
 @pytest.mark.parametrize("tag,features,nproc", [
     ("dense", [], 1),
-    ("lora", ["fastpath.lora=true", "lora.dropout=0.0"], 1),
+    pytest.param("lora", ["fastpath.lora=true", "lora.dropout=0.0"], 1, marks=pytest.mark.every_line),
     ("tp2", ["parallel.tensor_model_parallel_size=2"], 2),
 ], ids=["dense", "lora", "tp2"])
 def test_cp2_equals_cp1(main_job_runs, tag, features, nproc):
