@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fastpath.train import PREEMPTED_EXIT_CODE
-from tests.support.main_job import job_env, main_job_cmd
+from tests.support.main_job import job_env, main_job_cmd, wait_for
 
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
@@ -81,11 +81,8 @@ def _start_and_wait(run_dir: Path, moment, *overrides: str):
     with open(log, "w") as f:  # its own session: the group is the job's, as under srun
         proc = subprocess.Popen(_cmd(run_dir, *overrides), env=_env(), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 300
-    while not moment(log.read_text(), run_dir):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < deadline, "the awaited moment did not come in 300 s"
-        time.sleep(0.005)
+    wait_for(proc, lambda: moment(log.read_text(), run_dir), "the awaited moment", poll_s=0.005,
+             detail=lambda: log.read_text()[-3000:])
     return proc, log
 
 

@@ -158,11 +158,12 @@ __all__ = ["JobRun", "REPO", "SharedRuns", "job_env", "main_job_cmd", "run_main_
            "train_in_process"]
 
 
-def wait_for(proc: subprocess.Popen, pred, what: str, timeout_s: float = 300) -> None:
-    """Poll ``pred()`` every 20 ms until it holds; fail naming ``what`` if ``proc`` ends first or
-    ``timeout_s`` passes."""
+def wait_for(proc: subprocess.Popen, pred, what: str, timeout_s: float = 300, poll_s: float = 0.02,
+             detail=None) -> None:
+    """Poll ``pred()`` every ``poll_s`` until it holds; fail naming ``what`` (and ``detail()``,
+    by default the job's output) if ``proc`` ends first or ``timeout_s`` passes."""
     deadline = time.time() + timeout_s
     while not pred():
-        assert proc.poll() is None, f"job ended before {what}: {proc.communicate()}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        assert proc.poll() is None, f"job ended before {what}: {detail() if detail else proc.communicate()}"
+        assert time.time() < deadline, f"timed out waiting for {what} ({timeout_s:.0f} s)"
+        time.sleep(poll_s)
