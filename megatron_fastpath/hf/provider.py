@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from typing import Optional
 
 import torch
 
 from megatron_fastpath.hf.config import HFModelSpec
+from megatron_fastpath.hf.hub import hub_cache_snapshot, looks_like_hub_id
 from megatron_fastpath.providers import (
     DataParts,
     DataProvider,
@@ -71,25 +71,6 @@ def _check_window(spec: HFModelSpec, data) -> None:
                               f"set {knob}<={spec.max_sequence}{extra}")
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def hub_cache_snapshot(repo_id: str) -> Optional[str]:
-    """The local Hugging Face Hub cache's snapshot of ``repo_id`` at its ``main`` ref
-    ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; the layout
-    huggingface_hub writes: models--<org>--<name>/refs/main -> snapshots/<commit>), or None."""
-    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
-    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
-    try:
-        with open(os.path.join(repo, "refs", "main")) as f:
-            commit = f.read().strip()
-    except OSError:
-        return None
-    snapshot = os.path.join(repo, "snapshots", commit)
-    return snapshot if commit and os.path.isfile(os.path.join(snapshot, "config.json")) else None
-
-
 def checkpoint_dir(path) -> str:
     """``model.path`` as a local checkpoint directory: refused unset, missing, or a Hugging Face
     Hub id that the local hub cache does not hold (the job downloads nothing)."""
@@ -99,8 +80,8 @@ def checkpoint_dir(path) -> str:
     path = str(path)
     if os.path.isdir(path):
         return path
-    if not os.path.exists(path) and _HUB_ID.match(path):
-        cached = hub_cache_snapshot(path)
+    if looks_like_hub_id(path):
+        cached = hub_cache_snapshot(path, "model")
         if cached is not None:
             return cached
         raise ValueError(

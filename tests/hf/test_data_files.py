@@ -171,6 +171,55 @@ def test_directory_checks(tmp_path):
         resolve_source(str(tmp_path / "nope.parquet"))
 
 
+def _hub_dataset_cache(root, records) -> str:
+    """A local hub cache holding the dataset ``org/arith`` as huggingface_hub lays one out:
+    ``datasets--org--arith/refs/main`` -> ``snapshots/<commit>/``, with the train split in two
+    Parquet shards and a test split and README beside it (the Hub's file naming)."""
+    snap = root / "datasets--org--arith" / "snapshots" / "c0ffee"
+    (snap / "data").mkdir(parents=True)
+    (root / "datasets--org--arith" / "refs").mkdir()
+    (root / "datasets--org--arith" / "refs" / "main").write_text("c0ffee")
+    half = len(records) // 2
+    for k, part in enumerate((records[:half], records[half:])):
+        pq.write_table(pa.Table.from_pylist(full_rows(part)), str(snap / "data" / f"train-{k:05d}-of-00002.parquet"))
+    pq.write_table(pa.Table.from_pylist(full_rows(records[:5])), str(snap / "data" / "test-00000-of-00001.parquet"))
+    (snap / "README.md").write_text("# arith\n")
+    return str(snap)
+
+
+def test_hub_dataset_id_reads_the_train_split_of_the_local_hub_cache(tok_dir, tmp_path, monkeypatch):
+    """``data.path=org/arith`` (nothing of that name on disk) reads the local hub cache's
+    snapshot -- the one huggingface_hub itself resolves offline -- and its train split only: the
+    same tokens and masks as the JSONL file the shards were written from."""
+    from huggingface_hub import snapshot_download
+
+    snap = _hub_dataset_cache(tmp_path / "hub", records_of())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source("org/arith")
+    assert source.path == snapshot_download("org/arith", repo_type="dataset", local_files_only=True,
+                                            cache_dir=str(tmp_path / "hub"))
+    assert source.kind == "parquet" and [os.path.relpath(f, snap) for f in source.files] == [
+        os.path.join("data", "train-00000-of-00002.parquet"), os.path.join("data", "train-00001-of-00002.parquet")]
+    tok = ChatTokenizer(tok_dir)
+    want, got = tokenize_jsonl(DATA, tok), tokenize_jsonl("org/arith", tok)
+    assert len(want.ids) == len(got.ids) == 400
+    for a, b, ma, mb in zip(want.ids, got.ids, want.masks, got.masks, strict=True):
+        assert np.array_equal(a, b) and np.array_equal(ma, mb)
+
+
+def test_hub_dataset_id_not_in_the_cache_is_refused_with_the_download_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as err:
+        resolve_source("org/chat-data")
+    assert str(err.value) == (
+        "data.path 'org/chat-data': no such file or directory, and as a Hugging Face Hub dataset id "
+        f"it is not in the local hub cache ({tmp_path / 'hub'}): the job reads a local copy only; "
+        "download it first (huggingface-cli download org/chat-data --repo-type dataset) or set "
+        "data.path=<a local file or directory>")
+
+
 def test_datasets_is_optional_for_jsonl(tok_dir, tmp_path, monkeypatch):
     """JSONL needs no datasets; a Parquet file without it is refused with what, why and the fix."""
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError

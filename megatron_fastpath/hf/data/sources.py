@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Optional
+
+from megatron_fastpath.hf.hub import hub_cache, hub_cache_snapshot, looks_like_hub_id
 
 __all__ = ["DataError", "DataSource", "resolve_source", "JSONL_EXTS", "DATASETS_EXTS", "SAVE_TO_DISK_FILES"]
 
@@ -49,9 +52,43 @@ def _kind_of_file(path: str) -> str:
     return "jsonl"
 
 
+_TRAIN_SPLIT = re.compile(r"^train(?:$|[-._0-9])")  # the Hub's split naming: train.jsonl, train-00000-of-00002.parquet, train/
+
+
+def _hub_dataset(repo_id: str) -> DataSource:
+    """A Hugging Face Hub dataset id: its snapshot in the local hub cache, read as the Hub
+    names splits -- the data files whose path inside the snapshot has a component named
+    ``train`` (``train.jsonl``, ``train-00000-of-00001.parquet``, ``train/...``), else every data
+    file; one file type. DataError with the download command when the cache does not hold it."""
+    snapshot = hub_cache_snapshot(repo_id, "dataset")
+    if snapshot is None:
+        raise DataError(
+            f"data.path {repo_id!r}: no such file or directory, and as a Hugging Face Hub dataset id "
+            f"it is not in the local hub cache ({hub_cache()}): the job reads a local copy only; "
+            f"download it first (huggingface-cli download {repo_id} --repo-type dataset) or set "
+            "data.path=<a local file or directory>")
+    files = sorted(os.path.join(d, n) for d, dirs, names in os.walk(snapshot, followlinks=True)
+                   for n in names if not n.startswith(".")
+                   and os.path.splitext(n)[1].lower() in JSONL_EXTS + tuple(DATASETS_EXTS))
+    train = [f for f in files if any(_TRAIN_SPLIT.match(part)
+                                     for part in os.path.relpath(f, snapshot).split(os.sep))]
+    chosen = train or files
+    if not chosen:
+        raise DataError(f"data.path {repo_id!r}: its hub cache snapshot ({snapshot}) holds no data "
+                        "files (.jsonl, .ndjson, .json, .parquet, .arrow)")
+    kinds = {_kind_of_file(f) for f in chosen}
+    if len(kinds) > 1:
+        raise DataError(f"data.path {repo_id!r}: its training files must be of one type; found "
+                        f"{', '.join(sorted(kinds))} ({', '.join(os.path.relpath(f, snapshot) for f in chosen)})")
+    return DataSource(snapshot, kinds.pop(), tuple(chosen), tuple(chosen))
+
+
 def resolve_source(path: str) -> DataSource:
-    """The data source ``path`` names (a file, a directory of shards, or a ``save_to_disk``
-    directory), detected from the path alone; DataError naming what is wrong otherwise."""
+    """The data source ``path`` names (a file, a directory of shards, a ``save_to_disk``
+    directory, or a Hugging Face Hub dataset id in the local hub cache), detected from the path
+    alone; DataError naming what is wrong otherwise."""
+    if looks_like_hub_id(path):
+        return _hub_dataset(path)
     path = os.path.normpath(path)
     if os.path.isfile(path):
         return DataSource(path, _kind_of_file(path), (path,), (path,))
