@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_fastpath.train.config import JobConfig, set_steps
+from megatron_fastpath.train.config import JobConfig, set_from_data
 
 __all__ = ["dry_run"]
 
@@ -32,7 +32,7 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
 
     dp_world = _dp_world(cfg)
     parts = data_provider(cfg.data_provider).build(cfg, 0, dp_world)
-    cfg = set_steps(cfg, parts.train)
+    cfg = set_from_data(cfg, parts.train)
     est = estimate_memory(cfg) if cfg.training.skip_memory_check else check_memory(cfg)
     m, p, t, data = cfg.model, cfg.parallel, cfg.training, parts.train
     steps = t.stop_at_step or t.steps
@@ -56,6 +56,10 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
         f"microbatches of <= {cfg.data.max_tokens} tokens; {steps} steps x {data.per_step} "
         f"microbatches (at most {plan['max_tokens']:,} tokens)"
         + (f", {t.epochs} epochs" if t.epochs else ""))
+    if data.batch_size is not None:
+        plan["batch"] = dict(setting=data.batch_size.key, asked=data.batch_size.asked,
+                             micro_batches=data.batch_size.micro_batches, per_step=data.batch_size.per_step)
+        log(f"  batch: {data.batch_size.describe()}")
     for key, value in (parts.report or {}).items():
         if key != "records":
             log(f"    {key}: {value}")
