@@ -56,13 +56,14 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
         f"microbatches of <= {cfg.data.max_tokens} tokens; {steps} steps x {data.per_step} "
         f"microbatches (at most {plan['max_tokens']:,} tokens)"
         + (f", {t.epochs} epochs" if t.epochs else ""))
-    if data.batch_size is not None:
-        plan["batch"] = dict(setting=data.batch_size.key, asked=data.batch_size.asked,
-                             micro_batches=data.batch_size.micro_batches, per_step=data.batch_size.per_step)
-        log(f"  batch: {data.batch_size.describe()}")
     for key, value in (parts.report or {}).items():
         if key != "records":
             log(f"    {key}: {value}")
+    batch = data.batch_size  # training.batch_sequences / batch_tokens
+    if batch is not None:
+        plan["batch"] = dict(setting=batch.key, asked=batch.asked, micro_batches=batch.micro_batches,
+                             per_step=batch.per_step)
+        log(f"  batch: {batch.describe()}")
     log(f"  optimizer: lr {t.lr:g} -> {t.min_lr:g} ({t.lr_schedule}), {t.warmup_steps} warm-up steps")
     log(f"  memory: estimated {est.describe()} per process"
         + (" (not checked: training.skip_memory_check)" if t.skip_memory_check else " (fits)"))
