@@ -20,8 +20,9 @@ import torch
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing_arrays
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
 
-__all__ = ["DataConfig", "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset", "pack_microbatches",
-           "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins", "train_step_data"]
+__all__ = ["BATCH_UNITS", "BatchSize", "DataConfig", "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset",
+           "pack_microbatches", "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins",
+           "resolve_batch", "train_step_data"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,16 @@ class PackedBins(collections.abc.Sequence):
     def sizes(self) -> np.ndarray:
         """Samples per bin."""
         return np.diff(self.starts)
+
+    @property
+    def num_sequences(self) -> int:
+        """Samples in all the bins."""
+        return len(self.members)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens (unpadded) in all the bins."""
+        return int(np.asarray(self.dataset.lengths)[self.members].sum())
 
     @property
     def longest(self) -> int:
@@ -228,6 +239,57 @@ class EpochOrder:
         return epoch * len(self.dataset.lengths) + sum(len(b) for b in self.order(epoch)[:index])
 
 
+# training.batch_sequences / training.batch_tokens: the batch a step trains, in these units
+BATCH_UNITS = ("sequences", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSize:
+    """``training.batch_<unit>=asked`` resolved on the packed data (:func:`resolve_batch`):
+    ``micro_batches`` packed microbatches per data-parallel rank a step; ``per_step`` the
+    ``unit`` a step trains on average over all ranks."""
+
+    unit: str  # one of BATCH_UNITS
+    asked: int
+    micro_batches: int
+    per_step: float
+
+    @property
+    def key(self) -> str:
+        return f"training.batch_{self.unit}"
+
+    def describe(self) -> str:
+        return (f"{self.key}={self.asked}: {self.micro_batches} packed microbatches per rank per "
+                f"step, {self.per_step:,.1f} {self.unit} per step on average")
+
+
+def resolve_batch(training, bins, max_tokens: int, dp_world: int) -> Optional[BatchSize]:
+    """``training.batch_sequences`` / ``training.batch_tokens`` (None: neither set) as a whole
+    number of packed microbatches per data-parallel rank: the number nearest to ``asked /
+    (dp_world x mean)`` (a tie rounds up), ``mean`` the sequences (or unpadded tokens) of
+    ``bins`` over their count -- exact integer arithmetic, so every rank and every rerun resolve
+    the same. With ``training.epochs``, ``bins`` is epoch 0's packing: every epoch packs the same
+    samples into as many bins, so the mean is every epoch's. A batch under one microbatch per
+    rank is refused (a step trains whole bins: static shapes)."""
+    unit = next((u for u in BATCH_UNITS if getattr(training, f"batch_{u}", None) is not None), None)
+    if unit is None:
+        return None
+    asked, num_bins = getattr(training, f"batch_{unit}"), len(bins)
+    if isinstance(bins, PackedBins):
+        total = bins.num_sequences if unit == "sequences" else bins.num_tokens
+    else:  # a sequence of PackedMicrobatch
+        total = sum(len(mb.lengths) if unit == "sequences" else mb.num_tokens for mb in bins)
+    if asked * num_bins < dp_world * total:
+        raise ValueError(
+            f"training.batch_{unit}={asked} is less than one packed microbatch per data-parallel "
+            f"rank: the packed data holds {total / num_bins:,.1f} {unit} per microbatch on average "
+            f"(data.max_tokens={max_tokens}) x {dp_world} rank{'s' if dp_world > 1 else ''}, and a "
+            f"step trains whole microbatches; set training.batch_{unit} >= "
+            f"{-(-dp_world * total // num_bins)} (or lower data.max_tokens)")
+    n = (2 * asked * num_bins + dp_world * total) // (2 * dp_world * total)  # nearest, ties up
+    return BatchSize(unit, asked, n, n * dp_world * total / num_bins)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """Microbatches of one step: this rank's share, and host counts over the global batch."""
@@ -244,13 +306,21 @@ class StepData:
 
     Without ``epochs`` (``training.epochs`` unset) the steps cycle through one packed order,
     ``bins`` (a :class:`PackedBins` or a tuple of microbatches). With it, the order is
-    reshuffled and repacked every epoch (:class:`EpochOrder`; ``bins`` is epoch 0's)."""
+    reshuffled and repacked every epoch (:class:`EpochOrder`; ``bins`` is epoch 0's).
+    ``batch_size``: ``training.batch_sequences`` / ``batch_tokens`` as resolved into
+    ``micro_batches`` (:func:`resolve_batch`; None when ``training.micro_batches`` sets it)."""
 
     bins: tuple
     micro_batches: int
     dp_rank: int
     dp_world: int
     epochs: Optional[EpochOrder] = None
+    batch_size: Optional[BatchSize] = None
+
+    @property
+    def batch_key(self) -> str:
+        """The setting that sets ``micro_batches`` (for messages)."""
+        return self.batch_size.key if self.batch_size is not None else "training.micro_batches"
 
     @property
     def num_microbatches(self) -> int:
@@ -305,7 +375,9 @@ class StepData:
 def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int) -> StepData:
     """The job's train order of ``dataset`` (``cfg``: the job config): one first-fit-decreasing
     packing cycled through, or with ``training.epochs`` a reshuffle + repack per epoch seeded by
-    ``data.seed`` (the caller refuses fewer packed microbatches than one step takes)."""
+    ``data.seed``; ``training.micro_batches`` each step per rank, or the number
+    ``training.batch_sequences`` / ``batch_tokens`` resolves to on the packing
+    (:func:`resolve_batch`). The caller refuses fewer packed microbatches than one step takes."""
     epochs = cfg.training.epochs
     order = None
     if epochs is None:
@@ -313,4 +385,6 @@ def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int
     else:
         order = EpochOrder(dataset, cfg.data, epochs, cfg.data.seed, pad_multiple)
         bins = order.bins(0)
-    return StepData(bins, cfg.training.micro_batches, dp_rank, dp_world, order)
+    batch = resolve_batch(cfg.training, bins, cfg.data.max_tokens, dp_world)
+    micro_batches = batch.micro_batches if batch is not None else cfg.training.micro_batches
+    return StepData(bins, micro_batches, dp_rank, dp_world, order, batch)

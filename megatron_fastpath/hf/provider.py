@@ -201,10 +201,10 @@ class JsonlData(DataProvider):
         pad = 2 * cfg.parallel.context_parallel_size  # CP pads every sample to 2 x CP
         order = train_step_data(train, cfg, pad, dp_rank, dp_world)  # identical on every rank
         bins = order.bins
-        per_step = cfg.training.micro_batches * dp_world
-        if len(bins) < per_step:
-            raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {per_step} per "
-                             "step; lower training.micro_batches or data.max_tokens")
+        if len(bins) < order.per_step:
+            raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {order.per_step} "
+                             f"per step; lower {order.batch_key}"
+                             + (" or data.max_tokens" if order.batch_size is None else ""))
         held_bins = pack_microbatches(held, cfg.data, pad) if held is not None else []
         report = dict(report, train_microbatches=len(bins), eval_microbatches=len(held_bins),
                       train_loss_tokens=train.num_loss_tokens,

@@ -50,11 +50,10 @@ class SyntheticData(DataProvider):
         # with CP every sample counts padded to 2 x CP (packed_seq/context_parallel.py)
         train = train_step_data(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg,
                                 2 * cfg.parallel.context_parallel_size, dp_rank, dp_world)
-        per_step = cfg.training.micro_batches * dp_world
-        if len(train.bins) < per_step:
-            raise ValueError(
-                f"only {len(train.bins)} packed microbatches for {per_step} per step; raise data.num_samples"
-            )
+        if len(train.bins) < train.per_step:
+            lower = f" or lower {train.batch_key}" if train.batch_size is not None else ""
+            raise ValueError(f"only {len(train.bins)} packed microbatches for {train.per_step} per "
+                             f"step; raise data.num_samples{lower}")
         return DataParts(train)
 
 

@@ -52,6 +52,8 @@ def fingerprint_config(cfg, dp_world: int) -> dict:
         del training["epochs"]
     if training["lr_schedule"] == "cosine":  # checkpoints written without the key match
         del training["lr_schedule"]
+    for key in ("batch_sequences", "batch_tokens"):  # resolved into micro_batches (data.resolve_batch)
+        del training[key]
     training["global_micro_batches"] = training.pop("micro_batches") * dp_world
     data = _weights_only("data", dataclasses.asdict(cfg.data))
     for key, unset in (("columns", {}), ("overlong", None)):  # unset: as before these keys existed

@@ -56,6 +56,9 @@ SYNC_CHECK_MODES = ("first", "every", "off")
 DTYPES = ("float32", "bfloat16")  # training.dtype (tests/train/test_feature_matrix.py reads it)
 SYNC_CHECK_FIRST_STEPS = 3  # training.sync_check=first: steps counted, then none
 DEFAULT_STEPS = 40  # training.steps when neither it nor training.epochs is set
+# training.micro_batches when neither it nor training.batch_sequences / batch_tokens is set
+DEFAULT_MICRO_BATCHES = 2
+BATCH_KEYS = ("micro_batches", "batch_sequences", "batch_tokens")  # set at most one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,13 @@ class TrainingConfig:
     # Passes over the data, reshuffled and repacked every epoch by (data.seed, epoch)
     # (data.EpochOrder). null: one packed order cycled through for `steps` steps.
     epochs: Optional[int] = bounded(None, POSITIVE)
-    micro_batches: int = bounded(2, POSITIVE)
+    # The batch a step trains: packed microbatches per data-parallel rank, or sequences / tokens
+    # per step over all ranks (resolved into micro_batches once the data is packed:
+    # data.resolve_batch). Set at most one; micro_batches null with neither of the others:
+    # DEFAULT_MICRO_BATCHES, set at parse.
+    micro_batches: Optional[int] = bounded(None, POSITIVE)
+    batch_sequences: Optional[int] = bounded(None, POSITIVE)
+    batch_tokens: Optional[int] = bounded(None, POSITIVE)
     # null: the model provider's default (train/defaults.py SCHEDULE_DEFAULTS), set at parse
     lr: Optional[float] = bounded(None, FINITE_POSITIVE)
     min_lr: Optional[float] = bounded(None, FINITE_NON_NEGATIVE)
@@ -162,7 +171,9 @@ class JobConfig:
     plan: the CUDA-graph / FP8 plan (TransformerConfig fields, environment, capture or audit).
     facts: the run as the rules read it (the preflight adds the GPU's capability); not a
     setting: left out of the config's repr, comparisons and the metrics' run config.
-    training.steps: None until the data is built when unset (:func:`set_steps`).
+    training.steps: None until the data is built when unset (:func:`set_steps`);
+    training.micro_batches: None until the data is built with training.batch_sequences /
+    batch_tokens (:func:`set_from_data`).
     """
 
     model: ModelConfig
@@ -301,6 +312,20 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
         )
 
 
+def resolve_batch_keys(train: TrainingConfig) -> TrainingConfig:
+    """``train`` with ``micro_batches`` DEFAULT_MICRO_BATCHES when none of :data:`BATCH_KEYS` is
+    set (with ``batch_sequences`` / ``batch_tokens`` it stays None until the data is packed:
+    :func:`set_from_data`); more than one set is refused."""
+    given = [f"training.{k}={getattr(train, k)}" for k in BATCH_KEYS if getattr(train, k) is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"{' and '.join(given)} are set together: each sets the batch a step trains (packed "
+            "microbatches per rank, or sequences / tokens per step resolved into them from the "
+            "packed data), so they can contradict; set one of training.micro_batches, "
+            "training.batch_sequences, training.batch_tokens and leave the others null")
+    return train if given else dataclasses.replace(train, micro_batches=DEFAULT_MICRO_BATCHES)
+
+
 def planned_steps(steps: Optional[int], epochs: Optional[int]) -> Optional[int]:
     """``training.steps`` as known before the data is packed: the setting, DEFAULT_STEPS when
     neither it nor ``training.epochs`` is set, None with epochs (set from the packed data)."""
@@ -327,6 +352,17 @@ def set_steps(cfg: JobConfig, data) -> JobConfig:
     train = dataclasses.replace(train, steps=steps)
     check_stop_at_step(train, steps)
     return dataclasses.replace(cfg, training=train)
+
+
+def set_from_data(cfg: JobConfig, data) -> JobConfig:
+    """``cfg`` with what the built data (``data.StepData``) decides -- the one place it is set:
+    ``training.micro_batches`` (the number ``training.batch_sequences`` / ``batch_tokens``
+    resolves to on the packing: ``data.resolve_batch``), then ``training.steps``
+    (:func:`set_steps`)."""
+    if cfg.training.micro_batches != data.micro_batches:
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, micro_batches=data.micro_batches))
+    return set_steps(cfg, data)
 
 
 def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, device) -> None:
@@ -442,7 +478,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
     from megatron_fastpath.train.metrics import MetricsConfig
 
     _refuse_moved_keys(cfg)
-    train = section(cfg, "training", TrainingConfig)
+    train = resolve_batch_keys(section(cfg, "training", TrainingConfig))
     fast = section(cfg, "fastpath", FastpathConfig)
     par = section(cfg, "parallel", ParallelConfig)
     cluster = section(cfg, "cluster", ClusterConfig)

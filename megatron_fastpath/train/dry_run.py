@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_fastpath.train.config import JobConfig, set_steps
+from megatron_fastpath.train.config import JobConfig, set_from_data
 
 __all__ = ["dry_run"]
 
@@ -32,7 +32,7 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
 
     dp_world = _dp_world(cfg)
     parts = data_provider(cfg.data_provider).build(cfg, 0, dp_world)
-    cfg = set_steps(cfg, parts.train)
+    cfg = set_from_data(cfg, parts.train)
     est = estimate_memory(cfg) if cfg.training.skip_memory_check else check_memory(cfg)
     m, p, t, data = cfg.model, cfg.parallel, cfg.training, parts.train
     steps = t.stop_at_step or t.steps
@@ -59,6 +59,11 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
     for key, value in (parts.report or {}).items():
         if key != "records":
             log(f"    {key}: {value}")
+    batch = data.batch_size  # training.batch_sequences / batch_tokens
+    if batch is not None:
+        plan["batch"] = dict(setting=batch.key, asked=batch.asked, micro_batches=batch.micro_batches,
+                             per_step=batch.per_step)
+        log(f"  batch: {batch.describe()}")
     log(f"  optimizer: lr {t.lr:g} -> {t.min_lr:g} ({t.lr_schedule}), {t.warmup_steps} warm-up steps")
     log(f"  memory: estimated {est.describe()} per process"
         + (" (not checked: training.skip_memory_check)" if t.skip_memory_check else " (fits)"))

@@ -17,7 +17,7 @@ import torch
 from megatron_fastpath.data import StepData
 from megatron_fastpath.model import build_fastpath_gpt, build_transformer_config
 from megatron_fastpath.providers import data_provider, model_provider
-from megatron_fastpath.train.config import JobConfig, set_steps
+from megatron_fastpath.train.config import JobConfig, set_from_data
 from megatron_fastpath.train.step import StepParts, cpu_train_step, gpu_train_step
 
 if TYPE_CHECKING:
@@ -222,7 +222,9 @@ def build_job(cfg: JobConfig) -> Job:
     dp_world = ps.get_data_parallel_world_size()
     # the data first: the cache's sequence bound comes from its longest sequence
     parts = data_provider(cfg.data_provider).build(cfg, ps.get_data_parallel_rank(), dp_world)
-    cfg = set_steps(cfg, parts.train)  # the one place training.steps is set (epochs: from the data)
+    # the one place training.micro_batches (batch_sequences / batch_tokens) and training.steps
+    # (epochs) are set from the data
+    cfg = set_from_data(cfg, parts.train)
     cache = build_cache(cfg, parts.longest_sequence)
     model, total, trainable = build_model(cfg, tcfg, cache)
     offload = None

@@ -239,12 +239,14 @@ class StepLogger:
         layout = ""
         if c.attention_backend == "sdpa":  # packed_seq/cache.py PackedSeqConfig.sdpa_layout
             layout = " (padded view)" if j.cache.config.sdpa_padded else " ([T, T] mask)"
+        resolved = getattr(j.data, "batch_size", None)  # training.batch_sequences / batch_tokens
+        batch = f", {resolved.describe()}" if resolved is not None else ""
         self.print(
             f"megatron_fastpath: {m.num_layers} layers, hidden {m.hidden_size}{experts}, "
             f"{j.total_params:,} params ({j.trainable_params:,} trainable) on {c.device} (world "
             f"{j.world}, dp {j.dp_world}, ep {p.expert_model_parallel_size}{model_parallel}{sp}), "
             f"{j.data.num_microbatches} packed microbatches (sequences <= "
-            f"{j.cache.config.max_seqlen_bound} tokens), attention {c.attention_backend}{layout}, "
+            f"{j.cache.config.max_seqlen_bound} tokens){batch}, attention {c.attention_backend}{layout}, "
             f"features: {', '.join(c.features) or 'none'}"
         )
         for note in c.plan.notes:
