@@ -124,6 +124,6 @@ def test_the_entry_point_prints_one_group_and_exits_0_writing_nothing(tmp_path):
     proc = subprocess.run(main_job_cmd(["--help", "data=jsonl", "data"]), cwd=tmp_path, env=job_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "  data.path=???\n      the data: a JSONL / JSON / Parquet / Arrow file" in proc.stdout
+    assert "  data.path=???\n      the data: a JSONL file, a JSON array (.json), Parquet" in proc.stdout
     assert "  training." not in proc.stdout and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no Hydra run directory, no output

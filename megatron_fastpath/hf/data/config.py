@@ -17,8 +17,8 @@ class JsonlDataConfig:
     """The ``data`` group for ``data=jsonl``: records read from ``path``
     (:func:`resolve_source`), tokenized, split into train and held-out records and packed."""
 
-    path: str = setting("", "the data: a JSONL / JSON / Parquet / Arrow file, a datasets save_to_disk "
-                        "directory, or a directory of shards of one type")
+    path: str = setting("", "the data: a JSONL file, a JSON array (.json), Parquet, Arrow, a datasets "
+                        "save_to_disk directory, or a directory of shards of one type (name order)")
     tokenizer_path: Optional[str] = setting(None, "directory with tokenizer.json; null: model.path")
     max_tokens: int = setting(512, "packed microbatch capacity in tokens (longer records are bad records)")
     max_seqs: int = setting(32, "most sequences in one packed microbatch (the cache's static size)")
