@@ -18,6 +18,9 @@ from typing import Optional, Sequence
 __all__ = ["HELP_FLAGS", "describe_group", "job_help", "wants_help"]
 
 HELP_FLAGS = ("--help", "-h")
+# Hydra's flags followed by a value (hydra-core 1.3.8 hydra/_internal/utils.py:501-589, get_args_parser)
+_HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+                      "-cn", "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
 
 _USAGE = """\
 python -m megatron_fastpath.train [<group>=<option> ...] [<group>.<key>=<value> ...]
@@ -84,8 +87,11 @@ def job_help(args: Sequence[str], configs: Optional[str] = None) -> str:
     from megatron_fastpath.train.overrides import check_overrides, compose_tree, did_you_mean
 
     configs = configs or config_dir()
-    overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    asked = [a for a in args if "=" not in a and not a.startswith("-")]
+    # Hydra's own flags (and the value of those that take one) are left out
+    words = [a for i, a in enumerate(args) if not a.startswith("-")
+             and not (i and args[i - 1] in _HYDRA_VALUE_FLAGS)]
+    overrides = [a for a in words if "=" in a]
+    asked = [a for a in words if "=" not in a]
     check_overrides(overrides, configs)  # an unknown key: "did you mean"
     try:
         tree, choices = compose_tree(overrides, configs)

@@ -82,6 +82,8 @@ def test_the_group_filter_prints_those_groups_only_as_composed():
     two = job_help(["training", "cluster", "cluster=slurm"])
     assert [h.split(" ")[0] for h in _headers(two)] == ["training", "cluster"]
     assert "  cluster.timeout_s=1800\n" in two and "model." not in two
+    # Hydra's flags and their values are not group names
+    assert job_help(["--cfg", "job", "-p", "training", "training"]) == job_help(["training"])
 
 
 @pytest.mark.parametrize("args, message", [
