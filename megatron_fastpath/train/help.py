@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 __all__ = ["HELP_FLAGS", "describe_group", "job_help", "wants_help"]
 
 HELP_FLAGS = ("--help", "-h")
-# Hydra's flags followed by a value (hydra-core 1.3.8 hydra/_internal/utils.py:501-589, get_args_parser)
+# Hydra's flags followed by a value (hydra-core 1.3.8 hydra/_internal/utils.py:501-595, get_args_parser)
 _HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
                       "-cn", "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
 
