@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing_arrays
-from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, bounded
+from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, setting
 
 __all__ = ["BATCH_UNITS", "BatchSize", "DataConfig", "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset",
            "pack_microbatches", "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins",
@@ -27,18 +27,16 @@ __all__ = ["BATCH_UNITS", "BatchSize", "DataConfig", "PackedMicrobatch", "Packed
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """num_samples: samples per epoch; lengths uniform in [min_len, max_len];
-    prompt_len: tokens per sample excluded from the loss; max_tokens / max_seqs: bin capacity
-    (the packed cache's static capacities); max_strides: strides drawn from 1..max_strides."""
+    """The ``data`` group of the synthetic SFT samples (``data=synthetic_sft``)."""
 
-    num_samples: int = bounded(2048, POSITIVE)
-    min_len: int = bounded(8, POSITIVE)
-    max_len: int = bounded(96, POSITIVE)
-    prompt_len: int = bounded(3, NON_NEGATIVE)
-    max_tokens: int = bounded(512, POSITIVE)
-    max_seqs: int = bounded(32, POSITIVE)
-    max_strides: int = bounded(3, POSITIVE)
-    seed: int = 1234
+    num_samples: int = setting(2048, "synthetic samples per epoch", POSITIVE)
+    min_len: int = setting(8, "shortest sample (lengths uniform in [min_len, max_len])", POSITIVE)
+    max_len: int = setting(96, "longest sample", POSITIVE)
+    prompt_len: int = setting(3, "tokens of each sample excluded from the loss (its prompt)", NON_NEGATIVE)
+    max_tokens: int = setting(512, "packed microbatch capacity in tokens (the cache's static size)", POSITIVE)
+    max_seqs: int = setting(32, "most sequences in one packed microbatch (the cache's static size)", POSITIVE)
+    max_strides: int = setting(3, "each sample's token stride drawn from 1..max_strides", POSITIVE)
+    seed: int = setting(1234, "seed of the samples and of each epoch's order")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from megatron_fastpath.settings import FINITE_POSITIVE, POSITIVE, bounded
+from megatron_fastpath.settings import FINITE_POSITIVE, POSITIVE, setting
 
 __all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "build_fastpath_gpt",
            "rope_config_for", "rope_config_of"]
@@ -15,29 +15,29 @@ __all__ = ["ModelConfig", "build_transformer_config", "build_gpt_model", "build_
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-style decoder (the `model` config group).
+    """Shape of a Llama-style decoder (the ``model`` config group): MoE layers when
+    ``num_experts`` is set."""
 
-    num_query_groups: GQA groups (== num_attention_heads for MHA).
-    num_experts / moe_router_topk / moe_ffn_hidden_size: MoE layers when num_experts is set.
-    """
-
-    num_layers: int = bounded(4, POSITIVE)
-    hidden_size: int = bounded(128, POSITIVE)
-    num_attention_heads: int = bounded(4, POSITIVE)
-    num_query_groups: int = bounded(2, POSITIVE)
-    ffn_hidden_size: int = bounded(352, POSITIVE)
-    vocab_size: int = bounded(256, POSITIVE)
-    rotary_base: float = bounded(10000.0, FINITE_POSITIVE)
-    rotary_percent: float = bounded(1.0, FINITE_POSITIVE)
-    rope_scaling_factor: Optional[float] = bounded(None, FINITE_POSITIVE)  # Llama 3.1 frequency scaling (8.0), None: off
-    normalization: str = "RMSNorm"
-    kv_channels: Optional[int] = bounded(None, POSITIVE)  # head dim; default hidden_size // num_attention_heads
-    qk_layernorm: bool = False
-    seq_length: int = bounded(4096, POSITIVE)  # the model's context (documentation / real-shape configs)
-    num_experts: Optional[int] = bounded(None, POSITIVE)
-    moe_router_topk: int = bounded(2, POSITIVE)
-    moe_ffn_hidden_size: Optional[int] = bounded(None, POSITIVE)
-    init_method_std: float = bounded(0.02, FINITE_POSITIVE)
+    num_layers: int = setting(4, "transformer layers", POSITIVE)
+    hidden_size: int = setting(128, "hidden size", POSITIVE)
+    num_attention_heads: int = setting(4, "attention (query) heads", POSITIVE)
+    num_query_groups: int = setting(2, "key/value head groups of GQA (== num_attention_heads for MHA)", POSITIVE)
+    ffn_hidden_size: int = setting(352, "SwiGLU MLP hidden size", POSITIVE)
+    vocab_size: int = setting(256, "vocabulary size", POSITIVE)
+    rotary_base: float = setting(10000.0, "RoPE base (theta)", FINITE_POSITIVE)
+    rotary_percent: float = setting(1.0, "share of each head's dimensions RoPE rotates", FINITE_POSITIVE)
+    rope_scaling_factor: Optional[float] = setting(
+        None, "Llama 3.1 RoPE frequency scaling factor (8.0); null: off", FINITE_POSITIVE)
+    normalization: str = setting("RMSNorm", "normalization layer: RMSNorm | LayerNorm")
+    kv_channels: Optional[int] = setting(
+        None, "head dimension; null: hidden_size // num_attention_heads", POSITIVE)
+    qk_layernorm: bool = setting(False, "normalize queries and keys per head (Qwen3's QK-norm)")
+    seq_length: int = setting(4096, "the model's context length (documentation / real-shape configs)", POSITIVE)
+    num_experts: Optional[int] = setting(None, "MoE experts per layer; null: a dense MLP", POSITIVE)
+    moe_router_topk: int = setting(2, "experts each token is routed to (MoE)", POSITIVE)
+    moe_ffn_hidden_size: Optional[int] = setting(
+        None, "each expert's MLP hidden size; null: ffn_hidden_size", POSITIVE)
+    init_method_std: float = setting(0.02, "standard deviation of the weights' random initialisation", FINITE_POSITIVE)
 
 
 def build_transformer_config(model: ModelConfig, params_dtype=torch.float32, **overrides):

@@ -1,9 +1,13 @@
 """Typed settings: every config group is a frozen dataclass, and :func:`check_values` checks a
 group's raw values against its fields before the dataclass is built -- the type of each field
 (``int``, ``float``, ``bool``, ``str``, ``Optional[...]``) and, where a field declares one with
-:func:`bounded`, its range -- so a bad override (``training.steps=abc``, ``training.lr=nan``,
+:func:`setting`, its range -- so a bad override (``training.steps=abc``, ``training.lr=nan``,
 ``parallel.tensor_model_parallel_size=-1``) is refused at parse, naming the key, before any model
 or optimizer exists.
+
+Each field of a config group is declared with :func:`setting`: its default, its one-line
+description (the one home of the key's description: ``python -m megatron_fastpath.train --help``
+prints it, :func:`describe` reads it) and its bound, if any.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 import typing
 from typing import Any, Callable, Optional, Union
 
-__all__ = ["Bound", "bounded", "check_values", "parse_group", "POSITIVE", "NON_NEGATIVE", "FINITE_POSITIVE",
+__all__ = ["Bound", "setting", "describe", "check_values", "parse_group", "POSITIVE", "NON_NEGATIVE", "FINITE_POSITIVE",
            "FINITE_NON_NEGATIVE"]
 
 
@@ -31,9 +35,19 @@ FINITE_POSITIVE = Bound("a finite number > 0", lambda v: math.isfinite(v) and v 
 FINITE_NON_NEGATIVE = Bound("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
 
 
-def bounded(default: Any, bound: Bound) -> Any:
-    """A dataclass field with ``default`` whose value must satisfy ``bound``."""
-    return dataclasses.field(default=default, metadata={"bound": bound})
+def setting(default: Any, help: str, bound: Optional[Bound] = None, **field: Any) -> Any:
+    """A config group's dataclass field: ``default``, ``help`` (what the key sets, one line) and,
+    when given, the ``bound`` its value must satisfy; ``field``: more ``dataclasses.field``
+    arguments."""
+    metadata = dict(field.pop("metadata", {}), help=help)
+    if bound is not None:
+        metadata["bound"] = bound
+    return dataclasses.field(default=default, metadata=metadata, **field)
+
+
+def describe(cls: type) -> dict:
+    """{field name: its one-line description} of a config dataclass ("" where a field has none)."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
 
 _KIND = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}

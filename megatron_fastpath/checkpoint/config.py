@@ -5,37 +5,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath.settings import setting
+
 __all__ = ["CheckpointConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """dir: checkpoint directory (None: checkpointing off). A run whose ``dir`` already holds a
-        complete checkpoint resumes from it.
-    interval: save every ``interval`` steps (0: only at the end / on stop or preemption).
-    keep: how many complete checkpoints to keep (oldest removed after a new one is published).
-    adapters_only: LoRA runs save the adapters and their optimizer state only; the base comes
-        from its source (``base_dir``, or the seeded initialisation when None).
-    base_dir: a Megatron distributed checkpoint whose base weights (every non-adapter tensor)
-        are loaded before training.
-    fallback_to_previous: when the latest checkpoint is unreadable, load the previous one.
-    async_save: write tensors in a background process (Megatron's async save); the step is
-        blocked only while tensors are staged.
-    verify: record each file's size and CRC32 at save and check them before loading.
-    keep_best: also keep the checkpoint with the lowest held-out loss among those saved right
-        after an evaluation (the step's ``evals`` entry in its run history); ``dir/best`` names
-        it. Needs held-out evaluation (refused at parse without it).
-    """
+    """The ``checkpoint`` group. A run whose ``dir`` already holds a complete checkpoint resumes
+    from it. ``keep_best`` keeps the checkpoint with the lowest held-out loss among those saved
+    right after an evaluation (the step's ``evals`` entry in its run history); ``dir/best``
+    names it."""
 
-    dir: Optional[str] = None
-    interval: int = 0
-    keep: int = 2
-    adapters_only: bool = False
-    base_dir: Optional[str] = None
-    fallback_to_previous: bool = False
-    async_save: bool = True
-    verify: bool = True
-    keep_best: bool = False
+    dir: Optional[str] = setting(None, "checkpoint directory (null: checkpointing off); a complete "
+                                 "checkpoint there is resumed from")
+    interval: int = setting(0, "save every N steps (0: at the end, at stop_at_step and on SIGTERM / SIGUSR1)")
+    keep: int = setting(2, "complete checkpoints kept (the oldest removed after a new one is published)")
+    adapters_only: bool = setting(
+        False, "LoRA: save the adapters and their optimizer state only (the base from base_dir, "
+        "or the seeded initialisation)")
+    base_dir: Optional[str] = setting(
+        None, "a Megatron distributed checkpoint whose base (non-adapter) weights are loaded "
+        "before training")
+    fallback_to_previous: bool = setting(False, "when the latest checkpoint is unreadable, load the previous one")
+    async_save: bool = setting(
+        True, "write tensors in a background process (Megatron's async save); the step blocks "
+        "only while they are staged")
+    verify: bool = setting(True, "record each file's size and CRC32 at save, checked before loading")
+    keep_best: bool = setting(
+        False, "also keep the checkpoint with the lowest held-out loss (dir/best); needs held-out "
+        "evaluation")
 
     def __post_init__(self):
         if self.interval < 0:

@@ -10,26 +10,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath.settings import setting
+
 __all__ = ["FP8Config", "plan_fp8"]
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8Config:
     """Transformer Engine FP8 settings (TransformerConfig fp8* fields); on when passed to
-    ``plan_graphs_and_fp8`` (the main job's switch is ``fastpath.fp8``).
+    ``plan_graphs_and_fp8`` (the main job's switch is ``fastpath.fp8``)."""
 
-    format: "hybrid" (E4M3 forward, E5M2 backward) or "e4m3".
-    recipe: "delayed" (amax history), "tensorwise", "mxfp8" or "blockwise".
-    amax_history_len / amax_compute_algo: delayed scaling's history ("max" or "most_recent").
-    dot_product_attention: FP8 attention (TE fused attention).
-    """
-
-    format: str = "hybrid"
-    recipe: str = "delayed"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    dot_product_attention: bool = False
+    format: str = setting("hybrid", "hybrid (E4M3 forward, E5M2 backward) | e4m3")
+    recipe: str = setting("delayed", "delayed (amax history) | tensorwise | mxfp8 | blockwise")
+    amax_history_len: int = setting(1024, "delayed scaling: the amax history's length")
+    amax_compute_algo: str = setting("max", "delayed scaling: the amax the scale uses, the history's max | most_recent")
+    margin: int = setting(0, "delayed scaling: the scale's margin (scale = FP8 max / amax / 2^margin)")
+    dot_product_attention: bool = setting(False, "FP8 attention (TE fused attention)")
 
     def __post_init__(self):
         if self.format not in ("hybrid", "e4m3"):

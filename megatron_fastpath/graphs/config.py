@@ -22,6 +22,7 @@ import torch
 
 from megatron_fastpath.compat import TORCH_RELEASE
 from megatron_fastpath.fp8.config import plan_fp8
+from megatron_fastpath.settings import setting
 
 if TYPE_CHECKING:
     from megatron_fastpath.fp8 import FP8Config
@@ -39,25 +40,25 @@ class CudaGraphConfig:
     """Settings of per-layer capture (cuda_graph_impl="local"); whether graphs are on is the
     caller's choice (``plan_graphs_and_fp8(graphs=None)`` = off; the main job's switch is
     ``fastpath.cuda_graphs``).
-    warmup_steps: Megatron's ``cuda_graph_warmup_steps``. In megatron-core 0.16.1 this is NOT a
-        number of eager training steps: capture always happens at the end of the first
-        ``forward_backward``; it is the number of warm-up forward (and backward) passes that
-        ``_CudaGraphRunner.create_fwd_graph`` runs on zero-filled copies of a layer's inputs
-        right before capturing it (the first step runs each layer 1 + warmup_steps times).
-        None (the default): :func:`default_warmup_steps` -- 3, or 0 for a LoRA model, whose
-        first layer's inputs do not require grad, so the warm-up's ``autograd.grad`` over the
-        layer inputs has none (megatron-core 0.16.1 ``transformer/cuda_graphs.py:920-930``).
-    use_te_rng_tracker: Transformer Engine's graph-safe RNG tracker (needed for dropout).
-    audit_steps / strict_audit: the CPU graph-safety audit run in place of capture.
-    scope: :data:`GRAPH_SCOPES`: "layers" (per-layer graphs) or "full_iteration" (the whole
-        step as two graphs, captured at step 2: needs ``training.device=cuda``; warmup_steps
-        does not apply -- step 1 runs eagerly)."""
 
-    warmup_steps: Optional[int] = None
-    use_te_rng_tracker: bool = True
-    audit_steps: int = 3
-    strict_audit: bool = True
-    scope: str = "layers"
+    ``warmup_steps`` is Megatron's ``cuda_graph_warmup_steps``. In megatron-core 0.16.1 this is
+    NOT a number of eager training steps: capture always happens at the end of the first
+    ``forward_backward``; it is the number of warm-up forward (and backward) passes that
+    ``_CudaGraphRunner.create_fwd_graph`` runs on zero-filled copies of a layer's inputs right
+    before capturing it (the first step runs each layer 1 + warmup_steps times). None:
+    :func:`default_warmup_steps` -- 3, or 0 for a LoRA model, whose first layer's inputs do not
+    require grad, so the warm-up's ``autograd.grad`` over the layer inputs has none
+    (megatron-core 0.16.1 ``transformer/cuda_graphs.py:920-930``)."""
+
+    warmup_steps: Optional[int] = setting(
+        None, "capture warm-up passes per layer (Megatron's cuda_graph_warmup_steps); null: 3, or "
+        "0 with LoRA")
+    use_te_rng_tracker: bool = setting(True, "Transformer Engine's graph-safe RNG tracker (needed for dropout)")
+    audit_steps: int = setting(3, "steps the CPU graph-safety audit (run in place of capture) checks")
+    strict_audit: bool = setting(True, "raise at the CPU audit's first violation (false: report them)")
+    scope: str = setting(
+        "layers", f"what a capture covers: {' | '.join(GRAPH_SCOPES)} (the whole step as two "
+        "graphs, captured at step 2; needs training.device=cuda)")
 
     def __post_init__(self):
         if self.scope not in GRAPH_SCOPES:

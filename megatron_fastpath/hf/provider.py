@@ -33,8 +33,18 @@ from megatron_fastpath.providers import (
     register_data_provider,
     register_model_provider,
 )
+from megatron_fastpath.settings import setting
 
-__all__ = ["HFJobConfig", "HFModel", "JsonlData"]
+__all__ = ["HFJobConfig", "HFModel", "HFModelSettings", "JsonlData"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelSettings:
+    """The ``model`` group's keys for ``model=hf`` (the architecture comes from config.json)."""
+
+    path: Optional[str] = setting(
+        None, "the Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer "
+        "files), or a Hub id the local hub cache holds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +106,14 @@ def checkpoint_dir(path) -> str:
 class HFModel(ModelProvider):
     key = "hf"
 
+    def settings(self) -> type:
+        return HFModelSettings
+
     def parse(self, group: dict, tp: int, ep: int) -> ModelSource:
         from megatron_fastpath.hf.checkpoint import SafetensorsCheckpoint
         from megatron_fastpath.hf.config import read_hf_config
 
-        extra = sorted(set(group) - {"path"})
+        extra = sorted(set(group) - {f.name for f in dataclasses.fields(HFModelSettings)})
         if extra:
             raise ValueError(f"model=hf takes only model.path (the architecture comes from its "
                              f"config.json); unknown key(s) {extra}")
@@ -177,6 +190,11 @@ class HFModel(ModelProvider):
 
 class JsonlData(DataProvider):
     key = "jsonl"
+
+    def settings(self) -> type:
+        from megatron_fastpath.hf.data import JsonlDataConfig
+
+        return JsonlDataConfig
 
     def parse(self, group: dict, model: ModelSource):
         from megatron_fastpath.hf.data import JsonlDataConfig

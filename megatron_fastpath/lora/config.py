@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath.settings import setting
+
 __all__ = ["LoRAConfig", "LORA_TARGETS", "HF_FUSED_TARGETS", "HF_TARGETS", "normalize_targets"]
 
 # Megatron linear names inside a TransformerLayer and how their weights are sharded.
@@ -61,17 +63,20 @@ def normalize_targets(targets) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """rank r, alpha (scale = alpha / r), dropout on the adapter input, target linears
-    (MLPerf Llama-2-70B: r=16, alpha=32, dropout=0.1 on linear_qkv and linear_proj), and the
-    adapter dtype (None: the base weight's dtype, i.e. bf16 in a bf16/FP8 run). What the main
-    job writes at the end (PEFT adapter, merged weights) is the ``export`` group's.
+    """LoRA adapters (MLPerf Llama-2-70B: r=16, alpha=32, dropout=0.1 on linear_qkv and
+    linear_proj). What the main job writes at the end (PEFT adapter, merged weights) is the
+    ``export`` group's.
     """
 
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.1
-    targets: tuple = ("linear_qkv", "linear_proj")
-    dtype: Optional[str] = None
+    rank: int = setting(16, "adapter rank r")
+    alpha: float = setting(32.0, "scale numerator: the adapter's output is scaled by alpha / rank")
+    dropout: float = setting(0.1, "dropout on the adapter input, in [0, 1)")
+    targets: tuple = setting(
+        ("linear_qkv", "linear_proj"), f"linears to adapt: Megatron names ({', '.join(LORA_TARGETS)}), "
+        f"their Hugging Face names or {ALL_LINEAR!r}")
+    dtype: Optional[str] = setting(
+        None, "adapter dtype: float32 | bfloat16 | float16; null: the base weight's (bf16 in a "
+        "bf16 / FP8 run)")
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank <= 0:

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Union
 
+from megatron_fastpath.settings import setting
+
 __all__ = ["AUTO", "BufferMode", "OffloadConfig", "OffloadStepStats", "StepCounters"]
 
 AUTO = "auto"
@@ -33,63 +35,58 @@ class BufferMode(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Knobs of :class:`~megatron_fastpath.offload.ActivationOffloadManager`.
+    """Knobs of :class:`~megatron_fastpath.offload.ActivationOffloadManager` (each field's
+    one-line description is its ``help``; the longer story of three of them here).
 
-    Args:
-        enabled: offload at all. False keeps every activation on the device (the layers are
-            still recomputed when ``recompute`` is True), numerics are identical either way.
-        recompute: True (default): each wrapped TransformerLayer is fully recomputed in
-            backward and only its input hidden states [s, b, h] are offloaded. False: the layer
-            is not recomputed; every tensor it saves for backward of at least
-            ``min_offload_bytes`` (parameters and do-not-offload marks excluded, TE quantized
-            tensors split into their data tensors) is offloaded as one group per layer.
-        min_offload_bytes: tensors (and layer inputs) smaller than this stay on the device.
-        max_offloaded_layers: offload only the first N registered layers (forward order); the
-            rest stay on the device. When the link is slower than the forward (copy time per
-            layer > forward time per layer) the offloads fall behind, and the last layers' round
-            trips cannot all be hidden in any order (``megatron_fastpath.offload.plan``).
-            ``"auto"`` (default): on a device whose copies overlap compute (CUDA), the first
-            steps offload every layer but the last and the second step times each layer's
-            forward, backward and copies with device events (the first pays one-time costs);
-            once those events have completed (read without blocking at a later step's start)
-            the manager keeps the largest window whose modelled whole-step hidden fraction (in
-            its ``eager_offloads`` order) is >= ``target_hidden_fraction`` -- never dropping an
-            offload that would finish before the end of the forward (peak memory first) --,
-            logs it, and reports it in each step's ``offload_window``. On a synchronous device
-            (CPU) nothing overlaps: every layer but the last. None: every layer but the last.
-            An int N: exactly N.
-        eager_offloads: the order the offloads are issued in. An int K: the offloads of the
-            first K offloaded layers are issued as their layers run, those of the rest are held
-            back and issued when the window's last layer's is, latest layer first -- the order
-            the backward reloads them in -- so a copy backlog delays the reloads needed last,
-            not first. None: every offload as its layer runs (forward order). ``"auto"``
-            (default): planned from the same calibration step (also for a fixed window): the K
-            with the highest modelled whole-step hidden fraction among those that leave no more
-            offloads running at the end of the forward than forward order (no less memory freed
-            at the peak); forward order until then and on a synchronous device.
-        target_hidden_fraction: the fraction of the step's copy time that must stay hidden for
-            ``"auto"`` to offload a layer (in [0, 1]).
-        headroom_margin_bytes: device memory that must stay free after the reload buffers are
-            accounted for; checked every step against the allocator's statistics.
-        allow_double_buffer: False forces the single-buffer schedule.
-        pinned: allocate the host pool in page-locked memory (falls back to pageable memory,
-            once, with a log line, when pinning fails).
-        alignment_bytes: byte alignment of each tensor inside a group's flat buffers.
-        copy_bandwidth_bytes_per_s: host<->device bandwidth used for the telemetry's estimate
-            of exposed copy time (no timing events are read back, so no host sync).
+    ``recompute`` True (default): each wrapped TransformerLayer is fully recomputed in backward
+    and only its input hidden states [s, b, h] are offloaded. False: the layer is not
+    recomputed; every tensor it saves for backward of at least ``min_offload_bytes``
+    (parameters and do-not-offload marks excluded, TE quantized tensors split into their data
+    tensors) is offloaded as one group per layer. ``enabled`` False keeps every activation on
+    the device (the layers are still recomputed when ``recompute`` is True); numerics are
+    identical either way.
+
+    ``max_offloaded_layers``: when the link is slower than the forward (copy time per layer >
+    forward time per layer) the offloads fall behind, and the last layers' round trips cannot
+    all be hidden in any order (``megatron_fastpath.offload.plan``). ``"auto"``: on a device
+    whose copies overlap compute (CUDA), the first steps offload every layer but the last and
+    the second step times each layer's forward, backward and copies with device events (the
+    first pays one-time costs); once those events have completed (read without blocking at a
+    later step's start) the manager keeps the largest window whose modelled whole-step hidden
+    fraction (in its ``eager_offloads`` order) is >= ``target_hidden_fraction`` -- never
+    dropping an offload that would finish before the end of the forward (peak memory first)
+    --, logs it, and reports it in each step's ``offload_window``. On a synchronous device (CPU)
+    nothing overlaps: every layer but the last.
+
+    ``eager_offloads`` K: the offloads of the first K offloaded layers are issued as their
+    layers run, those of the rest are held back and issued when the window's last layer's is,
+    latest layer first -- the order the backward reloads them in -- so a copy backlog delays
+    the reloads needed last, not first. ``"auto"``: planned from the same calibration step
+    (also for a fixed window): the K with the highest modelled whole-step hidden fraction among
+    those that leave no more offloads running at the end of the forward than forward order (no
+    less memory freed at the peak); forward order until then and on a synchronous device.
     """
 
-    enabled: bool = True
-    recompute: bool = True
-    min_offload_bytes: int = 1 * MiB
-    max_offloaded_layers: Union[int, str, None] = AUTO
-    eager_offloads: Union[int, str, None] = AUTO
-    target_hidden_fraction: float = 0.9
-    headroom_margin_bytes: int = 1 * GiB
-    allow_double_buffer: bool = True
-    pinned: bool = True
-    alignment_bytes: int = 512
-    copy_bandwidth_bytes_per_s: float = 25e9
+    enabled: bool = setting(True, "offload at all (false: activations stay on the device)")
+    recompute: bool = setting(
+        True, "recompute each layer in backward and offload only its input (false: offload "
+        "every tensor it saves of at least min_offload_bytes)")
+    min_offload_bytes: int = setting(1 * MiB, "tensors (and layer inputs) smaller than this stay on the device")
+    max_offloaded_layers: Union[int, str, None] = setting(
+        AUTO, "which layers to offload: auto (timed on the GPU: the largest leading window hiding "
+        ">= target_hidden_fraction) | null (all but the last) | N (the first N)")
+    eager_offloads: Union[int, str, None] = setting(
+        AUTO, "the order offloads are issued in: auto (planned with the window) | null (each as "
+        "its layer runs) | K (the first K as they run, the rest latest first)")
+    target_hidden_fraction: float = setting(
+        0.9, "the share of the step's copy time that must stay hidden for auto to offload a layer, in [0, 1]")
+    headroom_margin_bytes: int = setting(
+        1 * GiB, "device memory that must stay free after the reload buffers, checked every step")
+    allow_double_buffer: bool = setting(True, "false forces the single-buffer schedule")
+    pinned: bool = setting(True, "page-locked host pool (pageable, with one log line, when pinning fails)")
+    alignment_bytes: int = setting(512, "byte alignment of each tensor inside a group's flat buffers")
+    copy_bandwidth_bytes_per_s: float = setting(
+        25e9, "host <-> device bandwidth of the telemetry's exposed-copy-time estimate (no timing read back)")
 
     def __post_init__(self):
         for name in ("min_offload_bytes", "headroom_margin_bytes"):

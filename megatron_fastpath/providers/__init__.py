@@ -25,13 +25,15 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from megatron_fastpath.settings import setting
+
 if TYPE_CHECKING:
     from megatron_fastpath.data import StepData
 
 __all__ = [
     "DataParts", "DataProvider", "EvalPrompts", "ExportConfig", "ModelProvider", "ModelSource", "PackedDataSettings",
     "data_provider",
-    "model_provider", "pop_provider_key", "register_data_provider", "register_model_provider",
+    "model_provider", "pop_provider_key", "provider_key_help", "register_data_provider", "register_model_provider",
 ]
 
 
@@ -113,15 +115,17 @@ class EvalPrompts:
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
     """The ``export`` group: what a run writes at the end (output only, so not part of the
-    resume fingerprint), by its model provider. adapter_dir: a PEFT adapter directory (needs
-    LoRA); merged_dir: the weights as a Hugging Face checkpoint (LoRA merged in; a full
-    fine-tune as trained). synthetic_data: export a model trained on the synthetic token data
-    (the default data group) -- a test of the export itself; otherwise refused, since the
-    exported model would not be fine-tuned on anything."""
+    resume fingerprint), by its model provider. ``synthetic_data`` is a test of the export
+    itself; without it an export after the synthetic data is refused, since the exported model
+    would not be fine-tuned on anything."""
 
-    adapter_dir: Optional[str] = None
-    merged_dir: Optional[str] = None
-    synthetic_data: bool = False
+    adapter_dir: Optional[str] = setting(None, "write the PEFT adapter (adapter_config.json + "
+                                         "adapter_model.safetensors) here; needs fastpath.lora")
+    merged_dir: Optional[str] = setting(
+        None, "write the weights as a Hugging Face checkpoint here (LoRA merged in; a full "
+        "fine-tune as trained)")
+    synthetic_data: bool = setting(
+        False, "export a model trained on the synthetic token data (a test of the export only)")
 
     @property
     def enabled(self) -> bool:
@@ -137,6 +141,11 @@ class ModelProvider:
     """Base: a random-initialised model (nothing loaded, nothing exported)."""
 
     key: str = ""
+
+    def settings(self) -> type:  # pragma: no cover - abstract
+        """The dataclass of the keys this provider reads from the ``model`` group (each field's
+        default and ``help``: ``settings.setting``), less ``provider``."""
+        raise NotImplementedError
 
     def parse(self, group: dict, tp: int, ep: int) -> ModelSource:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -166,6 +175,10 @@ class ModelProvider:
 
 class DataProvider:
     key: str = ""
+
+    def settings(self) -> type:  # pragma: no cover - abstract
+        """The dataclass of the keys this provider reads from the ``data`` group, less ``provider``."""
+        raise NotImplementedError
 
     def parse(self, group: dict, model: ModelSource) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -207,6 +220,12 @@ def model_provider(key: str) -> ModelProvider:
 
 def data_provider(key: str) -> DataProvider:
     return _lookup("data", key)
+
+
+def provider_key_help(kind: str) -> str:
+    """The description of the ``provider`` key of the ``model`` / ``data`` group (``kind``)."""
+    known = sorted(set(_REGISTRY[kind]) | set(_MODULES[kind]))
+    return f"the {kind} provider that reads this group: {' | '.join(known)} (unset: synthetic)"
 
 
 def pop_provider_key(group: dict, name: str) -> tuple[str, dict]:

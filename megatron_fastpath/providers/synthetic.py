@@ -19,6 +19,11 @@ __all__ = ["SyntheticData", "SyntheticModel"]
 class SyntheticModel(ModelProvider):
     key = "synthetic"
 
+    def settings(self) -> type:
+        from megatron_fastpath.model import ModelConfig
+
+        return ModelConfig
+
     def parse(self, group: dict, tp: int, ep: int) -> ModelSource:
         from megatron_fastpath.model import ModelConfig, rope_config_for
         from megatron_fastpath.settings import parse_group
@@ -29,6 +34,11 @@ class SyntheticModel(ModelProvider):
 
 class SyntheticData(DataProvider):
     key = "synthetic"
+
+    def settings(self) -> type:
+        from megatron_fastpath.data import DataConfig
+
+        return DataConfig
 
     def parse(self, group: dict, model: ModelSource):
         from megatron_fastpath.data import DataConfig

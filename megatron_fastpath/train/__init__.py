@@ -84,6 +84,18 @@ def _user_errors() -> tuple:
 
 
 def main() -> None:
+    import sys
+
+    from megatron_fastpath.train.help import HELP_FLAGS, job_help, wants_help
+
+    if wants_help(sys.argv[1:]):  # every key, its value and description (train/help.py); no device
+        try:
+            print(job_help([a for a in sys.argv[1:] if a not in HELP_FLAGS]), flush=True)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR_EXIT_CODE)
+        return
+
     import hydra
     from omegaconf import DictConfig
 
@@ -91,8 +103,6 @@ def main() -> None:
 
     EarlySignals.install()  # before anything slow: a preemption during start-up requeues the job
     USER_ERRORS = _user_errors()  # noqa: N806
-    import sys
-
     from megatron_fastpath.train.overrides import check_overrides
 
     try:  # a key the config lacks: "did you mean", not Hydra's "+key" advice

@@ -36,8 +36,8 @@ from megatron_fastpath.settings import (
     FINITE_POSITIVE,
     NON_NEGATIVE,
     POSITIVE,
-    bounded,
     parse_group,
+    setting,
 )
 
 if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull in torch / Megatron)
@@ -63,102 +63,99 @@ BATCH_KEYS = ("micro_batches", "batch_sequences", "batch_tokens")  # set at most
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
-    """optimizer_step (GPU path): "sync_free" wraps Megatron's optimizer in
-    :class:`~megatron_fastpath.optim.SyncFreeOptimizer` (clip, inf skip and loss scale on the
-    device; grad norm logged one step late), "megatron" is Megatron's own ``step()`` (reads the
-    grad norm back every step), "auto" is sync_free where the wrapper applies (torch's
-    Adam/AdamW; TE/Apex FusedAdam in its plain configuration, swapped for torch's) and megatron
-    otherwise."""
+    """The ``training`` group: the run's length, optimizer schedule, device and checks."""
 
-    # Steps to train. null: DEFAULT_STEPS, or with `epochs` the steps `epochs` passes over the
-    # packed data take; set once, when the data is built (set_steps); setting both is refused.
-    steps: Optional[int] = bounded(None, POSITIVE)
-    # Passes over the data, reshuffled and repacked every epoch by (data.seed, epoch)
-    # (data.EpochOrder). null: one packed order cycled through for `steps` steps.
-    epochs: Optional[int] = bounded(None, POSITIVE)
-    # The batch a step trains: packed microbatches per data-parallel rank, or sequences / tokens
-    # per step over all ranks (resolved into micro_batches once the data is packed:
-    # data.resolve_batch). Set at most one; micro_batches null with neither of the others:
-    # DEFAULT_MICRO_BATCHES, set at parse.
-    micro_batches: Optional[int] = bounded(None, POSITIVE)
-    batch_sequences: Optional[int] = bounded(None, POSITIVE)
-    batch_tokens: Optional[int] = bounded(None, POSITIVE)
-    # null: the model provider's default (train/defaults.py SCHEDULE_DEFAULTS), set at parse
-    lr: Optional[float] = bounded(None, FINITE_POSITIVE)
-    min_lr: Optional[float] = bounded(None, FINITE_NON_NEGATIVE)
-    warmup_steps: Optional[int] = bounded(None, NON_NEGATIVE)
-    lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant (to min_lr)
-    weight_decay: float = bounded(0.01, FINITE_NON_NEGATIVE)
-    clip_grad: float = bounded(1.0, FINITE_NON_NEGATIVE)  # 0: no clipping
-    seed: int = 1234
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "float32"  # float32 | bfloat16
-    log_all_ranks: bool = False
-    dry_run: bool = False  # parse, build the data, check memory, print the plan; no step
-    summary_json: Optional[str] = None
-    skip_memory_check: bool = False  # train/memory.py: refuse jobs that cannot fit
-    # Stop after this step (saving a checkpoint when checkpoint.dir is set); the LR schedule and
-    # data order still span `steps`, so a rerun without it continues the same run.
-    stop_at_step: Optional[int] = bounded(None, POSITIVE)
-    optimizer_step: str = "auto"  # auto | sync_free | megatron
-    # Count host syncs (SyncSentinel: a Python dispatch mode around every op) in: "first" the
-    # first SYNC_CHECK_FIRST_STEPS steps this process runs, then no mode at all; "every" step
-    # (a diagnosis: it costs the step time benchmarks/sync_check.py reports); "off".
-    sync_check: str = "first"
+    steps: Optional[int] = setting(
+        None, "steps to train; null: 40, or the steps training.epochs' passes over the packed "
+        "data take (set at most one of the two)", POSITIVE)
+    epochs: Optional[int] = setting(
+        None, "passes over the data, reshuffled and repacked each epoch by (data.seed, epoch); "
+        "null: one packed order cycled through for training.steps steps", POSITIVE)
+    micro_batches: Optional[int] = setting(
+        None, "packed microbatches (bins of data.max_tokens) per step on each data-parallel rank; "
+        "null with neither training.batch_sequences nor training.batch_tokens: 2 (set at most one "
+        "of the three)", POSITIVE)
+    batch_sequences: Optional[int] = setting(
+        None, "sequences per step over all ranks, resolved into whole packed microbatches per "
+        "rank (the nearest on the packed data's mean: data.resolve_batch)", POSITIVE)
+    batch_tokens: Optional[int] = setting(
+        None, "tokens per step over all ranks, resolved into whole packed microbatches per rank "
+        "(the nearest on the packed data's mean: data.resolve_batch)", POSITIVE)
+    lr: Optional[float] = setting(
+        None, "peak learning rate; null: the model provider's default (train/defaults.py)", FINITE_POSITIVE)
+    min_lr: Optional[float] = setting(
+        None, "learning rate at the end of the schedule; null: the model provider's default",
+        FINITE_NON_NEGATIVE)
+    warmup_steps: Optional[int] = setting(
+        None, "linear warm-up steps; null: the model provider's default", NON_NEGATIVE)
+    lr_schedule: str = setting("cosine", "after the warm-up, from lr to min_lr: cosine | linear | constant")
+    weight_decay: float = setting(0.01, "AdamW weight decay", FINITE_NON_NEGATIVE)
+    clip_grad: float = setting(1.0, "gradient-norm clipping threshold (0: no clipping)", FINITE_NON_NEGATIVE)
+    seed: int = setting(1234, "seed of the model's initialisation and dropout")
+    device: str = setting("auto", "auto (cuda when available) | cpu | cuda")
+    dtype: str = setting("float32", "training dtype: float32 | bfloat16")
+    log_all_ranks: bool = setting(False, "print the step line on every rank, not only rank 0")
+    dry_run: bool = setting(False, "parse, build the data, check memory, print the plan and exit 0 (no step)")
+    summary_json: Optional[str] = setting(None, "write the run's summary to this JSON file")
+    skip_memory_check: bool = setting(False, "skip the memory check that refuses jobs that cannot fit")
+    stop_at_step: Optional[int] = setting(
+        None, "stop after this step (saving a checkpoint when checkpoint.dir is set); the LR "
+        "schedule and data order still span training.steps, so a rerun without it continues", POSITIVE)
+    optimizer_step: str = setting(
+        "auto", "GPU path: sync_free (clip, inf skip, loss scale on the device) | megatron "
+        "(Megatron's step) | auto (sync_free where it applies: torch Adam/AdamW)")
+    sync_check: str = setting(
+        "first", "count host syncs (SyncSentinel) in: first (the first 3 steps) | every step "
+        "(a diagnosis: it costs step time) | off")
 
 
 @dataclasses.dataclass(frozen=True)
 class FastpathConfig:
-    """Feature switches (the only place a feature is turned on or off); each feature's settings
-    live in the group of the same name, read only when its switch is on.
+    """The ``fastpath`` group: the feature switches (the only place a feature is turned on or
+    off); each feature's settings live in the group of the same name, read only when its switch
+    is on."""
 
-    attention_backend: auto | sdpa | flex | flash | te (attention always reads the packed cache).
-    sdpa_layout: auto | mask | padded: how the sdpa backend attends (``PackedSeqConfig.sdpa_layout``).
-    linear_impl: auto | local | te (te: Transformer Engine linears, needed for FP8).
-    offload: double-buffered activation offload of layer inputs (group ``offload``).
-    lora: LoRA adapters, base weights frozen (group ``lora``).
-    cuda_graphs: per-layer CUDA graphs; on CPU the graph-safety audit (group ``cuda_graphs``).
-    fp8: Transformer Engine FP8 (group ``fp8``).
-    moe_capacity_factor: None = dropless MoE dispatch; a float = capacity mode (static shapes).
-    """
-
-    attention_backend: str = "auto"
-    sdpa_layout: str = "auto"
-    linear_impl: str = "auto"
-    offload: bool = False
-    lora: bool = False
-    cuda_graphs: bool = False
-    fp8: bool = False
-    moe_capacity_factor: Optional[float] = None
+    attention_backend: str = setting(
+        "auto", "auto | sdpa | flex | flash | te (auto: te > flash on CUDA in bf16 / fp16, else "
+        "sdpa); attention always reads the packed cache")
+    sdpa_layout: str = setting(
+        "auto", "how the sdpa backend attends: mask (one [T,T] mask) | padded (a row per "
+        "sequence) | auto (padded when it is smaller, or T is above the mask's limit)")
+    linear_impl: str = setting("auto", "auto | local | te (Transformer Engine linears, needed for FP8)")
+    offload: bool = setting(False, "double-buffered activation offload of layer inputs (group offload)")
+    lora: bool = setting(False, "LoRA adapters, base weights frozen (group lora)")
+    cuda_graphs: bool = setting(
+        False, "per-layer CUDA graphs; on CPU the graph-safety audit (group cuda_graphs)")
+    fp8: bool = setting(False, "Transformer Engine FP8 (group fp8)")
+    moe_capacity_factor: Optional[float] = setting(
+        None, "MoE dispatch: null = dropless; a number = capacity mode (static shapes)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Megatron's parallel sizes. sequence_parallel: shard the sequence of the non-TP regions
-    (norms, dropout, residuals) over the TP group (Megatron's ``sequence_parallel``; needs
-    TP > 1 and CUDA)."""
+    """The ``parallel`` group: Megatron's parallel sizes (data parallel: the world size over
+    their product)."""
 
-    tensor_model_parallel_size: int = bounded(1, POSITIVE)
-    pipeline_model_parallel_size: int = bounded(1, POSITIVE)
-    expert_model_parallel_size: int = bounded(1, POSITIVE)
-    context_parallel_size: int = bounded(1, POSITIVE)
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = setting(1, "tensor-parallel size (TP)", POSITIVE)
+    pipeline_model_parallel_size: int = setting(1, "pipeline-parallel size (PP; needs CUDA)", POSITIVE)
+    expert_model_parallel_size: int = setting(1, "expert-parallel size (EP; needs an MoE model)", POSITIVE)
+    context_parallel_size: int = setting(1, "context-parallel size (CP)", POSITIVE)
+    sequence_parallel: bool = setting(
+        False, "shard the sequence of the non-TP regions (norms, dropout, residuals) over the TP "
+        "group (needs TP > 1 and CUDA)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """Where the job runs (the `cluster` group).
+    """Where the job runs (the ``cluster`` group)."""
 
-    name: label printed in the header. backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl.
-    expected_world_size: refuse to train when the launcher started a different number of
-        processes (catches a mis-sized srun/torchrun before any step). timeout_s: collective
-        and rendezvous timeout.
-    """
-
-    name: str = "local"
-    backend: str = "auto"
-    expected_world_size: Optional[int] = bounded(None, POSITIVE)
-    timeout_s: Optional[float] = bounded(None, FINITE_POSITIVE)
+    name: str = setting("local", "label printed in the header")
+    backend: str = setting("auto", "process-group backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl")
+    expected_world_size: Optional[int] = setting(
+        None, "refuse to train when the launcher started a different number of processes "
+        "(a mis-sized srun / torchrun)", POSITIVE)
+    timeout_s: Optional[float] = setting(
+        None, "collective and rendezvous timeout in seconds (null: torch's default)", FINITE_POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +227,23 @@ def config_dir() -> str:
     return os.environ.get(
         "MEGATRON_FASTPATH_CONFIGS", os.path.join(os.path.dirname(here), "configs")
     )
+
+
+def group_types() -> dict:
+    """{group: its settings dataclass} of every group but ``model`` and ``data`` (whose keys
+    are their provider's: ``ModelProvider.settings``): the types :func:`parse_job_config` reads
+    them as, each field with its default and description (``train/help.py`` prints them)."""
+    from megatron_fastpath.checkpoint import CheckpointConfig
+    from megatron_fastpath.fp8 import FP8Config
+    from megatron_fastpath.graphs.config import CudaGraphConfig
+    from megatron_fastpath.lora import LoRAConfig
+    from megatron_fastpath.offload import OffloadConfig
+    from megatron_fastpath.train.metrics import MetricsConfig
+
+    return {"training": TrainingConfig, "fastpath": FastpathConfig, "parallel": ParallelConfig,
+            "cluster": ClusterConfig, "lora": LoRAConfig, "offload": OffloadConfig,
+            "cuda_graphs": CudaGraphConfig, "fp8": FP8Config, "metrics": MetricsConfig,
+            "export": ExportConfig, "checkpoint": CheckpointConfig}
 
 
 def _refuse_settings_while_off(cfg: Any, fast: FastpathConfig, types: dict) -> None:

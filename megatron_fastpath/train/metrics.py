@@ -17,27 +17,25 @@ import dataclasses
 import os
 from typing import Optional
 
+from megatron_fastpath.settings import setting
+
 __all__ = ["MetricsConfig", "MetricsWriter", "jsonable", "plot_losses"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-    """The ``metrics`` group.
+    """The ``metrics`` group. The W&B run records the whole job configuration and every step's
+    scalars."""
 
-    dir: where event files, the W&B offline run and loss_curves.png go; None: the Hydra run
-        directory when launched from the command line, else nothing is written.
-    tensorboard / plot: on or off. wandb: auto (a run when wandb is installed) | on (wandb
-        required) | off. wandb_mode: offline (files under dir, ``wandb sync`` later) | online
-        (needs ``wandb login`` or WANDB_API_KEY). The W&B run records the whole job
-        configuration and every step's scalars.
-    """
-
-    dir: Optional[str] = None
-    tensorboard: bool = True
-    wandb: str = "auto"
-    wandb_mode: str = "offline"
-    plot: bool = True
-    project: str = "megatron_fastpath"
+    dir: Optional[str] = setting(
+        None, "where event files, the W&B offline run and loss_curves.png go; null: the Hydra run "
+        "directory when launched from the command line")
+    tensorboard: bool = setting(True, "write TensorBoard event files")
+    wandb: str = setting("auto", "Weights & Biases: auto (a run when wandb is installed) | on (wandb required) | off")
+    wandb_mode: str = setting(
+        "offline", "offline (files under dir, wandb sync later) | online (needs wandb login or WANDB_API_KEY)")
+    plot: bool = setting(True, "write loss_curves.png at the end")
+    project: str = setting("megatron_fastpath", "the W&B project")
 
     def __post_init__(self):
         if self.wandb not in ("auto", "on", "off"):

@@ -17,7 +17,7 @@ import difflib
 import os
 from typing import Optional, Sequence
 
-__all__ = ["check_overrides", "unknown_key_error"]
+__all__ = ["check_overrides", "compose_tree", "did_you_mean", "unknown_key_error"]
 
 
 def _leaf_keys(node, prefix: str = "") -> list:
@@ -45,6 +45,15 @@ def _options_with_key(configs: str, group: str, key: str) -> list:
     return found
 
 
+def did_you_mean(word: str, candidates) -> str:
+    """"did you mean X?" (and the next closest) for the ``candidates`` closest to ``word``
+    (:func:`difflib.get_close_matches`); "" when none is close."""
+    close = difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f"did you mean {close[0]}?" + (f" (or {', '.join(close[1:])})" if close[1:] else "")
+
+
 def unknown_key_error(key: str, tree: dict, choices: dict, configs: str) -> Optional[str]:
     """The message for override ``key`` when the composed ``tree`` (a plain dict; ``choices``:
     each group's chosen option) lacks it; None when it has it."""
@@ -64,10 +73,9 @@ def unknown_key_error(key: str, tree: dict, choices: dict, configs: str) -> Opti
             fix = f"add {pick}" if len(others) == 1 else f"add one of {pick}"
             return (f"{key} is a setting of {pick}, not of {group}={choices[group]} (the {group} "
                     f"option chosen): {fix}")
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    close = did_you_mean(key, keys)
     if close:
-        return (f"{key} is not a setting of the job config: did you mean {close[0]}?"
-                + (f" (or {', '.join(close[1:])})" if close[1:] else ""))
+        return f"{key} is not a setting of the job config: {close}"
     if group in tree and isinstance(tree[group], dict):
         return (f"{key} is not a setting of the job config: the {group} group's keys are "
                 f"{', '.join(sorted(tree[group]))}")
@@ -95,9 +103,7 @@ def check_overrides(overrides: Sequence[str], configs: Optional[str] = None) -> 
     keys = [k for k in map(_plain_key, overrides) if k]
     if not keys:
         return
-    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
     configs = configs or config_dir()
     groups = [o for o in overrides if "=" in o and _plain_key(o) is None
@@ -105,15 +111,25 @@ def check_overrides(overrides: Sequence[str], configs: Optional[str] = None) -> 
     if GlobalHydra.instance().is_initialized():
         return
     try:
-        with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=groups, return_hydra_config=True)
+        tree, choices = compose_tree(groups, configs)
     except Exception:  # noqa: BLE001 - a bad group choice: Hydra's own message says which
         return
-    choices = {k: v for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()
-               if isinstance(v, str) and not k.startswith("hydra")}
-    tree = OmegaConf.to_container(cfg, resolve=False)
-    tree.pop("hydra", None)
     for key in keys:
         message = unknown_key_error(key, tree, choices, configs)
         if message:
             raise ValueError(message)
+
+
+def compose_tree(overrides: Sequence[str], configs: str) -> tuple[dict, dict]:
+    """(the composed config as a plain dict less ``hydra``, {group: its chosen option}) of
+    ``overrides`` (Hydra's compose; its exception when they do not compose)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    choices = {k: v for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()
+               if isinstance(v, str) and not k.startswith("hydra")}
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    return tree, choices

@@ -7,54 +7,49 @@ from typing import Optional
 
 from megatron_fastpath.hf.data.records import COLUMNS, FORMATS
 from megatron_fastpath.hf.data.sources import DataError
+from megatron_fastpath.settings import setting
 
 __all__ = ["JsonlDataConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class JsonlDataConfig:
-    """The ``data`` group for ``data=jsonl``.
+    """The ``data`` group for ``data=jsonl``: records read from ``path``
+    (:func:`resolve_source`), tokenized, split into train and held-out records and packed."""
 
-    path: the data file or directory (:func:`resolve_source`). tokenizer_path: directory with tokenizer.json (default model.path).
-    max_tokens / max_seqs: packed bin capacity (the cache's static sizes).
-    eval_fraction: held-out share of the records of ``path`` (at least one record when > 0; None:
-        0.1, or 0 with ``eval_path``).
-    eval_path: a separate held-out file or directory (the formats of ``path``): the held-out
-        split comes from it and all of ``path`` trains; refused with ``eval_fraction`` set.
-    eval_every: held-out loss every this many steps (0: only before and after training).
-    eval_samples: at each evaluation, the model's greedy completion of the first this many
-        held-out prompts, printed and written to the metrics directory (0: none).
-    eval_max_new_tokens: the most tokens each completion runs to (it stops earlier at EOS).
-    bad_records: error | skip (bad records and records longer than max_tokens; counted by reason).
-    overlong: None (records longer than max_tokens follow bad_records) | error | skip | truncate
-        (cut from the right to max_tokens: the prompt whole, the last assistant reply or the
-        completion cut; counted as ``truncated``).
-    cache: cache tokenized records (in ``cache_dir``).
-    cache_dir: the token caches' directory (None: $XDG_CACHE_HOME/megatron_fastpath/tokens, or
-        ~/.cache/megatron_fastpath/tokens).
-    format: auto (detected per record from its keys, as TRL does) | messages |
-        prompt_completion | alpaca | sharegpt | text (continued pretraining: loss on every token).
-    columns: {key data=jsonl reads (:data:`COLUMNS`): the records' own key}, applied to every
-        record before its format is detected (``data.columns.prompt=question``); unset keys
-        (null) are not mapped.
-    """
-
-    path: str = ""
-    tokenizer_path: Optional[str] = None
-    max_tokens: int = 512
-    max_seqs: int = 32
-    eval_fraction: Optional[float] = None
-    eval_path: Optional[str] = None
-    eval_every: int = 10
-    eval_samples: int = 0
-    eval_max_new_tokens: int = 32
-    bad_records: str = "error"
-    overlong: Optional[str] = None
-    cache: bool = True
-    cache_dir: Optional[str] = None
-    seed: int = 1234
-    format: str = "auto"
-    columns: Optional[dict] = None
+    path: str = setting("", "the data: a JSONL file, a JSON array (.json), Parquet, Arrow, a datasets "
+                        "save_to_disk directory, or a directory of shards of one type (name order)")
+    tokenizer_path: Optional[str] = setting(None, "directory with tokenizer.json; null: model.path")
+    max_tokens: int = setting(512, "packed microbatch capacity in tokens (longer records are bad records)")
+    max_seqs: int = setting(32, "most sequences in one packed microbatch (the cache's static size)")
+    eval_fraction: Optional[float] = setting(
+        None, "held-out share of path's records (at least one record when > 0); null: 0.1, or 0 "
+        "with eval_path")
+    eval_path: Optional[str] = setting(
+        None, "a separate held-out file or directory (path's formats); all of path trains; not "
+        "with eval_fraction")
+    eval_every: int = setting(10, "held-out loss every N steps (0: only before and after training)")
+    eval_samples: int = setting(
+        0, "greedy completions of the first N held-out prompts at each evaluation, printed and "
+        "written to the metrics directory")
+    eval_max_new_tokens: int = setting(32, "the longest completion (it stops earlier at EOS / end of turn)")
+    bad_records: str = setting(
+        "error", "error | skip: bad records (and over-long ones, unless overlong says otherwise); "
+        "always reported, counted by reason")
+    overlong: Optional[str] = setting(
+        None, "records longer than max_tokens: null (as bad_records) | error | skip | truncate "
+        "(cut from the right, the prompt kept whole)")
+    cache: bool = setting(True, "cache the tokenized records (keyed on the data's bytes, tokenizer, settings)")
+    cache_dir: Optional[str] = setting(
+        None, "the token caches' directory; null: $XDG_CACHE_HOME/megatron_fastpath/tokens "
+        "(~/.cache/megatron_fastpath/tokens)")
+    seed: int = setting(1234, "seed of the held-out split and of each epoch's order")
+    format: str = setting(
+        "auto", "auto (detected per record from its keys) | messages | prompt_completion | alpaca | "
+        "sharegpt | text (continued pretraining: loss on every token)")
+    columns: Optional[dict] = setting(
+        None, f"map the records' own keys onto the columns data=jsonl reads ({', '.join(COLUMNS)}), "
+        "before the format is detected (data.columns.prompt=question); null: not mapped")
 
     def __post_init__(self):
         if not self.path:
