@@ -45,8 +45,9 @@ T = 256  # packed microbatch capacity (data.max_tokens = NeMo's packed_sequence_
 MAIN_JOB_ENTRY = """
 import sys, torch
 import megatron_fastpath.train as T
+from megatron_fastpath.train import loop
 OUT = sys.argv.pop()
-_train = T.train
+_train = loop.train  # what loop.run calls
 def train(job, *args, **kwargs):
     lora = {n: p.detach().clone() for n, p in job.model.named_parameters() if "lora" in n}
     steps = [[dict(tokens=mb.tokens_1T.clone(), labels=mb.labels_1T.clone(),
@@ -54,7 +55,7 @@ def train(job, *args, **kwargs):
               for mb in job.data.batch(s).microbatches] for s in range(1, job.cfg.training.steps + 1)]
     torch.save({"lora": lora, "steps": steps}, OUT)
     return _train(job, *args, **kwargs)
-T.train = train
+loop.train = train
 sys.argv = ["megatron_fastpath.train"] + sys.argv[1:]
 T.main()
 """
