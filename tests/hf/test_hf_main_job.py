@@ -1,15 +1,19 @@
 """The README's fine-tune flow, end to end on CPU: the example builds a tiny Llama checkpoint and
-tokenizer, the main job fine-tunes LoRA on the shipped chat JSONL with the documented command
-line, train and held-out loss fall, the exported adapter loads in peft and lowers the
-transformers model's held-out loss against the base (to exactly our reported eval loss), and the
-job runs with transformers / peft unimportable."""
+tokenizer, the main job fine-tunes LoRA on the shipped chat JSONL with the command line read from
+docs/fine-tuning.md and prints the page's "Output of that run", the page's ``generate`` example
+answers what the page says, train and held-out loss fall, the exported adapter loads in peft and
+lowers the transformers model's held-out loss against the base (to exactly our reported eval
+loss), and the job runs with transformers / peft unimportable."""
 
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 
 import pytest
+import yaml
 
 from tests.hf.hf_reference import DATA, REPO, held_out_loss
 from tests.support.main_job import TINY_CHECKPOINT_OPTIMIZER, job_env, run_main_job
@@ -20,7 +24,64 @@ pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-STEPS = 40
+STEPS = 60  # the page's command's training.steps (the fixture checks it)
+PAGE = os.path.join(REPO, "docs", "fine-tuning.md")
+
+
+def page_command(module: str) -> list[str]:
+    """The arguments of docs/fine-tuning.md's one ``.venv/bin/python -m <module> ...`` line."""
+    head = f".venv/bin/python -m {module} "
+    found = [line for line in open(PAGE, encoding="utf-8").read().splitlines() if line.startswith(head)]
+    assert len(found) == 1, f"docs/fine-tuning.md shows {len(found)} lines running {module}"
+    return shlex.split(found[0])[3:]
+
+
+def page_block(after: str) -> list[str]:
+    """The lines of docs/fine-tuning.md's first fenced block after the text ``after``."""
+    text = open(PAGE, encoding="utf-8").read()
+    assert after in text, f"docs/fine-tuning.md has no {after!r}"
+    return text.split(after, 1)[1].split("\n```", 1)[1].split("\n", 1)[1].split("\n```", 1)[0].splitlines()
+
+
+def local_args(args, places: dict) -> list[str]:
+    """``key=value`` arguments with each value that is a path of the page (a key of ``places``)
+    replaced by the test's own."""
+    return [f"{k}={places.get(v, v)}" for k, v in (a.split("=", 1) for a in args)]
+
+
+PLACEHOLDERS = {"...": ".*", "<hash>": "[0-9a-f]+", "<date>": r"\d{4}-\d{2}-\d{2}",
+                "<time>": r"\d{2}-\d{2}-\d{2}"}
+
+
+def line_regex(line: str, places: dict) -> re.Pattern:
+    """A line of the page's output as a regex: ``...`` any text, ``<hash>`` a hex hash,
+    ``<date>`` / ``<time>`` Hydra's run-directory date and time, a key of ``places`` (a path
+    the page shows) the test's own path, anything else itself."""
+    table = {**PLACEHOLDERS, **{k: re.escape(v) for k, v in places.items()}}
+    parts = re.split("(" + "|".join(map(re.escape, sorted(table, key=len, reverse=True))) + ")", line)
+    return re.compile("".join(table[p] if i % 2 else re.escape(p) for i, p in enumerate(parts)))
+
+
+def assert_output_matches(page: list[str], printed: list[str], places: dict) -> None:
+    """``printed`` is ``page`` line for line (:func:`line_regex`), where a line that is only
+    ``...`` stands for any number of lines: the page's next line is the first printed line
+    after them that matches. No printed line is left after the page's last (unless it is ``...``)."""
+    at, skipping = 0, False
+    for n, line in enumerate(page, 1):
+        if line.strip() == "...":
+            skipping = True
+            continue
+        want = line_regex(line, places)
+        if skipping:
+            hit = next((j for j in range(at, len(printed)) if want.fullmatch(printed[j])), None)
+            assert hit is not None, (f"the page's output line {n} {line!r} matches no printed line "
+                                     "from here on:\n" + "\n".join(printed[at:]))
+            at, skipping = hit + 1, False
+        else:
+            got = printed[at] if at < len(printed) else "(the end of the output)"
+            assert want.fullmatch(got), f"the page's output line {n}:\n  {line!r}\nprinted:\n  {got!r}"
+            at += 1
+    assert skipping or at == len(printed), f"printed after the page's last line: {printed[at:]}"
 
 BLOCK_HF = """
 import importlib.abc, sys
@@ -45,22 +106,51 @@ def run_job(args, cwd, block_hf=False):
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
+    """docs/fine-tuning.md's command, run as the page runs it: in a directory holding the page's
+    relative ``examples/data/arith_chat.jsonl``, on the example's checkpoint, with the page's
+    /tmp paths in that directory (``places``: what the page's paths stand for here). Added are
+    outputs only, none changing a figure: ``export.merged_dir`` (its lines are left out of
+    ``printed``), ``training.summary_json``, ``hydra.run.dir`` set to Hydra's default
+    (megatron_fastpath/configs/config.yaml; ``run_main_job`` names another otherwise) and the
+    token cache under the directory (``XDG_CACHE_HOME``)."""
     tmp = tmp_path_factory.mktemp("ft")
     import make_tiny_hf_llama
 
-    ckpt = str(tmp / "tiny-llama")
+    places = {"/tmp/tiny-llama-lora": str(tmp / "tiny-llama-lora"), "/tmp/tiny-llama": str(tmp / "tiny-llama"),
+              "~/.cache": str(tmp / ".cache"), "<repo>": str(tmp)}
+    ckpt, adapter = places["/tmp/tiny-llama"], places["/tmp/tiny-llama-lora"]
     make_tiny_hf_llama.main(ckpt, DATA)
-    data = str(tmp / "chat.jsonl")
-    shutil.copy(DATA, data)  # the token cache is written beside the data
-    out = {k: str(tmp / k) for k in ("adapter", "merged", "metrics", "run")}
-    summary = str(tmp / "summary.json")
-    stdout = run_job([
-        "model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}", "fastpath.lora=true",
-        f"export.adapter_dir={out['adapter']}", f"export.merged_dir={out['merged']}",
-        f"training.steps={STEPS}", f"training.summary_json={summary}", f"metrics.dir={out['metrics']}",
-        f"hydra.run.dir={out['run']}", *TINY_CHECKPOINT_OPTIMIZER,
-    ], cwd=str(tmp))
-    return dict(out, ckpt=ckpt, data=data, stdout=stdout, summary=json.load(open(summary)))
+    data = tmp / "examples" / "data" / "arith_chat.jsonl"
+    data.parent.mkdir(parents=True)
+    shutil.copy(DATA, data)
+    args = page_command("megatron_fastpath.train")
+    assert "data.path=examples/data/arith_chat.jsonl" in args and f"training.steps={STEPS}" in args, args
+    hydra_run_dir = yaml.safe_load(open(os.path.join(REPO, "megatron_fastpath", "configs", "config.yaml")))[
+        "hydra"]["run"]["dir"]
+    merged, summary = str(tmp / "merged"), str(tmp / "summary.json")
+    stdout = run_main_job([*local_args(args, places), f"export.merged_dir={merged}",
+                           f"training.summary_json={summary}", f"hydra.run.dir={hydra_run_dir}"],
+                          cwd=str(tmp), env=job_env(WANDB_MODE="offline", XDG_CACHE_HOME=places["~/.cache"])).stdout
+    s = json.load(open(summary))
+    return dict(adapter=adapter, merged=merged, metrics=os.path.dirname(s["artifacts"]["plot"]),
+                ckpt=ckpt, data=str(data), stdout=stdout, summary=s, places=places,
+                printed=[line for line in stdout.splitlines() if merged not in line])
+
+
+def test_the_page_shows_what_its_command_prints(finetuned):
+    """docs/fine-tuning.md's "Output of that run" is what its command prints, line for line."""
+    assert_output_matches(page_block("Output of that run"), finetuned["printed"], finetuned["places"])
+
+
+def test_the_page_s_generate_example_answers_what_the_page_says(finetuned):
+    """The page's ``generate`` line, on the adapter its command trained, answers what the page
+    says it answers (the answer is transformers + peft's: tests/hf/test_generate.py)."""
+    from megatron_fastpath.generate import generate, parse_args
+
+    said = re.search(rf"after the {STEPS}-step run above: `([^`]*)`", open(PAGE, encoding="utf-8").read())
+    assert said, "docs/fine-tuning.md does not say what generate answers after the run"
+    _, text = generate(parse_args(local_args(page_command("megatron_fastpath.generate"), finetuned["places"])))
+    assert text == said.group(1)
 
 
 def test_train_and_eval_loss_fall_sync_free(finetuned):
@@ -85,7 +175,7 @@ def test_metrics_files_written(finetuned):
     assert {"train/loss", "train/lr", "train/tokens_per_s", "train/grad_norm",
             "train/host_syncs_step", "eval/loss", "eval/perplexity", "eval/token_accuracy"} <= tags
     assert len(acc.Scalars("train/loss")) == STEPS
-    assert [e.step for e in acc.Scalars("eval/loss")] == [0, 10, 20, 30, 40]
+    assert [e.step for e in acc.Scalars("eval/loss")] == list(range(0, STEPS + 1, 10))
     png = os.path.join(finetuned["metrics"], "loss_curves.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert finetuned["summary"]["artifacts"]["plot"] == png
@@ -140,7 +230,8 @@ def test_readme_shows_the_documented_command():
     assert "examples/make_tiny_hf_llama.py /tmp/tiny-llama" in readme
     assert ("python -m megatron_fastpath.train model=hf model.path=/tmp/tiny-llama data=jsonl "
             "data.path=examples/data/arith_chat.jsonl fastpath.lora=true "
-            "export.adapter_dir=/tmp/tiny-llama-lora") in readme
+            f"export.adapter_dir=/tmp/tiny-llama-lora training.steps={STEPS} "
+            + " ".join(TINY_CHECKPOINT_OPTIMIZER)) in readme  # the resume test's settings
 
 
 def test_step_lines_reach_train_log(finetuned):
@@ -166,7 +257,7 @@ def test_eval_history_survives_a_resume(finetuned, tmp_path):
     out = run_job(common + [f"training.summary_json={summary}"], cwd=str(tmp_path))
     assert out.splitlines()[0].startswith(f"resuming from {ckpt_dir}/step_00000015")
     resumed, straight = json.load(open(summary)), finetuned["summary"]
-    assert resumed["evals"] == straight["evals"] and [e[0] for e in resumed["evals"]] == [0, 10, 20, 30, 40]
+    assert resumed["evals"] == straight["evals"] and [e[0] for e in resumed["evals"]] == list(range(0, STEPS + 1, 10))
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"]]
     assert resumed["eval_accuracy"] == straight["eval_accuracy"]
     # checkpoint.keep_best with keep=1: the newest, the one resumed from and the lowest
