@@ -116,6 +116,21 @@ def test_static_input_wait_follows_the_installed_loader():
     assert graphs_compat.static_inputs_wait_upstream(Version("0.16.1")) is False
 
 
+def test_graph_inputs_per_microbatch_follows_the_installed_capture():
+    """The installed CudaGraphManager attaches its buffer metadata along the ``_base`` chain
+    (one buffer for an input several graphs take, its uses asserted consumed before the first
+    backward graph) exactly on the line the gate says needs a slot per microbatch."""
+    import inspect
+
+    from megatron.core.transformer import cuda_graphs as cg
+
+    src = inspect.getsource(cg)
+    assert "assert fwd_buffer_reuse_ref_count == 0" in src  # both lines
+    assert ("def _apply_cudagraph_buffer_metadata" in src) is graphs_compat.graph_inputs_per_microbatch()
+    assert graphs_compat.graph_inputs_per_microbatch(Version("0.19.2")) is True
+    assert graphs_compat.graph_inputs_per_microbatch(Version("0.16.1")) is False
+
+
 # -- Sync-free optimizer: the gradients of the norm -------------------------------------------
 
 class _Leaf:

@@ -257,6 +257,22 @@ def static_inputs_wait_upstream(version: Optional["Version"] = None) -> bool:
         version=version) == MCORE_0_19
 
 
+def graph_inputs_per_microbatch(version: Optional["Version"] = None) -> bool:
+    """Whether each microbatch of a step needs graph inputs of its own when per-layer graphs run
+    under pipeline parallelism. 0.19.x: CudaGraphManager's record metadata (one object per
+    input buffer, ``_apply_cudagraph_buffer_metadata``, 0.19.2 transformer/cuda_graphs.py:109-125)
+    gives an input that several recorded graphs take one preallocated buffer and counts its
+    pending uses (``input_use_count`` -> ``fwd_buffer_reuse_ref_count``, :1233-1245,
+    :1337-1339); creating the first backward graph asserts every such buffer consumed (:617).
+    Under 1F1B the last stage records microbatch 1's backward before microbatch 2's forward, so
+    a packed-cache slot shared by the two (the same record tensors) still has uses pending there
+    and the capture fails (the feature matrix's PP2 graph runs). 0.16.1 captures the same runs
+    with shared slots (its metadata is per tensor, no ``_apply_cudagraph_buffer_metadata``)."""
+    return _require_checked_mcore(
+        "graph_inputs_per_microbatch", "CudaGraphManager's shared-input buffers and their "
+        "reuse count checked before the first backward graph", version=version) == MCORE_0_19
+
+
 def full_cuda_graph_captured(stage: str = "training"):
     """The graph ``FullCudaGraphWrapper`` captured for ``stage`` (None before its capture)."""
     from megatron.core import full_cuda_graph as fcg

@@ -115,13 +115,17 @@ def build_cache(cfg: JobConfig, longest_sequence: Optional[int] = None) -> Packe
     from the data (``packed_seq.config.seqlen_bound``; T when not given)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_fastpath.compat.graphs import graph_inputs_per_microbatch
     from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
     from megatron_fastpath.packed_seq.config import seqlen_bound
     from megatron_fastpath.packed_seq.inflight import slots_for_1f1b
 
     in_flight = 1
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
     if cfg.plan.full_iteration:  # the captured step holds every microbatch in its own slot
         in_flight = cfg.training.micro_batches
+    elif cfg.plan.capture and pipelined and graph_inputs_per_microbatch():
+        in_flight = cfg.training.micro_batches  # no slot shared by two microbatches' graphs
     elif cfg.device.type == "cuda":
         in_flight = slots_for_1f1b(cfg.training.micro_batches,
                                    ps.get_pipeline_model_parallel_world_size(),
