@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.matrix import NA
+from tests.support.matrix import NA, value_pairs
 from tests.integrations.hook_feature_matrix.matrix import (
     BUILD, Combo, DOC, FIXED_BY_THE_MODEL, FULL_ENV, LAUNCHES, NOT_CROSSED, NOT_SET_BY_HOOKS, ONE_AWAY,
     REFUSED, REQUEST_AXES, RUN, RUN2_TE, RUN_STATUSES, RUN_TE, STATUSES, T, UNREACHABLE_MESSAGES,
@@ -180,18 +180,14 @@ def test_ci_runs_cover_every_pair_of_each_launch():
     """Unit tier: of each status and layout, the CI's runs are distinct builds (one per build
     group) and every pair of axis values that some runnable combination of it has is in a
     combination whose build the CI runs; the full tier runs every distinct build."""
-    def pairs(c):
-        items = list(c.items())
-        return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
-
     total = 0
     for status, layout in [(RUN, "1"), *child_launches()]:
         chosen = ci_runs(status, layout)
         builds = selected(status)
         assert chosen and set(chosen) <= set(_of_layout(status, layout)), (status, layout)
         members = [m for c in chosen for m in builds[c]]
-        want = set().union(*(pairs(c) for c in runnable(status) if c["layout"] == layout))
-        assert want <= set().union(*map(pairs, members)), (status, layout)
+        want = set().union(*(value_pairs(c) for c in runnable(status) if c["layout"] == layout))
+        assert want <= set().union(*map(value_pairs, members)), (status, layout)
         total += len(chosen)
     assert total < sum(len(_of_layout(s, lay)) for s, lay in [(RUN, "1"), *child_launches()]) / 3
 

@@ -53,14 +53,17 @@ def axes_table(axes) -> list:
     return lines + [f"| {a.name} | {', '.join(map(str, a.values))} | {cell(a.source)} |" for a in axes]
 
 
+def value_pairs(combo) -> set:
+    """Every pair of ``(axis, value)`` items of ``combo``, in axis order."""
+    items = list(combo.items())
+    return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
+
+
 def pairwise_cover(combos: list) -> list:
     """A subset of ``combos`` (greedy, deterministic, none redundant) in which every pair of
     axis values that occurs together in some combination of ``combos`` occurs together in one
     of the subset."""
-    def pairs(c):
-        items = list(c.items())
-        return {(a, b) for k, a in enumerate(items) for b in items[k + 1:]}
-
+    pairs = value_pairs
     todo = set().union(*(pairs(c) for c in combos)) if combos else set()
     chosen, left = [], list(combos)
     while todo:

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.support.matrix import FULL_ENV, NA, Combination, pairwise_cover  # noqa: F401 -- the tests import them here
+from tests.support.matrix import FULL_ENV, NA, Combination, pairwise_cover, value_pairs  # noqa: F401 -- the tests import them here
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -647,7 +647,7 @@ RAW_SETTINGS = ("attention_backend", "linear_impl")  # what job_key replaces by 
 
 def _check_cover(every: list, cover: list, what: str) -> None:
     """``cover`` is a pairwise cover of ``every``, smaller, and no combination of it redundant."""
-    pairs = lambda c: {frozenset([a, b]) for a in c.items() for b in c.items() if a < b}  # noqa: E731
+    pairs = value_pairs
     assert set().union(*map(pairs, every)) == set().union(*map(pairs, cover)), what
     assert set(cover) <= set(every) and len(cover) < len(every), what
     assert all(set().union(*map(pairs, cover[:k] + cover[k + 1:])) != set().union(*map(pairs, cover))
