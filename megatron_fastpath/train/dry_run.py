@@ -2,7 +2,7 @@
 
 The config is parsed (every refusal the real run raises at parse), the data is built (its
 records, the packed microbatches, the steps ``training.epochs`` takes), the memory estimate is
-made and checked against the machine (:func:`~megatron_fastpath.train.memory.check_memory`,
+made and checked against the machine (:func:`~megatron_fastpath.train.preflight.memory_estimate`,
 unless ``training.skip_memory_check``), and the plan is printed. No process group, model or
 step; no checkpoint or export is written (``checkpoint.dir`` and the export directories are
 not created).
@@ -10,30 +10,21 @@ not created).
 
 from __future__ import annotations
 
-import os
-
 from megatron_fastpath.train.config import JobConfig, set_from_data
 
 __all__ = ["dry_run"]
 
 
-def _dp_world(cfg: JobConfig) -> int:
-    """Data-parallel ranks of the launcher's world (WORLD_SIZE / SLURM_NTASKS; 1 unset)."""
-    p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    return max(world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                         * p.context_parallel_size), 1)
-
-
 def dry_run(cfg: JobConfig, log=print) -> dict:
     """Print the plan of ``cfg`` (a parsed :class:`JobConfig`) and return it as a dict."""
     from megatron_fastpath.providers import data_provider
-    from megatron_fastpath.train.memory import check_memory, estimate_memory
+    from megatron_fastpath.train.memory import launched_data_parallel_size
+    from megatron_fastpath.train.preflight import memory_estimate
 
-    dp_world = _dp_world(cfg)
+    dp_world = launched_data_parallel_size(cfg.parallel)
     parts = data_provider(cfg.data_provider).build(cfg, 0, dp_world)
     cfg = set_from_data(cfg, parts.train)
-    est = estimate_memory(cfg) if cfg.training.skip_memory_check else check_memory(cfg)
+    est = memory_estimate(cfg, check=not cfg.training.skip_memory_check)
     m, p, t, data = cfg.model, cfg.parallel, cfg.training, parts.train
     steps = t.stop_at_step or t.steps
     records = (parts.report or {}).get("records", getattr(cfg.data, "num_samples", None))

@@ -9,7 +9,9 @@ known without a device, and calls the rules once. The preflight then, in this or
 * sets the plan's environment where the user has not (``graphs.config.apply_env``): before
   anything initialises CUDA, whose caching allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` once;
 * :func:`check_device`: asks the GPU for its capability where a rule reads it, and takes the
-  rules again with it (the same rules the parse called), then the memory check.
+  rules again with it (the same rules the parse called), then the memory check
+  (:func:`memory_estimate`: per rank, at the launcher's data-parallel size, the optimizer
+  state sharded where the distributed optimizer shards it).
 
 Its errors are ValueError / CheckpointError, one line each (the main job's ``main()`` prints
 them and exits 2). :func:`~megatron_fastpath.train.job.build_job` runs it first, so ``run()``
@@ -23,7 +25,7 @@ import dataclasses
 from megatron_fastpath import rules
 from megatron_fastpath.train.config import JobConfig, refuse
 
-__all__ = ["check_device", "check_output_dirs", "needs_capability", "preflight"]
+__all__ = ["check_device", "check_output_dirs", "memory_estimate", "needs_capability", "preflight"]
 
 
 def preflight(job: JobConfig) -> None:
@@ -65,6 +67,19 @@ def check_device(job: JobConfig) -> None:
         capability = tuple(torch.cuda.get_device_capability(job.device))
         refuse(rules.refusals(dataclasses.replace(job.facts, capability=capability)))
     if not job.training.skip_memory_check:
-        from megatron_fastpath.train.memory import check_memory
+        memory_estimate(job)
 
-        check_memory(job)
+
+def memory_estimate(job: JobConfig, check: bool = True):
+    """The per-rank :class:`~megatron_fastpath.train.memory.MemoryEstimate` of ``job`` at the
+    launcher's data-parallel size (WORLD_SIZE over TP x PP x CP), its optimizer state sharded
+    over the data-parallel ranks where the distributed optimizer is on; with ``check``, refused
+    (ValueError) where it exceeds the machine's memory. The preflight's check and the dry run's
+    plan both take it from here."""
+    from megatron_fastpath.train.memory import check_memory, estimate_memory, launched_data_parallel_size
+
+    dp = launched_data_parallel_size(job.parallel)
+    distributed = bool(getattr(job.parallel, "distributed_optimizer", False))
+    if check:
+        return check_memory(job, data_parallel_size=dp, distributed_optimizer=distributed)
+    return estimate_memory(job, data_parallel_size=dp, distributed_optimizer=distributed)
