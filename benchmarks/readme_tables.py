@@ -155,6 +155,31 @@ def graph_launches(d) -> str:
     return "\n".join(out)
 
 
+def graph_launches_versions(d, base) -> str:
+    """The launch counts on a later megatron-core (``d``), 0.16.1's in brackets where they
+    differ; host ms is ``d``'s own run (CPU time of the stand-in, nothing about a GPU)."""
+    names = {"eager": "no graphs", "layers": "`scope=layers`", "full_iteration": "`scope=full_iteration`"}
+    old = {(r["layers"], r["variant"]): r for r in base["results"]}
+    by = {(r["layers"], r["variant"]): r for r in d["results"]}
+    v = d["environment"].get("megatron_core", "?")
+    out = [f"| L | variant | eager ops / step, {v} ({BASELINE_MCORE}) | graph launches / step "
+           f"| eager ops + launches, {v} ({BASELINE_MCORE}) | host->device copies / step "
+           f"| host ms / step (min, CPU), {v} | layers / this (ops + launches), {v} ({BASELINE_MCORE}) |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        key = (r["layers"], r["variant"])
+        o = old.get(key, r)
+        layers, layers_old = by[(key[0], "layers")], old.get((key[0], "layers"), by[(key[0], "layers")])
+        out.append(f"| {r['layers']} | {names[r['variant']]} | "
+                   f"{_both(r['eager_ops_per_step'], o['eager_ops_per_step'])} | "
+                   f"{_both(r['graph_launches_per_step'], o['graph_launches_per_step'])} | "
+                   f"{_both(r['launch_proxy'], o['launch_proxy'])} | "
+                   f"{_both(r['h2d_copies_per_step'], o['h2d_copies_per_step'])} | "
+                   f"{r['host_ms_per_step']:.1f} | "
+                   f"{_both(layers['launch_proxy'] / r['launch_proxy'], layers_old['launch_proxy'] / o['launch_proxy'], '{:.2f}')} |")
+    return "\n".join(out)
+
+
 def data_stream(d) -> str:
     impl = {"new": "streaming", "old": "before (0607857)"}
     gen = {g["records"]: g for g in d["generation"]}
@@ -207,7 +232,8 @@ def moe_dispatch_versions(d, base) -> str:
 
 # tables of a later megatron-core's run beside the 0.16.1 one: (name, version, formatter(d, base))
 VERSIONED = (("packed_seq", "0.19.2", packed_seq_versions),
-             ("moe_dispatch", "0.19.2", moe_dispatch_versions))
+             ("moe_dispatch", "0.19.2", moe_dispatch_versions),
+             ("graph_launches", "0.19.2", graph_launches_versions))
 
 
 def tables(results_dir: str = RESULTS) -> dict:
