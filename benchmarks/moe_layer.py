@@ -25,7 +25,7 @@ The "flex" dispatcher does not run here: each backend's refusal is recorded in t
 
 Megatron's layer needs a GPU where a CPU has none: its router moves its weight to
 ``torch.cuda.current_device()`` (0.19.2 ``router.py:96-98``) and the alltoall dispatcher copies
-its counts on a side stream (``token_dispatcher.py:468-469``, ``:922-950``). Every layer, ours
+its counts on a side stream (``token_dispatcher.py:468-469``, ``:920-950``). Every layer, ours
 too, runs inside ``tests/support/cuda_as_cpu.py``'s ``cuda_as_cpu()`` (the same per-call mode
 cost for all) and with dynamo off (0.19.2 compiles the router's expert-bias update,
 ``router.py:727``, which dynamo cannot target on the stand-in GPU; the bias is off here).
@@ -92,11 +92,11 @@ HOST_COPY_READS = {
         ("transformer/moe/experts.py", 910, "tokens_per_expert.tolist()"),
     ),
     (0, 19): (
-        ("transformer/moe/moe_utils.py", 607, "split_sizes.tolist()"),  # dtoh copy :937-939
+        ("transformer/moe/moe_utils.py", 607, "split_sizes.tolist()"),  # dtoh copy :943-945
         ("transformer/moe/moe_utils.py", 608, "sorted_idxs.tolist()"),  # "cpu" index :428-435
         ("transformer/moe/moe_utils.py", 610, "split_sizes.tolist()"),
         ("transformer/moe/moe_utils.py", 611, "sorted_idxs.tolist()"),
-        ("transformer/moe/experts.py", 1352, "tokens_per_expert.tolist()"),  # :926 | .cpu() :317
+        ("transformer/moe/experts.py", 1352, "tokens_per_expert.tolist()"),  # :927 | .cpu() :317
         # the allgather dispatcher's num_out_tokens: the sum of the counts .cpu() copied (:317)
         ("transformer/moe/token_dispatcher.py", 323, "tokens_per_expert.sum().item()"),
     ),

@@ -197,9 +197,33 @@ def data_stream(d) -> str:
     return "\n".join(out)
 
 
+MOE_LAYER_LABELS = {"megatron_alltoall": "Megatron `MoELayer`, `alltoall`",
+                    "megatron_allgather": "Megatron `MoELayer`, `allgather`",
+                    "ours": "ours, `FastpathMoELayer`"}
+
+
+def _moe_layer_rows(d):
+    by = {(r["expert_width"], r["experts"], r["topk"], r["layer"]): r for r in d["results"]}
+    for w, E, k in sorted({key[:3] for key in by}):
+        for layer, label in MOE_LAYER_LABELS.items():
+            yield (w, E, k, layer), label, by[(w, E, k, layer)]
+
+
+def moe_layer(d) -> str:
+    out = ["| width | E | k | layer | host syncs / layer (GPU) | host reads (CPU) | aten ops "
+           "| fwd ms (min) | fwd+bwd ms (min) | this / ours (fwd+bwd) | max abs diff: output, gradients |",
+           "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for (w, E, k, _), label, r in _moe_layer_rows(d):
+        out.append(f"| {w} | {E} | {k} | {label} | {r['host_syncs_per_layer']} | "
+                   f"{r['host_reads_cpu']} | {r['aten_ops']} | {r['fwd_ms']:.1f} | "
+                   f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ratio_vs_ours']:.2f} | "
+                   f"{r['out_max_abs_diff']:.1e}, {r['grad_max_abs_diff']:.1e} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
           ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
-          ("data_stream", data_stream))
+          ("data_stream", data_stream), ("moe_layer", moe_layer))
 
 
 MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",
@@ -230,10 +254,29 @@ def moe_dispatch_versions(d, base) -> str:
     return "\n".join(out)
 
 
+def moe_layer_versions(d, base) -> str:
+    """The whole-layer rows on a later megatron-core (``d``), 0.16.1's counts in brackets where
+    they differ; times, ratios and differences are ``d``'s own run."""
+    old = {(r["expert_width"], r["experts"], r["topk"], r["layer"]): r for r in base["results"]}
+    v = d["environment"].get("megatron_core", "?")
+    out = [f"| width | E | k | layer | host syncs / layer (GPU), {v} ({BASELINE_MCORE}) "
+           f"| host reads (CPU), {v} ({BASELINE_MCORE}) | aten ops, {v} ({BASELINE_MCORE}) "
+           f"| fwd+bwd ms (min), {v} | this / ours, {v} | max abs diff: output, gradients, {v} |",
+           "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for key, label, r in _moe_layer_rows(d):
+        o = old.get(key, r)
+        cells = [_both(r[n], o[n]) for n in ("host_syncs_per_layer", "host_reads_cpu", "aten_ops")]
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {label} | {' | '.join(cells)} | "
+                   f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ratio_vs_ours']:.2f} | "
+                   f"{r['out_max_abs_diff']:.1e}, {r['grad_max_abs_diff']:.1e} |")
+    return "\n".join(out)
+
+
 # tables of a later megatron-core's run beside the 0.16.1 one: (name, version, formatter(d, base))
 VERSIONED = (("packed_seq", "0.19.2", packed_seq_versions),
              ("moe_dispatch", "0.19.2", moe_dispatch_versions),
-             ("graph_launches", "0.19.2", graph_launches_versions))
+             ("graph_launches", "0.19.2", graph_launches_versions),
+             ("moe_layer", "0.19.2", moe_layer_versions))
 
 
 def tables(results_dir: str = RESULTS) -> dict:
