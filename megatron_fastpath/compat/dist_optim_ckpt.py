@@ -1,0 +1,166 @@
+"""Megatron's DistributedOptimizer in a checkpoint: the format its sharded state is written in,
+how it is asked for, and its state before the first step (checkpoint/optim.py).
+
+``DistributedOptimizer.sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type=None,
+metadata=None)`` (0.16.1 optimizer/distrib_optimizer.py:1175-1295, 0.19.2 :1460-1581) writes the
+parameter state (fp32 main parameters, ``exp_avg``, ``exp_avg_sq``) in the format named by
+``metadata['distrib_optim_sharding_type']`` (the ``sharding_type`` argument is deprecated on
+both lines, 0.16.1 :1215-1222, 0.19.2 :1500-1507), ``fully_sharded_model_space`` when absent;
+``load_state_dict`` reads the format back from the state (``param_state_sharding_type``, 0.16.1
+:863-881, 0.19.2 :1070-1088). The formats on both lines, and what this package does with each:
+
+* ``fully_reshardable`` -- written: each parameter's state is one tensor of the parameter's own
+  shape, keyed by the model parameter's key (``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<key>``),
+  the DP shards gathered on DP rank 0 at save (0.16.1 :1404-1537, 0.19.2 :1690-1826) and sliced
+  by each rank at load, so a checkpoint loads at another DP (and TP / PP) size. Megatron's own
+  training writes it under ``--dist-ckpt-optim-fully-reshardable`` (training/checkpointing.py
+  ``_build_sharded_state_dict_metadata``, core_v0.16.1 :422-424, core_v0.19.0 :499-502).
+* ``dp_reshardable`` (Megatron training's default, the same functions :426 / :505) -- refused:
+  besides its bucket tensors it holds the param groups and the bucket sizes as pickled
+  ``ShardedObject``s (0.16.1 :1247-1262 and :1578-1588, 0.19.2 :1533-1548 and :1867-1877),
+  which this package's checkpoints neither write nor unpickle (checkpoint/manager.py
+  ``_drop_objects``).
+* ``fully_sharded_model_space`` (the method's default) -- refused: its tensors are flattened
+  slices (``flattened_range``, 0.16.1 :1748, 0.19.2 :2037) and both lines' ShardedTensor
+  refuses them ("ShardedTensor.flattened_range is not supported.",
+  dist_checkpointing/mapping.py:133-134 in 0.16.1 and 0.19.2).
+* ``dp_zero_gather_scatter`` (deprecated, a pickled ShardedObject) and ``fsdp_dtensor`` (Megatron
+  FSDP only) -- refused.
+
+``metadata['chained_optim_avoid_prefix'] = True``, as Megatron's training passes it (core_v0.16.1
+training/checkpointing.py:429, core_v0.19.0 :508): a ChainedOptimizer (dense + expert
+parameters) then writes the same keys as a single optimizer (0.16.1 optimizer/optimizer.py:1194-
+1198, 0.19.2 :1551-1555).
+
+Before its first step a DistributedOptimizer over torch's Adam (no Transformer Engine / Apex,
+``HAVE_APEX_OR_TE`` False: distrib_optimizer.py 0.16.1 :21-36, 0.19.2 :20-35) has no state, and
+its ``state_dict`` asserts one step over that state (0.16.1 :640-643, 0.19.2 :837-840), which
+``sharded_state_dict(is_loading=True)`` calls (0.16.1 :1246, 0.19.2 :1532): loading into a fresh
+optimizer fails. :func:`distributed_optimizer_sharded_state` first gives it state through
+Megatron's own ``_init_optimizer_states_with_dummy_values`` (0.16.1 :1137-1152, 0.19.2
+:1422-1437; one step of zero gradients), which the load then overwrites: every tensor of the
+state and the step (from the saved param groups, 0.16.1 :818-825, 0.19.2 :1025-1032).
+
+Loading: ``DistributedOptimizer.load_state_dict`` loads the param groups (the step, for torch's
+Adam into every parameter's state) and then the parameter state in its format (0.16.1
+:863-881, 0.19.2 :1070-1088). For ``fully_reshardable`` that is
+``load_parameter_state_from_fully_reshardable`` (0.16.1 :2070-2116, 0.19.2 :2359-2405), which
+leaves the step out of what it copies (:2100-2102 / :2389-2391) while
+``_set_main_param_and_optimizer_states`` copies into every tensor of the parameter's state, the
+step of torch's Adam included (0.16.1 :911-940, 0.19.2 :1193-1225): a KeyError 'step' with
+torch's Adam (no Transformer Engine / Apex, and the sync-free step, which runs torch's Adam).
+:func:`load_distributed_optimizer_state` runs the two halves itself: ``load_state_dict`` without
+the parameter state (it then skips it, 0.16.1 :863, 0.19.2 :1070), then the format's loader with
+each parameter's step set aside and put back, each its own tensor: ``load_state_dict`` gives every
+parameter's state the same step tensor (0.16.1 :818-825, 0.19.2 :1025-1032), which torch's
+``Optimizer.load_state_dict`` keeps as it is (torch 2.13 optim/optimizer.py:794-798), and torch's
+Adam adds 1 to its step in place for each parameter it updates: one shared tensor would count a
+step once per parameter.
+"""
+
+from __future__ import annotations
+
+from megatron_fastpath.compat import _require_checked_mcore
+
+__all__ = ["OPTIMIZER_FORMATS", "REFUSED_OPTIMIZER_FORMATS", "check_optimizer_format", "optimizer_format_problem",
+           "distributed_optimizer_leaves", "distributed_optimizer_sharded_state",
+           "load_distributed_optimizer_state"]
+
+# the formats the package writes and reads, per checked megatron-core line
+OPTIMIZER_FORMATS = {(0, 16): ("fully_reshardable",), (0, 19): ("fully_reshardable",)}
+_PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_reshardable"}
+REFUSED_OPTIMIZER_FORMATS = {
+    "dp_reshardable": "it stores the param groups and bucket sizes as pickled ShardedObjects, which "
+                      "this package's checkpoints neither write nor unpickle",
+    "fully_sharded_model_space": "megatron-core's ShardedTensor refuses its flattened tensors "
+                                 "(dist_checkpointing/mapping.py: flattened_range is not supported)",
+    "dp_zero_gather_scatter": "it is deprecated and stores the whole state as one pickled ShardedObject",
+    "fsdp_dtensor": "it is Megatron FSDP's format, not the DistributedOptimizer's",
+}
+
+
+def optimizer_format_problem(fmt, version=None):
+    """Why the installed megatron-core's DistributedOptimizer state cannot be written and read in
+    format ``fmt`` by this package (None: it can)."""
+    line = _require_checked_mcore(
+        "optimizer_format_problem",
+        "DistributedOptimizer.sharded_state_dict's formats (optimizer/distrib_optimizer.py)",
+        version=version)
+    if fmt in OPTIMIZER_FORMATS[line]:
+        return None
+    return REFUSED_OPTIMIZER_FORMATS.get(fmt, "megatron-core %d.%d has no such format" % line)
+
+
+def check_optimizer_format(fmt, version=None) -> str:
+    """``fmt`` (the ``checkpoint.optimizer_format`` setting) when :func:`optimizer_format_problem`
+    finds none; else ValueError (one line: what, why, the fix)."""
+    why = optimizer_format_problem(fmt, version)
+    if why is None:
+        return fmt
+    line = _require_checked_mcore("check_optimizer_format", "as optimizer_format_problem", version=version)
+    raise ValueError(f"checkpoint.optimizer_format={fmt!r} cannot be used: {why}; use "
+                     f"{' or '.join(OPTIMIZER_FORMATS[line])}")
+
+
+def _leaves(optimizer) -> list:
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    # a wrapper of a Megatron optimizer (the sync-free step's) keeps it as ``optimizer``
+    while not isinstance(optimizer, MegatronOptimizer) and isinstance(
+            getattr(optimizer, "optimizer", None), MegatronOptimizer):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def distributed_optimizer_leaves(optimizer) -> list:
+    """The DistributedOptimizers inside ``optimizer`` (a ChainedOptimizer flattened, a wrapper
+    unwrapped): all its leaves, or none; a mix is refused."""
+    _require_checked_mcore("distributed_optimizer_leaves", "ChainedOptimizer.chained_optimizers")
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    leaves = _leaves(optimizer)
+    dist = [leaf for leaf in leaves if isinstance(leaf, DistributedOptimizer)]
+    if dist and len(dist) != len(leaves):
+        raise ValueError(
+            f"the optimizer chains {len(dist)} DistributedOptimizer(s) with "
+            f"{len(leaves) - len(dist)} other optimizer(s): a checkpoint holds one kind of "
+            "optimizer state; build every chained optimizer with use_distributed_optimizer=True")
+    return dist
+
+
+def distributed_optimizer_sharded_state(optimizer, model_sharded_state_dict, is_loading: bool,
+                                        fmt: str) -> dict:
+    """``optimizer.sharded_state_dict`` of a (chain of) DistributedOptimizer(s) in format ``fmt``
+    (see the module docstring); with ``is_loading``, a leaf without state gets it first."""
+    check_optimizer_format(fmt)
+    if is_loading:
+        from megatron.core.optimizer import distrib_optimizer
+
+        for leaf in distributed_optimizer_leaves(optimizer):
+            if not distrib_optimizer.HAVE_APEX_OR_TE and len(leaf.optimizer.state) == 0:
+                leaf._init_optimizer_states_with_dummy_values()
+    metadata = {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+
+def load_distributed_optimizer_state(optimizer, state_dict: dict, fmt: str) -> None:
+    """Load ``state_dict`` (as :func:`distributed_optimizer_sharded_state` made it, loaded) into
+    ``optimizer`` (see the module docstring's "Loading")."""
+    check_optimizer_format(fmt)
+    leaves = distributed_optimizer_leaves(optimizer)
+    # a ChainedOptimizer of several leaves keys their states by index (optimizer/optimizer.py
+    # ChainedOptimizer.sharded_state_dict / load_state_dict: 0.16.1 :1204-1229, 0.19.2 :1561-1586)
+    chained = len(leaves) > 1
+    states = [state_dict[i] for i in range(len(leaves))] if chained else [state_dict]
+    without = [{k: v for k, v in sd.items() if k != "param_state"} for sd in states]
+    optimizer.load_state_dict(dict(enumerate(without)) if chained else without[0])
+    for leaf, sd in zip(leaves, states):
+        inner = leaf.optimizer.state
+        steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
+        try:
+            getattr(leaf, _PARAM_STATE_LOADERS[fmt])(sd["param_state"])
+        finally:
+            for p, st in steps.items():
+                inner[p]["step"] = st.clone()
