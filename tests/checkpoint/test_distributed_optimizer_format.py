@@ -1,0 +1,136 @@
+"""Megatron's DistributedOptimizer in the package's checkpoints, in one process (DP 1):
+``checkpoint.optimizer_format`` and its refusals, the format recorded in the checkpoint and read
+back, the refusals at load, and an exact resume through ``CheckpointManager`` +
+``training_parts`` (Megatron's DDP + ``get_megatron_optimizer(use_distributed_optimizer=True)``
+in the CUDA-as-CPU mode). Resharding over DP sizes: test_distributed_optimizer_resharding.py."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from packaging.version import Version
+
+from megatron_fastpath.checkpoint import CheckpointConfig
+from megatron_fastpath.compat import mcore_line
+from megatron_fastpath.compat import dist_optim_ckpt
+from tests.support.cuda_as_cpu import cuda_as_cpu
+
+
+def test_the_setting_defaults_to_fully_reshardable():
+    assert CheckpointConfig().optimizer_format == "fully_reshardable"
+
+
+@pytest.mark.parametrize("fmt, why", [
+    ("dp_reshardable", "it stores the param groups and bucket sizes as pickled ShardedObjects, "
+                       "which this package's checkpoints neither write nor unpickle"),
+    ("fully_sharded_model_space", "megatron-core's ShardedTensor refuses its flattened tensors "
+                                  "(dist_checkpointing/mapping.py: flattened_range is not supported)"),
+    ("zero1", "megatron-core %d.%d has no such format" % mcore_line()),
+])
+def test_other_formats_are_refused_in_one_line(fmt, why):
+    with pytest.raises(ValueError) as info:
+        CheckpointConfig(optimizer_format=fmt)
+    assert str(info.value) == f"checkpoint.optimizer_format={fmt!r} cannot be used: {why}; use fully_reshardable"
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_both_lines_offer_fully_reshardable_only(version):
+    v = Version(version)
+    assert dist_optim_ckpt.optimizer_format_problem("fully_reshardable", v) is None
+    for fmt in dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS:
+        assert dist_optim_ckpt.optimizer_format_problem(fmt, v) == dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS[fmt]
+    with pytest.raises(ImportError, match="checked against megatron-core 0.16.x, 0.19.x only"):
+        dist_optim_ckpt.optimizer_format_problem("fully_reshardable", Version("0.18.0"))
+
+
+def test_the_refusals_reasons_hold_in_the_installed_megatron(mcore_parallel):
+    """What the refusals and the shim rest on: fully_sharded_model_space's flattened tensors are
+    refused by megatron-core itself; fully_reshardable is one of its reshardable formats; the
+    methods the shim calls exist."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    whole = ShardedTensor.from_rank_offsets("k", torch.zeros(4), replica_id=0)
+    with pytest.raises(CheckpointingException, match=r"^ShardedTensor\.flattened_range is not supported\.$"):
+        dataclasses.replace(whole, flattened_range=slice(0, 4))  # as the format makes them
+    assert "fully_reshardable" in DistributedOptimizer.checkpoint_fully_reshardable_formats
+    assert "fully_sharded_model_space" in DistributedOptimizer.checkpoint_fully_reshardable_formats
+    for name in ("load_parameter_state_from_fully_reshardable", "_init_optimizer_states_with_dummy_values"):
+        assert callable(getattr(DistributedOptimizer, name)), name
+
+
+def _manager(path, **kw):
+    from megatron_fastpath.checkpoint import CheckpointManager
+
+    return CheckpointManager(CheckpointConfig(dir=str(path), async_save=False, **kw), {}, log=lambda s: None)
+
+
+def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path):
+    """3 steps, saved, one more step; a model and optimizer drawn from another seed load the
+    checkpoint: the optimizer state (fp32 main parameters, exp_avg, exp_avg_sq, step: one
+    tensor per parameter) and the parameters after the next step equal the straight run's bit
+    for bit. Without the shim's fresh-state, step and per-parameter-step handling the load
+    raises or the next step differs (compat/dist_optim_ckpt.py)."""
+    from megatron_fastpath.checkpoint import training_parts
+    from tests.support.dist_optim import build, optimizer_shards, params, step
+
+    with cuda_as_cpu():
+        straight = build(0)
+        for i in (1, 2, 3):
+            step(straight, i)
+        _manager(tmp_path).save(3, training_parts(straight[0], straight[2], straight[3]))
+        saved = optimizer_shards(straight)
+        step(straight, 4)
+        resumed = build(7)
+        assert _manager(tmp_path).load(training_parts(resumed[0], resumed[2], resumed[3])).step == 3
+        loaded = optimizer_shards(resumed)
+        steps = [s["step"] for leaf in resumed[2].chained_optimizers for s in leaf.optimizer.state.values()]
+        step(resumed, 4)
+    assert sorted(loaded) == sorted(saved) == sorted(params(straight))  # every parameter
+    for name, s in saved.items():
+        assert (loaded[name]["start"], loaded[name]["end"]) == (0, params(straight)[name].numel())
+        for key in ("param", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[name][key], s[key]), (name, key)
+    assert len({id(t) for t in steps}) == len(steps) == len(saved)  # each parameter its own step count
+    after, expected = params(resumed), params(straight)
+    for name in expected:
+        assert torch.equal(after[name], expected[name]), name
+    with open(os.path.join(tmp_path, "step_00000003", "train_state.json")) as f:
+        assert json.load(f)["parts"]["optimizer"]["format"] == "fully_reshardable"
+
+
+def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_parallel):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_fastpath.checkpoint import CheckpointFormatError, CheckpointMismatchError, training_parts
+    from tests.support.dist_optim import build
+    from tests.support.tiny_gpt import build_tiny_gpt
+
+    with cuda_as_cpu():
+        model, ddp, opt, sched, _ = build(0)
+        dist = training_parts(model, opt, sched)["optimizer"]
+        assert dist.format == "fully_reshardable"
+        with pytest.raises(CheckpointMismatchError) as info:
+            dist.saved_format({"step": 0, "groups": []})
+        assert str(info.value) == (
+            "the checkpoint holds a non-distributed optimizer's state and this run has a "
+            "DistributedOptimizer: resume with the optimizer it was saved with "
+            "(parallel.distributed_optimizer / use_distributed_optimizer as saved)")
+        with pytest.raises(CheckpointFormatError) as info:
+            dist.saved_format({"step": 0, "groups": [], "format": "dp_reshardable"})
+        assert str(info.value) == (
+            "the checkpoint's DistributedOptimizer state is in format 'dp_reshardable', which "
+            "cannot be loaded here: " + dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS["dp_reshardable"]
+            + "; load it with the megatron-core and megatron_fastpath that wrote it")
+        other, _ = build_tiny_gpt(seed=1)
+        plain = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [DistributedDataParallel(
+            config=other.config, module=other, ddp_config=DistributedDataParallelConfig())])
+        part = training_parts(other, plain, None, optimizer_format="fully_reshardable")["optimizer"]
+        assert part.format is None  # a plain optimizer's state has no format: unchanged
+        with pytest.raises(CheckpointMismatchError, match="^the checkpoint holds a DistributedOptimizer's "
+                           "state and this run has a non-distributed optimizer: "):
+            part.saved_format({"step": 0, "groups": [], "format": "fully_reshardable"})
