@@ -98,12 +98,14 @@ def optimizer_hyperparams(optimizer) -> list:
     return groups
 
 
-def load_optimizer_state(optimizer, loaded: dict, step: int, hyperparams: list, optimizer_format=None) -> None:
-    """Put loaded sharded optimizer tensors (from :func:`optimizer_sharded_state`) back."""
+def load_optimizer_state(optimizer, loaded: dict, step: int, hyperparams: list, optimizer_format=None,
+                         adam_step=None) -> None:
+    """Put loaded sharded optimizer tensors (from :func:`optimizer_sharded_state`) back
+    (``adam_step``: a DistributedOptimizer's torch-Adam step, ``compat.dist_optim_ckpt.torch_adam_step``)."""
     if optimizer_format is not None:  # Megatron's DistributedOptimizer
         from megatron_fastpath.compat.dist_optim_ckpt import load_distributed_optimizer_state
 
-        load_distributed_optimizer_state(optimizer, loaded, optimizer_format)
+        load_distributed_optimizer_state(optimizer, loaded, optimizer_format, adam_step)
         return
     if _is_megatron(optimizer):  # Megatron optimizer (GPU path)
         optimizer.load_state_dict(loaded)

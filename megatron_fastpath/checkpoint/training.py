@@ -7,8 +7,8 @@
   that only what a checkpoint legitimately leaves out is missing;
 * ``optimizer``: its step and hyper-parameters (JSON) and its sharded state (keyed like the
   parameters; none before the first step of a torch optimizer); a Megatron DistributedOptimizer's
-  state in the format ``optimizer_format`` names, recorded as ``format`` beside it and read back
-  in that format;
+  state in the format ``optimizer_format`` names, recorded as ``format`` beside it (with torch
+  Adam's step count, ``adam_step``) and read back in that format;
 * ``scheduler``: Megatron's ``OptimizerParamScheduler`` as it is (its own ``state_dict`` /
   ``load_state_dict``).
 
@@ -84,8 +84,10 @@ class OptimizerPart:
         step = common_step(self.optimizer)
         state = {"step": step, "groups": optimizer_hyperparams(self.optimizer),
                  SHARDED: self._sharded(step, loading=False, fmt=self.format)}
-        if self.format is not None:
-            state["format"] = self.format
+        if self.format is not None:  # and torch Adam's per-parameter step (see compat/dist_optim_ckpt.py)
+            from megatron_fastpath.compat.dist_optim_ckpt import torch_adam_step
+
+            state["format"], state["adam_step"] = self.format, torch_adam_step(self.optimizer)
         return state
 
     def saved_format(self, saved: dict):
@@ -114,7 +116,7 @@ class OptimizerPart:
 
     def load_state_dict(self, state_dict: dict) -> None:
         load_optimizer_state(self.optimizer, state_dict[SHARDED], state_dict["step"], state_dict["groups"],
-                             self.saved_format(state_dict))
+                             self.saved_format(state_dict), state_dict.get("adam_step"))
 
 
 def training_parts(model, optimizer, scheduler, adapters_only: bool = False,

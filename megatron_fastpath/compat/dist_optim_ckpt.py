@@ -36,7 +36,10 @@ Before its first step a DistributedOptimizer over torch's Adam (no Transformer E
 ``HAVE_APEX_OR_TE`` False: distrib_optimizer.py 0.16.1 :21-36, 0.19.2 :20-35) has no state, and
 its ``state_dict`` asserts one step over that state (0.16.1 :640-643, 0.19.2 :837-840), which
 ``sharded_state_dict(is_loading=True)`` calls (0.16.1 :1246, 0.19.2 :1532): loading into a fresh
-optimizer fails. :func:`distributed_optimizer_sharded_state` first gives it state through
+optimizer fails; with Transformer Engine installed and torch's Adam inside (below) the load
+of the empty state fails in torch instead (Adam's ``__setstate__`` reads every state's step,
+torch 2.13 optim/adam.py:127). :func:`distributed_optimizer_sharded_state` first gives a torch
+optimizer without state its state through
 Megatron's own ``_init_optimizer_states_with_dummy_values`` (0.16.1 :1137-1152, 0.19.2
 :1422-1437; one step of zero gradients), which the load then overwrites: every tensor of the
 state and the step (from the saved param groups, 0.16.1 :818-825, 0.19.2 :1025-1032).
@@ -56,6 +59,15 @@ parameter's state the same step tensor (0.16.1 :818-825, 0.19.2 :1025-1032), whi
 ``Optimizer.load_state_dict`` keeps as it is (torch 2.13 optim/optimizer.py:794-798), and torch's
 Adam adds 1 to its step in place for each parameter it updates: one shared tensor would count a
 step once per parameter.
+
+Which branch ``state_dict`` / ``load_state_dict`` take is decided by what is installed
+(``HAVE_APEX_OR_TE``, ``USING_TE_OPTIMIZER``), not by the inner optimizer: with Transformer Engine
+installed and torch's Adam inside (the sync-free step swaps TE's FusedAdam for it,
+compat/optim.py ``torch_adam_in_place_of_fused_adam``) the step is read from and written to the
+param groups only (0.16.1 :654-666 and :672-682, 0.19.2 :851-863 and :869-879), where torch's
+Adam keeps none: the per-parameter step would be lost. :func:`torch_adam_step` reads it for
+the checkpoint's JSON and :func:`load_distributed_optimizer_state` gives it back to every
+parameter, whichever branch ran.
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ from megatron_fastpath.compat import _require_checked_mcore
 
 __all__ = ["OPTIMIZER_FORMATS", "REFUSED_OPTIMIZER_FORMATS", "check_optimizer_format", "optimizer_format_problem",
            "distributed_optimizer_leaves", "distributed_optimizer_sharded_state",
-           "load_distributed_optimizer_state"]
+           "load_distributed_optimizer_state", "torch_adam_step"]
 
 # the formats the package writes and reads, per checked megatron-core line
 OPTIMIZER_FORMATS = {(0, 16): ("fully_reshardable",), (0, 19): ("fully_reshardable",)}
@@ -136,18 +148,34 @@ def distributed_optimizer_sharded_state(optimizer, model_sharded_state_dict, is_
     (see the module docstring); with ``is_loading``, a leaf without state gets it first."""
     check_optimizer_format(fmt)
     if is_loading:
-        from megatron.core.optimizer import distrib_optimizer
-
         for leaf in distributed_optimizer_leaves(optimizer):
-            if not distrib_optimizer.HAVE_APEX_OR_TE and len(leaf.optimizer.state) == 0:
+            if _is_torch_optimizer(leaf.optimizer) and len(leaf.optimizer.state) == 0:
                 leaf._init_optimizer_states_with_dummy_values()
     metadata = {"distrib_optim_sharding_type": fmt, "chained_optim_avoid_prefix": True}
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
 
-def load_distributed_optimizer_state(optimizer, state_dict: dict, fmt: str) -> None:
+def _is_torch_optimizer(opt) -> bool:
+    return type(opt).__module__.startswith("torch.optim")
+
+
+def torch_adam_step(optimizer):
+    """The step count torch's Adam keeps in every parameter's state inside the
+    DistributedOptimizer(s) of ``optimizer`` (None: it keeps none -- TE / Apex FusedAdam count in
+    the param groups -- or has not stepped); one host read per parameter, at checkpoint time."""
+    steps = {float(st["step"]) for leaf in distributed_optimizer_leaves(optimizer)
+             if _is_torch_optimizer(leaf.optimizer) for st in leaf.optimizer.state.values() if "step" in st}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's parameters are at different steps {sorted(steps)}")
+    return int(steps.pop()) if steps else None
+
+
+def load_distributed_optimizer_state(optimizer, state_dict: dict, fmt: str, adam_step=None) -> None:
     """Load ``state_dict`` (as :func:`distributed_optimizer_sharded_state` made it, loaded) into
-    ``optimizer`` (see the module docstring's "Loading")."""
+    ``optimizer`` (see the module docstring's "Loading"); ``adam_step``: :func:`torch_adam_step`
+    at save, given to every parameter of a torch Adam (None: each keeps the one the load set)."""
+    import torch
+
     check_optimizer_format(fmt)
     leaves = distributed_optimizer_leaves(optimizer)
     # a ChainedOptimizer of several leaves keys their states by index (optimizer/optimizer.py
@@ -164,3 +192,6 @@ def load_distributed_optimizer_state(optimizer, state_dict: dict, fmt: str) -> N
         finally:
             for p, st in steps.items():
                 inner[p]["step"] = st.clone()
+        if adam_step is not None and _is_torch_optimizer(leaf.optimizer):
+            for p in inner:  # as Megatron's load makes it (0.16.1 :821, 0.19.2 :1028), one per parameter
+                inner[p]["step"] = torch.tensor(float(adam_step), dtype=torch.float32)

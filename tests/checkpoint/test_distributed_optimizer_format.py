@@ -68,14 +68,23 @@ def _manager(path, **kw):
     return CheckpointManager(CheckpointConfig(dir=str(path), async_save=False, **kw), {}, log=lambda s: None)
 
 
-def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path):
+@pytest.mark.parametrize("te_installed", [False, True])
+def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path, monkeypatch, te_installed):
     """3 steps, saved, one more step; a model and optimizer drawn from another seed load the
     checkpoint: the optimizer state (fp32 main parameters, exp_avg, exp_avg_sq, step: one
     tensor per parameter) and the parameters after the next step equal the straight run's bit
     for bit. Without the shim's fresh-state, step and per-parameter-step handling the load
-    raises or the next step differs (compat/dist_optim_ckpt.py)."""
+    raises or the next step differs (compat/dist_optim_ckpt.py). ``te_installed``: Megatron's
+    module flags as with Transformer Engine installed while the inner optimizer is torch's Adam
+    (the sync-free step's swap on a GPU): its state_dict keeps no step, the recorded one is used."""
+    from megatron.core.optimizer import distrib_optimizer
+
     from megatron_fastpath.checkpoint import training_parts
     from tests.support.dist_optim import build, optimizer_shards, params, step
+
+    if te_installed:
+        monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+        monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
 
     with cuda_as_cpu():
         straight = build(0)
@@ -99,7 +108,8 @@ def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path):
     for name in expected:
         assert torch.equal(after[name], expected[name]), name
     with open(os.path.join(tmp_path, "step_00000003", "train_state.json")) as f:
-        assert json.load(f)["parts"]["optimizer"]["format"] == "fully_reshardable"
+        saved_part = json.load(f)["parts"]["optimizer"]
+    assert (saved_part["format"], saved_part["adam_step"]) == ("fully_reshardable", 3)
 
 
 def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_parallel):
