@@ -33,9 +33,11 @@ class CheckpointConfig:
         "only while they are staged")
     verify: bool = setting(True, "record each file's size and CRC32 at save, checked before loading")
     optimizer_format: str = setting(
-        "fully_reshardable", "Megatron's DistributedOptimizer: the format of its sharded state "
-        "(fully_reshardable: one tensor per parameter, resumable at another DP / TP / PP size); "
-        "a resume reads the format it was saved in")
+        "dp_reshardable", "Megatron's DistributedOptimizer: the format of its sharded state "
+        "(dp_reshardable: each rank writes its own bucket shards, resumable at another DP size; "
+        "fully_reshardable: gathered into one tensor per parameter, resumable at another DP / TP "
+        "/ PP size, the whole state in host memory on every rank); a resume reads the format it "
+        "was saved in")
     keep_best: bool = setting(
         False, "also keep the checkpoint with the lowest held-out loss (dir/best); needs held-out "
         "evaluation")

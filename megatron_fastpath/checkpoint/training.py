@@ -8,7 +8,8 @@
 * ``optimizer``: its step and hyper-parameters (JSON) and its sharded state (keyed like the
   parameters; none before the first step of a torch optimizer); a Megatron DistributedOptimizer's
   state in the format ``optimizer_format`` names, recorded as ``format`` beside it (with torch
-  Adam's step count, ``adam_step``) and read back in that format;
+  Adam's step count, ``adam_step``, and the format's non-tensor objects, ``objects``) and read
+  back in that format;
 * ``scheduler``: Megatron's ``OptimizerParamScheduler`` as it is (its own ``state_dict`` /
   ``load_state_dict``).
 
@@ -31,7 +32,7 @@ from megatron_fastpath.checkpoint.parts import SHARDED
 
 __all__ = ["training_parts", "is_adapter_key", "ModelPart", "OptimizerPart", "DEFAULT_OPTIMIZER_FORMAT"]
 
-DEFAULT_OPTIMIZER_FORMAT = "fully_reshardable"  # a DistributedOptimizer's (checkpoint.optimizer_format)
+DEFAULT_OPTIMIZER_FORMAT = "dp_reshardable"  # a DistributedOptimizer's (checkpoint.optimizer_format)
 
 
 def is_adapter_key(key: str) -> bool:
@@ -74,6 +75,7 @@ class OptimizerPart:
     def __init__(self, optimizer, model: ModelPart, optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT):
         self.optimizer, self.model = optimizer, model
         self.format = distributed_format(optimizer, optimizer_format)
+        self._to_load = None  # the sharded state asked to load (sharded_to_load)
 
     def _sharded(self, step: int, loading: bool, fmt) -> dict:
         stepped = step > 0 or _is_megatron(self.optimizer)  # Megatron's holds its own step
@@ -84,10 +86,11 @@ class OptimizerPart:
         step = common_step(self.optimizer)
         state = {"step": step, "groups": optimizer_hyperparams(self.optimizer),
                  SHARDED: self._sharded(step, loading=False, fmt=self.format)}
-        if self.format is not None:  # and torch Adam's per-parameter step (see compat/dist_optim_ckpt.py)
-            from megatron_fastpath.compat.dist_optim_ckpt import torch_adam_step
+        if self.format is not None:  # with torch Adam's step and the format's objects as JSON
+            from megatron_fastpath.compat.dist_optim_ckpt import sharded_objects, torch_adam_step
 
-            state["format"], state["adam_step"] = self.format, torch_adam_step(self.optimizer)
+            state.update(format=self.format, adam_step=torch_adam_step(self.optimizer),
+                         objects=sharded_objects(state[SHARDED]))
         return state
 
     def saved_format(self, saved: dict):
@@ -112,9 +115,14 @@ class OptimizerPart:
         return fmt
 
     def sharded_to_load(self, saved: dict) -> dict:
-        return self._sharded(saved["step"], loading=True, fmt=self.saved_format(saved))
+        self._to_load = self._sharded(saved["step"], loading=True, fmt=self.saved_format(saved))
+        return self._to_load
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("objects"):  # a DistributedOptimizer's, saved as JSON (compat/dist_optim_ckpt.py)
+            from megatron_fastpath.compat.dist_optim_ckpt import put_objects_back
+
+            put_objects_back(self._to_load, state_dict[SHARDED], state_dict["objects"])
         load_optimizer_state(self.optimizer, state_dict[SHARDED], state_dict["step"], state_dict["groups"],
                              self.saved_format(state_dict), state_dict.get("adam_step"))
 

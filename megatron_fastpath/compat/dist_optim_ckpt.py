@@ -11,15 +11,22 @@ both lines, 0.16.1 :1215-1222, 0.19.2 :1500-1507), ``fully_sharded_model_space``
 
 * ``fully_reshardable`` -- written: each parameter's state is one tensor of the parameter's own
   shape, keyed by the model parameter's key (``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<key>``),
-  the DP shards gathered on DP rank 0 at save (0.16.1 :1404-1537, 0.19.2 :1690-1826) and sliced
-  by each rank at load, so a checkpoint loads at another DP (and TP / PP) size. Megatron's own
+  the DP shards gathered into whole fp32 tensors in host memory on every rank at save and load
+  (0.16.1 :1404-1537, ``return_on_all_ranks`` :1452; 0.19.2 :1690-1826, :1738) and sliced by each
+  rank at load, so a checkpoint loads at another DP (and TP / PP) size. Megatron's own
   training writes it under ``--dist-ckpt-optim-fully-reshardable`` (training/checkpointing.py
   ``_build_sharded_state_dict_metadata``, core_v0.16.1 :422-424, core_v0.19.0 :499-502).
-* ``dp_reshardable`` (Megatron training's default, the same functions :426 / :505) -- refused:
-  besides its bucket tensors it holds the param groups and the bucket sizes as pickled
-  ``ShardedObject``s (0.16.1 :1247-1262 and :1578-1588, 0.19.2 :1533-1548 and :1867-1877),
-  which this package's checkpoints neither write nor unpickle (checkpoint/manager.py
-  ``_drop_objects``).
+* ``dp_reshardable`` -- written (Megatron training's default, the same functions :426 / :505):
+  each rank writes its own bucket shards, no gather (0.16.1 :1539-1687, 0.19.2 :1828-1976); the
+  bucket tensors' global shape is the unpadded bucket size, so the checkpoint loads at another
+  DP size with the same buckets (not at another TP / PP size: Megatron's training refuses that,
+  core_v0.16.1 training/checkpointing.py:1595-1601). Its param groups (and the grad scaler's
+  state) and bucket sizes are ``ShardedObject``s (0.16.1 :1247-1262 and :1578-1588, 0.19.2
+  :1533-1548 and :1867-1877), which torch_dist would pickle: this package's checkpoints neither
+  write nor unpickle those (checkpoint/manager.py ``_drop_objects``), so
+  :func:`sharded_objects` takes them out as JSON (gathered from every rank, one per key) for
+  the checkpoint's ``train_state.json`` and :func:`put_objects_back` puts them back into the
+  loaded state.
 * ``fully_sharded_model_space`` (the method's default) -- refused: its tensors are flattened
   slices (``flattened_range``, 0.16.1 :1748, 0.19.2 :2037) and both lines' ShardedTensor
   refuses them ("ShardedTensor.flattened_range is not supported.",
@@ -46,8 +53,9 @@ state and the step (from the saved param groups, 0.16.1 :818-825, 0.19.2 :1025-1
 
 Loading: ``DistributedOptimizer.load_state_dict`` loads the param groups (the step, for torch's
 Adam into every parameter's state) and then the parameter state in its format (0.16.1
-:863-881, 0.19.2 :1070-1088). For ``fully_reshardable`` that is
-``load_parameter_state_from_fully_reshardable`` (0.16.1 :2070-2116, 0.19.2 :2359-2405), which
+:863-881, 0.19.2 :1070-1088): ``load_parameter_state_from_dp_reshardable`` (0.16.1 :1772,
+0.19.2 :2061) or, for ``fully_reshardable``,
+``load_parameter_state_from_fully_reshardable`` (0.16.1 :2070-2116, 0.19.2 :2359-2405); the latter
 leaves the step out of what it copies (:2100-2102 / :2389-2391) while
 ``_set_main_param_and_optimizer_states`` copies into every tensor of the parameter's state, the
 step of torch's Adam included (0.16.1 :911-940, 0.19.2 :1193-1225): a KeyError 'step' with
@@ -76,14 +84,14 @@ from megatron_fastpath.compat import _require_checked_mcore
 
 __all__ = ["OPTIMIZER_FORMATS", "REFUSED_OPTIMIZER_FORMATS", "check_optimizer_format", "optimizer_format_problem",
            "distributed_optimizer_leaves", "distributed_optimizer_sharded_state",
-           "load_distributed_optimizer_state", "torch_adam_step"]
+           "load_distributed_optimizer_state", "torch_adam_step", "sharded_objects", "put_objects_back"]
 
 # the formats the package writes and reads, per checked megatron-core line
-OPTIMIZER_FORMATS = {(0, 16): ("fully_reshardable",), (0, 19): ("fully_reshardable",)}
-_PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_reshardable"}
+OPTIMIZER_FORMATS = {(0, 16): ("dp_reshardable", "fully_reshardable"),
+                     (0, 19): ("dp_reshardable", "fully_reshardable")}
+_PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_reshardable",
+                        "dp_reshardable": "load_parameter_state_from_dp_reshardable"}
 REFUSED_OPTIMIZER_FORMATS = {
-    "dp_reshardable": "it stores the param groups and bucket sizes as pickled ShardedObjects, which "
-                      "this package's checkpoints neither write nor unpickle",
     "fully_sharded_model_space": "megatron-core's ShardedTensor refuses its flattened tensors "
                                  "(dist_checkpointing/mapping.py: flattened_range is not supported)",
     "dp_zero_gather_scatter": "it is deprecated and stores the whole state as one pickled ShardedObject",
@@ -188,10 +196,89 @@ def load_distributed_optimizer_state(optimizer, state_dict: dict, fmt: str, adam
         inner = leaf.optimizer.state
         steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
         try:
-            getattr(leaf, _PARAM_STATE_LOADERS[fmt])(sd["param_state"])
+            # under no_grad: dp_reshardable's loader (0.16.1 :1772, 0.19.2 :2061) is not, unlike
+            # fully_reshardable's (0.16.1 :2069, 0.19.2 :2358), and copies into main parameters
+            # that are views of fp32 model parameters requiring grad (a RuntimeError otherwise)
+            with torch.no_grad():
+                getattr(leaf, _PARAM_STATE_LOADERS[fmt])(sd["param_state"])
         finally:
             for p, st in steps.items():
                 inner[p]["step"] = st.clone()
         if adam_step is not None and _is_torch_optimizer(leaf.optimizer):
             for p in inner:  # as Megatron's load makes it (0.16.1 :821, 0.19.2 :1028), one per parameter
                 inner[p]["step"] = torch.tensor(float(adam_step), dtype=torch.float32)
+
+
+# -- dp_reshardable's ShardedObjects as JSON ---------------------------------------------------
+def _encode(value):
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v) for k, v in value.items()}
+        return {"__items__": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    raise TypeError(f"a DistributedOptimizer checkpoint object holds a {type(value).__qualname__}, "
+                    "which is not saved as JSON")
+
+
+def _decode(value):
+    import torch
+
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tuple__" in value:
+        return tuple(_decode(v) for v in value["__tuple__"])
+    if "__dtype__" in value:
+        return getattr(torch, value["__dtype__"])
+    if "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    if "__items__" in value:
+        return {_decode(k): _decode(v) for k, v in value["__items__"]}
+    return {k: _decode(v) for k, v in value.items()}
+
+
+def sharded_objects(sharded_state_dict) -> dict:
+    """The ShardedObjects of ``sharded_state_dict`` as JSON, ``{unique key: data}``, over every
+    rank (a collective: every rank calls it; replicas share a key and hold the same data)."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    mine = {o.unique_key: _encode(o.data) for o in nested_values(sharded_state_dict)
+            if isinstance(o, ShardedObject)}
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return dict(sorted(mine.items()))
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    merged = {}
+    for objects in every:
+        merged.update(objects)
+    return dict(sorted(merged.items()))
+
+
+def put_objects_back(sharded_state_dict, loaded, saved: dict) -> None:
+    """Set each ShardedObject of ``sharded_state_dict`` (what was asked to load) at its place in
+    ``loaded`` (what dist_checkpointing loaded without them) to its data in ``saved``
+    (:func:`sharded_objects` at save); KeyError naming a missing one."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    items = sharded_state_dict.items() if isinstance(sharded_state_dict, dict) else enumerate(sharded_state_dict)
+    for k, v in items:
+        if isinstance(v, ShardedObject):
+            if v.unique_key not in saved:
+                raise KeyError(f"the checkpoint's optimizer part has no object {v.unique_key!r}")
+            loaded[k] = _decode(saved[v.unique_key])
+        elif isinstance(v, (dict, list)):
+            put_objects_back(v, loaded[k], saved)

@@ -18,13 +18,13 @@ from megatron_fastpath.compat import dist_optim_ckpt
 from tests.support.cuda_as_cpu import cuda_as_cpu
 
 
-def test_the_setting_defaults_to_fully_reshardable():
-    assert CheckpointConfig().optimizer_format == "fully_reshardable"
+def test_the_setting_defaults_to_dp_reshardable_as_megatrons_training():
+    assert CheckpointConfig().optimizer_format == "dp_reshardable"
+    assert CheckpointConfig(optimizer_format="fully_reshardable").optimizer_format == "fully_reshardable"
 
 
 @pytest.mark.parametrize("fmt, why", [
-    ("dp_reshardable", "it stores the param groups and bucket sizes as pickled ShardedObjects, "
-                       "which this package's checkpoints neither write nor unpickle"),
+    ("fsdp_dtensor", "it is Megatron FSDP's format, not the DistributedOptimizer's"),
     ("fully_sharded_model_space", "megatron-core's ShardedTensor refuses its flattened tensors "
                                   "(dist_checkpointing/mapping.py: flattened_range is not supported)"),
     ("zero1", "megatron-core %d.%d has no such format" % mcore_line()),
@@ -32,13 +32,15 @@ def test_the_setting_defaults_to_fully_reshardable():
 def test_other_formats_are_refused_in_one_line(fmt, why):
     with pytest.raises(ValueError) as info:
         CheckpointConfig(optimizer_format=fmt)
-    assert str(info.value) == f"checkpoint.optimizer_format={fmt!r} cannot be used: {why}; use fully_reshardable"
+    assert str(info.value) == (f"checkpoint.optimizer_format={fmt!r} cannot be used: {why}; use "
+                               "dp_reshardable or fully_reshardable")
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
-def test_both_lines_offer_fully_reshardable_only(version):
+def test_both_lines_offer_the_two_reshardable_formats(version):
     v = Version(version)
-    assert dist_optim_ckpt.optimizer_format_problem("fully_reshardable", v) is None
+    for fmt in ("dp_reshardable", "fully_reshardable"):
+        assert dist_optim_ckpt.optimizer_format_problem(fmt, v) is None
     for fmt in dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS:
         assert dist_optim_ckpt.optimizer_format_problem(fmt, v) == dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS[fmt]
     with pytest.raises(ImportError, match="checked against megatron-core 0.16.x, 0.19.x only"):
@@ -58,7 +60,8 @@ def test_the_refusals_reasons_hold_in_the_installed_megatron(mcore_parallel):
         dataclasses.replace(whole, flattened_range=slice(0, 4))  # as the format makes them
     assert "fully_reshardable" in DistributedOptimizer.checkpoint_fully_reshardable_formats
     assert "fully_sharded_model_space" in DistributedOptimizer.checkpoint_fully_reshardable_formats
-    for name in ("load_parameter_state_from_fully_reshardable", "_init_optimizer_states_with_dummy_values"):
+    for name in ("load_parameter_state_from_fully_reshardable", "load_parameter_state_from_dp_reshardable",
+                 "_init_optimizer_states_with_dummy_values"):
         assert callable(getattr(DistributedOptimizer, name)), name
 
 
@@ -69,7 +72,8 @@ def _manager(path, **kw):
 
 
 @pytest.mark.parametrize("te_installed", [False, True])
-def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path, monkeypatch, te_installed):
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path, monkeypatch, fmt, te_installed):
     """3 steps, saved, one more step; a model and optimizer drawn from another seed load the
     checkpoint: the optimizer state (fp32 main parameters, exp_avg, exp_avg_sq, step: one
     tensor per parameter) and the parameters after the next step equal the straight run's bit
@@ -90,11 +94,12 @@ def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path, monkey
         straight = build(0)
         for i in (1, 2, 3):
             step(straight, i)
-        _manager(tmp_path).save(3, training_parts(straight[0], straight[2], straight[3]))
+        _manager(tmp_path).save(3, training_parts(straight[0], straight[2], straight[3], optimizer_format=fmt))
         saved = optimizer_shards(straight)
         step(straight, 4)
         resumed = build(7)
-        assert _manager(tmp_path).load(training_parts(resumed[0], resumed[2], resumed[3])).step == 3
+        other = "fully_reshardable" if fmt == "dp_reshardable" else "dp_reshardable"  # the saved one is read
+        assert _manager(tmp_path).load(training_parts(resumed[0], resumed[2], resumed[3], optimizer_format=other)).step == 3
         loaded = optimizer_shards(resumed)
         steps = [s["step"] for leaf in resumed[2].chained_optimizers for s in leaf.optimizer.state.values()]
         step(resumed, 4)
@@ -109,7 +114,11 @@ def test_exact_resume_at_dp1_records_the_format(mcore_parallel, tmp_path, monkey
         assert torch.equal(after[name], expected[name]), name
     with open(os.path.join(tmp_path, "step_00000003", "train_state.json")) as f:
         saved_part = json.load(f)["parts"]["optimizer"]
-    assert (saved_part["format"], saved_part["adam_step"]) == ("fully_reshardable", 3)
+    assert (saved_part["format"], saved_part["adam_step"]) == (fmt, 3)
+    # dp_reshardable's param groups and bucket sizes, as JSON (fully_reshardable has none)
+    assert sorted(saved_part["objects"]) == ([] if fmt == "fully_reshardable" else [
+        f"optimizer.distributed.dp_group_idx_0.{k}/shard_0_1" for k in
+        ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")])
 
 
 def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_parallel):
@@ -123,7 +132,7 @@ def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_paral
     with cuda_as_cpu():
         model, ddp, opt, sched, _ = build(0)
         dist = training_parts(model, opt, sched)["optimizer"]
-        assert dist.format == "fully_reshardable"
+        assert dist.format == "dp_reshardable"
         with pytest.raises(CheckpointMismatchError) as info:
             dist.saved_format({"step": 0, "groups": []})
         assert str(info.value) == (
@@ -131,10 +140,10 @@ def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_paral
             "DistributedOptimizer: resume with the optimizer it was saved with "
             "(parallel.distributed_optimizer / use_distributed_optimizer as saved)")
         with pytest.raises(CheckpointFormatError) as info:
-            dist.saved_format({"step": 0, "groups": [], "format": "dp_reshardable"})
+            dist.saved_format({"step": 0, "groups": [], "format": "fully_sharded_model_space"})
         assert str(info.value) == (
-            "the checkpoint's DistributedOptimizer state is in format 'dp_reshardable', which "
-            "cannot be loaded here: " + dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS["dp_reshardable"]
+            "the checkpoint's DistributedOptimizer state is in format 'fully_sharded_model_space', which "
+            "cannot be loaded here: " + dist_optim_ckpt.REFUSED_OPTIMIZER_FORMATS["fully_sharded_model_space"]
             + "; load it with the megatron-core and megatron_fastpath that wrote it")
         other, _ = build_tiny_gpt(seed=1)
         plain = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [DistributedDataParallel(

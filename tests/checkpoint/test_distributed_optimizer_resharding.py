@@ -1,5 +1,6 @@
 """Megatron's DistributedOptimizer (ZeRO-1) through the package's checkpoints at DP 2 and across
-DP sizes, under torchrun (gloo, CPU, the CUDA-as-CPU mode; tests/workers/dist_optim_ckpt_worker.py):
+DP sizes, under torchrun (gloo, CPU, the CUDA-as-CPU mode; tests/workers/dist_optim_ckpt_worker.py),
+in both formats (``checkpoint.optimizer_format``: dp_reshardable, fully_reshardable):
 
 * exact resume at DP 2: each rank's optimizer shard (fp32 main parameters, exp_avg, exp_avg_sq,
   step) loaded into a model and optimizer drawn from another seed equals the saved one bit for
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.integration
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 TOL = dict(atol=1e-6, rtol=1e-6)
+FORMATS = ("dp_reshardable", "fully_reshardable")  # checkpoint.optimizer_format: both, in each launch
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def runs(tmp_path_factory):
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, phase + "\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
         out[phase] = [torch.load(os.path.join(root, f"{phase}.rank{r}.pt")) for r in range(world)]
-    return out
+    return lambda fmt: {phase: [dict(r[fmt], world=r["world"]) for r in ranks] for phase, ranks in out.items()}
 
 
 def _whole(shards: list) -> dict:
@@ -61,7 +63,9 @@ def _whole(shards: list) -> dict:
     return whole
 
 
-def test_exact_resume_at_dp2(runs):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exact_resume_at_dp2(runs, fmt):
+    runs = runs(fmt)
     for rank in runs["dp2"]:
         assert rank["world"] == 2 and rank["resumed_step"] == 3
         assert rank["resumed_lr"] == rank["saved_lr"]
@@ -79,7 +83,9 @@ def test_exact_resume_at_dp2(runs):
         == sum(p.numel() for p in runs["dp2"][0]["next"].values())
 
 
-def test_dp2_checkpoint_at_dp1(runs):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dp2_checkpoint_at_dp1(runs, fmt):
+    runs = runs(fmt)
     (one,) = runs["dp2to1"]
     two = _whole([r["saved"] for r in runs["dp2"]])
     assert one["world"] == 1 and one["from_dp2_step"] == 3 and one["from_dp2_lr"] == runs["dp2"][0]["saved_lr"]
@@ -93,7 +99,9 @@ def test_dp2_checkpoint_at_dp1(runs):
         torch.testing.assert_close(one["from_dp2_next"][name], p, **TOL, msg=name)
 
 
-def test_dp1_checkpoint_at_dp2(runs):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dp1_checkpoint_at_dp2(runs, fmt):
+    runs = runs(fmt)
     (one,) = runs["dp1"]
     for rank in runs["dp2"]:
         assert rank["from_dp1_step"] == 3 and rank["from_dp1_lr"] == one["saved_lr"]

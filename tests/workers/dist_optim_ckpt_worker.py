@@ -4,7 +4,7 @@ CUDA-as-CPU mode) saved and loaded through the package's checkpoints (``Checkpoi
 
     python -m torch.distributed.run --nproc_per_node=N -m tests.workers.dist_optim_ckpt_worker PHASE OUT
 
-PHASE (N):
+PHASE (N), each for both formats FMT of FORMATS (the checkpoints OUT/ckpt-<phase>-FMT):
 
 * ``dp1`` (1): STEPS steps, saved to OUT/ckpt-dp1 at step STEPS; records ``saved`` (the
   optimizer state then; ``saved_lr``), ``next`` (the parameters after step STEPS + 1);
@@ -14,8 +14,8 @@ PHASE (N):
 * ``dp2to1`` (1): a model and optimizer drawn from another seed load OUT/ckpt-dp2 (``from_dp2``,
   ``from_dp2_next``).
 
-Each rank writes OUT/PHASE.rank{r}.pt: those entries (optimizer states as
-``dist_optim.optimizer_shards``), ``lr`` after each load and the loaded step.
+Each rank writes OUT/PHASE.rank{r}.pt: ``{FMT: those entries}`` (optimizer states as
+``dist_optim.optimizer_shards``, ``*_lr`` after each load, ``*_step`` the loaded step).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tests.support.cuda_as_cpu import cuda_as_cpu
 from tests.support.dist_optim import build, optimizer_shards, params, step
 
 STEPS = 3
+FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
 def _manager(path):
@@ -37,13 +38,13 @@ def _manager(path):
     return CheckpointManager(CheckpointConfig(dir=path, async_save=False), {}, log=lambda s: None)
 
 
-def _train_and_save(out, path, seed=0):
+def _train_and_save(out, path, fmt, seed=0):
     from megatron_fastpath.checkpoint import training_parts
 
     built = build(seed)
     for i in range(1, STEPS + 1):
         step(built, i)
-    _manager(path).save(STEPS, training_parts(built[0], built[2], built[3]))
+    _manager(path).save(STEPS, training_parts(built[0], built[2], built[3], optimizer_format=fmt))
     out["saved"] = optimizer_shards(built)
     out["saved_lr"] = [g["lr"] for g in built[2].param_groups]
     step(built, STEPS + 1)
@@ -54,7 +55,7 @@ def _load(out, name, path, seed):
     from megatron_fastpath.checkpoint import training_parts
 
     built = build(seed)
-    resumed = _manager(path).load(training_parts(built[0], built[2], built[3]))
+    resumed = _manager(path).load(training_parts(built[0], built[2], built[3]))  # in the saved format
     out[f"{name}_step"] = resumed.step
     out[name] = optimizer_shards(built)
     out[f"{name}_lr"] = [g["lr"] for g in built[2].param_groups]
@@ -69,13 +70,15 @@ def main() -> None:
     init_distributed(backend="gloo")
     out = {"world": torch.distributed.get_world_size()}
     with cuda_as_cpu():
-        if phase in ("dp1", "dp2"):
-            _train_and_save(out, os.path.join(root, f"ckpt-{phase}"))
-        if phase == "dp2":
-            _load(out, "resumed", os.path.join(root, "ckpt-dp2"), seed=7)
-            _load(out, "from_dp1", os.path.join(root, "ckpt-dp1"), seed=8)
-        if phase == "dp2to1":
-            _load(out, "from_dp2", os.path.join(root, "ckpt-dp2"), seed=9)
+        for fmt in FORMATS:
+            res = out[fmt] = {}
+            if phase in ("dp1", "dp2"):
+                _train_and_save(res, os.path.join(root, f"ckpt-{phase}-{fmt}"), fmt)
+            if phase == "dp2":
+                _load(res, "resumed", os.path.join(root, f"ckpt-dp2-{fmt}"), seed=7)
+                _load(res, "from_dp1", os.path.join(root, f"ckpt-dp1-{fmt}"), seed=8)
+            if phase == "dp2to1":
+                _load(res, "from_dp2", os.path.join(root, f"ckpt-dp2-{fmt}"), seed=9)
     torch.save(out, os.path.join(root, f"{phase}.rank{torch.distributed.get_rank()}.pt"))
     destroy_distributed()
 
