@@ -153,3 +153,4 @@ def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_paral
         with pytest.raises(CheckpointMismatchError, match="^the checkpoint holds a DistributedOptimizer's "
                            "state and this run has a non-distributed optimizer: "):
             part.saved_format({"step": 0, "groups": [], "format": "fully_reshardable"})
+

@@ -2,7 +2,7 @@
 DP sizes, under torchrun (gloo, CPU, the CUDA-as-CPU mode; tests/workers/dist_optim_ckpt_worker.py),
 in both formats (``checkpoint.optimizer_format``: dp_reshardable, fully_reshardable):
 
-* exact resume at DP 2: each rank's optimizer shard (fp32 main parameters, exp_avg, exp_avg_sq,
+* exact resume at DP 2 (and of the MoE model at EP 2): each rank's optimizer shard (fp32 main parameters, exp_avg, exp_avg_sq,
   step) loaded into a model and optimizer drawn from another seed equals the saved one bit for
   bit, and so do the parameters after the next step;
 * DP 2 -> 1: the one process's optimizer state is the concatenation of the two DP 2 shards, bit
@@ -15,8 +15,10 @@ in both formats (``checkpoint.optimizer_format``: dp_reshardable, fully_resharda
   shard sums all-reduced at DP 2 -- a few fp32 rounding steps, which one Adam step at
   lr 8.3e-3 carries into the parameters (about 1e-7 on weights of about 1).
 
-Three launches shared by the module (170 s in all on this shared 2-core machine): DP 1 trains and saves; DP 2
-trains, saves, resumes its own checkpoint and loads the DP 1 one; DP 1 loads the DP 2 one.
+Four launches shared by the module, each doing both formats (about 4 minutes in all on this shared
+2-core machine): DP 1 trains and saves; DP 2 trains, saves, resumes its own checkpoint and loads
+the DP 1 one; DP 1 loads the DP 2 one; EP 2 (the MoE model, two chained optimizers) trains, saves
+and resumes.
 """
 
 import os
@@ -40,7 +42,7 @@ FORMATS = ("dp_reshardable", "fully_reshardable")  # checkpoint.optimizer_format
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_optim")
     out = {}
-    for world, phase in ((1, "dp1"), (2, "dp2"), (1, "dp2to1")):
+    for world, phase in ((1, "dp1"), (2, "dp2"), (1, "dp2to1"), (2, "ep2")):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                f"--master_port={free_port()}", "-m", "tests.workers.dist_optim_ckpt_worker", phase, str(root)]
         proc = subprocess.run(cmd, cwd=root, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO),
@@ -113,3 +115,20 @@ def test_dp1_checkpoint_at_dp2(runs, fmt):
         for name, p in one["next"].items():
             torch.testing.assert_close(rank["from_dp1_next"][name], p, **TOL, msg=name)
     assert _whole([r["from_dp1"] for r in runs["dp2"]]).keys() == one["saved"].keys()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exact_resume_of_moe_at_ep2(runs, fmt):
+    """The MoE model at EP 2: its optimizer chains two DistributedOptimizers (dense parameters
+    over DP 2, each rank's experts over expert-DP 1); resumed, every shard and the next step's
+    parameters equal bit for bit on both ranks. In dp_reshardable each expert-DP group has its
+    own objects, which only its rank holds: the checkpoint's JSON has both ranks'."""
+    runs = runs(fmt)
+    for rank in runs["ep2"]:
+        assert rank["leaves"] == 2 and rank["resumed_step"] == 3
+        assert any(".experts." in n for n in rank["saved"]) and sorted(rank["resumed"]) == sorted(rank["saved"])
+        for name, saved in rank["saved"].items():
+            for key in KEYS + ("step",):
+                assert torch.equal(rank["resumed"][name][key], saved[key]), (name, key)
+        for name, p in rank["next"].items():
+            assert torch.equal(rank["resumed_next"][name], p), name

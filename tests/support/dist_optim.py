@@ -18,14 +18,35 @@ from tests.support.tiny_gpt import LENGTHS, SHAPE, T, build_tiny_gpt
 MICRO = 2  # microbatches per step, over all ranks
 
 
-def build(seed: int):
-    """(model, ddp, optimizer, scheduler, cache): the tiny GPT drawn from ``seed``, fp32, under
-    DDP with the distributed optimizer (Adam, clip 1.0, weight decay) and a cosine schedule."""
+def _tiny_moe(seed: int, num_experts: int):
+    """The tiny GPT with ``num_experts`` experts per layer (the package's MoE layer, top 2), at
+    Megatron's expert-parallel size (the experts split over the EP ranks)."""
+    import dataclasses
+
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+    from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    from megatron.core import parallel_state as ps
+
+    shape = dataclasses.replace(SHAPE, num_experts=num_experts, moe_ffn_hidden_size=32)
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(shape)))
+    spec = get_fastpath_layer_spec(cache, backend="sdpa", num_experts=num_experts)
+    tcfg = build_transformer_config(shape, expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
+    torch.manual_seed(seed)
+    return build_gpt_model(tcfg, spec, shape.vocab_size, T), cache
+
+
+def build(seed: int, num_experts=None):
+    """(model, ddp, optimizer, scheduler, cache): the tiny GPT drawn from ``seed`` (with
+    ``num_experts`` experts per layer: two chained optimizers, dense and expert parameters),
+    fp32, under DDP with the distributed optimizer (Adam, clip 1.0, weight decay) and a cosine
+    schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    model, cache = build_tiny_gpt(seed=seed)
+    model, cache = build_tiny_gpt(seed=seed) if num_experts is None else _tiny_moe(seed, num_experts)
     ddp = DistributedDataParallel(
         config=model.config, module=model,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True))

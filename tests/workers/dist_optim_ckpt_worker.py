@@ -12,7 +12,9 @@ PHASE (N), each for both formats FMT of FORMATS (the checkpoints OUT/ckpt-<phase
   load OUT/ckpt-dp2 (``resumed``, ``resumed_next``) and another OUT/ckpt-dp1 (``from_dp1``,
   ``from_dp1_next``);
 * ``dp2to1`` (1): a model and optimizer drawn from another seed load OUT/ckpt-dp2 (``from_dp2``,
-  ``from_dp2_next``).
+  ``from_dp2_next``);
+* ``ep2`` (2, EP 2): the MoE model (two chained optimizers, ``leaves``) saved after STEPS steps
+  (``saved``, ``next``) and resumed (``resumed``, ``resumed_next``).
 
 Each rank writes OUT/PHASE.rank{r}.pt: ``{FMT: those entries}`` (optimizer states as
 ``dist_optim.optimizer_shards``, ``*_lr`` after each load, ``*_step`` the loaded step).
@@ -51,10 +53,10 @@ def _train_and_save(out, path, fmt, seed=0):
     out["next"] = params(built)
 
 
-def _load(out, name, path, seed):
+def _load(out, name, path, seed, num_experts=None):
     from megatron_fastpath.checkpoint import training_parts
 
-    built = build(seed)
+    built = build(seed, num_experts)
     resumed = _manager(path).load(training_parts(built[0], built[2], built[3]))  # in the saved format
     out[f"{name}_step"] = resumed.step
     out[name] = optimizer_shards(built)
@@ -63,11 +65,28 @@ def _load(out, name, path, seed):
     out[f"{name}_next"] = params(built)
 
 
+def _ep2(res, root, fmt):
+    """EP 2: the MoE model's two chained optimizers (dense parameters over DP 2, experts over
+    expert-DP 1), saved after STEPS steps and resumed into a model drawn from another seed."""
+    from megatron_fastpath.checkpoint import training_parts
+
+    path = os.path.join(root, f"ckpt-ep2-{fmt}")
+    built = build(0, num_experts=4)
+    res["leaves"] = len(built[2].chained_optimizers)
+    for i in range(1, STEPS + 1):
+        step(built, i)
+    _manager(path).save(STEPS, training_parts(built[0], built[2], built[3], optimizer_format=fmt))
+    res["saved"] = optimizer_shards(built)
+    step(built, STEPS + 1)
+    res["next"] = params(built)
+    _load(res, "resumed", path, seed=7, num_experts=4)
+
+
 def main() -> None:
     from megatron_fastpath.distributed import destroy_distributed, init_distributed
 
     phase, root = sys.argv[1], sys.argv[2]
-    init_distributed(backend="gloo")
+    init_distributed(backend="gloo", expert_model_parallel_size=2 if phase == "ep2" else 1)
     out = {"world": torch.distributed.get_world_size()}
     with cuda_as_cpu():
         for fmt in FORMATS:
@@ -79,6 +98,8 @@ def main() -> None:
                 _load(res, "from_dp1", os.path.join(root, f"ckpt-dp1-{fmt}"), seed=8)
             if phase == "dp2to1":
                 _load(res, "from_dp2", os.path.join(root, f"ckpt-dp2-{fmt}"), seed=9)
+            if phase == "ep2":
+                _ep2(res, root, fmt)
     torch.save(out, os.path.join(root, f"{phase}.rank{torch.distributed.get_rank()}.pt"))
     destroy_distributed()
 
