@@ -154,3 +154,29 @@ def test_a_load_of_the_other_kind_or_an_unreadable_format_is_refused(mcore_paral
                            "state and this run has a non-distributed optimizer: "):
             part.saved_format({"step": 0, "groups": [], "format": "fully_reshardable"})
 
+
+
+def test_dp_reshardable_objects_round_trip_through_json():
+    """What dp_reshardable keeps as ShardedObjects -- param groups (tuples, None, floats), bucket
+    sizes keyed by dtype pairs, a grad scaler's tensors -- comes back equal from JSON text."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    groups = {"param_groups": [{"lr": 0.008305704108364302, "betas": (0.9, 0.999), "min_lr": None,
+                                "is_expert_parallel": False, "step": 3}]}
+    buckets = [{(torch.float32, torch.bfloat16): [74240, 128]}]
+    scaler = {"scale": torch.tensor([65536.0]), "growth_tracker": 2}
+    sharded = {"optimizer": ShardedObject("k.optimizer", groups, (1,), (0,)),
+               "param_state": {"per_bucket_numel": ShardedObject("k.per_bucket_numel", buckets, (1,), (0,)),
+                               0: {"keep": "a tensor's place"}},
+               "grad_scaler": ShardedObject("k.grad_scaler", scaler, (1,), (0,))}
+    saved = json.loads(json.dumps(dist_optim_ckpt.sharded_objects(sharded)))
+    assert sorted(saved) == ["k.grad_scaler/shard_0_1", "k.optimizer/shard_0_1", "k.per_bucket_numel/shard_0_1"]
+    loaded = {"param_state": {0: {"keep": "a tensor's place"}}}  # as dist_checkpointing returns it
+    dist_optim_ckpt.put_objects_back(sharded, loaded, saved)
+    assert loaded["optimizer"] == groups and type(loaded["optimizer"]["param_groups"][0]["betas"]) is tuple
+    assert loaded["param_state"]["per_bucket_numel"] == buckets and loaded["param_state"][0] == {"keep": "a tensor's place"}
+    assert torch.equal(loaded["grad_scaler"]["scale"], scaler["scale"]) and loaded["grad_scaler"]["growth_tracker"] == 2
+    with pytest.raises(KeyError, match="the checkpoint's optimizer part has no object 'k.optimizer/shard_0_1'"):
+        dist_optim_ckpt.put_objects_back(sharded, {"param_state": {0: {}}}, {})
+    with pytest.raises(TypeError, match="holds a object, which is not saved as JSON"):
+        dist_optim_ckpt.sharded_objects({"x": ShardedObject("x", object(), (1,), (0,))})
