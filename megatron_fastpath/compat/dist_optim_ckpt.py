@@ -19,8 +19,11 @@ both lines, 0.16.1 :1215-1222, 0.19.2 :1500-1507), ``fully_sharded_model_space``
 * ``dp_reshardable`` -- written (Megatron training's default, the same functions :426 / :505):
   each rank writes its own bucket shards, no gather (0.16.1 :1539-1687, 0.19.2 :1828-1976); the
   bucket tensors' global shape is the unpadded bucket size, so the checkpoint loads at another
-  DP size with the same buckets (not at another TP / PP size: Megatron's training refuses that,
-  core_v0.16.1 training/checkpointing.py:1595-1601). Its param groups (and the grad scaler's
+  DP size with the same buckets -- the same bucket size (Megatron's DDP default
+  ``max(40000000, 1000000 * dp size)`` grows with DP past 40 ranks; one bucket without
+  ``overlap_grad_reduce``: distributed/distributed_data_parallel.py 0.16.1 :64-68, 0.19.2
+  :68-72) -- and not at another TP / PP size (Megatron's training refuses that, core_v0.16.1
+  training/checkpointing.py:1595-1601); other buckets fail the checkpoint's shape check. Its param groups (and the grad scaler's
   state) and bucket sizes are ``ShardedObject``s (0.16.1 :1247-1262 and :1578-1588, 0.19.2
   :1533-1548 and :1867-1877), which torch_dist would pickle: this package's checkpoints neither
   write nor unpickle those (checkpoint/manager.py ``_drop_objects``), so
