@@ -65,10 +65,10 @@ def test_the_refusals_reasons_hold_in_the_installed_megatron(mcore_parallel):
         assert callable(getattr(DistributedOptimizer, name)), name
 
 
-def _manager(path, **kw):
+def _manager(path, async_save=False):
     from megatron_fastpath.checkpoint import CheckpointManager
 
-    return CheckpointManager(CheckpointConfig(dir=str(path), async_save=False, **kw), {}, log=lambda s: None)
+    return CheckpointManager(CheckpointConfig(dir=str(path), async_save=async_save), {}, log=lambda s: None)
 
 
 @pytest.mark.parametrize("te_installed", [False, True])
@@ -180,3 +180,29 @@ def test_dp_reshardable_objects_round_trip_through_json():
         dist_optim_ckpt.put_objects_back(sharded, {"param_state": {0: {}}}, {})
     with pytest.raises(TypeError, match="holds a object, which is not saved as JSON"):
         dist_optim_ckpt.sharded_objects({"x": ShardedObject("x", object(), (1,), (0,))})
+
+
+def test_an_async_save_resumes_exactly(mcore_parallel, tmp_path):
+    """The main job saves asynchronously by default: a dp_reshardable DistributedOptimizer saved
+    by Megatron's background writer (published at the next poll) resumes exactly too."""
+    from megatron_fastpath.checkpoint import training_parts
+    from tests.support.dist_optim import build, optimizer_shards, params, step
+
+    with cuda_as_cpu():
+        straight = build(0)
+        for i in (1, 2):
+            step(straight, i)
+        manager = _manager(tmp_path, async_save=True)
+        assert manager.save(2, training_parts(straight[0], straight[2], straight[3])).is_async
+        saved = optimizer_shards(straight)
+        step(straight, 3)  # the step runs while the writer writes
+        assert [r.step for r in manager.poll(blocking=True)] == [2]
+        resumed = build(7)
+        assert _manager(tmp_path).load(training_parts(resumed[0], resumed[2], resumed[3])).step == 2
+        loaded = optimizer_shards(resumed)
+        step(resumed, 3)
+    for name, s in saved.items():
+        for key in ("param", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[name][key], s[key]), (name, key)
+    after, expected = params(resumed), params(straight)
+    assert all(torch.equal(after[n], expected[n]) for n in expected)
