@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath.compat.dist_optim_ckpt import DEFAULT_OPTIMIZER_FORMAT
 from megatron_fastpath.settings import setting
 
 __all__ = ["CheckpointConfig"]
@@ -33,7 +34,7 @@ class CheckpointConfig:
         "only while they are staged")
     verify: bool = setting(True, "record each file's size and CRC32 at save, checked before loading")
     optimizer_format: str = setting(
-        "dp_reshardable", "Megatron's DistributedOptimizer: the format of its sharded state "
+        DEFAULT_OPTIMIZER_FORMAT, "Megatron's DistributedOptimizer: the format of its sharded state "
         "(dp_reshardable: each rank writes its own bucket shards, resumable at another DP size; "
         "fully_reshardable: gathered into one tensor per parameter, resumable at another DP / TP "
         "/ PP size, the whole state in host memory on every rank); a resume reads the format it "

@@ -29,10 +29,10 @@ from megatron_fastpath.checkpoint.optim import (
     optimizer_sharded_state,
 )
 from megatron_fastpath.checkpoint.parts import SHARDED
+from megatron_fastpath.compat.dist_optim_ckpt import DEFAULT_OPTIMIZER_FORMAT
 
 __all__ = ["training_parts", "is_adapter_key", "ModelPart", "OptimizerPart", "DEFAULT_OPTIMIZER_FORMAT"]
 
-DEFAULT_OPTIMIZER_FORMAT = "dp_reshardable"  # a DistributedOptimizer's (checkpoint.optimizer_format)
 
 
 def is_adapter_key(key: str) -> bool:

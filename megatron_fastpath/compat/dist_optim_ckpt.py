@@ -85,11 +85,12 @@ from __future__ import annotations
 
 from megatron_fastpath.compat import _require_checked_mcore
 
-__all__ = ["OPTIMIZER_FORMATS", "REFUSED_OPTIMIZER_FORMATS", "check_optimizer_format", "optimizer_format_problem",
+__all__ = ["DEFAULT_OPTIMIZER_FORMAT", "OPTIMIZER_FORMATS", "REFUSED_OPTIMIZER_FORMATS", "check_optimizer_format", "optimizer_format_problem",
            "distributed_optimizer_leaves", "distributed_optimizer_sharded_state",
            "load_distributed_optimizer_state", "torch_adam_step", "sharded_objects", "put_objects_back"]
 
 # the formats the package writes and reads, per checked megatron-core line
+DEFAULT_OPTIMIZER_FORMAT = "dp_reshardable"  # checkpoint.optimizer_format's default, as Megatron's training
 OPTIMIZER_FORMATS = {(0, 16): ("dp_reshardable", "fully_reshardable"),
                      (0, 19): ("dp_reshardable", "fully_reshardable")}
 _PARAM_STATE_LOADERS = {"fully_reshardable": "load_parameter_state_from_fully_reshardable",
