@@ -34,7 +34,6 @@ from megatron_fastpath.compat.dist_optim_ckpt import DEFAULT_OPTIMIZER_FORMAT
 __all__ = ["training_parts", "is_adapter_key", "ModelPart", "OptimizerPart", "DEFAULT_OPTIMIZER_FORMAT"]
 
 
-
 def is_adapter_key(key: str) -> bool:
     return key.endswith((".lora_A", ".lora_B"))
 
