@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath.compat.dist_optim_ckpt import DEFAULT_OPTIMIZER_FORMAT
 from megatron_fastpath.settings import setting
 
 __all__ = ["CheckpointConfig"]
@@ -32,6 +33,12 @@ class CheckpointConfig:
         True, "write tensors in a background process (Megatron's async save); the step blocks "
         "only while they are staged")
     verify: bool = setting(True, "record each file's size and CRC32 at save, checked before loading")
+    optimizer_format: str = setting(
+        DEFAULT_OPTIMIZER_FORMAT, "Megatron's DistributedOptimizer: the format of its sharded state "
+        "(dp_reshardable: each rank writes its own bucket shards, resumable at another DP size; "
+        "fully_reshardable: gathered into one tensor per parameter, resumable at another DP / TP "
+        "/ PP size, the whole state in host memory on every rank); a resume reads the format it "
+        "was saved in")
     keep_best: bool = setting(
         False, "also keep the checkpoint with the lowest held-out loss (dir/best); needs held-out "
         "evaluation")
@@ -41,6 +48,9 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.interval must be >= 0 (0: save at the end only); got {self.interval}")
         if self.keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1; got {self.keep}")
+        from megatron_fastpath.compat.dist_optim_ckpt import check_optimizer_format
+
+        check_optimizer_format(self.optimizer_format)
 
     @property
     def enabled(self) -> bool:

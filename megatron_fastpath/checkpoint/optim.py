@@ -6,14 +6,16 @@ its parameter (``exp_avg``, ``exp_avg_sq``) becomes a ShardedTensor
 ``get_param_id_to_sharded_param_map`` / ``make_sharded_optimizer_tensor``, so it reshards with
 the model. The per-parameter ``step`` counters must all be equal and are kept as one number
 (as Megatron's optimizers do, ``common_step``). Megatron optimizers (GPU path) bring their own
-``sharded_state_dict`` / ``load_state_dict``.
+``sharded_state_dict`` / ``load_state_dict``; a DistributedOptimizer's (ZeRO-1: its state
+sharded over data parallelism) is written in the format ``optimizer_format`` names
+(``checkpoint.optimizer_format``, through ``compat/dist_optim_ckpt.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["optimizer_sharded_state", "load_optimizer_state", "optimizer_hyperparams"]
+__all__ = ["optimizer_sharded_state", "load_optimizer_state", "optimizer_hyperparams", "distributed_format"]
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -51,10 +53,25 @@ def common_step(optimizer) -> int:
     return steps.pop() if steps else 0
 
 
-def optimizer_sharded_state(optimizer, model_sd, loading: bool = False) -> dict:
-    """Sharded view of the optimizer state (``loading``: fresh tensors to load into)."""
+def distributed_format(optimizer, optimizer_format: str):
+    """``optimizer_format`` when ``optimizer`` is (a chain of) Megatron DistributedOptimizer(s),
+    else None (its state has no format to choose)."""
+    if not _is_megatron(optimizer):
+        return None
+    from megatron_fastpath.compat.dist_optim_ckpt import distributed_optimizer_leaves
+
+    return optimizer_format if distributed_optimizer_leaves(optimizer) else None
+
+
+def optimizer_sharded_state(optimizer, model_sd, loading: bool = False, optimizer_format=None) -> dict:
+    """Sharded view of the optimizer state (``loading``: fresh tensors to load into).
+    ``optimizer_format``: a DistributedOptimizer's format (:func:`distributed_format`)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+    if optimizer_format is not None:  # Megatron's DistributedOptimizer
+        from megatron_fastpath.compat.dist_optim_ckpt import distributed_optimizer_sharded_state
+
+        return distributed_optimizer_sharded_state(optimizer, model_sd, loading, optimizer_format)
     if _is_megatron(optimizer):  # Megatron optimizer (GPU path)
         return optimizer.sharded_state_dict(model_sd, is_loading=loading)
     params, id_map = _param_map(optimizer, model_sd)
@@ -81,8 +98,15 @@ def optimizer_hyperparams(optimizer) -> list:
     return groups
 
 
-def load_optimizer_state(optimizer, loaded: dict, step: int, hyperparams: list) -> None:
-    """Put loaded sharded optimizer tensors (from :func:`optimizer_sharded_state`) back."""
+def load_optimizer_state(optimizer, loaded: dict, step: int, hyperparams: list, optimizer_format=None,
+                         adam_step=None) -> None:
+    """Put loaded sharded optimizer tensors (from :func:`optimizer_sharded_state`) back
+    (``adam_step``: a DistributedOptimizer's torch-Adam step, ``compat.dist_optim_ckpt.torch_adam_step``)."""
+    if optimizer_format is not None:  # Megatron's DistributedOptimizer
+        from megatron_fastpath.compat.dist_optim_ckpt import load_distributed_optimizer_state
+
+        load_distributed_optimizer_state(optimizer, loaded, optimizer_format, adam_step)
+        return
     if _is_megatron(optimizer):  # Megatron optimizer (GPU path)
         optimizer.load_state_dict(loaded)
         return

@@ -18,6 +18,7 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.dist_ckpt` -- Megatron's dist_checkpointing on a CPU; its loads without torch's
   ShardedTensor deprecation warnings
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
+* :mod:`.dist_optim_ckpt` -- the DistributedOptimizer's checkpoint format, and its load with torch's Adam
 * :mod:`.spec` -- the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder)
 
 The torch release is read here too (:data:`TORCH_RELEASE`): code that depends on a behaviour

@@ -273,7 +273,8 @@ class JobCheckpointer:
                                          may_differ=may_differ(job.cfg.training.steps))
         # every part, by the name it is saved under, in the order it loads
         self.data_position = DataPosition(job.data, job.cfg.training.steps)
-        self.parts = {**training_parts(job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only),
+        self.parts = {**training_parts(job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only,
+                                       self.cfg.optimizer_format),
                       "data": self.data_position, "history": logger.history}
         self.signals = PreemptionSignals()
         self.resumed = None
