@@ -21,8 +21,8 @@ from megatron_fastpath.packed_seq.packing import first_fit_decreasing_arrays
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, setting
 
 __all__ = ["BATCH_UNITS", "PAD_MULTIPLE", "PAD_MULTIPLE_HELP", "BatchSize", "DataConfig",
-           "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset", "pack_microbatches", "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins",
-           "resolve_batch", "train_step_data"]
+           "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset", "pack_microbatches", "StepBatch",
+           "StepData", "EpochOrder", "epoch_order", "pack_bins", "resolve_batch", "train_step_data"]
 
 
 # data.pad_multiple (both data groups): packing counts each sample as its length rounded up to
