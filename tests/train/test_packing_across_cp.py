@@ -5,7 +5,6 @@ at another CP size (its fingerprint is the same). The plans only, no training; t
 themselves: tests/train/test_context_parallel_torchrun.py."""
 
 import os
-import sys
 import types
 
 import numpy as np
@@ -65,8 +64,7 @@ def test_a_pad_per_cp_size_packs_other_microbatches_from_step_3():
 def test_jsonl_packs_with_data_pad_multiple_at_every_cp(tmp_path):
     """data=jsonl's train and held-out bins: data.pad_multiple's packing, the same at CP 1 and 2."""
     pytest.importorskip("tokenizers")
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    import make_tiny_hf_llama
+    import make_tiny_hf_llama  # examples/ (pytest.ini's pythonpath)
 
     from megatron_fastpath.hf.data import JsonlDataConfig
     from megatron_fastpath.hf.provider import JsonlData
