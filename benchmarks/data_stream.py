@@ -134,8 +134,10 @@ def child(args) -> None:
     rss_imports = _rss_mib()
     import_s = time.perf_counter() - t0
     # the token cache beside the records (the old commit's place; today's data.cache_dir)
-    where = ({"cache_dir": os.path.dirname(os.path.abspath(args.path))}
-             if "cache_dir" in {f.name for f in dataclasses.fields(JsonlDataConfig)} else {})
+    fields = {f.name for f in dataclasses.fields(JsonlDataConfig)}
+    where = {"cache_dir": os.path.dirname(os.path.abspath(args.path))} if "cache_dir" in fields else {}
+    if "pad_multiple" in fields:  # the old commit's packing at CP 1: every sample padded to 2
+        where["pad_multiple"] = 2
     data = JsonlDataConfig(path=args.path, max_tokens=MAX_TOKENS, max_seqs=MAX_SEQS, eval_fraction=0.01,
                            bad_records="skip", cache=True, **where)
     ns = types.SimpleNamespace

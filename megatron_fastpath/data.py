@@ -20,9 +20,24 @@ import torch
 from megatron_fastpath.packed_seq.packing import first_fit_decreasing_arrays
 from megatron_fastpath.settings import NON_NEGATIVE, POSITIVE, setting
 
-__all__ = ["BATCH_UNITS", "BatchSize", "DataConfig", "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset",
-           "pack_microbatches", "StepBatch", "StepData", "EpochOrder", "epoch_order", "pack_bins",
-           "resolve_batch", "train_step_data"]
+__all__ = ["BATCH_UNITS", "PAD_MULTIPLE", "PAD_MULTIPLE_HELP", "BatchSize", "DataConfig",
+           "PackedMicrobatch", "PackedBins", "SyntheticSFTDataset", "pack_microbatches", "StepBatch",
+           "StepData", "EpochOrder", "epoch_order", "pack_bins", "resolve_batch", "train_step_data"]
+
+
+# data.pad_multiple (both data groups): packing counts each sample as its length rounded up to
+# it, so the bins -- and the data of every step -- are a function of the data settings alone,
+# the same at every context-parallel size whose 2 x CP divides it (the packed cache pads each
+# sequence to 2 x CP, the THD + CP contract: Megatron's
+# _get_batch_on_this_cp_rank_per_document_balancing, megatron/core/utils.py:2413-2414 at 0.19.2,
+# and Transformer Engine's thd_get_partitioned_indices behind it; rules._pad_multiple refuses
+# the rest at parse). 8 covers CP 1, 2 and 4; it costs the padding of a sample's length to 8,
+# (8 - 1) / 2 = 3.5 tokens a sample on average: the default job packs 111 microbatches (106
+# with data.pad_multiple=2, 105 with 1).
+PAD_MULTIPLE = 8
+PAD_MULTIPLE_HELP = ("each sample counts as its length rounded up to this when packed (the tokens "
+                     "stay unpadded): the packing, and so each step's data, is the same at every "
+                     "parallel.context_parallel_size whose 2 x CP divides it (8: CP 1, 2, 4)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +50,7 @@ class DataConfig:
     prompt_len: int = setting(3, "tokens of each sample excluded from the loss (its prompt)", NON_NEGATIVE)
     max_tokens: int = setting(512, "packed microbatch capacity in tokens (the cache's static size)", POSITIVE)
     max_seqs: int = setting(32, "most sequences in one packed microbatch (the cache's static size)", POSITIVE)
+    pad_multiple: int = setting(PAD_MULTIPLE, PAD_MULTIPLE_HELP, POSITIVE)
     max_strides: int = setting(3, "each sample's token stride drawn from 1..max_strides", POSITIVE)
     seed: int = setting(1234, "seed of the samples and of each epoch's order")
 
@@ -82,14 +98,13 @@ class SyntheticSFTDataset:
         return len(self.samples)
 
 
-def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig,
-                      pad_multiple: int = 1) -> "PackedBins":
+def pack_microbatches(dataset: SyntheticSFTDataset, cfg: DataConfig) -> "PackedBins":
     """First-fit-decreasing packing of the whole dataset into bins (every data-parallel rank
-    packs the same bins; the main job deals them out). ``pad_multiple``: each sample counts as
-    its length rounded up to it (2 x CP with context parallelism; the tokens stay unpadded).
-    The bins are packed from the lengths alone; each microbatch is made when read
-    (:class:`PackedBins`)."""
-    arrays = first_fit_decreasing_arrays(dataset.lengths, cfg.max_tokens, cfg.max_seqs, pad_multiple)
+    packs the same bins; the main job deals them out), each sample counted as its length
+    rounded up to ``cfg.pad_multiple`` (the tokens stay unpadded). The bins are packed from the
+    lengths and the data settings alone; each microbatch is made when read (:class:`PackedBins`)."""
+    arrays = first_fit_decreasing_arrays(dataset.lengths, cfg.max_tokens, cfg.max_seqs,
+                                         cfg.pad_multiple)
     return PackedBins(dataset, cfg, arrays)
 
 
@@ -204,9 +219,8 @@ class EpochOrder:
     stream positions ``(s-1)*per_step`` to ``s*per_step - 1`` (a step may straddle two epochs).
     Holds the packed microbatches of the two most recent epochs asked for."""
 
-    def __init__(self, dataset, cfg, epochs: int, seed: int, pad_multiple: int = 1):
+    def __init__(self, dataset, cfg, epochs: int, seed: int):
         self.dataset, self.cfg, self.epochs, self.seed = dataset, cfg, epochs, seed
-        self.pad_multiple = pad_multiple
         self._orders: dict = {}
         self._bins: dict = {}
         self.num_bins = len(self.order(0))  # every epoch's (first-fit-decreasing: the lengths')
@@ -215,7 +229,7 @@ class EpochOrder:
         if epoch not in self._orders:
             self._orders = {k: v for k, v in self._orders.items() if k >= epoch - 1}
             self._orders[epoch] = epoch_order(self.dataset.lengths, self.cfg.max_tokens,
-                                              self.cfg.max_seqs, self.seed, epoch, self.pad_multiple)
+                                              self.cfg.max_seqs, self.seed, epoch, self.cfg.pad_multiple)
         return self._orders[epoch]
 
     def bins(self, epoch: int) -> tuple:
@@ -370,7 +384,7 @@ class StepData:
         )
 
 
-def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int) -> StepData:
+def train_step_data(dataset, cfg, dp_rank: int, dp_world: int) -> StepData:
     """The job's train order of ``dataset`` (``cfg``: the job config): one first-fit-decreasing
     packing cycled through, or with ``training.epochs`` a reshuffle + repack per epoch seeded by
     ``data.seed``; ``training.micro_batches`` each step per rank, or the number
@@ -379,9 +393,9 @@ def train_step_data(dataset, cfg, pad_multiple: int, dp_rank: int, dp_world: int
     epochs = cfg.training.epochs
     order = None
     if epochs is None:
-        bins = pack_microbatches(dataset, cfg.data, pad_multiple)
+        bins = pack_microbatches(dataset, cfg.data)
     else:
-        order = EpochOrder(dataset, cfg.data, epochs, cfg.data.seed, pad_multiple)
+        order = EpochOrder(dataset, cfg.data, epochs, cfg.data.seed)
         bins = order.bins(0)
     batch = resolve_batch(cfg.training, bins, cfg.data.max_tokens, dp_world)
     micro_batches = batch.micro_batches if batch is not None else cfg.training.micro_batches

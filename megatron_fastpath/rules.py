@@ -162,6 +162,7 @@ class RunFacts:
     tensor_parallel_size / linear_impl / packed_tokens: the TP size, the resolved linears
         ("local" | "te"; None: not known) and the tokens of one packed batch (the main job's
         data.max_tokens; None: not known) -- what sequence parallelism (and MoE with TP) needs.
+    pad_multiple: the main job's data.pad_multiple (None: the hooks, whose framework packs).
     megatron_optimizer_step: the step runs Megatron's own optimizer ``step()`` (the main job's
         ``training.optimizer_step=megatron``), which reads values back to the host.
 
@@ -196,6 +197,7 @@ class RunFacts:
     tensor_parallel_size: int = 1
     linear_impl: Optional[str] = None
     packed_tokens: Optional[int] = None
+    pad_multiple: Optional[int] = None
     megatron_optimizer_step: bool = False
 
 
@@ -435,6 +437,29 @@ def _sequence_parallel(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _pad_multiple(f: RunFacts) -> Optional[str]:
+    # The main job packs every sample counted as its length rounded up to data.pad_multiple
+    # (data.py pack_microbatches), whatever the CP size: the packed cache pads each sequence to
+    # 2 x CP (packed_seq/context_parallel.py; Megatron's THD + CP contract, each document a
+    # multiple of 2 x cp_size: megatron/core/utils.py:2413-2414 at 0.19.2), which fits the bin
+    # only when 2 x CP divides pad_multiple; and a sample of up to data.max_tokens tokens counted
+    # padded fits a bin only when pad_multiple divides data.max_tokens.
+    pad, tokens, cp = f.pad_multiple, f.packed_tokens, f.context_parallel_size
+    if pad is None:
+        return None
+    if cp > 1 and pad % (2 * cp):  # at CP 1 the cache pads nothing
+        fix = math.lcm(pad, 2 * cp)
+        return (f"data.pad_multiple={pad} with {f.names.context_parallel}={cp}: the packed cache "
+                f"pads every sample to a multiple of 2 x CP = {2 * cp}, which fits the packing "
+                f"only when it divides data.pad_multiple; set data.pad_multiple={fix}")
+    if tokens is not None and tokens % pad:
+        up = -(-tokens // pad) * pad
+        return (f"data.max_tokens={tokens} is not a multiple of data.pad_multiple={pad}: a sample "
+                f"of up to data.max_tokens tokens counted padded to {pad} would not fit a "
+                f"microbatch; set data.max_tokens={up} (or a data.pad_multiple dividing it)")
+    return None
+
+
 def _offload_with_pipeline(f: RunFacts) -> Optional[str]:
     if f.offload and f.pipeline_parallel_size > 1:
         return ("fastpath.offload with pipeline parallelism is not supported yet (one pass in flight "
@@ -463,6 +488,7 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _te_grouped_linear_in_graphs,
     _moe_tensor_parallel,
     _sequence_parallel,
+    _pad_multiple,
     _offload_with_pipeline,
     _full_iteration_megatron_step,
 )

@@ -30,6 +30,7 @@ BREAKS = {
     "_flex_head_dim": dict(attention_backend="flex", head_dim=8),
     "_moe_tensor_parallel": dict(is_moe=True, tensor_parallel_size=2),
     "_sequence_parallel": dict(sequence_parallel=True),
+    "_pad_multiple": dict(pad_multiple=8, packed_tokens=100),
     "_offload_with_pipeline": dict(offload=True, pipeline_parallel_size=2),
     "_full_iteration_megatron_step": dict(full_iteration=True, megatron_optimizer_step=True),
 }
@@ -47,6 +48,7 @@ PHRASES = {
     "_flex_head_dim": "compiled FlexAttention kernel needs a head width of at least 16",
     "_moe_tensor_parallel": "the fastpath MoE layer shards experts over expert parallelism only",
     "_sequence_parallel": "needs parallel.tensor_model_parallel_size >= 2",
+    "_pad_multiple": "is not a multiple of data.pad_multiple",
     "_offload_with_pipeline": "one pass in flight per offload manager",
     "_full_iteration_megatron_step": "captures the optimizer step as a graph",
 }
@@ -203,6 +205,34 @@ def test_main_job_refuses_cp_only_where_it_is_not_served():
                                          graphs_requested=True, attention_backend="flex"))
     assert _main_job_error(["parallel.context_parallel_size=2", "fastpath.cuda_graphs=true",
                             "fastpath.attention_backend=flex"]) == want[0]
+
+
+def test_main_job_refuses_a_pad_multiple_that_2cp_does_not_divide():
+    """The packing pads to data.pad_multiple at every CP size: its default 8 serves CP 1, 2 and
+    4; CP 8 (the cache pads each sequence to 16) and a data.max_tokens the padded samples do
+    not fill are refused at parse with the rule's one line; data.pad_multiple=1 runs at CP 1."""
+    from megatron_fastpath.train.config import parse_job_config
+    from tests.support.hydra_compose import compose_job
+
+    for cp in (1, 2, 4):
+        job = parse_job_config(compose_job([f"parallel.context_parallel_size={cp}",
+                                            "training.skip_memory_check=true"]))
+        assert job.data.pad_multiple == 8 and job.facts.pad_multiple == 8
+    want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=8,
+                                         attention_backend="sdpa", pad_multiple=8, packed_tokens=512))
+    assert want == ["data.pad_multiple=8 with parallel.context_parallel_size=8: the packed cache "
+                    "pads every sample to a multiple of 2 x CP = 16, which fits the packing only "
+                    "when it divides data.pad_multiple; set data.pad_multiple=16"]
+    assert _main_job_error(["parallel.context_parallel_size=8"]) == want[0]
+    assert _main_job_error(["data.pad_multiple=6", "parallel.context_parallel_size=2"]).endswith(
+        "set data.pad_multiple=12")
+    assert _main_job_error(["data.max_tokens=500"]) == rules.refusals(rules.RunFacts(
+        names=rules.NAMES["main"], pad_multiple=8, packed_tokens=500))[0]
+    assert "set data.max_tokens=504" in _main_job_error(["data.max_tokens=500"])
+    assert parse_job_config(compose_job(["parallel.context_parallel_size=8", "data.pad_multiple=16",
+                                         "training.skip_memory_check=true"])).data.pad_multiple == 16
+    assert parse_job_config(compose_job(["data.pad_multiple=1", "data.max_tokens=500",
+                                         "training.skip_memory_check=true"])).data.pad_multiple == 1
 
 
 def test_hooks_turning_graphs_on_for_lora_write_zero_warmup():

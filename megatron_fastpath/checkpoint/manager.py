@@ -136,11 +136,12 @@ class CheckpointManager:
     ``train_state.json`` under its name (and back as :attr:`ResumeState.parts`).
     ``fingerprint_config``: the JSON-able settings that must match for a resume (compared key by
     key on mismatch); ``may_differ(train_state) -> dotted keys``: those a checkpoint may
-    differ in.
+    differ in; ``hints``: {dotted key: what to do}, added to a mismatch where the checkpoint's
+    fingerprint lacks the key.
     """
 
     def __init__(self, cfg: CheckpointConfig, fingerprint_config: dict, log: Callable[[str], None] = print,
-                 may_differ: Optional[Callable[[dict], set]] = None):
+                 may_differ: Optional[Callable[[dict], set]] = None, hints: Optional[dict] = None):
         if not cfg.enabled:
             raise ValueError("CheckpointManager needs checkpoint.dir")
         self.cfg = cfg
@@ -149,6 +150,7 @@ class CheckpointManager:
         self.fingerprint = config_fingerprint(fingerprint_config)
         self.log = log
         self.may_differ = may_differ
+        self.hints = dict(hints or {})
         self._async_queue = None
         self._pending: list = []
         self.saves: list[SaveResult] = []
@@ -422,7 +424,8 @@ class CheckpointManager:
         # the dotted config keys this checkpoint may differ in (settings an older fingerprint
         # held that do not enter it; the schedule of a finished run extended)
         ignore = self.may_differ(state) if self.may_differ is not None else set()
-        diffs = config_diff(state.get("config", {}), self.fingerprint_config, ignore=ignore)
+        diffs = config_diff(state.get("config", {}), self.fingerprint_config, ignore=ignore,
+                            hints=self.hints)
         if problems or diffs:
             lines = problems[:40] + ([f"  ... {len(problems) - 40} more"] if len(problems) > 40 else [])
             raise CheckpointMismatchError(

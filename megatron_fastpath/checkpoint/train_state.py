@@ -76,18 +76,21 @@ def check_json(name: str, value, where: str = "") -> None:
                     "saved as JSON, never pickled; give its state_dict() of plain values")
 
 
-def config_diff(saved: dict, now: dict, prefix: str = "", ignore=frozenset()) -> list[str]:
+def config_diff(saved: dict, now: dict, prefix: str = "", ignore=frozenset(), hints=None) -> list[str]:
     """One line per setting that differs between a checkpoint's config and this run's, except
-    the dotted keys in ``ignore``."""
+    the dotted keys in ``ignore``; ``hints`` ({dotted key: what to do}): a line more for each
+    of its keys the checkpoint lacks."""
     out = []
     for k in sorted(set(saved) | set(now)):
         if f"{prefix}{k}" in ignore:
             continue
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{prefix}{k}.", ignore)
+            out += config_diff(a, b, f"{prefix}{k}.", ignore, hints)
         elif a != b:
             out.append(f"  config {prefix}{k}: saved {a!r}, now {b!r}")
+            if k not in saved and f"{prefix}{k}" in (hints or {}):
+                out.append(f"  {prefix}{k}: {hints[prefix + k]}")
     return out
 
 

@@ -216,14 +216,13 @@ class JsonlData(DataProvider):
         if train.max_token_id >= cfg.model.vocab_size:
             raise ValueError(f"{cfg.data.path}: token ids exceed the model's vocab_size "
                              f"{cfg.model.vocab_size}: the tokenizer does not belong to the checkpoint")
-        pad = 2 * cfg.parallel.context_parallel_size  # CP pads every sample to 2 x CP
-        order = train_step_data(train, cfg, pad, dp_rank, dp_world)  # identical on every rank
+        order = train_step_data(train, cfg, dp_rank, dp_world)  # identical on every rank
         bins = order.bins
         if len(bins) < order.per_step:
             raise ValueError(f"{cfg.data.path}: {len(bins)} packed microbatches for {order.per_step} "
                              f"per step; lower {order.batch_key}"
                              + (" or data.max_tokens" if order.batch_size is None else ""))
-        held_bins = pack_microbatches(held, cfg.data, pad) if held is not None else []
+        held_bins = pack_microbatches(held, cfg.data) if held is not None else []
         report = dict(report, train_microbatches=len(bins), eval_microbatches=len(held_bins),
                       train_loss_tokens=train.num_loss_tokens,
                       eval_loss_tokens=held.num_loss_tokens if held else 0)

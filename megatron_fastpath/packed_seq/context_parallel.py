@@ -41,7 +41,7 @@ __all__ = ["CPHostMetadata", "build_cp_host_metadata", "cp_padded_lengths", "cp_
 
 
 def cp_padded_lengths(lengths_N: np.ndarray, cp: int) -> np.ndarray:
-    """Each length rounded up to a multiple of 2 x CP (what the packing step pads to)."""
+    """Each length rounded up to a multiple of 2 x CP (what the cache pads each sequence to)."""
     q = 2 * cp
     return -(-np.asarray(lengths_N, dtype=np.int64) // q) * q
 
@@ -109,8 +109,8 @@ def build_cp_host_metadata(lengths_N: np.ndarray, max_tokens: int, max_seqs: int
     if total > max_tokens:
         raise ValueError(
             f"the batch's sequences padded to multiples of 2 x CP = {q} hold {total} tokens, more "
-            f"than max_tokens={max_tokens}: pack with the padded lengths (data packing pads each "
-            "sample to 2 x CP when context_parallel_size > 1) or raise max_tokens")
+            f"than max_tokens={max_tokens}: pack with the padded lengths (the main job counts "
+            "each sample padded to data.pad_multiple, a multiple of 2 x CP) or raise max_tokens")
     if int(padded_N.max()) > bound:
         raise ValueError(
             f"a sequence padded to {int(padded_N.max())} tokens (2 x CP = {q}) exceeds the static "

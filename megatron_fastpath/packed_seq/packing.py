@@ -14,8 +14,9 @@ def first_fit_decreasing(
 ) -> list[list[int]]:
     """Pack samples (by index) into bins of at most ``max_tokens`` tokens and ``max_seqs``
     samples: samples in decreasing length, each into the first bin with room. A sample takes
-    its length rounded up to ``pad_multiple`` (2 x CP with context parallelism: the packed
-    cache pads every sequence to it, :mod:`megatron_fastpath.packed_seq.context_parallel`).
+    its length rounded up to ``pad_multiple`` (the main job's ``data.pad_multiple``: with
+    context parallelism a multiple of 2 x CP, which the packed cache pads every sequence to,
+    :mod:`megatron_fastpath.packed_seq.context_parallel`).
 
     Deterministic (ties keep the input order). Returns bins as lists of sample indices, each in
     placement order. Raises ValueError for a sample longer than ``max_tokens`` or non-positive.

@@ -57,9 +57,8 @@ class SyntheticData(DataProvider):
         """Synthetic SFT samples packed into microbatches; refuses too few for one step."""
         from megatron_fastpath.data import SyntheticSFTDataset, train_step_data
 
-        # with CP every sample counts padded to 2 x CP (packed_seq/context_parallel.py)
         train = train_step_data(SyntheticSFTDataset(cfg.data, cfg.model.vocab_size), cfg,
-                                2 * cfg.parallel.context_parallel_size, dp_rank, dp_world)
+                                dp_rank, dp_world)
         if len(train.bins) < train.per_step:
             lower = f" or lower {train.batch_key}" if train.batch_size is not None else ""
             raise ValueError(f"only {len(train.bins)} packed microbatches for {train.per_step} per "

@@ -67,18 +67,31 @@ def fingerprint_config(cfg, dp_world: int) -> dict:
     return json.loads(json.dumps(out))  # tuples -> lists, as read back from JSON
 
 
-def may_differ(steps: int):
+# A fingerprint without data.pad_multiple is a checkpoint whose packing padded each sample to
+# 2 x its parallel.context_parallel_size: it resumes at that CP size with that pad
+# (may_differ), and the refusal of any other says so (CheckpointManager's hints).
+PAD_MULTIPLE_HINTS = {"data.pad_multiple": (
+    "a checkpoint without data.pad_multiple packed each sample padded to 2 x its "
+    "parallel.context_parallel_size: resume it at that CP size with data.pad_multiple=2 x CP "
+    "(2 at CP 1, 4 at CP 2)")}
+
+
+def may_differ(steps: int, pad_is_2cp: bool = False):
     """``CheckpointManager``'s ``may_differ`` for a run of ``steps`` steps: the settings that do
-    not change the weights (an older checkpoint's fingerprint may still hold them), and the
+    not change the weights (an older checkpoint's fingerprint may still hold them), the
     schedule (``rules.SCHEDULE_SETTINGS``) when the checkpoint is the end of its run and this
     run goes further (a finished run extended: the LR schedule is recomputed for the new total,
-    the steps continue from the saved one; ``step.build_scheduler``)."""
+    the steps continue from the saved one; ``step.build_scheduler``), and ``data.pad_multiple``
+    when the checkpoint's fingerprint lacks it and this run pads to 2 x its CP size
+    (``pad_is_2cp``: :data:`PAD_MULTIPLE_HINTS`)."""
     from megatron_fastpath.rules import NOT_WEIGHT_SETTINGS, SCHEDULE_SETTINGS
 
     def keys(state: dict) -> set:
         saved_steps = ((state.get("config") or {}).get("training") or {}).get("steps")
         finished = saved_steps is not None and state.get("step") == saved_steps
-        return set(NOT_WEIGHT_SETTINGS) | (set(SCHEDULE_SETTINGS) if finished and steps > saved_steps else set())
+        packed_by_cp = pad_is_2cp and "pad_multiple" not in ((state.get("config") or {}).get("data") or {})
+        return (set(NOT_WEIGHT_SETTINGS) | (set(SCHEDULE_SETTINGS) if finished and steps > saved_steps else set())
+                | ({"data.pad_multiple"} if packed_by_cp else set()))
     return keys
 
 
@@ -269,8 +282,10 @@ class JobCheckpointer:
         from megatron_fastpath.checkpoint import CheckpointManager, training_parts
 
         self.job, self.logger, self.cfg = job, logger, job.cfg.checkpoint
+        pad_is_2cp = job.cfg.data.pad_multiple == 2 * job.cfg.parallel.context_parallel_size
         self.manager = CheckpointManager(self.cfg, fingerprint_config(job.cfg, job.dp_world), log=logger.print,
-                                         may_differ=may_differ(job.cfg.training.steps))
+                                         may_differ=may_differ(job.cfg.training.steps, pad_is_2cp),
+                                         hints=PAD_MULTIPLE_HINTS)
         # every part, by the name it is saved under, in the order it loads
         self.data_position = DataPosition(job.data, job.cfg.training.steps)
         self.parts = {**training_parts(job.model, job.step.optimizer, job.step.scheduler, self.cfg.adapters_only,

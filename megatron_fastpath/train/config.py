@@ -429,7 +429,7 @@ def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: Fastp
         on_cpu=device.type == "cpu",
         tensor_parallel_size=tp,
         linear_impl=linear_impl,
-        packed_tokens=data.max_tokens,
+        packed_tokens=data.max_tokens, pad_multiple=data.pad_multiple,
         megatron_optimizer_step=train.optimizer_step == "megatron",
         **fp8_facts,
     )

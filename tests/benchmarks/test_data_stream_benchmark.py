@@ -127,7 +127,7 @@ def test_streamed_path_gives_the_committed_samples_split_and_bins(tok_dir, tmp_p
             assert got.max_token_id == max(int(w[1].max()) for w in want)
             # bins: the committed first-fit over the same lengths, and the same padded tensors
             lengths = [len(w[1]) for w in want]
-            bins = pack_microbatches(got, DataConfig(max_tokens=64, max_seqs=8), pad)
+            bins = pack_microbatches(got, DataConfig(max_tokens=64, max_seqs=8, pad_multiple=pad))
             ref = reference_ffd(lengths, 64, 8, pad)
             assert [bins.indices(k) for k in range(len(bins))] == ref
             for mb, idx in zip(bins, ref, strict=True):
@@ -168,7 +168,7 @@ def test_shipped_data_bins_equal_the_committed_first_fit(tok_dir):
     cfg = JsonlDataConfig(path=str(DATA), max_tokens=128, max_seqs=8, cache=False, bad_records="skip")
     train, held, _ = load_jsonl_splits(cfg, tok_dir, log=lambda m: None)
     for ds in (train, held):
-        bins = pack_microbatches(ds, DataConfig(max_tokens=128, max_seqs=8))
+        bins = pack_microbatches(ds, DataConfig(max_tokens=128, max_seqs=8, pad_multiple=1))
         assert [bins.indices(k) for k in range(len(bins))] == reference_ffd(ds.lengths.tolist(), 128, 8)
         # an epoch's order: the committed one (first-fit over the shuffled lengths, mapped back)
         rng = np.random.default_rng([7, 1])

@@ -16,9 +16,10 @@ from megatron_fastpath.train import run
 
 pytestmark = pytest.mark.integration
 
-# 48 samples pack into 11 bins: 2 epochs = 11 steps of 2 microbatches, 3 epochs = 17
+# 48 samples pack into 11 bins (each counted padded to 2): 2 epochs = 11 steps of 2
+# microbatches, 3 epochs = 17
 SMALL = ["data.num_samples=48", "model.num_layers=2", "model.hidden_size=64",
-         "model.ffn_hidden_size=160", "data.max_tokens=256", "training.lr=5e-3",
+         "model.ffn_hidden_size=160", "data.max_tokens=256", "data.pad_multiple=2", "training.lr=5e-3",
          "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"]
 
 

@@ -15,10 +15,11 @@ from megatron_fastpath.train import run
 # the integration tier: runs the main job
 pytestmark = pytest.mark.integration
 
-# 48 samples pack into 11 bins: 2 epochs x 11 microbatches / 2 per step = 11 steps; step 6
-# takes epoch 1's last bin and epoch 2's first; the stop (step 8) is mid-epoch 2
+# 48 samples pack into 11 bins (each counted padded to 2): 2 epochs x 11 microbatches / 2 per
+# step = 11 steps; step 6 takes epoch 1's last bin and epoch 2's first; the stop (step 8) is
+# mid-epoch 2
 SMALL = ["data.num_samples=48", "model.num_layers=2", "model.hidden_size=64",
-         "model.ffn_hidden_size=160", "data.max_tokens=256", "training.lr=5e-3"]
+         "model.ffn_hidden_size=160", "data.max_tokens=256", "data.pad_multiple=2", "training.lr=5e-3"]
 EPOCHS, STEPS, STOP = 2, 11, 8
 
 
@@ -107,8 +108,8 @@ def tiny_hf(tmp_path_factory):
 
 
 def test_jsonl_two_epochs_stopped_mid_epoch_2_resume_exactly(mcore_parallel, tmp_path, tiny_hf):
-    """data=jsonl: 360 training records pack into 17 bins of 1024 tokens: 2 epochs of 2
-    microbatches per step are 17 steps; stopped at step 12 (epoch 2's microbatches 5 and 6)."""
+    """data=jsonl: 360 training records pack into 19 bins of 1024 tokens: 2 epochs of 2
+    microbatches per step are 19 steps; stopped at step 12 (epoch 2's microbatches 3 and 4)."""
     ckpt, data = tiny_hf
     d = tmp_path / "ckpt"
     job_args = ["model=hf", f"model.path={ckpt}", "data=jsonl", f"data.path={data}",
@@ -116,16 +117,16 @@ def test_jsonl_two_epochs_stopped_mid_epoch_2_resume_exactly(mcore_parallel, tmp
                 "metrics.tensorboard=false", "metrics.wandb=off"]
     straight, job_s = run(compose_job(job_args + [f"training.summary_json={tmp_path}/straight.json"]),
                           return_job=True)
-    assert len(job_s.data.bins) == 17 and straight.steps == job_s.cfg.training.steps == 17
+    assert len(job_s.data.bins) == 19 and straight.steps == job_s.cfg.training.steps == 19
     run(compose_job(job_args + [f"checkpoint.dir={d}", "training.stop_at_step=12"]))
     with open(d / "step_00000012" / "train_state.json") as f:
         position = json.load(f)["parts"]["data"]
-    assert (position["epoch"], position["next_first_microbatch"]) == (1, 7)
+    assert (position["epoch"], position["next_first_microbatch"]) == (1, 5)
     resumed, job_r = run(compose_job(job_args + [f"checkpoint.dir={d}",
                                                  f"training.summary_json={tmp_path}/resumed.json"]),
                          return_job=True)
     assert resumed.resumed_from == f"{d}/step_00000012" and resumed.stopped is None
-    assert len(records(tmp_path / "straight.json")) == 17
+    assert len(records(tmp_path / "straight.json")) == 19
     assert records(tmp_path / "resumed.json") == records(tmp_path / "straight.json")  # bit-identical
     assert resumed.eval_loss == straight.eval_loss
     same_params(job_s, job_r)

@@ -27,7 +27,7 @@ def test_settings_that_do_not_change_the_weights_leave_the_fingerprint():
 
 @pytest.mark.parametrize("setting", ["data.eval_fraction=0.2", "training.lr=1e-3", "data.seed=7",
                                      "training.steps=5", "data.columns.text=body", "data.overlong=truncate",
-                                     "data.eval_path=held.jsonl"])
+                                     "data.eval_path=held.jsonl", "data.pad_multiple=16"])
 def test_settings_that_change_the_weights_stay_in_it(setting):
     assert fingerprint(setting) != fingerprint()
 
@@ -55,3 +55,33 @@ def test_an_older_fingerprint_holding_them_is_no_mismatch():
     assert _config_diff(saved, longer, ignore=may_differ(6)(state)) == [
         "  config training.steps: saved 4, now 6"]
     assert _config_diff(saved, longer, ignore=may_differ(6)({"step": 4, "config": saved})) == []
+
+
+def test_the_context_parallel_size_leaves_the_fingerprint():
+    """CP is a layout (the packing is data.pad_multiple's at every CP size whose 2 x CP divides
+    it): a checkpoint resumes at another CP size (tests/train/test_context_parallel_torchrun.py)."""
+    assert fingerprint("parallel.context_parallel_size=2") == fingerprint()
+    assert fingerprint()["data"]["pad_multiple"] == 8
+
+
+def test_a_fingerprint_without_pad_multiple_resumes_at_2cp_only():
+    """A checkpoint whose fingerprint lacks data.pad_multiple packed every sample padded to 2 x
+    its CP size: it resumes with data.pad_multiple=2 x CP (``pad_is_2cp``); at any other pad
+    the mismatch names the fix."""
+    from megatron_fastpath.checkpoint.train_state import config_diff
+    from megatron_fastpath.train.checkpointing import PAD_MULTIPLE_HINTS, may_differ
+
+    at2 = fingerprint("data.pad_multiple=2")
+    saved = {**at2, "data": {k: v for k, v in at2["data"].items() if k != "pad_multiple"}}
+    state = {"step": 2, "config": saved}
+    assert config_diff(saved, at2, ignore=may_differ(4, pad_is_2cp=True)(state),
+                       hints=PAD_MULTIPLE_HINTS) == []
+    now = fingerprint()
+    assert config_diff(saved, now, ignore=may_differ(4, pad_is_2cp=False)(state), hints=PAD_MULTIPLE_HINTS) == [
+        "  config data.pad_multiple: saved '<absent>', now 8",
+        "  data.pad_multiple: a checkpoint without data.pad_multiple packed each sample padded to 2 x "
+        "its parallel.context_parallel_size: resume it at that CP size with data.pad_multiple=2 x CP "
+        "(2 at CP 1, 4 at CP 2)"]
+    # a checkpoint that holds it compares it as any setting
+    assert config_diff(now, at2, ignore=may_differ(4, pad_is_2cp=True)({"step": 2, "config": now}),
+                       hints=PAD_MULTIPLE_HINTS) == ["  config data.pad_multiple: saved 8, now 2"]

@@ -79,7 +79,9 @@ def test_sequence_parallel_refused_on_cpu(overrides, match):
     "overrides, match",
     [
         (["model=tiny_moe"], "an MoE model with parallel.tensor_model_parallel_size=2"),
-        (["data.max_tokens=129", "data.max_len=48"], r"max_tokens=129 tokens over the 2 TP ranks"),
+        # an odd data.max_tokens: samples counted unpadded (data.pad_multiple divides it)
+        (["data.max_tokens=129", "data.max_len=48", "data.pad_multiple=1"],
+         r"max_tokens=129 tokens over the 2 TP ranks"),
         ([], r"needs Transformer Engine's norms and linears \(fastpath.linear_impl=te\)"),
     ],
 )

@@ -20,7 +20,8 @@ from megatron_fastpath.train import parse_job_config
 from megatron_fastpath.train.checkpointing import DataPosition, fingerprint_config
 from megatron_fastpath.train.config import DEFAULT_STEPS, set_steps
 
-CFG = DataConfig(num_samples=48, max_tokens=256)  # 11 bins: a 2-microbatch step straddles epochs
+# 11 bins (samples unpadded): a 2-microbatch step straddles epochs
+CFG = DataConfig(num_samples=48, max_tokens=256, pad_multiple=1)
 
 
 def dataset(cfg=CFG):
@@ -29,7 +30,7 @@ def dataset(cfg=CFG):
 
 def order(seed, epoch, cfg=CFG, ds=None):
     ds = ds if ds is not None else dataset(cfg)
-    return epoch_order(ds.lengths, cfg.max_tokens, cfg.max_seqs, seed, epoch)
+    return epoch_order(ds.lengths, cfg.max_tokens, cfg.max_seqs, seed, epoch, cfg.pad_multiple)
 
 
 def test_every_record_once_per_epoch_and_bins_within_capacity():

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_fastpath.data import PAD_MULTIPLE, PAD_MULTIPLE_HELP
 from megatron_fastpath.hf.data.records import COLUMNS, FORMATS
 from megatron_fastpath.hf.data.sources import DataError
-from megatron_fastpath.settings import setting
+from megatron_fastpath.settings import POSITIVE, setting
 
 __all__ = ["JsonlDataConfig"]
 
@@ -22,6 +23,7 @@ class JsonlDataConfig:
     tokenizer_path: Optional[str] = setting(None, "directory with tokenizer.json; null: model.path")
     max_tokens: int = setting(512, "packed microbatch capacity in tokens (longer records are bad records)")
     max_seqs: int = setting(32, "most sequences in one packed microbatch (the cache's static size)")
+    pad_multiple: int = setting(PAD_MULTIPLE, PAD_MULTIPLE_HELP, POSITIVE)
     eval_fraction: Optional[float] = setting(
         None, "held-out share of path's records (at least one record when > 0); null: 0.1, or 0 "
         "with eval_path")
