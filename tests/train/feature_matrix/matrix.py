@@ -145,7 +145,7 @@ def _layouts() -> tuple:
     has 2 cores; two sizes of 2 need a world of 4)."""
     from megatron_fastpath.train.config import ParallelConfig
 
-    sizes = [f.name for f in dataclasses.fields(ParallelConfig) if f.name.endswith("_size")]
+    sizes = [f.name for f in dataclasses.fields(ParallelConfig) if f.name.endswith("parallel_size")]
     return ("1",) + tuple(f"{name}=2" for name in sizes)
 
 
