@@ -247,8 +247,10 @@ class FullIterationStep:
         self.last_grad_norm = grad_norm_1
 
 
-def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache):
-    """:class:`~megatron_fastpath.train.step.StepParts` of the full-iteration GPU step."""
+def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None):
+    """:class:`~megatron_fastpath.train.step.StepParts` of the full-iteration GPU step (Megatron's
+    plain DDP and optimizer: ``parallel``'s distributed optimizer and overlaps are refused with
+    full-iteration graphs by the rules, ``rules._data_parallel_in_full_iteration``)."""
     from megatron_fastpath.train.step import StepParts
 
     step = FullIterationStep(model, tcfg, train_cfg, cache)
