@@ -7,7 +7,8 @@ the GPU stand-ins (CUDA-as-CPU), under ``torchrun``::
 ``spec.json``: ``[{"name", "overrides"}]``. After each run every rank writes
 ``<out>/<name>.rank<r>.pt``: the step records (step, loss, lr, grad norm, host syncs counted in
 the forward-backward and in the whole step), this rank's final parameters (read with the
-parameters gathered: ``StepParts.params_current``) and what the optimizer is: the leaves'
+parameters gathered: ``StepParts.params_current``; the names of those the gather changed) and
+what the optimizer is: the leaves'
 classes, the elements of the shards they update, DDP's settings and bucket count. A run that
 raises writes ``{"error": ...}`` and the launch stops (the ranks' collectives no longer pair up).
 """
@@ -49,6 +50,7 @@ def main(spec: str, out: str) -> None:
             path = Path(out) / f"{item['name']}.rank{rank}.pt"
             try:
                 summary, job = train_in_standins(compose_job(item["overrides"]))
+                before = {k: p.detach().clone() for k, p in job.model.named_parameters()}
                 with job.step.params_current():
                     params = {k: p.detach().clone() for k, p in job.model.named_parameters()}
                 result = {
@@ -59,6 +61,8 @@ def main(spec: str, out: str) -> None:
                     "syncs_per_step": summary.syncs_per_step,
                     "sync_checked_steps": summary.sync_checked_steps,
                     "params": params, "optimizer": describe_optimizer(job),
+                    # parameters the gather of params_current changed (stale before it)
+                    "stale": sorted(k for k in params if not torch.equal(before[k], params[k])),
                     "trainable": sum(p.numel() for p in job.model.parameters() if p.requires_grad),
                 }
                 del job
