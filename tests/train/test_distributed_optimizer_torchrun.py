@@ -86,6 +86,7 @@ def results(tmp_path_factory):
             pair.append(r)
         out[name] = tuple(pair)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out["stdout"] = proc.stdout
     return out
 
 
@@ -170,3 +171,16 @@ def test_parameters_are_read_gathered(results, name):
             assert len(r["stale"]) > 0
         else:
             assert r["stale"] == [], r["stale"]
+
+
+@pytest.mark.integration
+def test_the_header_says_what_runs(results):
+    lines = [line.strip() for line in results["stdout"].splitlines() if "data parallel:" in line]
+    # rank 0 prints the header: once per run with the distributed optimizer or an overlap
+    assert lines.count(
+        "data parallel: distributed optimizer (optimizer state sharded over 2 ranks), gradient "
+        "reduce overlapped with the backward, parameter gather overlapped with the forward, "
+        "buckets of 4096 elements") == 4
+    assert lines.count("data parallel: distributed optimizer (optimizer state sharded over 2 "
+                       "ranks)") == 3
+    assert len(lines) == 7
