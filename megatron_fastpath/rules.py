@@ -494,16 +494,18 @@ def _data_parallel_in_full_iteration(f: RunFacts) -> Optional[str]:
     # Megatron's DDP hooks return at once while a graph is being captured (megatron-core 0.16.1
     # distributed/distributed_data_parallel.py:395-396 forward pre-hook, :428-429 backward
     # post-hook): a captured backward dispatches no bucket reduce-scatter and a captured forward
-    # waits on no all-gather, so neither overlap can live in the full-iteration graphs; the
-    # distributed optimizer's step (its shard's Adam and the parameter all-gather, 0.16.1
-    # optimizer/distrib_optimizer.py:2598-2623) is not captured in the optimizer graph here.
-    asked = [f"parallel.{k}=true" for k in ("distributed_optimizer", "overlap_grad_reduce",
-                                             "overlap_param_gather") if getattr(f, k)]
+    # waits on no all-gather, so neither overlap can live in the full-iteration graphs. The
+    # distributed optimizer without them runs there: the reduce-scatter is captured in the
+    # forward-backward graph (finalize_model_grads), the shard's step and the parameter
+    # all-gather in the optimizer graph.
+    asked = [f"parallel.{k}=true" for k in ("overlap_grad_reduce", "overlap_param_gather")
+             if getattr(f, k)]
     if f.full_iteration and asked:
         return (f"cuda_graphs.scope=full_iteration with {' and '.join(asked)}: Megatron's DDP "
-                "skips its gradient-reduce and parameter-gather hooks while a graph is captured "
-                "and the distributed optimizer's parameter all-gather is not in the captured "
-                "optimizer step; set them to false (or null), or use cuda_graphs.scope=layers")
+                "skips its gradient-reduce and parameter-gather hooks while a graph is "
+                "captured, so the captured step would reduce and gather nothing; set "
+                "parallel.overlap_grad_reduce and parallel.overlap_param_gather to false (or "
+                "null), or use cuda_graphs.scope=layers")
     return None
 
 

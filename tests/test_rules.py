@@ -33,7 +33,8 @@ BREAKS = {
     "_offload_with_pipeline": dict(offload=True, pipeline_parallel_size=2),
     "_full_iteration_megatron_step": dict(full_iteration=True, megatron_optimizer_step=True),
     "_data_parallel_optimizer": dict(on_cpu=True, distributed_optimizer=True),
-    "_data_parallel_in_full_iteration": dict(full_iteration=True, distributed_optimizer=True),
+    "_data_parallel_in_full_iteration": dict(full_iteration=True, distributed_optimizer=True,
+                                             overlap_grad_reduce=True),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {

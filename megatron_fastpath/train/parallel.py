@@ -8,8 +8,8 @@ as NeMo / Megatron-Bridge recipes set it (Megatron-Bridge
 ``src/megatron/bridge/recipes/llama/llama3.py`` ``llama32_1b_pretrain_config`` and the other
 pre-train recipes: ``cfg.ddp.overlap_grad_reduce = True``, ``cfg.ddp.overlap_param_gather =
 True``, ``cfg.ddp.use_distributed_optimizer = True``), and off where it cannot: on a CPU (the
-CPU step runs its own loop and torch AdamW, not Megatron's DDP), with one data-parallel rank
-(nothing to shard or overlap) and with full-iteration graphs (``rules.py``
+CPU step runs its own loop and torch AdamW, not Megatron's DDP) and with one data-parallel rank
+(nothing to shard or overlap); the overlaps are off with full-iteration graphs too (``rules.py``
 ``_data_parallel_in_full_iteration``). A value set where the run cannot use it is refused by the
 rules (:mod:`megatron_fastpath.rules`), with the reason and the fix.
 """
@@ -43,15 +43,15 @@ class ParallelConfig:
     distributed_optimizer: Optional[bool] = setting(
         None, "Megatron's distributed optimizer (ZeRO-1: optimizer state and fp32 main weights "
         "sharded over data parallelism); null: on with CUDA and more than one data-parallel "
-        "rank (as NeMo / Megatron-Bridge recipes), off on a CPU, at DP 1 and with "
-        "cuda_graphs.scope=full_iteration")
+        "rank (as NeMo / Megatron-Bridge recipes), off on a CPU and at DP 1")
     overlap_grad_reduce: Optional[bool] = setting(
         None, "reduce (reduce-scatter with the distributed optimizer) gradient buckets during "
-        "the backward; null: as parallel.distributed_optimizer resolves")
+        "the backward; null: as parallel.distributed_optimizer resolves, off with "
+        "cuda_graphs.scope=full_iteration")
     overlap_param_gather: Optional[bool] = setting(
         None, "all-gather the updated parameters during the next forward (needs the "
         "distributed optimizer and overlap_grad_reduce); null: as "
-        "parallel.distributed_optimizer resolves")
+        "parallel.overlap_grad_reduce resolves")
     bucket_size: Optional[int] = setting(
         None, "elements per gradient bucket with overlap_grad_reduce; null: Megatron's default "
         "(max(40M, 1M x DP))", POSITIVE)
@@ -87,12 +87,13 @@ def data_parallel_size(par: ParallelConfig, world_size: int) -> int:
 def resolve_data_parallel(par: ParallelConfig, on_cuda: bool, world_size: int,
                           full_iteration: bool) -> ParallelConfig:
     """``par`` with its null data-parallel optimizer settings decided (module docstring): on
-    with CUDA, more than one DP x CP rank and no full-iteration graphs, else off; the overlaps
-    follow the distributed optimizer (the recipes set the three together), a set value is kept
-    (the rules refuse what cannot run)."""
-    usable = on_cuda and data_parallel_size(par, world_size) > 1 and not full_iteration
+    with CUDA and more than one DP x CP rank, else off; the overlaps follow the distributed
+    optimizer (the recipes set the three together) but for full-iteration graphs, where they are
+    off; a set value is kept (the rules refuse what cannot run)."""
+    usable = on_cuda and data_parallel_size(par, world_size) > 1
     dist = usable if par.distributed_optimizer is None else par.distributed_optimizer
-    grad = (usable and dist) if par.overlap_grad_reduce is None else par.overlap_grad_reduce
-    gather = (usable and dist and grad) if par.overlap_param_gather is None else par.overlap_param_gather
+    overlap = usable and dist and not full_iteration  # DDP's hooks do nothing in a capture
+    grad = overlap if par.overlap_grad_reduce is None else par.overlap_grad_reduce
+    gather = (overlap and grad) if par.overlap_param_gather is None else par.overlap_param_gather
     return dataclasses.replace(par, distributed_optimizer=dist, overlap_grad_reduce=grad,
                                overlap_param_gather=gather)

@@ -11,7 +11,9 @@ schedule on CUDA-as-CPU), with the sync-free optimizer step:
   1.2e-7 at most (magnitudes up to 1); the losses were equal. Tolerances: REL 1e-6 on losses and
   norms, ATOL 1e-6 on parameters;
 * with the gradient reduce and the parameter all-gather overlapped and not, several buckets
-  (parallel.bucket_size), per-layer CUDA graphs on top, for a dense full fine-tune, LoRA (only
+  (parallel.bucket_size), per-layer CUDA graphs on top and the full-iteration graphs (the
+  reduce-scatter, the shard's update and the all-gather captured; no overlap: DDP's hooks do
+  nothing in a capture), for a dense full fine-tune, LoRA (only
   the adapters are in DDP's buckets and sharded) and MoE at EP 2 -- at a world of 2 the only EP 2
   layout is DP 2 for the dense parameters (sharded over both ranks) and expert DP 1 (each rank's
   experts' optimizer is a DistributedOptimizer over one rank: nothing to shard; expert data
@@ -55,6 +57,12 @@ RUNS = {
     # stopped at its last step: no export, whose parameter gather would hide a stale read
     "dense-dist-overlap": FAMILIES["dense"] + DIST_OVERLAP + [f"training.stop_at_step={STEPS}"],
     "dense-dist-overlap-graphs": FAMILIES["dense"] + DIST_OVERLAP + GRAPHS,
+    # the step as two CUDA graphs: the reduce-scatter captured with the backward, the shard's
+    # update and the parameter all-gather in the optimizer graph (the overlaps resolve off)
+    "dense-dist-full": FAMILIES["dense"] + ["parallel.distributed_optimizer=true",
+                                            "fastpath.cuda_graphs=true",
+                                            "cuda_graphs.scope=full_iteration",
+                                            "cuda_graphs.use_te_rng_tracker=false"],
     "lora-plain": FAMILIES["lora"] + PLAIN,
     "lora-dist": FAMILIES["lora"] + DIST,
     "lora-dist-overlap": FAMILIES["lora"] + DIST_OVERLAP,
@@ -110,6 +118,9 @@ def test_equal_to_plain_data_parallel(results, name):
             torch.testing.assert_close(p, want["params"][k], rtol=0, atol=ATOL, msg=f"{name} {k}")
     # the runs trained: the final parameters moved away from the plain run's first step's start
     assert results[name][0]["records"][0]["loss"] != results[name][0]["records"][-1]["loss"]
+    # the full-iteration run: step 1 eager, both graphs captured at step 2 and replayed after
+    launches = [r["graph_launches"] for r in results[name][0]["records"]]
+    assert launches == ([0] + [2] * (STEPS - 1) if name.endswith("-full") else [None] * STEPS)
 
 
 @pytest.mark.integration
@@ -182,5 +193,5 @@ def test_the_header_says_what_runs(results):
         "reduce overlapped with the backward, parameter gather overlapped with the forward, "
         "buckets of 4096 elements") == 4
     assert lines.count("data parallel: distributed optimizer (optimizer state sharded over 2 "
-                       "ranks)") == 3
-    assert len(lines) == 7
+                       "ranks)") == 4
+    assert len(lines) == 8

@@ -57,11 +57,12 @@ def test_set_values_are_kept_and_the_overlaps_follow_the_optimizer(monkeypatch):
     assert resolved(job) == (False, True, False, None)
 
 
-def test_full_iteration_graphs_resolve_them_off(monkeypatch):
+def test_full_iteration_graphs_resolve_the_overlaps_off(monkeypatch):
+    """DDP's hooks do nothing while a graph is captured: the overlaps resolve off, the
+    distributed optimizer (its reduce-scatter and all-gather captured) stays on."""
     job = parse_on_cuda("fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration",
-                        "cuda_graphs.use_te_rng_tracker=false", world=2,
-                        monkeypatch=monkeypatch)
-    assert resolved(job) == (False, False, False, None)
+                        "cuda_graphs.use_te_rng_tracker=false", world=2, monkeypatch=monkeypatch)
+    assert resolved(job) == (True, False, False, None)
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -96,12 +97,11 @@ def test_each_set_on_a_cpu_is_refused(key, monkeypatch):
      "every gradient in one bucket and drops the size; set parallel.overlap_grad_reduce=true or "
      "parallel.bucket_size=null"),
     (["fastpath.cuda_graphs=true", "cuda_graphs.scope=full_iteration",
-                        "cuda_graphs.use_te_rng_tracker=false",
-      "parallel.distributed_optimizer=true"],
-     "cuda_graphs.scope=full_iteration with parallel.distributed_optimizer=true: Megatron's DDP "
-     "skips its gradient-reduce and parameter-gather hooks while a graph is captured and the "
-     "distributed optimizer's parameter all-gather is not in the captured optimizer step; set "
-     "them to false (or null), or use cuda_graphs.scope=layers"),
+      "cuda_graphs.use_te_rng_tracker=false", "parallel.overlap_grad_reduce=true"],
+     "cuda_graphs.scope=full_iteration with parallel.overlap_grad_reduce=true: Megatron's DDP "
+     "skips its gradient-reduce and parameter-gather hooks while a graph is captured, so the "
+     "captured step would reduce and gather nothing; set parallel.overlap_grad_reduce and "
+     "parallel.overlap_param_gather to false (or null), or use cuda_graphs.scope=layers"),
 ])
 def test_what_megatron_cannot_run_is_refused_with_the_fix(overrides, message, monkeypatch):
     with pytest.raises(ValueError) as err:

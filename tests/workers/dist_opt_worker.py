@@ -56,7 +56,7 @@ def main(spec: str, out: str) -> None:
                 result = {
                     "records": [dict(step=r.step, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm,
                                      syncs_fwd_bwd=r.syncs_fwd_bwd, syncs_step=r.syncs_step,
-                                     sync_sites=r.sync_sites)
+                                     sync_sites=r.sync_sites, graph_launches=r.graph_launches)
                                 for r in summary.records],
                     "syncs_per_step": summary.syncs_per_step,
                     "sync_checked_steps": summary.sync_checked_steps,
