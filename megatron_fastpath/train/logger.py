@@ -250,8 +250,11 @@ class StepLogger:
             f"features: {', '.join(c.features) or 'none'}"
         )
         if p.distributed_optimizer or p.overlap_grad_reduce:
+            from megatron_fastpath.train.parallel import data_parallel_size
+
             self.print("  data parallel: " + ", ".join(what for what, on in (
-                (f"distributed optimizer (optimizer state sharded over {j.dp_world} ranks)",
+                (f"distributed optimizer (optimizer state sharded over "  # DP x CP, as Megatron
+                 f"{data_parallel_size(p, j.world)} ranks)",
                  p.distributed_optimizer),
                 ("gradient reduce overlapped with the backward", p.overlap_grad_reduce),
                 ("parameter gather overlapped with the forward", p.overlap_param_gather),

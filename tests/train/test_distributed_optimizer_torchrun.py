@@ -11,16 +11,17 @@ schedule on CUDA-as-CPU), with the sync-free optimizer step:
   1.2e-7 at most (magnitudes up to 1); the losses were equal. Tolerances: REL 1e-6 on losses and
   norms, ATOL 1e-6 on parameters;
 * with the gradient reduce and the parameter all-gather overlapped and not, several buckets
-  (parallel.bucket_size), per-layer CUDA graphs on top and the full-iteration graphs (the
-  reduce-scatter, the shard's update and the all-gather captured; no overlap: DDP's hooks do
-  nothing in a capture), for a dense full fine-tune, LoRA (only
-  the adapters are in DDP's buckets and sharded) and MoE at EP 2 -- at a world of 2 the only EP 2
-  layout is DP 2 for the dense parameters (sharded over both ranks) and expert DP 1 (each rank's
-  experts' optimizer is a DistributedOptimizer over one rank: nothing to shard; expert data
-  parallelism shards from a world of 4 at EP 2);
+  (parallel.bucket_size), with activation offload, per-layer CUDA graphs on top and the
+  full-iteration graphs (the reduce-scatter, the shard's update and the all-gather captured; no
+  overlap: DDP's hooks do nothing in a capture), for a dense full fine-tune, LoRA (only the
+  adapters are in DDP's buckets and sharded), CP 2 (DP 1: Megatron shards over DP x CP, the two
+  CP ranks) and MoE at EP 2 -- at a world of 2 the only EP 2 layout is DP 2 for the dense
+  parameters (sharded over both ranks) and expert DP 1 (each rank's experts' optimizer is a
+  DistributedOptimizer over one rank: nothing to shard; expert data parallelism shards from a
+  world of 4 at EP 2);
 * 0 host syncs in every step (training.sync_check=every), the optimizer step included.
 
-All runs share one torchrun launch (tests/workers/dist_opt_worker.py; ~2 minutes here).
+All runs share one torchrun launch (tests/workers/dist_opt_worker.py; about a minute here).
 """
 
 import json
@@ -50,6 +51,8 @@ FAMILIES = {
     "lora": ["model=tiny_dense", "fastpath.lora=true", "lora.dropout=0.0"],
     "moe": ["model=tiny_moe", "parallel=ep2", "model.moe_ffn_hidden_size=32",
             "fastpath.moe_capacity_factor=2.0"],  # capacity mode: dropless EP reads split sizes
+    # CP 2 at a world of 2: DP 1, Megatron shards over DP x CP (the two CP ranks)
+    "cp": ["model=tiny_dense", "parallel.context_parallel_size=2", "fastpath.attention_backend=sdpa"],
 }
 RUNS = {
     "dense-plain": FAMILIES["dense"] + PLAIN,
@@ -57,6 +60,7 @@ RUNS = {
     # stopped at its last step: no export, whose parameter gather would hide a stale read
     "dense-dist-overlap": FAMILIES["dense"] + DIST_OVERLAP + [f"training.stop_at_step={STEPS}"],
     "dense-dist-overlap-graphs": FAMILIES["dense"] + DIST_OVERLAP + GRAPHS,
+    "dense-dist-overlap-offload": FAMILIES["dense"] + DIST_OVERLAP + ["fastpath.offload=true"],
     # the step as two CUDA graphs: the reduce-scatter captured with the backward, the shard's
     # update and the parameter all-gather in the optimizer graph (the overlaps resolve off)
     "dense-dist-full": FAMILIES["dense"] + ["parallel.distributed_optimizer=true",
@@ -69,6 +73,8 @@ RUNS = {
     "moe-plain": FAMILIES["moe"] + PLAIN,
     "moe-dist": FAMILIES["moe"] + DIST,
     "moe-dist-overlap": FAMILIES["moe"] + DIST_OVERLAP,
+    "cp-plain": FAMILIES["cp"] + PLAIN,
+    "cp-dist-overlap": FAMILIES["cp"] + DIST_OVERLAP,
 }
 REL = 1e-6
 ATOL = 1e-6
@@ -138,7 +144,7 @@ def test_the_optimizer_state_is_sharded_over_data_parallelism(results, family):
     """The distributed runs' leaves update this rank's shard: the dense (or adapter) parameters
     split over the two ranks; the plain runs' leaves hold every parameter on each rank."""
     plain = results[f"{family}-plain"]
-    for name in (f"{family}-dist", f"{family}-dist-overlap"):
+    for name in [n for n in (f"{family}-dist", f"{family}-dist-overlap") if n in RUNS]:
         r0, r1 = (r["optimizer"] for r in results[name])
         trainable = results[name][0]["trainable"]
         if family == "moe":  # ChainedOptimizer: dense leaf, then the experts' (expert DP 1)
@@ -191,7 +197,7 @@ def test_the_header_says_what_runs(results):
     assert lines.count(
         "data parallel: distributed optimizer (optimizer state sharded over 2 ranks), gradient "
         "reduce overlapped with the backward, parameter gather overlapped with the forward, "
-        "buckets of 4096 elements") == 4
+        "buckets of 4096 elements") == 6
     assert lines.count("data parallel: distributed optimizer (optimizer state sharded over 2 "
                        "ranks)") == 4
-    assert len(lines) == 8
+    assert len(lines) == 10
