@@ -120,3 +120,17 @@ def test_help_describes_every_new_key():
 
     helps = describe(ParallelConfig)
     assert all(helps[key] for key in KEYS + ("bucket_size",))
+
+
+def test_the_dry_run_plan_says_what_runs(monkeypatch):
+    from megatron_fastpath.train.dry_run import dry_run
+
+    lines = []
+    plan = dry_run(parse_on_cuda("training.skip_memory_check=true", world=2, monkeypatch=monkeypatch),
+                   log=lines.append)
+    assert (plan["distributed_optimizer"], plan["overlap_grad_reduce"],
+            plan["overlap_param_gather"]) == (True, True, True)
+    assert any(line.startswith("  optimizer: ") and line.endswith(
+        ", distributed optimizer with overlapped reduce / gather") for line in lines), lines
+    plan = dry_run(parse("training.device=cpu", world=2, monkeypatch=monkeypatch), log=lines.append)
+    assert plan["distributed_optimizer"] is False and lines[-2].endswith("warm-up steps")
