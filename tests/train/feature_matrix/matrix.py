@@ -343,7 +343,7 @@ def classify(combo: Combo) -> Verdict:
         return Verdict(RUN, facts=facts, problem=f"accepted although the rules refuse it: "
                                                  f"{rules.refusals(facts)}")
     par = job.parallel
-    if any(getattr(par, f) > 1 for f in vars(par) if f.endswith("_size")):
+    if any(getattr(par, f) > 1 for f in vars(par) if f.endswith("parallel_size")):
         return Verdict(WORLD2, f"`parallel.{combo['layout']}`: a world of 2 processes", facts=facts,
                        job=job_key(job))
     return Verdict(RUN, facts=facts, job=job_key(job))
