@@ -36,12 +36,14 @@ from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore, mcore_l
 # all-gather (:func:`leaf_param_all_gather`) then fills in for every rank.
 
 def optimizer_leaves(optimizer) -> list:
-    """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
-    ChainedOptimizer is flattened); anything else is refused with what to use instead."""
+    """The FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer objects
+    inside ``optimizer`` (a ChainedOptimizer is flattened); anything else is refused with what
+    to use instead."""
     line = _require_checked_mcore(
         "optimizer_leaves",
         "the sync-free optimizer step reads private fields of Megatron's FP32Optimizer / "
-        "Float16OptimizerWithFloat16Params / DynamicGradScaler; use Megatron's own step "
+        "Float16OptimizerWithFloat16Params / DistributedOptimizer / DynamicGradScaler; use "
+        "Megatron's own step "
         "(training.optimizer_step=megatron) until they are re-checked",
     )
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
