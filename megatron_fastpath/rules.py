@@ -165,6 +165,9 @@ class RunFacts:
     pad_multiple: the main job's data.pad_multiple (None: the hooks, whose framework packs).
     megatron_optimizer_step: the step runs Megatron's own optimizer ``step()`` (the main job's
         ``training.optimizer_step=megatron``), which reads values back to the host.
+    distributed_optimizer / overlap_grad_reduce / overlap_param_gather / bucket_size: Megatron's
+        data-parallel optimizer as the main job resolved its ``parallel`` settings
+        (``train/parallel.py``).
 
     The hooks leave the main job's own facts (TP size, sequence parallelism, offload, full
     iteration, the optimizer step) at their defaults: those rules read settings only the main
@@ -199,6 +202,10 @@ class RunFacts:
     packed_tokens: Optional[int] = None
     pad_multiple: Optional[int] = None
     megatron_optimizer_step: bool = False
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: Optional[int] = None
 
 
 # The attention backends that run context parallelism with the packed cache (what
@@ -475,6 +482,58 @@ def _full_iteration_megatron_step(f: RunFacts) -> Optional[str]:
     return None
 
 
+def _data_parallel_optimizer(f: RunFacts) -> Optional[str]:
+    """Megatron's distributed optimizer and overlapped reduce / gather (the main job's
+    ``parallel`` settings) where Megatron cannot run them."""
+    asked = [f"parallel.{k}=true" for k in ("distributed_optimizer", "overlap_grad_reduce",
+                                             "overlap_param_gather") if getattr(f, k)]
+    if f.on_cpu and (asked or f.bucket_size is not None):
+        what = " and ".join(asked) or f"parallel.bucket_size={f.bucket_size}"
+        return (f"{what} with training.device=cpu: the CPU step runs its own loop with torch "
+                "AdamW, not Megatron's DistributedDataParallel and DistributedOptimizer; set "
+                "parallel.distributed_optimizer, overlap_grad_reduce and overlap_param_gather "
+                "to false (or null) and bucket_size to null, or train on CUDA")
+    if f.overlap_param_gather and not f.distributed_optimizer:
+        # megatron-core 0.16.1 distributed/param_and_grad_buffer.py:262 (start_param_sync:
+        # ``assert self.ddp_config.use_distributed_optimizer``); Megatron-LM's arguments.py
+        # (core_v0.16.1 megatron/training/arguments.py:597-599) asserts it at start-up
+        return ("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true: "
+                "without it there is no parameter all-gather to overlap (Megatron asserts "
+                "use_distributed_optimizer in start_param_sync); set "
+                "parallel.distributed_optimizer=true or parallel.overlap_param_gather=false")
+    if f.overlap_param_gather and not f.overlap_grad_reduce:
+        # core_v0.16.1 megatron/training/arguments.py:600-601
+        return ("parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true (as "
+                "Megatron-LM asserts: 'Must use --overlap-param-gather with "
+                "--overlap-grad-reduce'); set parallel.overlap_grad_reduce=true or "
+                "parallel.overlap_param_gather=false")
+    if f.bucket_size is not None and not f.overlap_grad_reduce:
+        # megatron-core 0.16.1 distributed/distributed_data_parallel.py:66-68
+        return (f"parallel.bucket_size={f.bucket_size} without parallel.overlap_grad_reduce: "
+                "Megatron's DDP then puts every gradient in one bucket and drops the size; set "
+                "parallel.overlap_grad_reduce=true or parallel.bucket_size=null")
+    return None
+
+
+def _data_parallel_in_full_iteration(f: RunFacts) -> Optional[str]:
+    # Megatron's DDP hooks return at once while a graph is being captured (megatron-core 0.16.1
+    # distributed/distributed_data_parallel.py:395-396 forward pre-hook, :428-429 backward
+    # post-hook): a captured backward dispatches no bucket reduce-scatter and a captured forward
+    # waits on no all-gather, so neither overlap can live in the full-iteration graphs. The
+    # distributed optimizer without them runs there: the reduce-scatter is captured in the
+    # forward-backward graph (finalize_model_grads), the shard's step and the parameter
+    # all-gather in the optimizer graph.
+    asked = [f"parallel.{k}=true" for k in ("overlap_grad_reduce", "overlap_param_gather")
+             if getattr(f, k)]
+    if f.full_iteration and asked:
+        return (f"cuda_graphs.scope=full_iteration with {' and '.join(asked)}: Megatron's DDP "
+                "skips its gradient-reduce and parameter-gather hooks while a graph is "
+                "captured, so the captured step would reduce and gather nothing; set "
+                "parallel.overlap_grad_reduce and parallel.overlap_param_gather to false (or "
+                "null), or use cuda_graphs.scope=layers")
+    return None
+
+
 RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _context_parallel,
     _full_iteration_graphs,
@@ -491,6 +550,8 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _pad_multiple,
     _offload_with_pipeline,
     _full_iteration_megatron_step,
+    _data_parallel_optimizer,
+    _data_parallel_in_full_iteration,
 )
 
 

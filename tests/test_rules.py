@@ -33,6 +33,9 @@ BREAKS = {
     "_pad_multiple": dict(pad_multiple=8, packed_tokens=100),
     "_offload_with_pipeline": dict(offload=True, pipeline_parallel_size=2),
     "_full_iteration_megatron_step": dict(full_iteration=True, megatron_optimizer_step=True),
+    "_data_parallel_optimizer": dict(on_cpu=True, distributed_optimizer=True),
+    "_data_parallel_in_full_iteration": dict(full_iteration=True, distributed_optimizer=True,
+                                             overlap_grad_reduce=True),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
@@ -51,6 +54,8 @@ PHRASES = {
     "_pad_multiple": "is not a multiple of data.pad_multiple",
     "_offload_with_pipeline": "one pass in flight per offload manager",
     "_full_iteration_megatron_step": "captures the optimizer step as a graph",
+    "_data_parallel_optimizer": "the CPU step runs its own loop with torch AdamW",
+    "_data_parallel_in_full_iteration": "skips its gradient-reduce and parameter-gather hooks",
 }
 
 

@@ -22,16 +22,31 @@ from megatron_fastpath.compat import MCORE_0_19, _require_checked_mcore, mcore_l
 # own norm (``clip_grad_norm``, :374); the sync-free step computes one norm, so on 0.19 it
 # refuses such parameters (:func:`optimizer_leaves`). The copy helpers and the grad scaler's
 # trackers are unchanged (:1063 / :1092 / :1112, optimizer/grad_scaler.py:128-150).
+#
+# Megatron's DistributedOptimizer (ZeRO-1) is a MixedPrecisionOptimizer over the shard of each
+# parameter this data-parallel rank owns: ``_copy_model_grads_to_main_grads`` takes the shard of
+# each reduce-scattered gradient (0.16.1 optimizer/distrib_optimizer.py:2386, 0.19.2 :2746),
+# ``get_parameters`` / the gradient-norm filter read the shard main params (the base class:
+# 0.16.1 optimizer/optimizer.py:124-160, 0.19.2 :280), the norm and found-inf are all-reduced
+# over ``get_grad_stats_parallel_group`` (0.16.1 distrib_optimizer.py:620-626, 0.19.2 :796-802),
+# which ``get_megatron_optimizer`` sets to the distributed-optimizer instance group -- the whole
+# world with one instance (0.16.1 optimizer/__init__.py:446-459, 0.19.2 :665-678), for the dense
+# and the expert optimizer alike -- and ``_copy_main_params_to_model_params`` writes the updated
+# shard into the DDP parameter buffer (0.16.1 :2429, 0.19.2 :2792), which the parameter
+# all-gather (:func:`leaf_param_all_gather`) then fills in for every rank.
 
 def optimizer_leaves(optimizer) -> list:
-    """The FP32Optimizer / Float16OptimizerWithFloat16Params objects inside ``optimizer`` (a
-    ChainedOptimizer is flattened); anything else is refused with what to use instead."""
+    """The FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer objects
+    inside ``optimizer`` (a ChainedOptimizer is flattened); anything else is refused with what
+    to use instead."""
     line = _require_checked_mcore(
         "optimizer_leaves",
         "the sync-free optimizer step reads private fields of Megatron's FP32Optimizer / "
-        "Float16OptimizerWithFloat16Params / DynamicGradScaler; use Megatron's own step "
+        "Float16OptimizerWithFloat16Params / DistributedOptimizer / DynamicGradScaler; use "
+        "Megatron's own step "
         "(training.optimizer_step=megatron) until they are re-checked",
     )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import (
         ChainedOptimizer,
         Float16OptimizerWithFloat16Params,
@@ -41,12 +56,14 @@ def optimizer_leaves(optimizer) -> list:
     leaves = list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [
         optimizer]
     for leaf in leaves:
-        if type(leaf) not in (FP32Optimizer, Float16OptimizerWithFloat16Params):
+        if type(leaf) not in (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer):
             raise TypeError(
-                f"the sync-free optimizer step supports Megatron's FP32Optimizer and "
-                f"Float16OptimizerWithFloat16Params (use_distributed_optimizer=False); got "
+                f"the sync-free optimizer step supports Megatron's FP32Optimizer, "
+                f"Float16OptimizerWithFloat16Params and DistributedOptimizer; got "
                 f"{type(leaf).__name__}: use its own step() instead"
             )
+        if type(leaf) is DistributedOptimizer:
+            _check_distributed_leaf(leaf)
         cfg = leaf.config
         if cfg.log_num_zeros_in_grad or cfg.use_precision_aware_optimizer or getattr(
                 cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
@@ -69,6 +86,45 @@ def optimizer_leaves(optimizer) -> list:
     return leaves
 
 
+def _check_distributed_leaf(leaf) -> None:
+    """The DistributedOptimizer configurations whose step the sync-free step reproduces: one
+    optimizer instance (its norm group the whole world), Megatron's own DDP buffers (not
+    Megatron-FSDP, which steps through its own buffers), no gather deferred to a sibling
+    optimizer (0.19.2 ``_defer_param_sync``, distrib_optimizer.py:3165-3167)."""
+    ddp = leaf.ddp_config
+    if (ddp.use_megatron_fsdp or ddp.num_distributed_optimizer_instances != 1
+            or getattr(leaf, "_defer_param_sync", False)):
+        raise ValueError(
+            "the sync-free step runs Megatron's DistributedOptimizer with one optimizer instance "
+            "over Megatron's DDP buffers; Megatron-FSDP, num_distributed_optimizer_instances > 1 "
+            "and a deferred parameter gather are not supported: use training.optimizer_step="
+            "megatron")
+
+
+def leaf_is_distributed(leaf) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(leaf, DistributedOptimizer)
+
+
+def leaf_param_all_gather(leaf, version=None) -> None:
+    """The parameter all-gather a DistributedOptimizer's ``step_with_ready_grads`` runs after
+    its update, exactly: every rank's updated shard into every rank's parameter buffer --
+    synchronous, unless ``overlap_param_gather``, where DDP's forward pre-hooks gather each
+    bucket during the next forward (and nothing is done here). 0.16.1: ``start_param_sync()``
+    on each model chunk (optimizer/distrib_optimizer.py:2611-2619); 0.19.2: the same buckets
+    through ``start_param_sync_for_bucket_group_subset`` (:3165-3185). Other leaves: nothing
+    (their update writes the model parameters)."""
+    # a stub (no parameters on this rank) gathers too: the others' shards fill its buffers
+    if not leaf_is_distributed(leaf) or leaf.ddp_config.overlap_param_gather:
+        return
+    if mcore_line(version) == MCORE_0_19:
+        leaf.start_param_sync_for_bucket_group_subset()
+    else:
+        for model_chunk in leaf.model_chunks:
+            model_chunk.start_param_sync()
+
+
 def leaf_grads_for_grad_norm(leaf, version=None) -> list:
     """The gradients Megatron's gradient norm covers (shared and TP-duplicate weights left
     out): ``get_main_grads_for_grad_norm()`` on 0.16.x, ``get_grads_for_grad_norm()`` on 0.19.x
@@ -79,9 +135,11 @@ def leaf_grads_for_grad_norm(leaf, version=None) -> list:
 
 
 def leaf_is_mixed_precision(leaf) -> bool:
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    """A MixedPrecisionOptimizer: Float16OptimizerWithFloat16Params or DistributedOptimizer
+    (fp32 main copies or shards, the grad scaler and ``found_inf``)."""
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-    return isinstance(leaf, Float16OptimizerWithFloat16Params)
+    return isinstance(leaf, MixedPrecisionOptimizer)
 
 
 def leaf_copy_model_grads_to_main(leaf) -> None:

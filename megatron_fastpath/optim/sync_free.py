@@ -15,7 +15,13 @@ The wrapper keeps all of it on the device:
   Adam does: every state change is either multiplied by 1 / weighted by 0 or selected with
   ``torch.where`` on the skip flag, and the step count advances by ``1 - skip``;
 * the dynamic loss scale: ``DynamicGradScaler.update`` as ``torch.where`` on device trackers
-  (written back to Megatron's host fields only when a state dict is taken).
+  (written back to Megatron's host fields only when a state dict is taken);
+* Megatron's ``DistributedOptimizer`` (ZeRO-1): the same step on this rank's shard -- the
+  shard's main gradients, the norm and found-inf all-reduced over the optimizer's grad-stats
+  group (the whole world: squared partial norms summed), Adam on the shard, the shard copied
+  into DDP's parameter buffer, then the parameter all-gather exactly as its
+  ``step_with_ready_grads`` runs it (or, with ``overlap_param_gather``, left to DDP's forward
+  pre-hooks) -- ``compat/optim.py`` ``leaf_param_all_gather``.
 
 ``step()`` returns ``(applied_1, grad_norm_1, None)`` with device tensors in place of Megatron's
 ``(bool, float, None)``; read them one step late with the loss (``LaggedReadback``).
@@ -190,6 +196,10 @@ class SyncFreeOptimizer:
                 lrs = None if self.device_lrs is None else self.device_lrs[i]
                 self._adam_step(leaf.optimizer, skip_1, lrs)
             optim_compat.leaf_copy_main_params_to_model(leaf)
+            # DistributedOptimizer: every rank's updated shard to every rank, as its
+            # step_with_ready_grads after each leaf's update (a skipped step gathers the
+            # unchanged shards: the same parameters)
+            optim_compat.leaf_param_all_gather(leaf)
         applied_1 = ~skip_1
         self.last = SyncFreeStepResult(applied_1, grad_norm_1, self.optimizer.get_loss_scale())
         return applied_1, grad_norm_1, None

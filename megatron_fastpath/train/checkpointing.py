@@ -403,7 +403,8 @@ class JobCheckpointer:
         from megatron_fastpath.fp8 import collect_fp8_state
 
         fp8 = collect_fp8_state(self.job.model)
-        self._report(self.manager.save(step, self.parts, fp8_state=fp8), published=False)
+        with self.job.step.params_current():  # the step's parameters gathered (overlapped gather)
+            self._report(self.manager.save(step, self.parts, fp8_state=fp8), published=False)
 
     def _report(self, r, published: bool) -> None:
         if r.is_async and not published:

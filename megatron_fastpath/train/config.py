@@ -39,6 +39,12 @@ from megatron_fastpath.settings import (
     parse_group,
     setting,
 )
+from megatron_fastpath.train.parallel import (
+    ClusterConfig,
+    ParallelConfig,
+    launched_world_size,
+    resolve_data_parallel,
+)
 
 if TYPE_CHECKING:  # the feature groups' types, imported where parsed (they pull in torch / Megatron)
     from megatron_fastpath.checkpoint import CheckpointConfig
@@ -129,33 +135,6 @@ class FastpathConfig:
     fp8: bool = setting(False, "Transformer Engine FP8 (group fp8)")
     moe_capacity_factor: Optional[float] = setting(
         None, "MoE dispatch: null = dropless; a number = capacity mode (static shapes)")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """The ``parallel`` group: Megatron's parallel sizes (data parallel: the world size over
-    their product)."""
-
-    tensor_model_parallel_size: int = setting(1, "tensor-parallel size (TP)", POSITIVE)
-    pipeline_model_parallel_size: int = setting(1, "pipeline-parallel size (PP; needs CUDA)", POSITIVE)
-    expert_model_parallel_size: int = setting(1, "expert-parallel size (EP; needs an MoE model)", POSITIVE)
-    context_parallel_size: int = setting(1, "context-parallel size (CP)", POSITIVE)
-    sequence_parallel: bool = setting(
-        False, "shard the sequence of the non-TP regions (norms, dropout, residuals) over the TP "
-        "group (needs TP > 1 and CUDA)")
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """Where the job runs (the ``cluster`` group)."""
-
-    name: str = setting("local", "label printed in the header")
-    backend: str = setting("auto", "process-group backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl")
-    expected_world_size: Optional[int] = setting(
-        None, "refuse to train when the launcher started a different number of processes "
-        "(a mis-sized srun / torchrun)", POSITIVE)
-    timeout_s: Optional[float] = setting(
-        None, "collective and rendezvous timeout in seconds (null: torch's default)", FINITE_POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +297,7 @@ def _check_training_and_cluster(train: TrainingConfig, cluster: ClusterConfig, d
         raise ValueError(f"cluster.backend must be auto, gloo or nccl; got {cluster.backend!r}")
     if cluster.backend == "nccl" and device.type != "cuda":
         raise ValueError("cluster.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
-    launched = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    launched = launched_world_size()
     if cluster.expected_world_size is not None and launched != cluster.expected_world_size:
         raise ValueError(
             f"cluster '{cluster.name}' expects {cluster.expected_world_size} processes but "
@@ -431,6 +410,10 @@ def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: Fastp
         linear_impl=linear_impl,
         packed_tokens=data.max_tokens, pad_multiple=data.pad_multiple,
         megatron_optimizer_step=train.optimizer_step == "megatron",
+        distributed_optimizer=par.distributed_optimizer,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
+        bucket_size=par.bucket_size,
         **fp8_facts,
     )
 
@@ -515,6 +498,9 @@ def parse_job_config(cfg: Any) -> JobConfig:
     is_moe = model.num_experts is not None
     device = resolve_device(train.device)
     _check_training_and_cluster(train, cluster, device)
+    graphs = features["cuda_graphs"]
+    par = resolve_data_parallel(par, device.type == "cuda", launched_world_size(),
+                                graphs is not None and graphs.scope == "full_iteration")
     backend = _attention_backend(fast, par, device, data.max_tokens, train.dtype)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")

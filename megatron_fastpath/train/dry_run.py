@@ -55,7 +55,13 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
         plan["batch"] = dict(setting=batch.key, asked=batch.asked, micro_batches=batch.micro_batches,
                              per_step=batch.per_step)
         log(f"  batch: {batch.describe()}")
-    log(f"  optimizer: lr {t.lr:g} -> {t.min_lr:g} ({t.lr_schedule}), {t.warmup_steps} warm-up steps")
+    plan.update(distributed_optimizer=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
+                overlap_param_gather=p.overlap_param_gather)
+    sharded = (", distributed optimizer" + (" with overlapped reduce / gather" if p.overlap_param_gather
+                                            else " with overlapped reduce" if p.overlap_grad_reduce else "")
+               if p.distributed_optimizer else "")
+    log(f"  optimizer: lr {t.lr:g} -> {t.min_lr:g} ({t.lr_schedule}), {t.warmup_steps} warm-up "
+        f"steps{sharded}")
     log(f"  memory: estimated {est.describe()} per process"
         + (" (not checked: training.skip_memory_check)" if t.skip_memory_check else " (fits)"))
     return plan

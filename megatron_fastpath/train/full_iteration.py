@@ -76,7 +76,7 @@ class FullIterationStep:
 
     eager_steps = 1
 
-    def __init__(self, model, tcfg, train_cfg: TrainingConfig, cache):
+    def __init__(self, model, tcfg, train_cfg: TrainingConfig, cache, parallel=None):
         from megatron.core import parallel_state as ps
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -100,7 +100,7 @@ class FullIterationStep:
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.dp_world = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.cp_world = ps.get_context_parallel_world_size()
-        self.ddp, self.optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
+        self.ddp, self.optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg, parallel)
         if not isinstance(self.optimizer, SyncFreeOptimizer):
             raise ValueError(
                 "cuda_graphs.scope=full_iteration needs the sync-free optimizer step "
@@ -247,10 +247,12 @@ class FullIterationStep:
         self.last_grad_norm = grad_norm_1
 
 
-def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache):
-    """:class:`~megatron_fastpath.train.step.StepParts` of the full-iteration GPU step."""
+def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None):
+    """:class:`~megatron_fastpath.train.step.StepParts` of the full-iteration GPU step
+    (``parallel``: the distributed optimizer or not; its overlaps are refused with full-iteration
+    graphs, ``rules._data_parallel_in_full_iteration``)."""
     from megatron_fastpath.train.step import StepParts
 
-    step = FullIterationStep(model, tcfg, train_cfg, cache)
+    step = FullIterationStep(model, tcfg, train_cfg, cache, parallel)
     return StepParts(step.forward_backward, step.optimizer, step.scheduler,
                      grad_norm=step.grad_norm, in_flight=step.in_flight, graphs=step)

@@ -251,7 +251,7 @@ def build_job(cfg: JobConfig) -> Job:
         from megatron_fastpath.train.full_iteration import full_iteration_train_step
 
         path = full_iteration_train_step
-    step = path(model, tcfg, cfg.training, cache)
+    step = path(model, tcfg, cfg.training, cache, parallel=cfg.parallel)
     audit = _build_audit(cfg, model)  # after the step path
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model, step=step, data=parts.train, offload=offload,

@@ -249,6 +249,16 @@ class StepLogger:
             f"{j.cache.config.max_seqlen_bound} tokens){batch}, attention {c.attention_backend}{layout}, "
             f"features: {', '.join(c.features) or 'none'}"
         )
+        if p.distributed_optimizer or p.overlap_grad_reduce:
+            from megatron_fastpath.train.parallel import data_parallel_size
+
+            self.print("  data parallel: " + ", ".join(what for what, on in (
+                (f"distributed optimizer (optimizer state sharded over "  # DP x CP, as Megatron
+                 f"{data_parallel_size(p, j.world)} ranks)",
+                 p.distributed_optimizer),
+                ("gradient reduce overlapped with the backward", p.overlap_grad_reduce),
+                ("parameter gather overlapped with the forward", p.overlap_param_gather),
+                (f"buckets of {p.bucket_size} elements", p.bucket_size is not None)) if on))
         for note in c.plan.notes:
             self.print(f"  {note}")
         if j.env_set:

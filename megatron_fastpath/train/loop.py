@@ -137,7 +137,8 @@ def _before_first_step(job: Job, logger: StepLogger, start_step: int) -> None:
     straight run's does)."""
     evaluate = getattr(job, "evaluator", None)
     if evaluate is not None and start_step == 1:
-        logger.log_eval(0, evaluate())
+        with job.step.params_current():
+            logger.log_eval(0, evaluate())
     if start_step > 1:
         from megatron_fastpath.graphs.resume import capture_before_resumed_step
 
@@ -156,7 +157,8 @@ def _eval_schedule(job: Job) -> Callable[[int], Optional[EvalResult]]:
     def eval_after(step: int) -> Optional[EvalResult]:
         if evaluate is None or not (step == steps or (every and step % every == 0)):
             return None
-        return evaluate()
+        with job.step.params_current():  # gathered: the overlapped all-gather is the next forward's
+            return evaluate()
 
     return eval_after
 
@@ -167,4 +169,5 @@ def _export(job: Job, logger: StepLogger) -> None:
     from megatron_fastpath.providers import model_provider
 
     source = job.cfg.model_source
-    logger.artifacts.update(model_provider(source.provider).export(job, log=logger.print))
+    with job.step.params_current():
+        logger.artifacts.update(model_provider(source.provider).export(job, log=logger.print))

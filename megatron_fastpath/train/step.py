@@ -66,6 +66,9 @@ class StepParts:
     # the GPU path's (microbatches, global_loss_tokens) -> None: forward and backward without an
     # optimizer step, gradients dropped (graphs/resume.py: per-layer graphs captured on resume)
     record_graphs: Optional[Callable] = None
+    # () -> a context in which the model's parameters are the last step's, gathered
+    # (:func:`gathered_params`): evaluation, checkpoint saves and exports run inside it
+    params_current: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class _Unchecked:
@@ -223,8 +226,9 @@ def _cpu_optimizer(params, train_cfg: TrainingConfig):
     )
 
 
-def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
-    """Our own microbatch loop + fused torch AdamW (Megatron's optimizer and DDP need CUDA)."""
+def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None) -> StepParts:
+    """Our own microbatch loop + fused torch AdamW (Megatron's optimizer and DDP need CUDA;
+    ``parallel``'s data-parallel optimizer settings are refused on a CPU by the rules)."""
     from megatron.core import parallel_state as ps
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -289,10 +293,11 @@ def cast_like_float16_module(model, dtype: torch.dtype) -> int:
     return n
 
 
-def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
+def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig, parallel=None):
     """Megatron DDP around ``model``, ``get_megatron_optimizer`` (wrapped in the sync-free step
     per ``training.optimizer_step``), and the model-config hooks Megatron's training loop wires
-    in for its schedules."""
+    in for its schedules. ``parallel`` (a resolved ``ParallelConfig``; None: all off): the
+    distributed optimizer, overlapped gradient reduce / parameter gather and bucket size."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -302,22 +307,46 @@ def megatron_ddp_and_optimizer(model, tcfg, train_cfg: TrainingConfig):
 
     if tcfg.bf16:
         cast_like_float16_module(model, torch.bfloat16)
+    dist_opt = bool(parallel is not None and parallel.distributed_optimizer)
     ddp = DistributedDataParallel(
         config=tcfg,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt,
+            overlap_grad_reduce=bool(parallel is not None and parallel.overlap_grad_reduce),
+            overlap_param_gather=bool(parallel is not None and parallel.overlap_param_gather),
+            bucket_size=parallel.bucket_size if parallel is not None else None),
         module=model,
     )
     opt_cfg = OptimizerConfig(
         optimizer="adam", lr=train_cfg.lr, min_lr=train_cfg.min_lr,
         weight_decay=train_cfg.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
         clip_grad=train_cfg.clip_grad, bf16=train_cfg.dtype == "bfloat16",
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=dist_opt,
     )
     optimizer = _optimizer_step(get_megatron_optimizer(opt_cfg, [ddp]), train_cfg.optimizer_step)
     tcfg.grad_scale_func = optimizer.scale_loss
     tcfg.no_sync_func = ddp.no_sync
     tcfg.finalize_model_grads_func = finalize_model_grads
     return ddp, optimizer
+
+
+@contextlib.contextmanager
+def gathered_params(ddp):
+    """The model's parameters gathered and current for the block, as Megatron's training loop
+    does around evaluation and checkpoint saves with ``overlap_param_gather`` (Megatron-LM
+    core_v0.16.1 megatron/training/training.py:2918-2919 and :2959-2960 around evaluation,
+    :2192-2193 before a save, :3006-3007 at the end): DDP's forward pre-hooks, which would
+    all-gather each bucket during the next forward, are removed and the all-gather finished
+    (``disable_forward_pre_hook(param_sync=True)``), then put back. Without the overlap (no
+    hooks) the parameters are gathered by the optimizer step itself: nothing to do."""
+    if ddp is None or not getattr(ddp, "use_forward_hook", False):
+        yield
+        return
+    ddp.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        ddp.enable_forward_pre_hook()
 
 
 def _optimizer_step(optimizer, mode: str):
@@ -335,7 +364,7 @@ def _optimizer_step(optimizer, mode: str):
         return optimizer
 
 
-def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
+def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None) -> StepParts:
     """Megatron's schedule (PP 1F1B included), DDP, gradient finalisation and optimizer. Each
     microbatch holds a cache slot from its forward until its backward has run on this stage
     (:class:`~megatron_fastpath.packed_seq.inflight.InFlightBatches`)."""
@@ -345,7 +374,7 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
     from megatron_fastpath.packed_seq.inflight import InFlightBatches
     from megatron_fastpath.packed_seq.staging import PinnedStaging
 
-    ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg)
+    ddp, optimizer = megatron_ddp_and_optimizer(model, tcfg, train_cfg, parallel)
     schedule = get_forward_backward_func()
     device = cache.device
     # Megatron's DDP averages gradients over DP x CP (its dp_cp group)
@@ -413,4 +442,4 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache) -> StepParts:
 
     return StepParts(forward_backward, optimizer, build_scheduler(optimizer, train_cfg),
                      grad_norm=lambda: last.get("grad_norm"), in_flight=in_flight, staging=staging,
-                     record_graphs=record_graphs)
+                     record_graphs=record_graphs, params_current=lambda: gathered_params(ddp))

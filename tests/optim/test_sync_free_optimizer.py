@@ -40,8 +40,9 @@ def _tiny(cfg):
     return Tiny()
 
 
-def _build(mode, seed=0, **opt_kw):
-    """(ddp, Megatron optimizer) of a tiny model; same seed -> same parameters."""
+def _build(mode, seed=0, distributed=False, **opt_kw):
+    """(ddp, Megatron optimizer) of a tiny model; same seed -> same parameters.
+    ``distributed``: Megatron's DistributedOptimizer (ZeRO-1; one shard at world 1)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -50,10 +51,11 @@ def _build(mode, seed=0, **opt_kw):
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, params_dtype=dt,
                             bf16=mode == "bf16", fp16=mode == "fp16", use_cpu_initialization=True)
     torch.manual_seed(seed)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  _tiny(cfg))
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), _tiny(cfg))
     kw = dict(optimizer="adam", lr=2e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-              clip_grad=0.05, bf16=mode == "bf16", fp16=mode == "fp16")
+              clip_grad=0.05, bf16=mode == "bf16", fp16=mode == "fp16",
+              use_distributed_optimizer=distributed)
     kw.update(opt_kw)
     return ddp, get_megatron_optimizer(OptimizerConfig(**kw), [ddp])
 
@@ -93,11 +95,15 @@ def _run_pair(mode, steps, inf_steps=(), kernel="auto", **opt_kw):
     return out, ref_opt, ours
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])
-def test_zero_syncs_and_bit_identical_parameters(mcore_parallel, mode):
+def test_zero_syncs_and_bit_identical_parameters(mcore_parallel, mode, distributed):
     with cuda_as_cpu():
         kw = dict(initial_loss_scale=2.0 ** 10, loss_scale_window=3) if mode == "fp16" else {}
-        steps, _, _ = _run_pair(mode, 6, **kw)
+        steps, _, ours = _run_pair(mode, 6, distributed=distributed, **kw)
+    assert [type(leaf).__name__ for leaf in ours.leaves] == (
+        ["DistributedOptimizer"] if distributed else
+        ["FP32Optimizer" if mode == "fp32" else "Float16OptimizerWithFloat16Params"])
     for i, s in enumerate(steps):
         assert s["syncs"] == 0, s["sites"]
         success, ref_norm, _ = s["ref"]
@@ -121,11 +127,12 @@ def test_megatron_step_syncs_counted(mcore_parallel):
     assert "clip_grads.py" in sites and s.num_syncs >= 2
 
 
-def test_inf_gradient_step_skipped_and_loss_scale_updated(mcore_parallel):
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_inf_gradient_step_skipped_and_loss_scale_updated(mcore_parallel, distributed):
     """fp16 + DynamicGradScaler (hysteresis 2, window 2): inf steps 1, 2 (backoff at the
     second), clean steps 3, 4 (growth at the second), inf step 6: the same skips, parameters,
-    scales and trackers as Megatron's step."""
-    kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2, hysteresis=2)
+    scales and trackers as Megatron's step (its DistributedOptimizer's too)."""
+    kw = dict(initial_loss_scale=2.0 ** 8, loss_scale_window=2, hysteresis=2, distributed=distributed)
     with cuda_as_cpu():
         steps, ref_opt, ours = _run_pair("fp16", 7, inf_steps=(1, 2, 6), **kw)
         sd = ours.state_dict()  # writes the device trackers back into Megatron's scaler

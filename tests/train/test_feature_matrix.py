@@ -50,10 +50,20 @@ def test_matrix_reaches_every_rule_and_every_fact():
         "packed_tokens": "data.max_tokens is one size (SIZES)",
         "megatron_optimizer_step": "training.optimizer_step is left auto",
     }
+    # the parallel group's data-parallel optimizer settings are left null and the matrix parses
+    # at a world of 1 (DP 1: they resolve off); tests/train/test_distributed_optimizer_torchrun.py
+    # runs them at DP 2, tests/train/test_parallel_optimizer_settings.py parses and refuses them
+    fixed_in_main_job.update(dict.fromkeys(
+        ("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "bucket_size"),
+        "parallel.distributed_optimizer / overlaps / bucket_size: null, resolved at DP 1"))
     unreachable = {"_te_grouped_linear_in_graphs": "the main job never builds te_grouped_linear",
                    "_full_iteration_megatron_step": "training.optimizer_step is left auto "
                                                     "(tests/train/test_full_iteration_graphs.py)",
-                   "_fp8_attention_inputs": "the main job always packs: its attention is never TE's sbhd one"}
+                   "_fp8_attention_inputs": "the main job always packs: its attention is never TE's sbhd one",
+                   "_data_parallel_optimizer": "the parallel group's optimizer settings are left "
+                                               "null (tests/train/test_parallel_optimizer_settings.py)",
+                   "_data_parallel_in_full_iteration": "the parallel group's optimizer settings are "
+                                                       "left null (test_parallel_optimizer_settings.py)"}
     verdicts = classified().values()
     fired = {v.rule for v in verdicts if v.rule}
     assert fired == {r.__name__ for r in rules.RULES} - set(unreachable)

@@ -549,6 +549,9 @@ UNREACHABLE_RULES: dict = {
                           "RunFacts.sequence_parallel",
     "_offload_with_pipeline": "the hooks have no activation offload",
     "_full_iteration_megatron_step": "the hooks never set RunFacts.full_iteration",
+    "_data_parallel_optimizer": "the main job's parallel group; the hooks' frameworks configure "
+                                "Megatron's DDP and optimizer themselves",
+    "_data_parallel_in_full_iteration": "the hooks never set RunFacts.full_iteration",
 }
 
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
@@ -563,6 +566,9 @@ NOT_SET_BY_HOOKS = {
     "linear_impl": "read by the main job's sequence-parallel rule only",
     "packed_tokens": "read by the main job's sequence-parallel rule only",
     "megatron_optimizer_step": "read by the main job's full-iteration rule only",
+    **dict.fromkeys(("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+                     "bucket_size"), "the main job's parallel group (the frameworks configure "
+                                     "Megatron's DDP and optimizer themselves)"),
 }
 
 # RunFacts fields the hooks set from the model's shape, which the matrix keeps fixed

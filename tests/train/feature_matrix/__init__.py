@@ -5,7 +5,7 @@ features the config accepts, parsed the way the main job parses it and, where ac
   attention backends (``core_attention.BACKENDS`` + ``auto``), the dtypes
   (``train.config.DTYPES``), the CPU-sized models (``configs/model/tiny_*.yaml``), the MoE
   expert backends (``moe.config.EXPERT_BACKENDS``), the FP8 recipes (``FP8Config``), the
-  boolean feature switches and the parallel sizes (every ``*_size`` field of
+  boolean feature switches and the parallel sizes (every ``*parallel_size`` field of
   ``ParallelConfig``) -- so a new option joins the matrix by itself. Axes that do not apply
   (the expert backend of a dense model, the FP8 settings with FP8 off) collapse to ``-``.
 * **Two worlds** (the ``transformer_engine`` axis): this machine without Transformer Engine,

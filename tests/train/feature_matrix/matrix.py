@@ -145,7 +145,7 @@ def _layouts() -> tuple:
     has 2 cores; two sizes of 2 need a world of 4)."""
     from megatron_fastpath.train.config import ParallelConfig
 
-    sizes = [f.name for f in dataclasses.fields(ParallelConfig) if f.name.endswith("_size")]
+    sizes = [f.name for f in dataclasses.fields(ParallelConfig) if f.name.endswith("parallel_size")]
     return ("1",) + tuple(f"{name}=2" for name in sizes)
 
 
@@ -343,7 +343,7 @@ def classify(combo: Combo) -> Verdict:
         return Verdict(RUN, facts=facts, problem=f"accepted although the rules refuse it: "
                                                  f"{rules.refusals(facts)}")
     par = job.parallel
-    if any(getattr(par, f) > 1 for f in vars(par) if f.endswith("_size")):
+    if any(getattr(par, f) > 1 for f in vars(par) if f.endswith("parallel_size")):
         return Verdict(WORLD2, f"`parallel.{combo['layout']}`: a world of 2 processes", facts=facts,
                        job=job_key(job))
     return Verdict(RUN, facts=facts, job=job_key(job))
