@@ -555,59 +555,6 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
 )
 
 
-# The main job's feature groups and the switch that turns each on: a group's keys are read only
-# while its switch is on (train/config.py), so a key set away from its default while the switch
-# is off would be silently ignored (lora.rank=8 without fastpath.lora=true: a full fine-tune).
-FEATURE_SWITCHES = {"lora": "fastpath.lora", "offload": "fastpath.offload",
-                    "cuda_graphs": "fastpath.cuda_graphs", "fp8": "fastpath.fp8"}
-
-
-# Resuming a checkpoint: the settings that do not change the trained weights (logging, held-out
-# evaluation, where and how the job runs) may differ from the saved run's; every other setting
-# of the model, data, training and LoRA groups is in the checkpoint's fingerprint and must match
-# (train/checkpointing.py fingerprint_config). SCHEDULE_SETTINGS change the weights too, but a
-# finished run may be extended with more of them: the LR schedule is then recomputed for the new
-# total and the resumed steps continue from the saved step -- Megatron's
-# --override-opt_param-scheduler (megatron/training/training_config.py:164 at core_v0.16.1;
-# OptimizerParamScheduler._check_and_set takes the class value,
-# megatron/core/optimizer_param_scheduler.py:322-324, and load_state_dict steps on from the
-# saved num_steps, :384).
-NOT_WEIGHT_SETTINGS = (
-    "training.stop_at_step", "training.summary_json", "training.log_all_ranks", "training.device",
-    "training.sync_check", "training.skip_memory_check", "training.dry_run",
-    "data.eval_every", "data.eval_samples", "data.eval_max_new_tokens", "data.cache",
-    "data.eval_path", "data.cache_dir",
-)
-SCHEDULE_SETTINGS = ("training.steps", "training.epochs")
-
-
-def changed_settings(group: str, settings: Any, defaults: Any, fixed: tuple = ()) -> list[str]:
-    """``group.key=value`` of each field of the dataclass ``settings`` that differs from
-    ``defaults`` (the group's default option parsed the same way; ``fixed``: fields the job sets)."""
-    return [f"{group}.{f.name}={getattr(settings, f.name)!r}" for f in dataclasses.fields(settings)
-            if f.name not in fixed and getattr(settings, f.name) != getattr(defaults, f.name)]
-
-
-def settings_while_off(group: str, changed: list[str]) -> Optional[str]:
-    """The refusal of ``changed`` settings of a feature group whose switch is off (None: none)."""
-    if not changed:
-        return None
-    switch = FEATURE_SWITCHES[group]
-    return (f"{', '.join(changed)} set while {switch}=false: the {group} group is read only when "
-            f"its switch is on, so the run would silently ignore it; add {switch}=true (or drop "
-            f"the {group}.* settings)")
-
-
 def refusals(facts: RunFacts) -> list[str]:
     """Every reason the run described by ``facts`` cannot run (empty: it can)."""
     return [r for r in (rule(facts) for rule in RULES) if r]
-
-
-def check_positive_ints(owner: str, obj: Any, names: tuple) -> None:
-    """Raise ValueError naming ``<owner>.<name>`` for the first of ``names`` whose value on
-    ``obj`` is not a positive int (a bool is not one): the sizes of the packed cache
-    (``PackedSeqConfig``) and of the hooks' settings (``FastpathSettings``)."""
-    for name in names:
-        v = getattr(obj, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{owner}.{name} must be a positive int; got {v!r}")

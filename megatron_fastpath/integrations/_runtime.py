@@ -96,7 +96,7 @@ class FastpathSettings:
     llama3_original_max_position: int = 8192
 
     def __post_init__(self):
-        from megatron_fastpath.rules import check_positive_ints
+        from megatron_fastpath.settings import check_positive_ints
 
         check_positive_ints("FastpathSettings", self, ("max_tokens", "max_seqs", "num_slots"))
         if self.max_seqs > self.max_tokens:

@@ -102,7 +102,7 @@ class PackedSeqConfig:
     context_parallel_rank: int = 0
 
     def __post_init__(self):
-        from megatron_fastpath.rules import check_positive_ints
+        from megatron_fastpath.settings import check_positive_ints
 
         check_positive_ints("PackedSeqConfig", self, ("max_tokens", "max_seqs", "num_slots"))
         if self.max_seqs > self.max_tokens:

@@ -36,15 +36,15 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 def _weights_only(group: str, settings: dict) -> dict:
     """``settings`` of ``group`` less those that do not change the trained weights
-    (:data:`megatron_fastpath.rules.NOT_WEIGHT_SETTINGS`)."""
-    from megatron_fastpath.rules import NOT_WEIGHT_SETTINGS
+    (:data:`megatron_fastpath.settings.NOT_WEIGHT_SETTINGS`)."""
+    from megatron_fastpath.settings import NOT_WEIGHT_SETTINGS
 
     return {k: v for k, v in settings.items() if f"{group}.{k}" not in NOT_WEIGHT_SETTINGS}
 
 
 def fingerprint_config(cfg, dp_world: int) -> dict:
     """Settings a resumed run must share with the saved one: what changes the trained weights
-    in the model, data, training and LoRA groups (not ``rules.NOT_WEIGHT_SETTINGS``). Not the
+    in the model, data, training and LoRA groups (not ``settings.NOT_WEIGHT_SETTINGS``). Not the
     layout (``parallel``, the data-parallel size: resharding keeps the global batch
     ``micro_batches * dp_world``), logging, offload or graphs (same math)."""
     training = _weights_only("training", dataclasses.asdict(cfg.training))
@@ -79,12 +79,12 @@ PAD_MULTIPLE_HINTS = {"data.pad_multiple": (
 def may_differ(steps: int, pad_is_2cp: bool = False):
     """``CheckpointManager``'s ``may_differ`` for a run of ``steps`` steps: the settings that do
     not change the weights (an older checkpoint's fingerprint may still hold them), the
-    schedule (``rules.SCHEDULE_SETTINGS``) when the checkpoint is the end of its run and this
+    schedule (``settings.SCHEDULE_SETTINGS``) when the checkpoint is the end of its run and this
     run goes further (a finished run extended: the LR schedule is recomputed for the new total,
     the steps continue from the saved one; ``step.build_scheduler``), and ``data.pad_multiple``
     when the checkpoint's fingerprint lacks it and this run pads to 2 x its CP size
     (``pad_is_2cp``: :data:`PAD_MULTIPLE_HINTS`)."""
-    from megatron_fastpath.rules import NOT_WEIGHT_SETTINGS, SCHEDULE_SETTINGS
+    from megatron_fastpath.settings import NOT_WEIGHT_SETTINGS, SCHEDULE_SETTINGS
 
     def keys(state: dict) -> set:
         saved_steps = ((state.get("config") or {}).get("training") or {}).get("steps")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megatron_fastpath import rules
+from megatron_fastpath import settings as key_rules
 from megatron_fastpath.model import ModelConfig
 from megatron_fastpath.providers import (
     ExportConfig,
@@ -227,19 +228,19 @@ def group_types() -> dict:
 
 def _refuse_settings_while_off(cfg: Any, fast: FastpathConfig, types: dict) -> None:
     """A feature group's keys set away from its default option (``configs/<group>/default.yaml``)
-    while its ``fastpath`` switch is off: refused (:func:`rules.settings_while_off`)."""
+    while its ``fastpath`` switch is off: refused (:func:`megatron_fastpath.settings.settings_while_off`)."""
     from omegaconf import OmegaConf
 
-    for group, switch in rules.FEATURE_SWITCHES.items():
+    for group, switch in key_rules.FEATURE_SWITCHES.items():
         if getattr(fast, switch.split(".")[1]) or cfg is None or group not in cfg:
             continue
         cls, fixed = types[group]
         default = os.path.join(config_dir(), group, "default.yaml")
         defaults = parse_group(group, cls, {k: v for k, v in OmegaConf.to_container(
             OmegaConf.load(default)).items() if not (f"{group}.{k}" in dict(_MOVED_KEYS))}, fixed)
-        changed = rules.changed_settings(group, section(cfg, group, cls, fixed), defaults,
-                                         tuple(fixed or ()))
-        refuse([r for r in (rules.settings_while_off(group, changed),) if r])
+        changed = key_rules.changed_settings(group, section(cfg, group, cls, fixed), defaults,
+                                          tuple(fixed or ()))
+        refuse([r for r in (key_rules.settings_while_off(group, changed),) if r])
 
 
 def _feature_sections(cfg: Any, fast: FastpathConfig) -> dict:

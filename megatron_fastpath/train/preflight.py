@@ -79,7 +79,7 @@ def memory_estimate(job: JobConfig, check: bool = True):
     from megatron_fastpath.train.memory import check_memory, estimate_memory, launched_data_parallel_size
 
     dp = launched_data_parallel_size(job.parallel)
-    distributed = bool(getattr(job.parallel, "distributed_optimizer", False))
+    distributed = job.parallel.distributed_optimizer  # resolved at parse (train/parallel.py)
     if check:
         return check_memory(job, data_parallel_size=dp, distributed_optimizer=distributed)
     return estimate_memory(job, data_parallel_size=dp, distributed_optimizer=distributed)

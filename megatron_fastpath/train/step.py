@@ -134,7 +134,7 @@ def build_scheduler(optimizer, train_cfg: TrainingConfig):
     """Megatron's LR schedule: ``training.lr_schedule`` after a linear warm-up (its warmup must be shorter than the decay: short runs get
     a shorter warmup). A resume takes this run's values, not the checkpoint's
     (``override_opt_param_scheduler``, Megatron's --override-opt_param-scheduler): the
-    fingerprint makes them equal but for a finished run extended (rules.SCHEDULE_SETTINGS),
+    fingerprint makes them equal but for a finished run extended (settings.SCHEDULE_SETTINGS),
     whose schedule is recomputed for the new total while the step count continues."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

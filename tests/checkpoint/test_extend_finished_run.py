@@ -1,8 +1,8 @@
 """A finished run extended with more epochs (training.epochs=2 -> 3, same checkpoint.dir): it
 resumes at the step after its last, its LR schedule recomputed for the new total while the step
-count continues (Megatron's --override-opt_param-scheduler; rules.SCHEDULE_SETTINGS), so the
+count continues (Megatron's --override-opt_param-scheduler; settings.SCHEDULE_SETTINGS), so the
 resumed steps' learning rates equal a straight 3-epoch run's exactly; settings that do not change
-the weights (rules.NOT_WEIGHT_SETTINGS) may change on the resume. Fewer epochs than done, or
+the weights (settings.NOT_WEIGHT_SETTINGS) may change on the resume. Fewer epochs than done, or
 more on a run that has not finished, stay refused."""
 
 import json

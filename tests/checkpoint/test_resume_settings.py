@@ -1,5 +1,5 @@
 """What a resume compares: the settings that change the trained weights. Those in
-rules.NOT_WEIGHT_SETTINGS (held-out evaluation, logging, where the job runs) leave the checkpoint
+settings.NOT_WEIGHT_SETTINGS (held-out evaluation, logging, where the job runs) leave the checkpoint
 fingerprint, and an older checkpoint whose fingerprint holds them still resumes."""
 
 import pytest

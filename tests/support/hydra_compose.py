@@ -17,8 +17,8 @@ def features_on(overrides):
     """``overrides`` less the settings of each feature group (lora, offload, cuda_graphs, fp8)
     whose ``fastpath`` switch they do not turn on: for a shared list of what a feature needs
     when it is on (the parse refuses a group's settings while its switch is off:
-    ``rules.settings_while_off``)."""
-    from megatron_fastpath.rules import FEATURE_SWITCHES
+    ``settings.settings_while_off``)."""
+    from megatron_fastpath.settings import FEATURE_SWITCHES
 
     on = {g for g, switch in FEATURE_SWITCHES.items() if f"{switch}=true" in overrides}
     return [o for o in overrides

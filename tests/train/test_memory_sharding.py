@@ -58,19 +58,10 @@ def gpu_80gb(monkeypatch):
 
 def job_of(overrides, distributed_optimizer=None):
     """The parsed main job; ``distributed_optimizer``: ``parallel.distributed_optimizer`` set to
-    it (a ParallelConfig carrying the field, where the config does not yet have the setting)."""
-    job = parse_job_config(compose_job(list(overrides)))
-    if distributed_optimizer is None:
-        return job
-    base = type(job.parallel)
-
-    @dataclasses.dataclass(frozen=True)
-    class Parallel(base):
-        distributed_optimizer: Optional[bool] = None
-
-    kept = {f.name: getattr(job.parallel, f.name) for f in dataclasses.fields(base)
-            if f.name != "distributed_optimizer"}
-    return dataclasses.replace(job, parallel=Parallel(**kept, distributed_optimizer=distributed_optimizer))
+    it (None: the setting's default)."""
+    if distributed_optimizer is not None:
+        overrides = [*overrides, f"parallel.distributed_optimizer={str(distributed_optimizer).lower()}"]
+    return parse_job_config(compose_job(list(overrides)))
 
 
 def full_8b(dtype):
@@ -125,10 +116,13 @@ def test_the_preflight_and_dry_run_take_the_launchers_dp_and_the_setting(gpu_80g
     plan = dry_run(sharded, log=lines.append)
     assert plan["dp_world"] == 8 and plan["memory_bytes"] == sum(hand("float32", 8).values())
     assert f"  memory: estimated {PRINTED['float32']} per process (fits)" in lines
-    for job in (job_of(full_8b("float32"), distributed_optimizer=False), job_of(full_8b("float32"))):
-        with pytest.raises(ValueError, match=r"estimated 126\.1 GiB .* and the cuda has 74\.5 GiB on "
-                                             r"stand-in GPU\."):
-            check_device(job)
+    # the setting left unset follows the recipes on a GPU at DP > 1: on, so the default fits too
+    default = job_of(full_8b("float32"))
+    assert default.parallel.distributed_optimizer is True
+    check_device(default)
+    with pytest.raises(ValueError, match=r"estimated 126\.1 GiB .* and the cuda has 74\.5 GiB on "
+                                         r"stand-in GPU\."):
+        check_device(job_of(full_8b("float32"), distributed_optimizer=False))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

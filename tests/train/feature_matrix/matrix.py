@@ -46,7 +46,7 @@ FIXED = {
 }
 
 # a feature group's fixed settings go with its switch (parse refuses them while it is off:
-# rules.settings_while_off); the others into every combination
+# settings.settings_while_off); the others into every combination
 FEATURE_FIXED = {k for k in FIXED if k.split(".")[0] in ("lora", "offload", "cuda_graphs", "fp8")}
 BASE = SIZES + [k for k in FIXED if k not in FEATURE_FIXED]
 
