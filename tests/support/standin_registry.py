@@ -638,6 +638,8 @@ COMPAT_MODULES = {
     "__init__.py": "the megatron-core version gate; no GPU call",
     "dist_ckpt.py": "patches torch.cuda.synchronize / current_device for Megatron's "
                     "dist_checkpointing on a CPU (mock.patch.object on the module: no call)",
+    "dist_optim_ckpt.py": "DistributedOptimizer checkpoint formats and its torch-Adam state "
+                          "repairs; no GPU call",
     "graphs.py": "CudaGraphManager argument rules and the 0.16.x input-buffer shim; no direct "
                  "GPU call (Megatron's graph calls: fake_cuda_graph.MEGATRON_SITES)",
     "moe.py": "MoELayer / TopKRouter state without their CUDA-only constructors; no GPU call",
