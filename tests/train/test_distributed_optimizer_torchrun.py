@@ -19,9 +19,15 @@ schedule on CUDA-as-CPU), with the sync-free optimizer step:
   parameters (sharded over both ranks) and expert DP 1 (each rank's experts' optimizer is a
   DistributedOptimizer over one rank: nothing to shard; expert data parallelism shards from a
   world of 4 at EP 2);
-* 0 host syncs in every step (training.sync_check=every), the optimizer step included.
+* 0 host syncs in every step (training.sync_check=every), the optimizer step included;
+* checkpoints of the sharded state: a DP 2 run stopped at step STOP and resumed gives the straight
+  run's records bit for bit; the same step-STOP checkpoint resumed at DP 1 (one process, 2 x the
+  microbatches: the same global batch) gives the restored records of the DP 2 run exactly and
+  then the straight DP 1 run's losses within REL_RESHARD (DP 2 and DP 1 sum the gradients in
+  another order, as tests/checkpoint/test_resume_torchrun.py's resharding).
 
-All runs share one torchrun launch (tests/workers/dist_opt_worker.py; about a minute here).
+The DP 2 runs share one torchrun launch, the DP 1 runs one process
+(tests/workers/dist_opt_worker.py; about a minute here).
 """
 
 import json
@@ -78,29 +84,54 @@ RUNS = {
 }
 REL = 1e-6
 ATOL = 1e-6
+STOP = 2
+REL_RESHARD = 2e-4
+# the DP 2 runs that save (checkpoint.dir under the test's root, filled in by the fixture): one
+# stopped at STOP and resumed (exact resume), one stopped at STOP for the DP 1 resume
+SAVING = {
+    "dense-dist-stop": FAMILIES["dense"] + DIST + ["checkpoint.dir={root}/ckpt-exact",
+                                                   f"training.stop_at_step={STOP}"],
+    "dense-dist-resumed": FAMILIES["dense"] + DIST + ["checkpoint.dir={root}/ckpt-exact"],
+    "dense-dist-straight-saving": FAMILIES["dense"] + DIST + ["checkpoint.dir={root}/ckpt-straight"],
+    "dense-dist-stop-for-dp1": FAMILIES["dense"] + DIST + ["checkpoint.dir={root}/ckpt-dp1",
+                                                           f"training.stop_at_step={STOP}"],
+}
+# DP 1, the global batch of DP 2 (2 microbatches per rank): 4 microbatches per step
+DP1 = FAMILIES["dense"] + ["parallel.distributed_optimizer=true", "training.micro_batches=4"]
+DP1_RUNS = {"dp1-resumed": DP1 + ["checkpoint.dir={root}/ckpt-dp1"], "dp1-straight": DP1}
+
+
+def _launch(root, runs: dict, nproc: int, name: str) -> dict:
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps([{"name": n, "overrides": [x.replace("{root}", str(root))
+                                                          for x in COMMON + o]}
+                                for n, o in runs.items()]))
+    proc = subprocess.run(main_job_cmd([str(spec), str(root)], nproc=nproc,
+                                       entry=["-m", "tests.workers.dist_opt_worker"]),
+                          cwd=root, env=job_env(), capture_output=True, text=True, timeout=1500)
+    out = {}
+    for run in runs:
+        pair = []
+        for rank in range(nproc):
+            path = root / f"{run}.rank{rank}.pt"
+            assert path.exists(), f"{run}: no result\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
+            r = torch.load(path, weights_only=False)
+            assert "error" not in r, f"{run} rank {rank}: {r['error']}"
+            pair.append(r)
+        out[run] = tuple(pair)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[f"stdout-{name}"] = proc.stdout
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """{run name: (rank 0's result, rank 1's result)}: every run, one torchrun launch."""
+    """{run name: (rank 0's result, rank 1's result)}: the DP 2 runs in one torchrun launch, the
+    DP 1 runs (one result each) in one process after it."""
     root = tmp_path_factory.mktemp("dist-opt")
-    spec = root / "spec.json"
-    spec.write_text(json.dumps([{"name": n, "overrides": COMMON + o} for n, o in RUNS.items()]))
-    proc = subprocess.run(main_job_cmd([str(spec), str(root)], nproc=2,
-                                       entry=["-m", "tests.workers.dist_opt_worker"]),
-                          cwd=root, env=job_env(), capture_output=True, text=True, timeout=1500)
-    out = {}
-    for name in RUNS:
-        pair = []
-        for rank in (0, 1):
-            path = root / f"{name}.rank{rank}.pt"
-            assert path.exists(), f"{name}: no result\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
-            r = torch.load(path, weights_only=False)
-            assert "error" not in r, f"{name} rank {rank}: {r['error']}"
-            pair.append(r)
-        out[name] = tuple(pair)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out["stdout"] = proc.stdout
+    out = _launch(root, {**RUNS, **SAVING}, 2, "dp2")
+    out["stdout"] = out.pop("stdout-dp2")
+    out.update(_launch(root, DP1_RUNS, 1, "dp1"))
     return out
 
 
@@ -199,5 +230,37 @@ def test_the_header_says_what_runs(results):
         "reduce overlapped with the backward, parameter gather overlapped with the forward, "
         "buckets of 4096 elements") == 6
     assert lines.count("data parallel: distributed optimizer (optimizer state sharded over 2 "
-                       "ranks)") == 4
-    assert len(lines) == 10
+                       "ranks)") == 4 + len(SAVING)
+    assert len(lines) == 10 + len(SAVING)
+
+
+def _records(result):
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in result["records"]]
+
+
+@pytest.mark.integration
+def test_sharded_state_resumes_exactly_at_dp2(results):
+    stopped, resumed = results["dense-dist-stop"], results["dense-dist-resumed"]
+    straight = results["dense-dist-straight-saving"]
+    for rank in (0, 1):
+        assert len(stopped[rank]["records"]) == STOP
+        assert _records(resumed[rank]) == _records(straight[rank])
+        assert resumed[rank]["params"].keys() == straight[rank]["params"].keys()
+        assert [k for k, p in resumed[rank]["params"].items()
+                if not torch.equal(p, straight[rank]["params"][k])] == []
+
+
+@pytest.mark.integration
+def test_sharded_state_saved_at_dp2_resumes_at_dp1_as_the_straight_dp1_run(results):
+    (resumed,), (straight,) = results["dp1-resumed"], results["dp1-straight"]
+    dp2 = results["dense-dist-straight-saving"][0]
+    assert "resuming from" in results["stdout-dp1"] and "saved at world 2, now 1" in results["stdout-dp1"]
+    # the first steps are the DP 2 run's, restored; the rest continue as the straight DP 1 run
+    assert _records(resumed)[:STOP] == _records(dp2)[:STOP]
+    assert len(resumed["records"]) == len(straight["records"]) == STEPS
+    for g, w in zip(resumed["records"][STOP:], straight["records"][STOP:], strict=True):
+        assert g["step"] == w["step"] and g["lr"] == w["lr"]
+        assert abs(g["loss"] - w["loss"]) <= REL_RESHARD * abs(w["loss"]), (g, w)
+    # DP 1 is the straight DP 2 run's global batch: its losses are DP 2's too
+    for g, w in zip(straight["records"], dp2["records"], strict=True):
+        assert abs(g["loss"] - w["loss"]) <= REL_RESHARD * abs(w["loss"]), (g, w)

@@ -552,6 +552,8 @@ UNREACHABLE_RULES: dict = {
     "_data_parallel_optimizer": "the main job's parallel group; the hooks' frameworks configure "
                                 "Megatron's DDP and optimizer themselves",
     "_data_parallel_in_full_iteration": "the hooks never set RunFacts.full_iteration",
+    "_pad_multiple": "the main job's data.pad_multiple; the hooks' frameworks pack their own "
+                     "data (RunFacts.pad_multiple stays None)",
 }
 
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
@@ -566,6 +568,7 @@ NOT_SET_BY_HOOKS = {
     "linear_impl": "read by the main job's sequence-parallel rule only",
     "packed_tokens": "read by the main job's sequence-parallel rule only",
     "megatron_optimizer_step": "read by the main job's full-iteration rule only",
+    "pad_multiple": "the main job's data.pad_multiple (the frameworks pack their own data)",
     **dict.fromkeys(("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                      "bucket_size"), "the main job's parallel group (the frameworks configure "
                                      "Megatron's DDP and optimizer themselves)"),
