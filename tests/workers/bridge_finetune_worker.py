@@ -11,7 +11,8 @@ data.
 ``AutoBridge.import_ckpt`` does (``from_hf_pretrained`` -> ``to_megatron_provider(load_weights=
 True)`` -> ``provide_distributed_model`` -> ``save_megatron_model``), with the TE-only fusions
 off (``import_ckpt`` finalizes the provider with them on, which megatron-core refuses without
-TE: ``transformer_config.py`` "apply_rope_fusion is not available"). Its own process: the
+TE: ``megatron/core/transformer/transformer_config.py:2185`` in 0.19.2, "apply_rope_fusion is
+not available"). Its own process: the
 save initializes megatron-core's global state (the rerun state machine, parallel_state), which
 ``finetune``'s setup initializes again.
 
@@ -47,11 +48,8 @@ import sys
 
 import torch
 
-NO_TE_FUSIONS = dict(
-    apply_rope_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-    gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-    cross_entropy_loss_fusion=False,
-)
+from tests.support.nemo_on_cpu import NO_TE_FUSIONS  # the TE-only fusions, off (one home)
+
 LORA = dict(dim=16, alpha=32, dropout=0.0, target_modules=["linear_qkv", "linear_proj"])
 
 
