@@ -44,7 +44,8 @@ setup(
         # megatron.bridge.training.finetune / gpt_step and megatron.bridge.recipes import at
         # module level (file:line of the first import of each, Bridge 0.6.2). Bridge also
         # imports transformer_engine unconditionally (peft/lora_layers.py:20): on a CPU machine
-        # only the tests' fake TE stands in. Conflicts with "test" / "hf-test" (transformers 4.57).
+        # only the tests' fake TE stands in. Conflicts with "test" / "hf-test" (transformers 4.57):
+        # its own venv (CI: .venv-bridge, a copy of the primary venv; docs/integrations.md).
         "bridge": [
             "transformers>=5.8,<=5.12.1",  # Bridge's pin; models/*/..._bridge.py (package __init__)
             "omegaconf>=2.3",  # models/config.py:22

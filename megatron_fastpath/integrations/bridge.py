@@ -30,8 +30,10 @@ Usage (inside a Bridge container)::
 
 On a CPU machine Bridge 0.6 imports only with a stand-in Transformer Engine
 (``megatron/bridge/peft/lora_layers.py:20`` imports it unconditionally):
-``tests/integrations/test_bridge_recipe_cpu.py`` takes Bridge's PEFT recipe through this hook
-with the tests' fake TE; docs/integrations.md lists what else Bridge needs there.
+``tests/integrations/test_bridge_finetune_cpu.py`` runs Bridge's ``finetune`` with its LoRA
+recipe with and without this hook there (the tests' fake TE and CPU stand-ins) and compares the
+per-token losses with each other and the main job's; docs/integrations.md lists what else
+Bridge needs there.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ in for and why) and gives the main job's per-token losses on the same weights an
 
 Both sides start from one tiny Llama HF checkpoint built here (``examples/make_tiny_hf_llama.py``):
 the main job (``python -m megatron_fastpath.train model=hf``, a child process) loads it directly;
-NeMo imports it with ``llm.import_ckpt`` and restores it. The main job's entry below dumps its
-initial LoRA parameters and its step microbatches; the NeMo child
+NeMo imports it with ``llm.import_ckpt`` and restores it. The main job's entry
+(``tests/support/recipe_compare.py``) dumps its initial LoRA parameters and its step
+microbatches; the NeMo child
 (``tests/workers/nemo_finetune_worker.py``, whose docstring lists every alignment) trains on
 exactly those packs, in that order, from those adapters.
 
@@ -16,9 +17,8 @@ is torch's fused AdamW); what differs is the summation order of the loss reducti
 optimizer kernels: rtol 1e-6 on per-token losses around 6 (fp32 eps is 1.2e-7). Measured
 (2026-11): |relative difference| <= 3e-8 on all three steps.
 
-Megatron-Bridge: not installable here (it needs Python >= 3.12 and Transformer Engine; this
-venv is Python 3.11 without TE), so its recipe is not run; its hook is tested as far as it goes
-without the package in ``test_bridge_hook.py``.
+Megatron-Bridge (Python >= 3.12) has the same test on the primary target:
+``test_bridge_finetune_cpu.py``.
 """
 
 import json
@@ -34,32 +34,12 @@ pytest.importorskip("nemo_run", reason="nemo_run (NeMo-Run recipes) is not insta
 pytest.importorskip("transformers")
 
 from tests.hf.hf_reference import DATA  # noqa: E402
-from tests.support.main_job import job_env, main_job_cmd  # noqa: E402
+from tests.support.main_job import job_env  # noqa: E402
 from tests.support.nemo_on_cpu import moved_sites  # noqa: E402
+from tests.support.recipe_compare import run_main_job  # noqa: E402
 
 STEPS = 3
 T = 256  # packed microbatch capacity (data.max_tokens = NeMo's packed_sequence_size)
-
-# The main job as a user runs it, plus a dump of its initial LoRA parameters and of the packed
-# microbatch of each step (taken from the built job, before its first step).
-MAIN_JOB_ENTRY = """
-import sys, torch
-import megatron_fastpath.train as T
-from megatron_fastpath.train import loop
-OUT = sys.argv.pop()
-_train = loop.train  # what loop.run calls
-def train(job, *args, **kwargs):
-    lora = {n: p.detach().clone() for n, p in job.model.named_parameters() if "lora" in n}
-    steps = [[dict(tokens=mb.tokens_1T.clone(), labels=mb.labels_1T.clone(),
-                   mask=mb.loss_mask_1T.clone(), lengths=mb.lengths.copy())
-              for mb in job.data.batch(s).microbatches] for s in range(1, job.cfg.training.steps + 1)]
-    torch.save({"lora": lora, "steps": steps}, OUT)
-    return _train(job, *args, **kwargs)
-loop.train = train
-sys.argv = ["megatron_fastpath.train"] + sys.argv[1:]
-T.main()
-"""
-
 
 def test_nemo_sites_the_cpu_standins_cover_still_hold():
     """The NeMo / megatron-core lines nemo_on_cpu stands in for (file:line, text) are still
@@ -70,30 +50,14 @@ def test_nemo_sites_the_cpu_standins_cover_still_hold():
 @pytest.mark.integration
 def test_nemo_lora_finetune_with_fastpath_gives_the_main_jobs_losses(tmp_path):
     import make_tiny_hf_llama
-    import torch
 
     hf = str(tmp_path / "hf")
     make_tiny_hf_llama.main(hf, DATA)
     data = str(tmp_path / "chat.jsonl")
     with open(DATA, "rb") as src, open(data, "wb") as dst:  # the token cache goes beside it
         dst.write(src.read())
-    dump, summary = str(tmp_path / "main_job.pt"), str(tmp_path / "main_job.json")
-    overrides = [
-        "model=hf", f"model.path={hf}", "data=jsonl", f"data.path={data}", f"data.max_tokens={T}",
-        "fastpath.lora=true", "lora.dropout=0.0",  # rank 16, alpha 32, qkv + proj: NeMo's LoRA below
-        f"training.steps={STEPS}", "training.micro_batches=1",  # one pack per step (NeMo: gbs = mbs = 1)
-        "training.lr=3e-3", "training.warmup_steps=0", "training.min_lr=3e-3",  # constant lr 3e-3 (NeMo: no scheduler)
-        f"training.summary_json={summary}", f"hydra.run.dir={tmp_path / 'hydra'}",
-        f"metrics.dir={tmp_path / 'metrics'}", dump,
-    ]
     env = job_env(WANDB_MODE="disabled")
-    main = subprocess.run(main_job_cmd(overrides, entry=["-c", MAIN_JOB_ENTRY]), cwd=str(tmp_path),
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert main.returncode == 0, main.stdout[-3000:] + main.stderr[-3000:]
-    records = json.load(open(summary))["records"]
-    main_losses = [r["loss"] for r in records]
-    steps = torch.load(dump, weights_only=False)["steps"]
-    main_lengths = [mb["lengths"].tolist() for (mb,) in steps]
+    main_losses, dump, main_lengths = run_main_job(tmp_path, hf, data, T, STEPS, env)
 
     out = str(tmp_path / "nemo.json")
     nemo = subprocess.run([sys.executable, "-m", "tests.workers.nemo_finetune_worker", hf, dump,

@@ -13,10 +13,11 @@ Alignments with the main job, each a public NeMo setting or the data handed to N
   dropout=0, target_modules=[linear_qkv, linear_proj])``, the main job's ``lora`` group) get
   the main job's initial A / B before the first step (NeMo draws its own A; B is zero in both);
 * data: the main job's packs written as NeMo's packed ``.npy`` (``input_ids`` per sequence +
-  one label token, ``seq_start_id``, ``loss_mask``), so NeMo's ``GPTSFTPackedDataset`` collate
-  rebuilds the same tokens / labels / mask / boundaries; the file's order undoes NeMo's
-  epoch shuffle (seed 1234) so step k trains on the main job's pack k (the lengths each step
-  trained on are reported and compared by the test);
+  one label token, ``seq_start_id``, ``loss_mask``; ``tests/support/recipe_compare.py``), so
+  NeMo's ``GPTSFTPackedDataset`` collate rebuilds the same tokens / labels / mask /
+  boundaries; the file's order undoes NeMo's epoch shuffle (seed 1234) so step k trains on
+  the main job's pack k (the lengths each step trained on are reported and compared by the
+  test);
 * one microbatch per step (``global_batch_size = micro_batch_size = 1``): NeMo averages the
   microbatches' per-token means, the main job divides by the global token count; with one
   microbatch both are the per-token mean of that pack;
@@ -31,36 +32,7 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
-
-SEED = 1234  # FineTuningDataModule's default seed: GPTSFTPackedDataset's epoch shuffle
-
-
-def nemo_packs(steps: list) -> list:
-    """NeMo packed-dataset items for the main job's step microbatches, in the file order whose
-    shuffle feeds them back in step order."""
-    items = []
-    for (mb,) in steps:
-        ids, starts, mask, pos = [], [], [], 0
-        for n in mb["lengths"].tolist():
-            starts.append(len(ids))
-            # NeMo's collate drops each sequence's last input id (inputs) / first (labels): the
-            # sequence's n tokens plus the main job's label of its last position
-            ids += mb["tokens"][0, pos:pos + n].tolist() + [int(mb["labels"][0, pos + n - 1])]
-            mask += mb["mask"][0, pos:pos + n].long().tolist() + [0]
-            pos += n
-        items.append({"input_ids": ids, "seq_start_id": starts, "loss_mask": mask})
-    # GPTSFTPackedDataset._build_samples_mapping: np.random.seed(seed), then one shuffled
-    # arange(len) per epoch; the first epoch covers the steps here (len == steps)
-    np.random.seed(SEED)
-    perm = np.arange(len(items))
-    np.random.shuffle(perm)
-    ordered = [None] * len(items)
-    for k, item in enumerate(items):
-        ordered[perm[k]] = item
-    return ordered
-
 
 def main(hf_dir: str, dump_path: str, work: str, out_json: str) -> None:
     import fiddle as fdl
@@ -72,6 +44,7 @@ def main(hf_dir: str, dump_path: str, work: str, out_json: str) -> None:
     from megatron_fastpath.integrations import cache_for
     from megatron_fastpath.integrations.nemo import apply_fastpath
     from tests.support.nemo_on_cpu import NO_TE_FUSIONS, import_hf_llama, nemo_on_cpu
+    from tests.support.recipe_compare import SEED, nemo_order, write_packed_npy
 
     dump = torch.load(dump_path, weights_only=False)
     steps = dump["steps"]
@@ -81,16 +54,8 @@ def main(hf_dir: str, dump_path: str, work: str, out_json: str) -> None:
                  share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128)
     nemo_dir = import_hf_llama(hf_dir, os.path.join(work, "nemo_ckpt"), **shape)
 
-    data = os.path.join(work, "data")
-    os.makedirs(data)
-    packs = np.array(nemo_packs(steps), dtype=object)
-    np.save(os.path.join(data, "train.npy"), packs, allow_pickle=True)
-    np.save(os.path.join(data, "val.npy"), packs, allow_pickle=True)  # validation is off
-    longest = max(int(max(mb["lengths"])) for (mb,) in steps)
-    meta = os.path.join(data, "metadata.json")
-    with open(meta, "w") as f:
-        json.dump([{"dataset_max_seqlen": longest + 1, "max_samples_per_bin": max(len(mb["lengths"]) for (mb,) in steps),
-                    "min_packed_seqlen": min(int(sum(mb["lengths"])) for (mb,) in steps)}], f)
+    packs = write_packed_npy(steps, os.path.join(work, "data"), nemo_order(len(steps), SEED))
+    data, meta = os.path.dirname(packs["train"]), packs["metadata"]
 
     recipe = llm.llama32_1b.finetune_recipe(dir=os.path.join(work, "run"), name="fastpath_cpu", num_nodes=1,
                                             num_gpus_per_node=1, peft_scheme="lora", packed_sequence=True,
@@ -102,8 +67,8 @@ def main(hf_dir: str, dump_path: str, work: str, out_json: str) -> None:
         llm.FineTuningDataModule, dataset_root=data, seq_length=t, micro_batch_size=1, global_batch_size=1,
         seed=SEED, packed_sequence_specs=run.Config(
             llm.gpt.data.packed_sequence.PackedSequenceSpecs, packed_sequence_size=t,
-            packed_train_data_path=os.path.join(data, "train.npy"),
-            packed_val_data_path=os.path.join(data, "val.npy"), packed_metadata_path=meta),
+            packed_train_data_path=packs["train"], packed_val_data_path=packs["val"],
+            packed_metadata_path=meta),
         dataset_kwargs={"pad_to_max_length": True})
     recipe.resume = run.Config(nl.AutoResume, restore_config=run.Config(nl.RestoreConfig, path=nemo_dir))
     recipe.peft = run.Config(llm.peft.LoRA, dim=16, alpha=32, dropout=0.0,
