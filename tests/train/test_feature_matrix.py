@@ -49,6 +49,7 @@ def test_matrix_reaches_every_rule_and_every_fact():
         "linear_impl": "local without TE (te only with TE: the TE world's facts are not kept)",
         "packed_tokens": "data.max_tokens is one size (SIZES)",
         "megatron_optimizer_step": "training.optimizer_step is left auto",
+        "pad_multiple": "data.pad_multiple is left at its default (tests/train/test_packing_across_cp.py)",
     }
     # the parallel group's data-parallel optimizer settings are left null and the matrix parses
     # at a world of 1 (DP 1: they resolve off); tests/train/test_distributed_optimizer_torchrun.py
@@ -63,7 +64,9 @@ def test_matrix_reaches_every_rule_and_every_fact():
                    "_data_parallel_optimizer": "the parallel group's optimizer settings are left "
                                                "null (tests/train/test_parallel_optimizer_settings.py)",
                    "_data_parallel_in_full_iteration": "the parallel group's optimizer settings are "
-                                                       "left null (test_parallel_optimizer_settings.py)"}
+                                                       "left null (test_parallel_optimizer_settings.py)",
+                   "_pad_multiple": "data.pad_multiple is left at its default, which covers the "
+                                    "matrix's CP 2 (tests/test_rules.py refuses the others)"}
     verdicts = classified().values()
     fired = {v.rule for v in verdicts if v.rule}
     assert fired == {r.__name__ for r in rules.RULES} - set(unreachable)
