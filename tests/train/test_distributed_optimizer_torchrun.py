@@ -254,7 +254,7 @@ def test_sharded_state_resumes_exactly_at_dp2(results):
 def test_sharded_state_saved_at_dp2_resumes_at_dp1_as_the_straight_dp1_run(results):
     (resumed,), (straight,) = results["dp1-resumed"], results["dp1-straight"]
     dp2 = results["dense-dist-straight-saving"][0]
-    assert "resuming from" in results["stdout-dp1"] and "saved at world 2, now 1" in results["stdout-dp1"]
+    assert f"ckpt-dp1/step_{STOP:08d}: {STOP} of {STEPS} steps done" in results["stdout-dp1"]
     # the first steps are the DP 2 run's, restored; the rest continue as the straight DP 1 run
     assert _records(resumed)[:STOP] == _records(dp2)[:STOP]
     assert len(resumed["records"]) == len(straight["records"]) == STEPS
