@@ -32,14 +32,15 @@ Per variant, measured on each rank:
   elements), distributed: reduce-scatter of the grad buffers + all-gather of the param buffers;
   the buffers' elements are the trainable parameters plus Megatron's alignment padding
   (``buffer_padding``); the counted bulk bytes must equal these exactly;
-* ``optimizer_state_bytes``: the optimizer's state tensors on this rank (Adam's two moments) and
-  any fp32 main-parameter copies it holds (none at fp32: the distributed optimizer's shards are
-  views of the parameter buffer);
+* ``optimizer_state_bytes``: the optimizer's state tensors on this rank (Adam's two moments);
+  ``main_param_bytes``: main-parameter copies it holds apart from the model's storage (none at
+  fp32: the distributed optimizer's shards are views of the parameter buffer);
 * ``host_ms_per_step``: wall time of ``train_step``, minimum over the steps between the first two
-  and the counted two (uncounted), the larger of the two ranks' minima. CPU time of a stand-in
-  run on this machine: nothing about a GPU's step time.
+  and the counted two (uncounted) of ROUNDS runs of each variant (the variants in turn, all in
+  the one launch), the larger of the two ranks' minima. CPU time of a stand-in run on this
+  machine (2 processes of one thread on 2 cores): nothing about a GPU's step time.
 
-    python benchmarks/dp_optimizer.py --json benchmarks/results/dp_optimizer_mcore0.19.2.json
+    python benchmarks/dp_optimizer.py --publish   # results/dp_optimizer[_mcore<version>].json
     python benchmarks/dp_optimizer.py --quick     # the test's small run
 """
 
@@ -49,6 +50,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,9 +66,11 @@ from load_meter import LoadMeter, describe, publish, results_name  # noqa: E402
 from text_table import text_table  # noqa: E402
 
 DP = 2
-STEPS, QUICK_STEPS = 10, 5
+STEPS, QUICK_STEPS = 12, 5
 BUCKET = 200_000  # elements: several buckets for the overlapped reduce / gather
 QUICK_BUCKET = 4096
+LORA_BUCKET = 16_384  # the adapters: 81,920 elements
+ROUNDS = 2  # every variant run this often, the rounds in turn: min over all their timed steps
 MODEL = ["model=tiny_dense", "model.num_layers=4", "model.hidden_size=256",
          "model.ffn_hidden_size=704"]
 QUICK_MODEL = ["model=tiny_dense", "model.num_layers=2", "model.hidden_size=64",
@@ -82,14 +86,17 @@ DIST = ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=fal
 LORA = ["fastpath.lora=true", "lora.dropout=0.0"]
 
 
+def _overlap(bucket: int) -> list:
+    return ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+            "parallel.overlap_param_gather=true", f"parallel.bucket_size={bucket}"]
+
+
 def variants(quick: bool) -> dict:
-    bucket = QUICK_BUCKET if quick else BUCKET
-    overlap = ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
-               "parallel.overlap_param_gather=true", f"parallel.bucket_size={bucket}"]
-    out = {("full", "plain"): PLAIN, ("full", "dist"): DIST, ("full", "dist-overlap"): overlap}
+    out = {("full", "plain"): PLAIN, ("full", "dist"): DIST,
+           ("full", "dist-overlap"): _overlap(QUICK_BUCKET if quick else BUCKET)}
     if not quick:
         out.update({("lora", "plain"): LORA + PLAIN, ("lora", "dist"): LORA + DIST,
-                    ("lora", "dist-overlap"): LORA + overlap})
+                    ("lora", "dist-overlap"): LORA + _overlap(LORA_BUCKET)})
     return out
 
 
@@ -315,12 +322,17 @@ def worker(spec: str, out: str) -> None:
 # the launcher
 
 
-def _summarise(r0: dict, r1: dict, timed: int) -> dict:
-    """One row from the two ranks' results: the counts (equal on both ranks, and in both counted
-    steps: checked), the larger of the two ranks' minimum step times."""
-    assert r0["collectives"] == r1["collectives"], (r0["variant"], r0["collectives"], r1["collectives"])
+def _summarise(runs0: list, runs1: list, timed: int) -> dict:
+    """One row from the two ranks' runs of a variant (one per round): the counts (equal on both
+    ranks, in both counted steps and in every round: checked), the larger of the two ranks'
+    minimum step times over all rounds."""
+    r0, r1 = runs0[0], runs1[0]
+    for run in runs0 + runs1:
+        assert run["collectives"] == r0["collectives"], (r0["variant"], run["collectives"], r0["collectives"])
     first, second = r0["collectives"]
     assert first == second, (r0["variant"], "the two counted steps differ", first, second)
+    ms0 = [t for run in runs0 for t in run["step_ms"]]
+    ms1 = [t for run in runs1 for t in run["step_ms"]]
     bulk = {k: v["bytes"] for k, v in first["bulk"].items()}
     wire = sum(v["bytes"] * (2 if k == "all_reduce" else 1) * (DP - 1) / DP
                for k, v in first["by_kind"].items())
@@ -339,8 +351,10 @@ def _summarise(r0: dict, r1: dict, timed: int) -> dict:
         optimizer_state_bytes=[r0["optimizer_state_bytes"], r1["optimizer_state_bytes"]],
         main_param_bytes=[r0["main_param_bytes"], r1["main_param_bytes"]],
         updated_elements=[r0["updated_elements"], r1["updated_elements"]],
-        host_ms_per_step=max(min(r0["step_ms"]), min(r1["step_ms"])),
-        host_ms_per_rank=[min(r0["step_ms"]), min(r1["step_ms"])], timed_steps=timed)
+        host_ms_per_step=max(min(ms0), min(ms1)), host_ms_per_rank=[min(ms0), min(ms1)],
+        host_ms_median_per_rank=[statistics.median(ms0), statistics.median(ms1)],
+        rounds=len(runs0), timed_steps_per_round=timed,
+        last_loss_per_round=[run["last_loss"] for run in runs0])
     return row
 
 
@@ -348,8 +362,9 @@ def launch(quick: bool) -> list:
     from tests.support.main_job import job_env, main_job_cmd
 
     steps = QUICK_STEPS if quick else STEPS
+    rounds = 1 if quick else ROUNDS
     runs = [{"model": m, "variant": v, "overrides": (QUICK_MODEL if quick else MODEL) + o}
-            for (m, v), o in variants(quick).items()]
+            for _ in range(rounds) for (m, v), o in variants(quick).items()]
     with tempfile.TemporaryDirectory(prefix="dp_optimizer-") as tmp:
         spec = Path(tmp, "spec.json")
         spec.write_text(json.dumps({"runs": runs, "common": COMMON, "steps": steps}))
@@ -359,7 +374,11 @@ def launch(quick: bool) -> list:
         if proc.returncode != 0:
             raise RuntimeError(f"the DP {DP} launch failed:\n{proc.stdout[-3000:]}{proc.stderr[-6000:]}")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(DP)]
-    return [_summarise(a, b, steps - 4) for a, b in zip(*ranks, strict=True)]
+    by = collections.defaultdict(lambda: ([], []))
+    for rank, rows in enumerate(ranks):
+        for row in rows:
+            by[(row["model"], row["variant"])][rank].append(row)
+    return [_summarise(*by[key], steps - 4) for key in variants(quick)]
 
 
 def _mb(n: float) -> str:
@@ -384,9 +403,14 @@ def table_cells(rows: list) -> tuple:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the small model, 5 steps, no LoRA rows")
+    p.add_argument("--quick", action="store_true",
+                   help="the small model, 5 steps, one round, no LoRA rows")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .txt beside)")
+    p.add_argument("--publish", action="store_true",
+                   help="write benchmarks/results/<results_name('dp_optimizer')> (and .txt)")
     args = p.parse_args(argv)
+    if args.publish:
+        args.json = Path(HERE, "results", results_name("dp_optimizer"))
     import torch
 
     with LoadMeter() as meter:
@@ -399,7 +423,8 @@ def main(argv=None) -> dict:
         "per step / their payload; wire = a ring's bytes per rank (all-reduce 2(n-1)/n, "
         "reduce-scatter and all-gather (n-1)/n of the payload); = expected: the bulk collectives "
         "equal DDP's grad (and param) buffers' bytes",
-        "optimizer state: Adam's moments (+ main-parameter copies) on rank 0 / rank 1",
+        "optimizer state: Adam's moments on rank 0 / rank 1 (main-parameter copies apart from "
+        "the model's storage: the JSON's main_param_bytes)",
         "host ms: CPU wall time of a step of this stand-in run (2 processes, 1 thread each, gloo): "
         "nothing about a GPU", describe(env)])
     return publish(args, env, rows, text)

@@ -221,9 +221,28 @@ def moe_layer(d) -> str:
     return "\n".join(out)
 
 
+def dp_optimizer(d) -> str:
+    """DP 2: the collectives per step over groups of more than one rank (count / payload
+    bytes), a ring's wire bytes per rank beside 4 B x the trainable parameters, the Adam state
+    per rank, the step time of this CPU stand-in run."""
+    out = ["| model | variant | buckets | all-reduce / step: n, bytes | reduce-scatter / step: n, bytes "
+           "| all-gather / step: n, bytes | wire bytes / step / rank | 4 B x params "
+           "| optimizer state / rank, MiB (rank 0, 1) | host ms / step (min, CPU) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        by = r["collectives_per_step"]["by_kind"]
+        kinds = [f"{by[k]['count']}, {by[k]['bytes']:,}" if k in by else "0"
+                 for k in ("all_reduce", "reduce_scatter", "all_gather")]
+        state = ", ".join(f"{b / 2**20:.2f}" for b in r["optimizer_state_bytes"])
+        out.append(f"| {r['model']} | {r['variant']} | {r['buckets']} | {' | '.join(kinds)} | "
+                   f"{r['wire_bytes_per_step']:,} | {r['four_bytes_times_params']:,} | {state} | "
+                   f"{r['host_ms_per_step']:.1f} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
           ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
-          ("data_stream", data_stream), ("moe_layer", moe_layer))
+          ("data_stream", data_stream), ("moe_layer", moe_layer), ("dp_optimizer", dp_optimizer))
 
 
 MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",
@@ -276,7 +295,9 @@ def moe_layer_versions(d, base) -> str:
 VERSIONED = (("packed_seq", "0.19.2", packed_seq_versions),
              ("moe_dispatch", "0.19.2", moe_dispatch_versions),
              ("graph_launches", "0.19.2", graph_launches_versions),
-             ("moe_layer", "0.19.2", moe_layer_versions))
+             ("moe_layer", "0.19.2", moe_layer_versions),
+             # each line's own run (counts and times side by side would mix two processes)
+             ("dp_optimizer", "0.19.2", lambda d, base: dp_optimizer(d)))
 
 
 def tables(results_dir: str = RESULTS) -> dict:
