@@ -108,8 +108,8 @@ KINDS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
          "reduce_scatter_tensor_coalesced_": "reduce_scatter",
          "_allgather_base_": "all_gather", "allgather_": "all_gather",
          "allgather_into_tensor_coalesced_": "all_gather"}
-# elements at or under this are the step's scalars (gradient norm, found-inf, loss): not bulk
-SCALAR_NUMEL = 64
+# payloads of at most this many bytes are the step's scalars (gradient norm, loss): not bulk
+SCALAR_BYTES = 256
 
 
 def _nbytes(x) -> int:
@@ -159,7 +159,7 @@ def _site() -> str:
 
 class CollectiveCount:
     """The c10d ops one step issues: ``kinds[kind] = [count, bytes]`` over groups of more than
-    one rank, ``bulk`` (ops moving more than SCALAR_NUMEL elements) and ``scalars`` likewise,
+    one rank, ``bulk`` (payloads over SCALAR_BYTES) and ``scalars`` likewise,
     ``group_of_one`` (ops on a one-rank group: no bytes move), ``other`` ops by name."""
 
     def __init__(self):
@@ -183,7 +183,7 @@ class CollectiveCount:
             self.group_of_one[kind][0] += 1
             self.group_of_one[kind][1] += payload
             return
-        for into in (self.kinds, self.bulk if payload > 4 * SCALAR_NUMEL else self.scalars):
+        for into in (self.kinds, self.bulk if payload > SCALAR_BYTES else self.scalars):
             into[kind][0] += 1
             into[kind][1] += payload
 
