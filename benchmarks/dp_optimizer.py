@@ -16,7 +16,9 @@ variants one after the other in one launch:
 
 Model: a dense tiny GPT (``model=tiny_dense``: 4 layers, hidden 256, FFN 704, vocab 256, fp32),
 full fine-tune (every parameter in DDP's buckets), 2 packed microbatches of 128 tokens per rank
-per step; and the same model with LoRA (only the adapters in the buckets).
+per step; the same in bf16 (``training.dtype=bfloat16``: fp32 main parameters in the optimizer,
+the gradients reduced in fp32, the bf16 parameters gathered); and the fp32 model with LoRA (only
+the adapters in the buckets).
 
 Per variant, measured on each rank:
 
@@ -84,6 +86,7 @@ PLAIN = ["parallel.distributed_optimizer=false", "parallel.overlap_grad_reduce=f
 DIST = ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=false",
         "parallel.overlap_param_gather=false"]
 LORA = ["fastpath.lora=true", "lora.dropout=0.0"]
+BF16 = ["training.dtype=bfloat16"]
 
 
 def _overlap(bucket: int) -> list:
@@ -92,9 +95,11 @@ def _overlap(bucket: int) -> list:
 
 
 def variants(quick: bool) -> dict:
-    out = {("full", "plain"): PLAIN, ("full", "dist"): DIST,
-           ("full", "dist-overlap"): _overlap(QUICK_BUCKET if quick else BUCKET)}
+    bucket = QUICK_BUCKET if quick else BUCKET
+    out = {("full", "plain"): PLAIN, ("full", "dist"): DIST, ("full", "dist-overlap"): _overlap(bucket),
+           ("full-bf16", "plain"): BF16 + PLAIN, ("full-bf16", "dist"): BF16 + DIST}
     if not quick:
+        out[("full-bf16", "dist-overlap")] = BF16 + _overlap(BUCKET)
         out.update({("lora", "plain"): LORA + PLAIN, ("lora", "dist"): LORA + DIST,
                     ("lora", "dist-overlap"): LORA + _overlap(LORA_BUCKET)})
     return out
@@ -396,7 +401,8 @@ def table_cells(rows: list) -> tuple:
                  for k in ("all_reduce", "reduce_scatter", "all_gather")]
         cells.append([r["model"], r["variant"], str(r["buckets"]), *kinds,
                       _mb(r["wire_bytes_per_step"]), "yes" if r["bulk_equals_expected"] else "NO",
-                      " / ".join(_mb(b) for b in r["optimizer_state_bytes"]),
+                      " / ".join(_mb(a + b) for a, b in zip(r["optimizer_state_bytes"],
+                                                             r["main_param_bytes"])),
                       f"{r['host_ms_per_step']:.1f}"])
     return cols, cells
 
@@ -404,7 +410,7 @@ def table_cells(rows: list) -> tuple:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="the small model, 5 steps, one round, no LoRA rows")
+                   help="the small model, 5 steps, one round, no LoRA or bf16 overlap rows")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .txt beside)")
     p.add_argument("--publish", action="store_true",
                    help="write benchmarks/results/<results_name('dp_optimizer')> (and .txt)")
@@ -423,8 +429,8 @@ def main(argv=None) -> dict:
         "per step / their payload; wire = a ring's bytes per rank (all-reduce 2(n-1)/n, "
         "reduce-scatter and all-gather (n-1)/n of the payload); = expected: the bulk collectives "
         "equal DDP's grad (and param) buffers' bytes",
-        "optimizer state: Adam's moments on rank 0 / rank 1 (main-parameter copies apart from "
-        "the model's storage: the JSON's main_param_bytes)",
+        "optimizer state: Adam's moments + the fp32 main parameters apart from the model's "
+        "storage (bf16 rows), rank 0 / rank 1",
         "host ms: CPU wall time of a step of this stand-in run (2 processes, 1 thread each, gloo): "
         "nothing about a GPU", describe(env)])
     return publish(args, env, rows, text)

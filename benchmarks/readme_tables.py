@@ -223,8 +223,9 @@ def moe_layer(d) -> str:
 
 def dp_optimizer(d) -> str:
     """DP 2: the collectives per step over groups of more than one rank (count / payload
-    bytes), a ring's wire bytes per rank beside 4 B x the trainable parameters, the Adam state
-    per rank, the step time of this CPU stand-in run."""
+    bytes), a ring's wire bytes per rank beside 4 B x the trainable parameters, the optimizer's
+    state per rank (Adam's moments + fp32 main parameters), the step time of this CPU stand-in
+    run."""
     out = ["| model | variant | buckets | all-reduce / step: n, bytes | reduce-scatter / step: n, bytes "
            "| all-gather / step: n, bytes | wire bytes / step / rank | 4 B x params "
            "| optimizer state / rank, MiB (rank 0, 1) | host ms / step (min, CPU) |",
@@ -233,7 +234,8 @@ def dp_optimizer(d) -> str:
         by = r["collectives_per_step"]["by_kind"]
         kinds = [f"{by[k]['count']}, {by[k]['bytes']:,}" if k in by else "0"
                  for k in ("all_reduce", "reduce_scatter", "all_gather")]
-        state = ", ".join(f"{b / 2**20:.2f}" for b in r["optimizer_state_bytes"])
+        state = ", ".join(f"{(a + b) / 2**20:.2f}"
+                          for a, b in zip(r["optimizer_state_bytes"], r["main_param_bytes"]))
         out.append(f"| {r['model']} | {r['variant']} | {r['buckets']} | {' | '.join(kinds)} | "
                    f"{r['wire_bytes_per_step']:,} | {r['four_bytes_times_params']:,} | {state} | "
                    f"{r['host_ms_per_step']:.1f} |")
