@@ -192,3 +192,32 @@ def test_cuda_only_packages_on_a_cpu_refused_at_parse(monkeypatch, overrides, na
         parse_job_config(compose_job(["training.device=cpu", "training.dtype=bfloat16", *overrides]))
     assert str(err.value).startswith(named)
     assert "fastpath.attention_backend=sdpa" in str(err.value)
+
+
+def _shape(line: str) -> str:
+    """A printed line with what depends on the machine (rates, times, memory) masked."""
+    import re
+
+    line = re.sub(r"\d+ tok/s \(\d+-step \d+\)", "R tok/s (N-step R)", line)
+    line = re.sub(r"\| \d+ tok/s \|", "| R tok/s |", line)
+    line = re.sub(r"\d+:\d\d:\d\d", "T", line)
+    return re.sub(r"peak (RSS|mem) [\d.]+ GiB", r"peak \1 M GiB", line)
+
+
+@pytest.mark.integration
+def test_readme_shows_what_the_default_job_prints(mcore_parallel, capsys):
+    """The README's printed block is the default job's output (the README's first command):
+    the header, the first and last step lines and the summary, machine-dependent figures masked."""
+    import pathlib
+
+    from megatron_fastpath.train import run
+
+    run(cfg([]))
+    out = [_shape(line) for line in capsys.readouterr().out.splitlines()]
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("What a run prints", 1)[1].split("```", 2)[1].splitlines()
+    shown = [_shape(line) for line in block
+             if line.startswith(("megatron_fastpath: 4 layers", "step    1/", "step   40/", "summary:"))]
+    assert len(shown) == 4
+    missing = [line for line in shown if line not in out]
+    assert missing == [], "README.md's block differs from what the default job prints:\n" + "\n".join(missing)
