@@ -140,15 +140,18 @@ def end_to_end(d) -> str:
     return "\n".join(out)
 
 
+GRAPH_VARIANTS = {"eager": "no graphs", "layers": "`scope=layers`",
+                  "full_iteration": "`scope=full_iteration`"}
+
+
 def graph_launches(d) -> str:
-    names = {"eager": "no graphs", "layers": "`scope=layers`", "full_iteration": "`scope=full_iteration`"}
     by = {(r["layers"], r["variant"]): r for r in d["results"]}
     out = ["| L | variant | eager ops / step | graph launches / step | eager ops + launches "
            "| host->device copies / step | host ms / step (min, CPU) | layers / this (ops + launches) |",
            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         layers = by[(r["layers"], "layers")]["launch_proxy"]
-        out.append(f"| {r['layers']} | {names[r['variant']]} | {r['eager_ops_per_step']} | "
+        out.append(f"| {r['layers']} | {GRAPH_VARIANTS[r['variant']]} | {r['eager_ops_per_step']} | "
                    f"{r['graph_launches_per_step']} | {r['launch_proxy']} | "
                    f"{r['h2d_copies_per_step']} | {r['host_ms_per_step']:.1f} | "
                    f"{layers / r['launch_proxy']:.2f} |")
@@ -158,7 +161,6 @@ def graph_launches(d) -> str:
 def graph_launches_versions(d, base) -> str:
     """The launch counts on a later megatron-core (``d``), 0.16.1's in brackets where they
     differ; host ms is ``d``'s own run (CPU time of the stand-in, nothing about a GPU)."""
-    names = {"eager": "no graphs", "layers": "`scope=layers`", "full_iteration": "`scope=full_iteration`"}
     old = {(r["layers"], r["variant"]): r for r in base["results"]}
     by = {(r["layers"], r["variant"]): r for r in d["results"]}
     v = d["environment"].get("megatron_core", "?")
@@ -170,7 +172,7 @@ def graph_launches_versions(d, base) -> str:
         key = (r["layers"], r["variant"])
         o = old.get(key, r)
         layers, layers_old = by[(key[0], "layers")], old.get((key[0], "layers"), by[(key[0], "layers")])
-        out.append(f"| {r['layers']} | {names[r['variant']]} | "
+        out.append(f"| {r['layers']} | {GRAPH_VARIANTS[r['variant']]} | "
                    f"{_both(r['eager_ops_per_step'], o['eager_ops_per_step'])} | "
                    f"{_both(r['graph_launches_per_step'], o['graph_launches_per_step'])} | "
                    f"{_both(r['launch_proxy'], o['launch_proxy'])} | "

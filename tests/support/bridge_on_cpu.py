@@ -62,14 +62,10 @@ def moved_sites(sites=BRIDGE_SITES) -> list:
     import importlib.util
     import os
 
-    root = os.path.dirname(os.path.dirname(importlib.util.find_spec("megatron.core").origin))
-    root = os.path.dirname(root)  # site-packages
-    moved = []
-    for rel, line_no, text in sites:
-        lines = open(os.path.join(root, rel), encoding="utf-8").read().splitlines()
-        if line_no > len(lines) or text not in lines[line_no - 1]:
-            moved.append(f"{rel}:{line_no} no longer contains {text!r}")
-    return moved
+    from tests.support.site_lines import moved_sites as moved
+
+    megatron = os.path.dirname(os.path.dirname(importlib.util.find_spec("megatron.core").origin))
+    return moved(os.path.dirname(megatron), sites)  # site-packages
 
 
 def _prebuilt_dataset_helpers() -> None:

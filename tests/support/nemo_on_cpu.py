@@ -92,13 +92,9 @@ def moved_sites(sites=NEMO_SITES) -> list:
 
     import nemo
 
-    root = os.path.dirname(os.path.dirname(nemo.__file__))
-    moved = []
-    for rel, line_no, text in sites:
-        lines = open(os.path.join(root, rel), encoding="utf-8").read().splitlines()
-        if line_no > len(lines) or text not in lines[line_no - 1]:
-            moved.append(f"{rel}:{line_no} no longer contains {text!r}")
-    return moved
+    from tests.support.site_lines import moved_sites as moved
+
+    return moved(os.path.dirname(os.path.dirname(nemo.__file__)), sites)
 
 
 def _optimizer_without_removed_kwargs(real):
