@@ -30,6 +30,12 @@ tensors from device ones, which the CUDA-as-CPU mode puts on the same CPU) enter
   one -- the proxy for GPU launch overhead;
 * ``h2d_copies_per_step``: host->device copies (``copy_`` from a host tensor into a device
   one, ``Tensor.to(cuda)`` / ``.cuda()`` of a host tensor);
+* ``h2d_bytes_per_step``: the bytes of those host->device copies;
+* ``d2d_copy_bytes_per_step``: bytes written by device-to-device ``copy_`` ops outside any
+  replay (counted among the eager ops too): with per-layer graphs mostly Megatron's copies of
+  each layer's inputs into the graph's static input buffers before a replay (0.19.2 skips the
+  copy of an input whose buffer it may keep, ``can_skip_replay_copy``); with full-iteration
+  graphs none (the inputs arrive by host->device copies into the static buffers);
 * ``host_ms_per_step``: CPU wall time of ``train_step``, minimum over the steps after the last
   capture (steps 3..7, uncounted). It is CPU time of this stand-in run (which executes the
   graphs' ops on the CPU as well): it says nothing about a GPU's step time.
@@ -105,6 +111,10 @@ def _tensors(tree) -> list:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
 class LaunchCount:
     """What one step hands the device: eager kernel-launching ops outside graph replays, graph
     launches, host->device copies (see the module docstring for the rules)."""
@@ -117,6 +127,8 @@ class LaunchCount:
         self.graph_launches = 0
         self.h2d = 0
         self.d2h = 0
+        self.h2d_bytes = 0
+        self.d2d_copy_bytes = 0  # device-to-device copy_ outside replays: graphs' static inputs
         self.in_replay = False
         self.context: list = []  # the function-level call being run: "host" / "device" / "h2d"
 
@@ -157,6 +169,7 @@ class _Functions(TorchFunctionMode):
             if to_cuda and src_host:
                 ctx = "h2d"
                 c.h2d += 1
+                c.h2d_bytes += _nbytes(args[0])
             elif (func is torch.Tensor.cpu or any(isinstance(a, (str, torch.device)) and not _is_cuda(a)
                                                   for a in [*args[1:], kwargs.get("device")])) and not src_host:
                 ctx = "d2h"
@@ -209,12 +222,15 @@ class _Ops(TorchDispatchMode):
                 return out
             if name == "copy_" and not c.is_host(args[0]) and c.is_host(args[1]):
                 c.h2d += 1
+                c.h2d_bytes += _nbytes(args[0])
                 return out
             if name == "copy_" and c.is_host(args[0]):
                 c.d2h += 1
                 return out
         if func.is_view or name in NO_KERNEL:
             return out
+        if name == "copy_":
+            c.d2d_copy_bytes += _nbytes(args[0])
         c.ops[name] += 1
         return out
 
@@ -303,7 +319,8 @@ def measure(layers: int, variant: str, steps: int = STEPS, timed=TIMED) -> dict:
         layers=layers, variant=variant, micro_batches=MICRO_BATCHES,
         eager_ops_per_step=c.eager_ops, graph_launches_per_step=c.graph_launches,
         launch_proxy=c.eager_ops + c.graph_launches, h2d_copies_per_step=c.h2d,
-        d2h_copies_per_step=c.d2h, host_only_ops_per_step=c.host_ops,
+        d2h_copies_per_step=c.d2h, h2d_bytes_per_step=c.h2d_bytes,
+        d2d_copy_bytes_per_step=c.d2d_copy_bytes, host_only_ops_per_step=c.host_ops,
         host_ms_per_step=round(min(times[s] for s in timed) * 1e3, 2),
         recorded_graph_launches=summary.records[-1].graph_launches,
         last_loss=summary.records[-1].loss,

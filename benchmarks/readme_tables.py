@@ -140,21 +140,50 @@ def end_to_end(d) -> str:
     return "\n".join(out)
 
 
+def end_to_end_versions(d, base) -> str:
+    """The whole-step rows on a later megatron-core (``d``): its own times and ratio, 0.16.1's
+    ratio in brackets where it differs (times of the two runs are not compared)."""
+    old = {(r["tokens"], r["mix"]): r for r in base["results"]}
+    names = {"megatron_packed": "Megatron packed", "megatron_padded": "Megatron padded",
+             "hf_padded": "HF padded"}
+    v = d["environment"].get("megatron_core", "?")
+    out = [f"| T | lengths | sequences (longest) | ours (sdpa layout) ms, {v} | Megatron packed ms, {v} "
+           f"| Megatron padded ms, {v} | HF padded ms, {v} "
+           f"| fastest peer / ours, {v} ({BASELINE_MCORE}) | verdict, {v} |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in d["results"]:
+        o = old.get((r["tokens"], r["mix"]))
+        ms = [f"{r[k]:.0f}" if r[k] is not None else "not run" for k in
+              ("megatron_packed_ms", "megatron_padded_ms", "hf_padded_ms")]
+        ratio = f"{r['fastest_peer_over_ours']:.2f} ({names[r['fastest_peer']]})"
+        if o is not None:
+            ratio = _both(ratio, f"{o['fastest_peer_over_ours']:.2f} ({names[o['fastest_peer']]})")
+        out.append(f"| {r['tokens']} | {r['mix']} | {r['sequences']} ({r['longest']}) | "
+                   f"{r['ours_ms']:.0f} ({r['ours_layout']}) | {' | '.join(ms)} | {ratio} | "
+                   f"{r['verdict']} |")
+    return "\n".join(out)
+
+
 GRAPH_VARIANTS = {"eager": "no graphs", "layers": "`scope=layers`",
                   "full_iteration": "`scope=full_iteration`"}
+
+
+def _mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f}"
 
 
 def graph_launches(d) -> str:
     by = {(r["layers"], r["variant"]): r for r in d["results"]}
     out = ["| L | variant | eager ops / step | graph launches / step | eager ops + launches "
-           "| host->device copies / step | host ms / step (min, CPU) | layers / this (ops + launches) |",
-           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| host->device copies / step | device->device copies, MiB / step "
+           "| host ms / step (min, CPU) | layers / this (ops + launches) |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         layers = by[(r["layers"], "layers")]["launch_proxy"]
         out.append(f"| {r['layers']} | {GRAPH_VARIANTS[r['variant']]} | {r['eager_ops_per_step']} | "
                    f"{r['graph_launches_per_step']} | {r['launch_proxy']} | "
-                   f"{r['h2d_copies_per_step']} | {r['host_ms_per_step']:.1f} | "
-                   f"{layers / r['launch_proxy']:.2f} |")
+                   f"{r['h2d_copies_per_step']} | {_mib(r.get('d2d_copy_bytes_per_step'))} | "
+                   f"{r['host_ms_per_step']:.1f} | {layers / r['launch_proxy']:.2f} |")
     return "\n".join(out)
 
 
@@ -166,8 +195,9 @@ def graph_launches_versions(d, base) -> str:
     v = d["environment"].get("megatron_core", "?")
     out = [f"| L | variant | eager ops / step, {v} ({BASELINE_MCORE}) | graph launches / step "
            f"| eager ops + launches, {v} ({BASELINE_MCORE}) | host->device copies / step "
+           f"| device->device copies, MiB / step, {v} ({BASELINE_MCORE}) "
            f"| host ms / step (min, CPU), {v} | layers / this (ops + launches), {v} ({BASELINE_MCORE}) |",
-           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in d["results"]:
         key = (r["layers"], r["variant"])
         o = old.get(key, r)
@@ -177,6 +207,7 @@ def graph_launches_versions(d, base) -> str:
                    f"{_both(r['graph_launches_per_step'], o['graph_launches_per_step'])} | "
                    f"{_both(r['launch_proxy'], o['launch_proxy'])} | "
                    f"{_both(r['h2d_copies_per_step'], o['h2d_copies_per_step'])} | "
+                   f"{_both(_mib(r.get('d2d_copy_bytes_per_step')), _mib(o.get('d2d_copy_bytes_per_step')))} | "
                    f"{r['host_ms_per_step']:.1f} | "
                    f"{_both(layers['launch_proxy'] / r['launch_proxy'], layers_old['launch_proxy'] / o['launch_proxy'], '{:.2f}')} |")
     return "\n".join(out)
@@ -300,6 +331,7 @@ VERSIONED = (("packed_seq", "0.19.2", packed_seq_versions),
              ("moe_dispatch", "0.19.2", moe_dispatch_versions),
              ("graph_launches", "0.19.2", graph_launches_versions),
              ("moe_layer", "0.19.2", moe_layer_versions),
+             ("end_to_end", "0.19.2", end_to_end_versions),
              # each line's own run (counts and times side by side would mix two processes)
              ("dp_optimizer", "0.19.2", lambda d, base: dp_optimizer(d)))
 

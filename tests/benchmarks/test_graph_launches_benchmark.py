@@ -54,6 +54,14 @@ def test_host_to_device_copies_and_the_same_training(rows):
     assert rows["eager"]["h2d_copies_per_step"] == rows["layers"]["h2d_copies_per_step"] == 3 * n
     # ... and the full-iteration step's loss scale, into the wrapper's static buffers
     assert rows["full_iteration"]["h2d_copies_per_step"] == 4 * n
+    # the same inputs arrive the same way without graphs and with per-layer graphs
+    assert rows["eager"]["h2d_bytes_per_step"] == rows["layers"]["h2d_bytes_per_step"] > 0
+    # per-layer graphs copy at least each layer's input hidden states [T, 1, H] (fp32) into the
+    # forward graph's static buffer per microbatch; the full-iteration step copies nothing on
+    # the device outside its two graphs
+    T, H = 128, 64  # graph_launches.BASE: data.max_tokens, model.hidden_size
+    assert rows["layers"]["d2d_copy_bytes_per_step"] >= L * n * T * H * 4
+    assert rows["full_iteration"]["d2d_copy_bytes_per_step"] == 0
     losses = {v: r["last_loss"] for v, r in rows.items()}
     assert losses["layers"] == pytest.approx(losses["eager"], rel=1e-6)
     assert losses["full_iteration"] == pytest.approx(losses["eager"], rel=1e-6)
