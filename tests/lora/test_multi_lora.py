@@ -259,3 +259,43 @@ def test_unaligned_rank_and_merge_refused(mcore_parallel):
     torch.testing.assert_close(mod.merged_weight_delta(adapter=1), want)
     with pytest.raises(ValueError, match=r"needs an adapter index in \[0, 3\)"):
         mod.merged_weight_delta(adapter=3)
+
+
+# ------------------------------------------------------------------------------------------
+# tensor and sequence parallelism: torchrun, 2 gloo ranks
+# ------------------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_tp2_with_and_without_sequence_parallel_equals_single_adapters(tmp_path):
+    """tests/workers/multi_lora_tp_worker.py: at TP = 2, the joint model's outputs on each
+    adapter's tokens and its gradient slices equal a single-adapter model's on the same packed
+    batch (loss of that adapter's tokens); with sequence parallelism (each shard's tokens grouped
+    on the device) the same outputs, and the same gradients once Megatron's reduction has summed
+    the ``sequence_parallel``-marked ones (A of the column linears, B of the row ones)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.subproc import child_env, free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = str(tmp_path / "tp.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", "-m", "tests.workers.multi_lora_tp_worker", out]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=repo),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    marked = {f"decoder.layers.{i}.{n}" for i in range(2) for n in (
+        "self_attention.linear_qkv.lora_A", "mlp.linear_fc1.lora_A",
+        "self_attention.linear_proj.lora_B", "mlp.linear_fc2.lora_B")}
+    for r in (0, 1):
+        res = torch.load(f"{out}.rank{r}")
+        assert torch.equal(res["out_sp"], res["out"])
+        assert set(res["sp_marked"]) == marked
+        for k in range(2):
+            own = res[f"mask_{k}"].bool()
+            torch.testing.assert_close(res["out"][own], res[f"out_{k}"][own])
+            assert len(res[f"grads_{k}"]) == 16
+            for name, want in res[f"grads_{k}"].items():
+                assert want.abs().sum() > 0, name
+                assert_grad_close(res["grads"][name][k], want, f"rank {r} {name}[{k}]")
+                assert_grad_close(res["grads_sp"][name][k], want, f"rank {r} SP {name}[{k}]")
