@@ -207,6 +207,23 @@ def test_per_layer_graphs_replay_equal_to_eager_across_adapter_mixes(mcore_paral
                                        msg=lambda m: f"step {s} {name}: {m}")
 
 
+def test_strict_graph_safety_audit_passes_across_adapter_mixes(mcore_parallel):
+    """The CPU graph-safety audit (what the main job runs in place of capture): with one runner
+    per layer serving microbatches of different adapter mixes, every per-batch read is a layer
+    argument (the params' adapter fields), no host sync, no reallocation."""
+    from megatron_fastpath.graphs import GraphSafetyAudit
+
+    joint, cache = build_joint()
+    with GraphSafetyAudit(joint, strict=True, one_runner_per_layer=True) as audit:
+        for step in range(2):
+            with audit.step():
+                for i, (lengths, adapters) in enumerate(GRAPH_BATCHES):
+                    run(joint, cache, lengths, *data(lengths, seed=3 * step + i), adapters)
+    report = audit.report()
+    assert report.ok and report.steps == 2
+    assert [layer.forward_calls for layer in report.layers] == [6, 6]
+
+
 # ------------------------------------------------------------------------------------------
 # refusals
 # ------------------------------------------------------------------------------------------
