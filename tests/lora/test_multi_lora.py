@@ -224,6 +224,45 @@ def test_strict_graph_safety_audit_passes_across_adapter_mixes(mcore_parallel):
     assert [layer.forward_calls for layer in report.layers] == [6, 6]
 
 
+@pytest.mark.parametrize("adapters_only", [True, False])
+def test_checkpoint_holds_every_adapter(mcore_parallel, tmp_path, adapters_only):
+    """The stacked adapters and their optimizer state through a torch_dist checkpoint
+    (``sharded_state_dict``: the adapter axis leads, unsharded) into a fresh model."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_fastpath.checkpoint import CheckpointConfig, CheckpointManager, training_parts
+
+    def setup(model):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        sched = OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1, lr_decay_steps=4,
+            lr_decay_style="cosine", start_wd=0.0, end_wd=0.0, wd_incr_steps=4,
+            wd_incr_style="constant")
+        mgr = CheckpointManager(CheckpointConfig(dir=str(tmp_path), adapters_only=adapters_only,
+                                                 async_save=False), {"shape": "tiny"},
+                                log=lambda s: None)
+        return opt, mgr, training_parts(model, opt, sched, adapters_only)
+
+    first, cache = build_joint()
+    opt, mgr, parts = setup(first)
+    run(first, cache, LENGTHS, *data(LENGTHS), ADAPTERS)
+    opt.step()
+    mgr.save(1, parts)
+    fresh, _ = build_joint()
+    with torch.no_grad():
+        for n, p in fresh.named_parameters():
+            if "lora_" in n:
+                p.zero_()
+    opt2, mgr2, parts2 = setup(fresh)
+    assert mgr2.load(parts2).step == 1
+    want = dict(first.named_parameters())
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, want[n]), n
+    state = {id(p): opt.state[p] for p in opt.param_groups[0]["params"]}
+    for p, q in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        assert torch.equal(opt2.state[q]["exp_avg"], state[id(p)]["exp_avg"])
+
+
 # ------------------------------------------------------------------------------------------
 # refusals
 # ------------------------------------------------------------------------------------------
