@@ -204,12 +204,16 @@ class MultiLoRALinear(LoRALinear):
         return ((params.adapter_ids_T < self.num_adapters).unsqueeze(1), params.adapter_order_T,
                 params.adapter_inverse_T, params.adapter_offsets_K)
 
-    def _weights(self, offsets_K):
-        a, b = self.lora_A.transpose(1, 2), self.lora_B.transpose(1, 2)  # [K, in, r], [K, r, out]
-        if torch.is_grad_enabled() and grouped_mm_leaks_empty_group_grads(a.device):
-            sizes_K = torch.diff(offsets_K, prepend=offsets_K.new_zeros(1))
-            a, b = mask_empty_group_grads((a, b), sizes_K)
-        return a, b
+    @staticmethod
+    def _weight(param, plan) -> torch.Tensor:
+        """[K, out, in] ``param`` as the grouped GEMM's [K, in, out] operand for ``plan``'s
+        groups (their empty groups' gradients masked where torch._grouped_mm leaks them)."""
+        w = param.transpose(1, 2)
+        if torch.is_grad_enabled() and grouped_mm_leaks_empty_group_grads(w.device):
+            offsets_K = plan[3]
+            (w,) = mask_empty_group_grads(
+                (w,), torch.diff(offsets_K, prepend=offsets_K.new_zeros(1)))
+        return w
 
     @staticmethod
     def _grouped(x_T, w, plan) -> torch.Tensor:
@@ -227,25 +231,22 @@ class MultiLoRALinear(LoRALinear):
             with self._dropout_rng():
                 x_T = self.dropout(x_T)
         x_T = x_T.to(self.lora_A.dtype)
-        sp_column = self.sequence_parallel and self.parallel == "column"
-        sp_row = self.sequence_parallel and self.parallel == "row"
-        plan_a = (self._shard_plan(params, x_T.shape[0]) if sp_column
-                  else self._full_plan(params, x_T.shape[0]))
-        a, b = self._weights(plan_a[3])
         if not self.sequence_parallel:  # one sort for both GEMMs; the TP collective per row
-            real_T1, order_T, inverse_T, offsets_K = plan_a
+            plan = self._full_plan(params, x_T.shape[0])
+            real_T1, order_T, inverse_T, offsets_K = plan
             x_R = torch.where(real_T1, x_T, 0).index_select(0, order_T)
-            h_R = torch._grouped_mm(x_R, a, offs=offsets_K)
+            h_R = torch._grouped_mm(x_R, self._weight(self.lora_A, plan), offs=offsets_K)
             if self.tp_size > 1:
                 h_R = self._between_a_and_b(h_R)
-            y_T = torch._grouped_mm(h_R, b, offs=offsets_K).index_select(0, inverse_T)
-        else:
-            h_T = self._between_a_and_b(self._grouped(x_T, a, plan_a))
-            plan_b = (self._shard_plan(params, h_T.shape[0]) if sp_row
-                      else self._full_plan(params, h_T.shape[0]))
-            if sp_row:
-                b = self._weights(plan_b[3])[1]
-            y_T = self._grouped(h_T, b, plan_b)
+            y_R = torch._grouped_mm(h_R, self._weight(self.lora_B, plan), offs=offsets_K)
+            y_T = y_R.index_select(0, inverse_T)
+        else:  # column: A on this shard's tokens; row: B on them (see the module docstring)
+            column = self.parallel == "column"
+            plan_a = (self._shard_plan if column else self._full_plan)(params, x_T.shape[0])
+            h_T = self._grouped(x_T, self._weight(self.lora_A, plan_a), plan_a)
+            h_T = self._between_a_and_b(h_T)
+            plan_b = (self._full_plan if column else self._shard_plan)(params, h_T.shape[0])
+            y_T = self._grouped(h_T, self._weight(self.lora_B, plan_b), plan_b)
         out_lead = lead if not self.sequence_parallel else (y_T.shape[0] // lead[-1], lead[-1])
         return (y_T * self.scale).view(*out_lead, y_T.shape[-1])
 
