@@ -37,7 +37,10 @@ Which batch a linear serves: Megatron calls a layer's linears without the ``pack
 ``TransformerLayer`` hold the params it is given for the calls of its own forward
 (:func:`adapter_routing`), so a CUDA-graph capture (Megatron calls the layer with its static
 input copies) and a recompute (the layer's forward again) read the params of their own call.
-A graph must cover the whole layer (the main job's ``layers`` / ``full_iteration`` scopes).
+A graph must cover the whole layer (the main job's ``layers`` / ``full_iteration`` scopes); graphs
+of parts of a layer (Megatron's ``cuda_graph_modules`` attn / mlp / ...) are refused at
+construction, and so is Megatron's selective ``mlp`` recompute on adapted MLP linears (it re-runs
+the MLP in backward, outside the layer's forward).
 
 Shape letters: T tokens (S x B of [S, B, H]), K adapters, r rank, R rows of the grouped buffer.
 """
@@ -45,6 +48,7 @@ Shape letters: T tokens (S x B of [S, B, H]), K adapters, r rank, R rows of the 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import threading
 from typing import Iterator, Optional
@@ -130,18 +134,49 @@ def adapter_names(adapters) -> tuple:
     return names
 
 
+def _partial_graph_modules(config) -> list:
+    """The parts of a layer Megatron's config captures in graphs of their own (attn, mlp, ...):
+    ``cuda_graph_modules`` (0.19) / ``cuda_graph_scope`` (0.16); [] for whole layers or none."""
+    if config is None or getattr(config, "cuda_graph_impl", "none") in (None, "none", "full_iteration"):
+        return []
+    scope = getattr(config, "cuda_graph_modules", None)
+    if scope is None:
+        scope = getattr(config, "cuda_graph_scope", None)
+    if scope is None or isinstance(scope, (str, enum.Enum)):
+        scope = [] if scope is None else [scope]
+    names = [s.name if isinstance(s, enum.Enum) else str(s) for s in scope]
+    return [n for n in names if n not in ("full", "full_iteration")]
+
+
 class MultiLoRALinear(LoRALinear):
     """A Megatron linear plus K LoRA adapters of one rank (see the module docstring).
 
     Args:
         *args, **kwargs: the base linear's constructor arguments (Megatron passes them).
         base, lora, parallel: as :class:`LoRALinear`.
+        target: the Megatron name of the adapted linear (``linear_fc1``, ...; from the spec).
         adapters: the adapters' names (:func:`adapter_names`); K = their number, the index of
             a name is its adapter index in the batch.
     """
 
-    def __init__(self, *args, base: type, lora, parallel: str, adapters: tuple, **kwargs):
+    def __init__(self, *args, base: type, lora, parallel: str, adapters: tuple,
+                 target: str = "", **kwargs):
         self.adapter_names = adapter_names(adapters)
+        config = kwargs.get("config")
+        partial = _partial_graph_modules(config)
+        if partial:
+            raise ValueError(
+                f"multi-adapter LoRA with CUDA graphs of parts of a layer ({partial}): such a "
+                "graph bakes in the batch its capture saw; capture whole layers "
+                "(cuda_graph_modules / cuda_graph_scope = []) or the full iteration")
+        if (target in ("linear_fc1", "linear_fc2")
+                and getattr(config, "recompute_granularity", None) == "selective"
+                and "mlp" in (getattr(config, "recompute_modules", None) or ())):
+            raise ValueError(
+                f"multi-adapter LoRA on {target} with the selective 'mlp' recompute: the MLP is "
+                "recomputed in backward outside its layer's forward, where no batch routes its "
+                "tokens to their adapters; drop 'mlp' from recompute_modules or recompute whole "
+                "layers (recompute_granularity='full')")
         super().__init__(*args, base=base, lora=lora, parallel=parallel, **kwargs)
         itemsize = self.lora_A.element_size()
         k, r, in_local = self.lora_A.shape

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 
-def _wrap(linear_spec, cfg: LoRAConfig, parallel: str, adapters: Optional[tuple]):
+def _wrap(linear_spec, cfg: LoRAConfig, parallel: str, adapters: Optional[tuple], target: str):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(linear_spec, ModuleSpec):
@@ -35,7 +35,8 @@ def _wrap(linear_spec, cfg: LoRAConfig, parallel: str, adapters: Optional[tuple]
     params = {**params, "base": base, "lora": cfg, "parallel": parallel}
     if adapters is None:
         return ModuleSpec(module=LoRALinear, params=params)
-    return ModuleSpec(module=MultiLoRALinear, params={**params, "adapters": adapters})
+    return ModuleSpec(module=MultiLoRALinear,
+                      params={**params, "adapters": adapters, "target": target})
 
 
 def with_lora(layer_spec, cfg: LoRAConfig, adapters=None):
@@ -61,7 +62,7 @@ def with_lora(layer_spec, cfg: LoRAConfig, adapters=None):
     for name in cfg.targets:
         owner, parallel = LORA_TARGETS[name]
         if owner == "self_attention":
-            attn_changes[name] = _wrap(getattr(attn_subs, name), cfg, parallel, adapters)
+            attn_changes[name] = _wrap(getattr(attn_subs, name), cfg, parallel, adapters, name)
         else:
             mlp_subs = dense_mlp_submodules(mlp)
             if mlp_subs is None:
@@ -69,7 +70,7 @@ def with_lora(layer_spec, cfg: LoRAConfig, adapters=None):
                     f"LoRA target {name} needs a dense MLP; this layer's mlp is "
                     f"{dense_mlp_module(mlp)} (MoE experts: target attention linears)"
                 )
-            mlp_changes[name] = _wrap(getattr(mlp_subs, name), cfg, parallel, adapters)
+            mlp_changes[name] = _wrap(getattr(mlp_subs, name), cfg, parallel, adapters, name)
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn_subs, **attn_changes))
     if mlp_changes:
         mlp = replace_dense_mlp(

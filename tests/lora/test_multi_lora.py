@@ -296,6 +296,22 @@ def test_cache_of_another_adapter_count_refused(mcore_parallel):
         joint(tokens, pb.position_ids_1T, None, labels=labels, packed_seq_params=pb.packed_seq_params)
 
 
+def test_graphs_of_parts_of_a_layer_refused(mcore_parallel):
+    from megatron_fastpath.graphs import prepare_cuda_graphs
+    from tests.support.megatron_graphs import graph_session
+
+    with graph_session(), pytest.raises(
+            ValueError, match=r"CUDA graphs of parts of a layer \(\['attn'\]\)"):
+        prepare_cuda_graphs(1234, use_te_rng_tracker=False)
+        build_joint(cuda_graph_impl="local", cuda_graph_scope=["attn"])
+
+
+def test_selective_mlp_recompute_refused(mcore_parallel):
+    with pytest.raises(ValueError, match="multi-adapter LoRA on linear_fc1 with the selective "
+                                         "'mlp' recompute"):
+        build_joint(recompute_granularity="selective", recompute_modules=["mlp"])
+
+
 def test_unaligned_rank_and_merge_refused(mcore_parallel):
     from megatron_fastpath.lora import merge_lora
 
