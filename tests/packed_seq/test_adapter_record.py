@@ -111,3 +111,16 @@ def test_device_built_record_refused_with_adapters():
     with pytest.raises(ValueError, match="built on the host"):
         cache.build_slot(0, lengths_S=torch.tensor([3, 5, 0, 0], dtype=torch.int32))
     assert np.array_equal(cache.build_slot(0).packed_seq_params.adapter_tokens_K.numpy(), [3, 5, 0])
+
+
+@pytest.mark.parametrize("release", ["step", "backward"])
+def test_in_flight_batches_pass_the_adapters_on(release):
+    from megatron_fastpath.packed_seq.inflight import InFlightBatches
+
+    cache = _cache(num_slots=2)
+    inflight = InFlightBatches(cache, release=release)
+    a = inflight.acquire([3, 5], adapters=[2, 2])
+    b = inflight.acquire([4], adapters=[1])
+    assert a.packed_seq_params.adapter_tokens_K.tolist() == [0, 0, 8]
+    assert b.packed_seq_params.adapter_tokens_K.tolist() == [0, 4, 0]
+    assert b.adapters_N.tolist() == [1]
