@@ -123,7 +123,7 @@ def rope_config_of(config):
 def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_impl: Optional[str] = None,
                        lora=None, offload=None, tie_embeddings: bool = False,
                        sliding_window: Optional[int] = None, window_layers: Optional[tuple] = None,
-                       gemma=None):
+                       gemma=None, lora_adapters=None):
     """The one model builder of the package (main job, Hugging Face loading): ``GPTModel`` of
     architecture ``arch`` on the fastpath layer spec over ``cache``, with the switched-on
     features as spec transforms (``lora``: a ``LoRAConfig``, ``offload``: an
@@ -133,7 +133,8 @@ def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_i
     ``sliding_window`` / ``window_layers``: the attention window of the layers it applies to
     (:func:`~megatron_fastpath.layer_spec.get_fastpath_layer_spec`). ``gemma``: a
     :class:`~megatron_fastpath.gemma.GemmaOptions` (Gemma 2's layer, scaled embeddings, final
-    norm and soft-capped logits)."""
+    norm and soft-capped logits). ``lora_adapters``: K adapters of ``lora`` trained at once
+    (a count or K names: :func:`~megatron_fastpath.lora.with_lora`'s ``adapters``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
@@ -145,7 +146,9 @@ def build_fastpath_gpt(tcfg, cache, arch: ModelConfig, *, backend: str, linear_i
     if lora is not None:
         from megatron_fastpath.lora import with_lora
 
-        spec = with_lora(spec, lora)
+        spec = with_lora(spec, lora, adapters=lora_adapters)
+    elif lora_adapters is not None:
+        raise ValueError("lora_adapters given without a LoRAConfig (lora=...)")
     if offload is not None:
         from megatron_fastpath.offload import with_activation_offload
 

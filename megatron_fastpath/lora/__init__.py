@@ -2,6 +2,7 @@
 
 from megatron_fastpath.lora.adapter import AdaptersLockedError, LoRALinear
 from megatron_fastpath.lora.config import LORA_TARGETS, LoRAConfig
+from megatron_fastpath.lora.multi import MultiLoRALinear, adapter_routed_layer, adapter_routing
 from megatron_fastpath.lora.spec import (
     freeze_base_parameters,
     lock_lora,
@@ -17,6 +18,9 @@ __all__ = [
     "LORA_TARGETS",
     "LoRAConfig",
     "LoRALinear",
+    "MultiLoRALinear",
+    "adapter_routed_layer",
+    "adapter_routing",
     "freeze_base_parameters",
     "lock_lora",
     "lora_modules",

@@ -85,19 +85,9 @@ class LoRALinear(torch.nn.Module):
         self._enabled = True
         self._locked = False
         weight = self.base.weight
-        out_local, in_local = weight.shape
         tp, tp_rank = _tp_world_and_rank(self.base)
-        out_b = out_local  # column: this rank's output shard; row: full output
         dtype = lora.dtype_or(weight.dtype)
-        # Kaiming-uniform A (as PEFT / NeMo) drawn over the full input on every rank (same
-        # stream) and sliced to this rank's shard for a row base: the fan-in and the values are
-        # those of TP = 1 at any TP. Zero B: the adapter starts as an exact no-op.
-        in_full = in_local * tp if parallel == "row" else in_local
-        a_full = torch.empty(lora.rank, in_full, device=weight.device, dtype=dtype)
-        torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5))
-        a_local = a_full.narrow(1, tp_rank * in_local, in_local) if in_full != in_local else a_full
-        self.lora_A = torch.nn.Parameter(a_local.clone())
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_b, lora.rank, device=weight.device, dtype=dtype))
+        self.lora_A, self.lora_B = self._adapter_parameters(weight, tp, tp_rank, dtype)
         # Megatron's TP marks, read by the gradient norm (param_is_not_tensor_parallel_duplicate:
         # a sharded weight counts on every rank, a replicated one on TP rank 0 only).
         from megatron.core.tensor_parallel import (
@@ -107,6 +97,7 @@ class LoRALinear(torch.nn.Module):
 
         sharded, replicated, dim = ((self.lora_B, self.lora_A, 0) if parallel == "column"
                                     else (self.lora_A, self.lora_B, 1))
+        dim += self.lora_A.dim() - 2  # a leading adapter axis (MultiLoRALinear) shifts it
         set_tensor_model_parallel_attributes(sharded, True, dim, 1)
         set_defaults_if_not_set_tensor_model_parallel_attributes(replicated)
         self.tp_size = tp
@@ -119,6 +110,21 @@ class LoRALinear(torch.nn.Module):
         if self._fused_layernorm:
             # TE LayerNormLinear: the adapter must see the *normalised* input.
             te_compat.return_layernorm_output(self.base)
+
+    def _adapter_parameters(self, weight, tp: int, tp_rank: int, dtype) -> tuple:
+        """(A [r, in_local], B [out_local, r]) as new parameters. Kaiming-uniform A (as PEFT /
+        NeMo) drawn over the full input on every rank (same stream) and sliced to this rank's
+        shard for a row base: the fan-in and the values are those of TP = 1 at any TP. Zero B:
+        the adapter starts as an exact no-op. Column base: B holds this rank's output shard;
+        row base: the full output."""
+        out_local, in_local = weight.shape
+        rank = self.lora_config.rank
+        in_full = in_local * tp if self.parallel == "row" else in_local
+        a_full = torch.empty(rank, in_full, device=weight.device, dtype=dtype)
+        torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5))
+        a_local = a_full.narrow(1, tp_rank * in_local, in_local) if in_full != in_local else a_full
+        return (torch.nn.Parameter(a_local.clone()),
+                torch.nn.Parameter(torch.zeros(out_local, rank, device=weight.device, dtype=dtype)))
 
     # ------------------------------------------------------------------ state
     @property
@@ -253,8 +259,10 @@ class LoRALinear(torch.nn.Module):
         groups = dict(tp_group=tp_group, dp_cp_group=dp_cp_group)
         tp_axis = {"lora_A": None if self.parallel == "column" else 1,
                    "lora_B": 0 if self.parallel == "column" else None}
+        lead = self.lora_A.dim() - 2  # a leading adapter axis (MultiLoRALinear), not sharded
         for name, axis in tp_axis.items():
             tensor, key = getattr(self, name), f"{prefix}{name}"
+            axis = None if axis is None else axis + lead
             out[key] = (
                 make_sharded_tensor_for_checkpoint(tensor, key, sharded_offsets, **groups)
                 if axis is None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from megatron_fastpath.compat.spec import dense_mlp_module, dense_mlp_submodules, replace_dense_mlp
 from megatron_fastpath.lora.adapter import LoRALinear
 from megatron_fastpath.lora.config import LORA_TARGETS, LoRAConfig
+from megatron_fastpath.lora.multi import MultiLoRALinear, adapter_names, adapter_routed_layer
 
 __all__ = [
     "with_lora",
@@ -22,22 +23,38 @@ __all__ = [
 ]
 
 
-def _wrap(linear_spec, cfg: LoRAConfig, parallel: str):
+def _wrap(linear_spec, cfg: LoRAConfig, parallel: str, adapters: Optional[tuple], target: str):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(linear_spec, ModuleSpec):
-        if linear_spec.module is LoRALinear:
+        if isinstance(linear_spec.module, type) and issubclass(linear_spec.module, LoRALinear):
             raise ValueError("this linear already has a LoRA adapter")
         base, params = linear_spec.module, dict(linear_spec.params)
     else:
         base, params = linear_spec, {}
-    return ModuleSpec(module=LoRALinear, params={**params, "base": base, "lora": cfg, "parallel": parallel})
+    params = {**params, "base": base, "lora": cfg, "parallel": parallel}
+    if adapters is None:
+        return ModuleSpec(module=LoRALinear, params=params)
+    return ModuleSpec(module=MultiLoRALinear,
+                      params={**params, "adapters": adapters, "target": target})
 
 
-def with_lora(layer_spec, cfg: LoRAConfig):
+def with_lora(layer_spec, cfg: LoRAConfig, adapters=None):
     """A copy of a TransformerLayer ``ModuleSpec`` whose target linears carry LoRA adapters.
 
+    ``adapters``: None for one adapter (:class:`LoRALinear`); a count K >= 1 or a list of K
+    distinct names for K adapters of ``cfg``'s rank, alpha, dropout and dtype on every target,
+    trained at once, each token by the adapter its batch gives it
+    (:class:`~megatron_fastpath.lora.multi.MultiLoRALinear`; the cache needs
+    ``PackedSeqConfig(num_adapters=K)`` and each batch ``set_batch(lengths, adapters=[...])``).
+    The layer itself then becomes :func:`~megatron_fastpath.lora.multi.adapter_routed_layer`
+    of its class, which hands the batch's params to its linears. The adapters are an argument
+    here, not a :class:`LoRAConfig` field: the config holds what every adapter shares (the main
+    job's ``lora`` group), the names are which models are trained.
+
     MoE layers (mlp is not an ``MLP``) accept only attention targets here."""
+    if adapters is not None:
+        adapters = adapter_names(adapters)
     subs = layer_spec.submodules
     attn = subs.self_attention
     attn_subs, mlp = attn.submodules, subs.mlp
@@ -45,7 +62,7 @@ def with_lora(layer_spec, cfg: LoRAConfig):
     for name in cfg.targets:
         owner, parallel = LORA_TARGETS[name]
         if owner == "self_attention":
-            attn_changes[name] = _wrap(getattr(attn_subs, name), cfg, parallel)
+            attn_changes[name] = _wrap(getattr(attn_subs, name), cfg, parallel, adapters, name)
         else:
             mlp_subs = dense_mlp_submodules(mlp)
             if mlp_subs is None:
@@ -53,14 +70,15 @@ def with_lora(layer_spec, cfg: LoRAConfig):
                     f"LoRA target {name} needs a dense MLP; this layer's mlp is "
                     f"{dense_mlp_module(mlp)} (MoE experts: target attention linears)"
                 )
-            mlp_changes[name] = _wrap(getattr(mlp_subs, name), cfg, parallel)
+            mlp_changes[name] = _wrap(getattr(mlp_subs, name), cfg, parallel, adapters, name)
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn_subs, **attn_changes))
     if mlp_changes:
         mlp = replace_dense_mlp(
             mlp, submodules=dataclasses.replace(dense_mlp_submodules(mlp), **mlp_changes))
+    module = layer_spec.module if adapters is None else adapter_routed_layer(layer_spec.module)
     return dataclasses.replace(
-        layer_spec, submodules=dataclasses.replace(subs, self_attention=attn, mlp=mlp)
-    )
+        layer_spec, module=module,
+        submodules=dataclasses.replace(subs, self_attention=attn, mlp=mlp))
 
 
 def lora_modules(model: torch.nn.Module) -> Iterator[LoRALinear]:

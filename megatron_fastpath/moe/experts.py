@@ -107,10 +107,25 @@ def grouped_mm_sync_free_refusal(dtype: torch.dtype, capability: tuple) -> Optio
             "on an H100 / B200-class GPU, or turn CUDA graphs off")
 
 
-def _grouped_mm_leaks_empty_group_grads(device: torch.device) -> bool:
+def grouped_mm_leaks_empty_group_grads(device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` on ``device`` needs empty groups' weight gradients masked
     (compute capability 10.x)."""
     return device.type == "cuda" and _capability_major(device.index) == 10
+
+
+def mask_empty_group_grads(weights: tuple, group_sizes_E: torch.Tensor) -> tuple:
+    """``weights`` ([E, ...] each, one group per leading index) as this forward's own views
+    whose gradients are zeroed, on the device, for the groups of ``group_sizes_E`` that got no
+    row (torch._grouped_mm on sm100 writes non-zero gradients there). The caller decides when
+    (:func:`grouped_mm_leaks_empty_group_grads`, grad enabled)."""
+    used = (group_sizes_E > 0).to(weights[0].dtype)
+    out = []
+    for w in weights:
+        used_w = used.view(-1, *([1] * (w.dim() - 1)))
+        w = w.view_as(w)  # this forward's own node to hook
+        w.register_hook(lambda g, u=used_w: g * u)
+        out.append(w)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,12 +230,9 @@ class GroupedSwiGLUExperts(MegatronModule):
         w1, w2 = self.weight1, self.weight2
         mask = self.mask_empty_group_grads
         if mask is None:
-            mask = _grouped_mm_leaks_empty_group_grads(w1.device)
+            mask = grouped_mm_leaks_empty_group_grads(w1.device)
         if mask and torch.is_grad_enabled():
-            used_E11 = (tokens_per_expert_E > 0).to(w1.dtype)[:, None, None]
-            w1, w2 = w1.view_as(w1), w2.view_as(w2)  # this forward's own nodes to hook
-            w1.register_hook(lambda g: g * used_E11)
-            w2.register_hook(lambda g: g * used_E11)
+            w1, w2 = mask_empty_group_grads((w1, w2), tokens_per_expert_E)
         h_RF = torch._grouped_mm(permuted_x_RH, w1, offs=offs_E)
         a_RF = _activation(self.config, h_RF)
         if permuted_probs_R is not None:

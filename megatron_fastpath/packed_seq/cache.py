@@ -32,8 +32,10 @@ import contextlib
 import dataclasses
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
+from megatron_fastpath.packed_seq.adapters import build_adapter_record, check_adapters
 from megatron_fastpath.packed_seq.config import (
     DEFAULT_SDPA_MASK_MAX_TOKENS,
     SDPA_LAYOUTS,
@@ -155,27 +157,35 @@ class PackedSeqCache:
         lengths: Optional[LengthsLike] = None,
         *,
         cu_seqlens: Optional[LengthsLike] = None,
+        adapters: Optional[LengthsLike] = None,
     ) -> PackedBatch:
         """Load a packed microbatch given host ``lengths`` (or host ``cu_seqlens``).
 
         Validates on the host (errors raised before any device work), fills the slot's pinned
         staging record and issues ONE non-blocking host->device copy into its static buffers,
         then builds every registered derived tensor into the slot's params. Reserves the slot
-        until :meth:`release`.
+        until :meth:`release`. ``adapters``: each sequence's adapter index in [0, K), required by
+        a cache with ``num_adapters=K`` and refused by one without
+        (:mod:`~megatron_fastpath.packed_seq.adapters`).
         """
-        slot = self._load(None, lengths, cu_seqlens)
+        slot = self._load(None, lengths, cu_seqlens, adapters=adapters)
         self._build_all(slot)
         return self._handle(slot)
 
     def load_slot(self, index: int, lengths: Optional[LengthsLike] = None, *,
-                  cu_seqlens: Optional[LengthsLike] = None, copy_record: bool = True) -> PackedBatch:
+                  cu_seqlens: Optional[LengthsLike] = None, copy_record: bool = True,
+                  adapters: Optional[LengthsLike] = None) -> PackedBatch:
         """The host half of :meth:`set_batch` into slot ``index`` (which must be free): validate
         and, with ``copy_record``, stage and issue the one host->device copy of the boundary
         record; nothing derived. A full-iteration CUDA graph loads every microbatch of a step
         this way before its replay and builds the rest inside the graph (:meth:`build_slot`);
-        without ``copy_record`` the graph builds the record too, from the lengths. Reserves the
-        slot until :meth:`release`."""
-        return self._handle(self._load(index, lengths, cu_seqlens, copy_record))
+        without ``copy_record`` the graph builds the record too, from the lengths (not with
+        adapters: their sort is built on the host). Reserves the slot until :meth:`release`."""
+        if not copy_record and self.config.num_adapters is not None:
+            raise ValueError(
+                "load_slot(copy_record=False) with adapters: the adapter sort is built on the "
+                "host and moves with the record; load the slot with copy_record=True")
+        return self._handle(self._load(index, lengths, cu_seqlens, copy_record, adapters))
 
     def build_slot(self, index: int, lengths_S: Optional[torch.Tensor] = None) -> PackedBatch:
         """The device half: (given ``lengths_S``, int32 [S] device lengths padded with zeros --
@@ -186,6 +196,10 @@ class PackedSeqCache:
         if not slot.busy:
             raise RuntimeError(f"build_slot({index}): the slot holds no batch; load_slot it first")
         if lengths_S is not None:
+            if self.config.num_adapters is not None:
+                raise ValueError(
+                    "build_slot(lengths_S=...) with adapters: the adapter sort is built on the "
+                    "host and moves with the record; load_slot(copy_record=True), then build_slot")
             if self.config.context_parallel_size > 1:
                 raise ValueError(
                     "build_slot(lengths_S=...) builds the record without context parallelism; "
@@ -198,7 +212,8 @@ class PackedSeqCache:
         self._build_all(slot)
         return self._handle(slot)
 
-    def _load(self, index: Optional[int], lengths, cu_seqlens, copy_record: bool = True) -> Slot:
+    def _load(self, index: Optional[int], lengths, cu_seqlens, copy_record: bool = True,
+              adapters=None) -> Slot:
         host = build_host_metadata(
             resolve_lengths(lengths, cu_seqlens),
             self.config.max_tokens,
@@ -206,6 +221,15 @@ class PackedSeqCache:
             self.config.max_seqlen_bound,
         )
         record_R = host.record_R
+        k = self.config.num_adapters
+        adapters_N = check_adapters(adapters, host.num_seqs, k)
+        if adapters_N is not None:
+            section = build_adapter_record(adapters_N, host.lengths_N, self.config.max_tokens, k)
+            record_R = np.concatenate([record_R, section])
+            host = dataclasses.replace(
+                host, adapters_N=adapters_N,
+                adapter_tokens_K=np.bincount(adapters_N, weights=host.lengths_N,
+                                             minlength=k).astype(np.int64))
         cp = self.config.context_parallel_size
         if cp > 1:
             record_R = build_cp_host_metadata(
@@ -241,9 +265,10 @@ class PackedSeqCache:
         slot.busy = False
 
     @contextlib.contextmanager
-    def batch(self, lengths: Optional[LengthsLike] = None, *, cu_seqlens=None) -> Iterator[PackedBatch]:
+    def batch(self, lengths: Optional[LengthsLike] = None, *, cu_seqlens=None,
+              adapters=None) -> Iterator[PackedBatch]:
         """``set_batch`` + ``release`` around a block holding the microbatch's forward+backward."""
-        pb = self.set_batch(lengths, cu_seqlens=cu_seqlens)
+        pb = self.set_batch(lengths, cu_seqlens=cu_seqlens, adapters=adapters)
         try:
             yield pb
         finally:
@@ -294,6 +319,8 @@ class PackedSeqCache:
             num_tokens=h.num_tokens,
             max_seqlen=h.max_seqlen,
             lengths_N=h.lengths_N,
+            adapters_N=h.adapters_N,
+            adapter_tokens_K=h.adapter_tokens_K,
         )
 
     def cache_bytes(self) -> int:

@@ -88,6 +88,9 @@ class PackedSeqConfig:
     context_parallel_size / context_parallel_rank: CP and this rank's place in its group; with
         CP > 1 every token field of a slot holds this rank's T / CP tokens
         (:mod:`megatron_fastpath.packed_seq.context_parallel`).
+    num_adapters: K, the LoRA adapters a batch's sequences train (each batch then gives each
+        sequence's adapter: ``set_batch(lengths, adapters=[...])``; the per-token adapter and its
+        sort ride in the record: :mod:`megatron_fastpath.packed_seq.adapters`); None: none.
     """
 
     max_tokens: int
@@ -100,6 +103,7 @@ class PackedSeqConfig:
     sdpa_layout: str = "auto"
     context_parallel_size: int = 1
     context_parallel_rank: int = 0
+    num_adapters: Optional[int] = None
 
     def __post_init__(self):
         from megatron_fastpath.settings import check_positive_ints
@@ -114,6 +118,13 @@ class PackedSeqConfig:
             raise ValueError(
                 f"max_seqlen must be in [1, max_tokens={self.max_tokens}]; got {self.max_seqlen}"
             )
+        k = self.num_adapters
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"num_adapters must be an int >= 1 (or None: no adapters); got {k!r}")
+        if k is not None and self.context_parallel_size > 1:
+            raise ValueError(
+                f"num_adapters={k} with context_parallel_size={self.context_parallel_size}: the "
+                "adapter indices are built for the packed layout, not the CP one; use CP 1")
         if self.sdpa_layout not in SDPA_LAYOUTS:
             raise ValueError(f"sdpa_layout must be one of {SDPA_LAYOUTS}; got {self.sdpa_layout!r}")
         cp = self.context_parallel_size

@@ -71,13 +71,14 @@ class InFlightBatches:
         self.max_in_flight = 0
         self.backward_checks = 0
 
-    def acquire(self, lengths=None, *, cu_seqlens=None, copy_record: bool = True):
-        """Load the next packed microbatch (host ``lengths`` or ``cu_seqlens``, see
-        ``PackedSeqCache.set_batch``) into a free slot and hold it (``copy_record``: the
-        ``"step"`` policy's, see the module docstring)."""
+    def acquire(self, lengths=None, *, cu_seqlens=None, copy_record: bool = True, adapters=None):
+        """Load the next packed microbatch (host ``lengths`` or ``cu_seqlens``, and each
+        sequence's ``adapters`` with a cache of adapters, see ``PackedSeqCache.set_batch``) into
+        a free slot and hold it (``copy_record``: the ``"step"`` policy's, see the module
+        docstring)."""
         if self.release == "step":
             batch = self.cache.load_slot(len(self.pending), lengths, cu_seqlens=cu_seqlens,
-                                         copy_record=copy_record)
+                                         copy_record=copy_record, adapters=adapters)
             self.pending.append(_Entry(batch))
             self.max_in_flight = max(self.max_in_flight, len(self.pending))
             return batch
@@ -88,7 +89,7 @@ class InFlightBatches:
             while self.pending and self.pending[0].backward_started:
                 self.cache.release(self.pending.popleft().batch)
         # raises when every slot is still in flight
-        batch = self.cache.set_batch(lengths, cu_seqlens=cu_seqlens)
+        batch = self.cache.set_batch(lengths, cu_seqlens=cu_seqlens, adapters=adapters)
         self.pending.append(_Entry(batch))
         self.max_in_flight = max(self.max_in_flight, len(self.pending))
         return batch

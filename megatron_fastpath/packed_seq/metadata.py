@@ -70,6 +70,8 @@ class HostPackedMetadata:
     record_R: the flat int32 record (R = record_size(max_tokens, max_seqs)).
     lengths_N: per-sequence lengths (N = num_seqs), int64.
     num_seqs / num_tokens / max_seqlen: host ints of the *real* batch.
+    adapters_N / adapter_tokens_K: each sequence's adapter and each adapter's real tokens, when
+        the cache carries adapters (:mod:`~megatron_fastpath.packed_seq.adapters`); else None.
     """
 
     record_R: np.ndarray
@@ -77,6 +79,8 @@ class HostPackedMetadata:
     num_seqs: int
     num_tokens: int
     max_seqlen: int
+    adapters_N: Optional[np.ndarray] = None
+    adapter_tokens_K: Optional[np.ndarray] = None
 
 
 def _as_host_int_array(values: LengthsLike, what: str) -> np.ndarray:

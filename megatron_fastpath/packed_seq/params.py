@@ -82,6 +82,13 @@ class CachedPackedSeqParams(PackedSeqParams):
     cp_kv_position_ids_K / cp_kv_seq_ids_K: [T] int32 of the keys all-gathered over the CP group.
     cp_cu_seqlens_local_C: [C] int32, the local boundaries (global / CP).
     The ``sdpa_mask_TT`` is then [T_l, T]: local queries against the gathered keys.
+
+    With adapters (``PackedSeqConfig.num_adapters`` = K; built on the host with the boundaries,
+    :mod:`megatron_fastpath.packed_seq.adapters`), int32:
+    adapter_ids_T: [T] the adapter of each token, K on the padding tail.
+    adapter_order_T / adapter_inverse_T: [T] the tokens sorted by adapter (tail last) and back.
+    adapter_offsets_K: [K] group ends of the sorted tokens (the last one T).
+    adapter_tokens_K: [K] real tokens of each adapter.
     """
 
     position_ids_T: Optional[torch.Tensor] = None
@@ -116,6 +123,11 @@ class CachedPackedSeqParams(PackedSeqParams):
     cp_kv_position_ids_K: Optional[torch.Tensor] = None
     cp_kv_seq_ids_K: Optional[torch.Tensor] = None
     cp_cu_seqlens_local_C: Optional[torch.Tensor] = None
+    adapter_ids_T: Optional[torch.Tensor] = None
+    adapter_order_T: Optional[torch.Tensor] = None
+    adapter_inverse_T: Optional[torch.Tensor] = None
+    adapter_offsets_K: Optional[torch.Tensor] = None
+    adapter_tokens_K: Optional[torch.Tensor] = None
 
     def tensors(self) -> dict:
         """Name -> tensor of every tensor field (what a graph copies at replay)."""
@@ -134,6 +146,8 @@ class PackedBatch:
         to ``MoELayer`` routing (``routing_map & ~padding_mask``); a static buffer of the slot,
         built with the batch, so a CUDA-graph replay copies it as a layer input.
     num_seqs / num_tokens / max_seqlen / lengths_N: host values of the real batch.
+    adapters_N / adapter_tokens_K: with adapters, each sequence's adapter and each adapter's
+        real tokens (host int64 arrays); None without.
     """
 
     slot: int
@@ -145,6 +159,8 @@ class PackedBatch:
     num_tokens: int
     max_seqlen: int
     lengths_N: np.ndarray
+    adapters_N: Optional[np.ndarray] = None
+    adapter_tokens_K: Optional[np.ndarray] = None
 
 
 def packed_causal_mask_mod(seq_ids_T: torch.Tensor, window: Optional[int] = None):

@@ -13,9 +13,8 @@ peft = pytest.importorskip("peft")
 
 from tests.hf.hf_reference import (  # noqa: E402
     FAMILIES, LENGTHS, MAX_TOKENS, VOCAB, assert_packed_logits_equal, assert_rel_close, build_ours,
-    lora_targets, packed_logits, packed_tokens, per_sequence)
-
-from megatron_fastpath.hf.convert import fuse_qkv  # noqa: E402
+    lora_targets, make_peft, packed_logits, packed_tokens, peft_grads_as_ours, per_sequence,
+    randomize_adapters)
 
 
 
@@ -38,47 +37,6 @@ def test_sharded_checkpoint_loads_the_same(mcore_parallel, checkpoints):
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
     model, cache, _ = build_ours(path)
     assert_packed_logits_equal(model, cache, ref, "qwen2 sharded")
-
-
-def make_peft(ref, spec, ours, cfg):
-    """peft LoRA on a copy of the transformers model with our adapter weights (via our export)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
-    from megatron_fastpath.hf.export import PEFT_MODULES, peft_state_dict
-
-    modules = sorted({m for t in cfg.targets for m in PEFT_MODULES[t]})
-    pm = get_peft_model(copy.deepcopy(ref), LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=modules))
-    result = set_peft_model_state_dict(pm, peft_state_dict(ours, spec))
-    assert not result.unexpected_keys
-    assert not [k for k in result.missing_keys if "lora_" in k]
-    return pm
-
-
-def randomize_adapters(model, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("lora_B") or n.endswith("lora_A"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-
-
-def peft_grads_as_ours(pm, spec, i, target):
-    """Gradient of our fused adapter from peft's per-module gradients (A shared by the parts)."""
-    from megatron_fastpath.hf.export import PEFT_MODULES
-
-    layer = pm.base_model.model.model.layers[i]
-    owner = layer.self_attn if target in ("linear_qkv", "linear_proj") else layer.mlp
-    mods = [getattr(owner, name) for name in PEFT_MODULES[target]]
-    gA = sum(m.lora_A["default"].weight.grad for m in mods)
-    gBs = [m.lora_B["default"].weight.grad for m in mods]
-    if target == "linear_qkv":
-        gB = fuse_qkv(*gBs, spec.num_query_groups)
-    else:
-        gB = torch.cat(gBs, 0)
-    return gA, gB
 
 
 @pytest.mark.parametrize("family", FAMILIES)
