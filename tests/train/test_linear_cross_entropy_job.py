@@ -111,3 +111,17 @@ def test_chunked_loss_trains_what_megatron_s_loss_trains(mcore_parallel, tmp_pat
         runners = graph_runners(job_c.model)
         assert runners and all(r.fwd_graph.captured and r.bwd_graph.captured and
                                r.fwd_graph.replays == (STEPS - 1) * 2 for r in runners)
+
+
+def test_context_parallel_chunked_loss_equals_off(tmp_path):
+    """At CP 2 (a torchrun world of 2, each rank its CP-local share of every packed batch and
+    its labels) the chunked loss trains the losses of ``off``."""
+    from tests.support.main_job import run_main_job
+
+    common = features_on(BASE + SHAPE + ["training.device=cpu", "parallel.context_parallel_size=2"])
+    losses = {}
+    for value in ("off", "chunked"):
+        run = run_main_job(common + [f"fastpath.linear_cross_entropy={value}"], tmp_path, nproc=2, name=value)
+        losses[value] = [r["loss"] for r in run.summary["records"]]
+    assert len(losses["off"]) == STEPS
+    assert losses["chunked"] == pytest.approx(losses["off"], rel=1e-5)
