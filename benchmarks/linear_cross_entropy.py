@@ -4,7 +4,8 @@ vs Megatron's path on the full logits vs transformers' Llama loss.
 
 Sides (the same hidden ``[S=T, B=1, H]``, output weight ``[V/TP, H]``, labels, float32; the
 gradient of ``(loss * mask).sum() / mask.sum()`` with a third of the tokens masked, as the train
-step's loss; the hidden and the weight both take a gradient):
+step's loss; the hidden and the weight both take a gradient, or with ``--frozen`` the hidden
+only, as under LoRA):
 
 * ``ours``: ``linear_cross_entropy(hidden, weight, labels, tp_group=...)``, the default chunk rule
   (``chunk_rows``: float32 chunk logits of at most 256 MiB);
@@ -54,7 +55,7 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # load_meter, text_table
-from load_meter import LoadMeter, describe, publish, results_name  # noqa: E402
+from load_meter import LoadMeter, describe, publish, results_name, write_results  # noqa: E402
 from text_table import text_table  # noqa: E402
 
 TOKENS = (2048, 8192, 16384, 32768)
@@ -75,15 +76,16 @@ def _inputs(T, V, H, tp, rank):
     return hidden, weight, labels, mask
 
 
-def _run_side(side, hidden, weight, labels, mask, group):
-    """Forward + backward of one side; returns the per-token loss (or the mean) and the grads."""
+def _run_side(side, hidden, weight, labels, mask, group, frozen=False):
+    """Forward + backward of one side; returns the per-token loss (or None: transformers' is
+    the mean) and the gradients (the weight's None when ``frozen``)."""
     import torch
     from megatron.core import tensor_parallel
 
     from megatron_fastpath.loss import linear_cross_entropy
 
     h = hidden.detach().requires_grad_(True)
-    w = weight.detach().requires_grad_(True)
+    w = weight.detach().requires_grad_(not frozen)
     if side == "ours":
         loss = linear_cross_entropy(h, w, labels, tp_group=group)
         total = (loss * mask).sum() / mask.sum()
@@ -154,7 +156,7 @@ def run_grid(grid: dict, rank: int, tp: int, group) -> list:
 
                     def once(side=side, out=out):
                         t0 = time.perf_counter()
-                        out["r"] = _run_side(side, hidden, weight, labels, mask, group)
+                        out["r"] = _run_side(side, hidden, weight, labels, mask, group, grid["frozen"])
                         out["ms"] = (time.perf_counter() - t0) * 1e3
 
                     if rnd == 0:
@@ -169,7 +171,7 @@ def run_grid(grid: dict, rank: int, tp: int, group) -> list:
             for side in sides:
                 r = res[side]
                 row = dict(tp=tp, tokens=T, vocab=V, vocab_per_rank=vp, hidden=grid["hidden"], side=side,
-                           measured=todo[side][0], logits_bytes=logits_bytes)
+                           frozen_weight=grid["frozen"], measured=todo[side][0], logits_bytes=logits_bytes)
                 if side == "ours":
                     c = chunk_rows(T, vp)
                     row.update(chunk_rows=c, chunks=-(-T // c))
@@ -184,6 +186,8 @@ def run_grid(grid: dict, rank: int, tp: int, group) -> list:
                     row.update(estimated_peak_bytes=todo[side][1])
                 rows.append(row)
             del hidden, weight, labels, mask, res
+            if rank == 0:
+                print(f"TP {tp}: T={T} V={V} done", flush=True)
     return rows
 
 
@@ -231,15 +235,15 @@ def _mib(n) -> str:
 
 def table_cells(rows: list) -> tuple:
     cols = ["TP", "T", "V", "side", "peak MiB / rank", "copies of [T, V/TP] f32", "allocated MiB",
-            "fwd+bwd ms (min)", "peak / megatron", "time / megatron"]
+            "fwd+bwd ms (min)", "megatron / this: peak", "megatron / this: time"]
     by = {(r["tp"], r["tokens"], r["vocab"], r["side"]): r for r in rows}
     cells = []
     for r in rows:
         m = by.get((r["tp"], r["tokens"], r["vocab"], "megatron"))
         peak = r.get("peak_bytes", r.get("estimated_peak_bytes"))
         mpeak = None if m is None else m.get("peak_bytes", m.get("estimated_peak_bytes"))
-        ratio_mem = "" if mpeak is None else f"{peak / mpeak:.3f}" + ("" if r["measured"] and m["measured"] else " (est)")
-        ratio_t = f"{r['ms'] / m['ms']:.2f}" if r["measured"] and m is not None and m["measured"] else ""
+        ratio_mem = "" if mpeak is None else f"{mpeak / peak:.2f}" + ("" if r["measured"] and m["measured"] else " (est)")
+        ratio_t = f"{m['ms'] / r['ms']:.2f}" if r["measured"] and m is not None and m["measured"] else ""
         cells.append([str(r["tp"]), str(r["tokens"]), str(r["vocab"]), r["side"],
                       _mib(peak) + ("" if r["measured"] else " (est, not run)"),
                       f"{r['copies']:.2f}" if r["measured"] else "",
@@ -256,6 +260,8 @@ def main(argv=None) -> dict:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--frozen", action="store_true",
+                   help="the output weight takes no gradient (LoRA): ours forms the hidden's gradient in forward")
     p.add_argument("--threads", type=int, default=2, help="torch threads at TP 1 (TP 2: one per rank)")
     p.add_argument("--max-gib", type=float, default=9.5,
                    help="run a side only where its estimated peak (all ranks) is at most this")
@@ -271,17 +277,27 @@ def main(argv=None) -> dict:
     import torch
 
     grid = dict(tokens=args.tokens, vocabs=args.vocabs, hidden=args.hidden, repeats=args.repeats,
-                max_gib=args.max_gib, threads=args.threads)
+                max_gib=args.max_gib, threads=args.threads, frozen=args.frozen)
+    rows = []
     with LoadMeter() as meter:
-        rows = [row for tp in args.tp for row in launch(tp, grid)]
+        for tp in args.tp:
+            rows += launch(tp, grid)
+            if tp != args.tp[-1] and args.json:  # an interrupted run keeps the TP sizes it finished
+                write_results(args.json, {"environment": {"partial": True}, "results": rows}, "")
     env = dict(torch=torch.__version__, dtype="float32", backend="gloo", **meter.report())
+    return _report(args, env, rows)
+
+
+def _report(args, env: dict, rows: list) -> dict:
     cols, cells = table_cells(rows)
     text = "\n".join([
         text_table(cols, cells), "",
         "peak: the most bytes torch's allocator held at once inside forward + backward above what "
         "was live before (torch.profiler's memory events), per rank; copies: peak / (T x V/TP x 4 B); "
-        "(est, not run): over --max-gib, the side's copies at its largest run times the logits' bytes",
-        f"H = {args.hidden}, float32, B = 1, a third of the tokens masked; ms: minimum over "
+        "(est, not run): over --max-gib, the side's copies at its largest run times the logits' bytes; "
+        "ratios megatron / this: > 1 means this side holds less / is faster",
+        f"H = {args.hidden}, float32, B = 1, a third of the tokens masked, "
+        f"{'the weight frozen' if args.frozen else 'hidden and weight take gradients'}; ms: minimum over "
         f"{args.repeats} rounds, the sides alternating (TP 2: the slower rank); CPU times, nothing about a GPU",
         describe(env)])
     return publish(args, env, rows, text)
