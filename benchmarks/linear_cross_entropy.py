@@ -39,6 +39,8 @@ GPU at a Llama H would (there the GEMMs dominate and recomputing the logits in b
 GEMM of four). The CPU times say nothing about a GPU's.
 
     python benchmarks/linear_cross_entropy.py --publish      # results/linear_cross_entropy[_mcore<v>].json + .txt
+    python benchmarks/linear_cross_entropy.py --publish --frozen --tp 1 --tokens 2048 16384 --vocabs 128256
+                                                             # results/linear_cross_entropy_frozen[...].json
     python benchmarks/linear_cross_entropy.py --quick --json out.json   # the test's tiny grid
 """
 
@@ -267,13 +269,13 @@ def main(argv=None) -> dict:
                    help="run a side only where its estimated peak (all ranks) is at most this")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .txt beside)")
     p.add_argument("--publish", action="store_true",
-                   help="write benchmarks/results/<results_name('linear_cross_entropy')> (and .txt)")
+                   help="write benchmarks/results/<results_name('linear_cross_entropy[_frozen]')> (and .txt)")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.vocabs, args.hidden = args.tokens or list(QUICK_TOKENS), args.vocabs or list(QUICK_VOCABS), QUICK_HIDDEN
     args.tokens, args.vocabs = args.tokens or list(TOKENS), args.vocabs or list(VOCABS)
     if args.publish:
-        args.json = Path(HERE, "results", results_name("linear_cross_entropy"))
+        args.json = Path(HERE, "results", results_name("linear_cross_entropy" + ("_frozen" if args.frozen else "")))
     import torch
 
     grid = dict(tokens=args.tokens, vocabs=args.vocabs, hidden=args.hidden, repeats=args.repeats,

@@ -271,7 +271,8 @@ def linear_cross_entropy(d) -> str:
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
           ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
           ("data_stream", data_stream), ("moe_layer", moe_layer), ("dp_optimizer", dp_optimizer),
-          ("linear_cross_entropy", linear_cross_entropy))
+          ("linear_cross_entropy", linear_cross_entropy),
+          ("linear_cross_entropy_frozen", linear_cross_entropy))
 
 
 MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",
