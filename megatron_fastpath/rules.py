@@ -543,9 +543,9 @@ def _data_parallel_in_full_iteration(f: RunFacts) -> Optional[str]:
     return None
 
 
-# linear_cross_entropy=null: chunked from this many elements of one rank's logits [T/CP, V/TP] on
-# (512 MiB fp32); a placeholder until benchmarks/results/linear_cross_entropy.json measures it.
-LINEAR_CROSS_ENTROPY_MIN_LOGITS = 2**27
+# linear_cross_entropy=null: chunked from this many elements of one rank's logits [T/CP, V/TP] on: 4 chunks,
+# half Megatron's peak (benchmarks/results/linear_cross_entropy.json; docs/benchmarks.md: no gain <= 2**27)
+LINEAR_CROSS_ENTROPY_MIN_LOGITS = 2**28
 
 
 def default_linear_cross_entropy(tokens: int, vocab_per_rank: int) -> str:
