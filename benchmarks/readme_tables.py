@@ -275,9 +275,35 @@ def dp_optimizer(d) -> str:
     return "\n".join(out)
 
 
+def linear_cross_entropy(d) -> str:
+    """The output layer + cross-entropy, forward and backward, per rank: peak bytes (the
+    profiler's allocator events; a side over the run's memory limit not run, its estimate
+    marked), as copies of the float32 logits [T, V/TP], and the CPU time; the ratios
+    Megatron's / the row's (> 1: the row holds less, runs faster)."""
+    out = ["| TP | T | V | side | peak MiB / rank | copies of [T, V/TP] fp32 | fwd+bwd ms (min, CPU) "
+           "| Megatron / this: peak | Megatron / this: time |",
+           "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = d["results"]
+    by = {(r["tp"], r["tokens"], r["vocab"], r["side"]): r for r in rows}
+    for r in rows:
+        m = by[(r["tp"], r["tokens"], r["vocab"], "megatron")]
+        peak = r["peak_bytes"] if r["measured"] else r["estimated_peak_bytes"]
+        mpeak = m["peak_bytes"] if m["measured"] else m["estimated_peak_bytes"]
+        both = r["measured"] and m["measured"]
+        cells = [f"{peak / 2**20:,.1f}" if r["measured"] else f"~{peak / 2**20:,.0f} (estimate, not run)",
+                 f"{r['copies']:.2f}" if r["measured"] else "",
+                 f"{r['ms']:,.0f}" if r["measured"] else "",
+                 f"{mpeak / peak:.2f}" + ("" if both else " (estimate)"),
+                 f"{m['ms'] / r['ms']:.2f}" if both else ""]
+        out.append(f"| {r['tp']} | {r['tokens']:,} | {r['vocab']:,} | {r['side']} | {' | '.join(cells)} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
           ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
-          ("data_stream", data_stream), ("moe_layer", moe_layer), ("dp_optimizer", dp_optimizer))
+          ("data_stream", data_stream), ("moe_layer", moe_layer), ("dp_optimizer", dp_optimizer),
+          ("linear_cross_entropy", linear_cross_entropy),
+          ("linear_cross_entropy_frozen", linear_cross_entropy))
 
 
 MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",

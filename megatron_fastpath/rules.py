@@ -20,8 +20,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-__all__ = ["CP_ATTENTION_BACKENDS", "FEATURE_SWITCHES", "NAMES", "NOT_WEIGHT_SETTINGS", "Names",
-           "RULES", "RunFacts", "SCHEDULE_SETTINGS", "changed_settings", "check_positive_ints", "refusals", "settings_while_off"]
+__all__ = ["CP_ATTENTION_BACKENDS", "LINEAR_CROSS_ENTROPY_MIN_LOGITS", "NAMES", "Names", "RULES",
+           "RunFacts", "default_linear_cross_entropy", "linear_cross_entropy_choice", "refusals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Names:
     fp8_off: str  # how to turn FP8 off
     fp8_recipe: str  # the FP8 recipe setting
     model_sizes: str  # the sizes that make a layer's per-rank GEMM shapes
+    linear_cross_entropy: str  # the chunked linear cross-entropy's switch (its "off" spelling)
 
 
 NAMES = {
@@ -66,6 +67,7 @@ NAMES = {
         fp8_recipe="TransformerConfig.fp8_recipe",
         model_sizes=("hidden_size, num_attention_heads x kv_channels, ffn_hidden_size over "
                      "tensor_model_parallel_size; the packed length over context_parallel_size"),
+        linear_cross_entropy="forward(..., linear_cross_entropy=False) (packed_seq/runtime.py)",
     ),
     "main": Names(
         config="the job config",
@@ -86,6 +88,7 @@ NAMES = {
         model_sizes=("model.hidden_size, model.num_attention_heads x kv_channels, "
                      "model.ffn_hidden_size over parallel.tensor_model_parallel_size; "
                      "data.max_tokens over parallel.context_parallel_size"),
+        linear_cross_entropy="fastpath.linear_cross_entropy=off",
     ),
     "nemo": Names(
         config="the recipe",
@@ -109,6 +112,7 @@ NAMES = {
         model_sizes=("model.config hidden_size, num_attention_heads x kv_channels, "
                      "ffn_hidden_size / moe_ffn_hidden_size over the tensor-parallel size; the "
                      "packed sequence size over the context-parallel size"),
+        linear_cross_entropy="linear_cross_entropy='off'",
     ),
     "bridge": Names(
         config="the Bridge config",
@@ -132,6 +136,7 @@ NAMES = {
         model_sizes=("cfg.model hidden_size, num_attention_heads x kv_channels, "
                      "ffn_hidden_size / moe_ffn_hidden_size over tensor_model_parallel_size; the "
                      "packed sequence size over context_parallel_size"),
+        linear_cross_entropy="linear_cross_entropy='off'",
     ),
 }
 
@@ -165,6 +170,8 @@ class RunFacts:
     pad_multiple: the main job's data.pad_multiple (None: the hooks, whose framework packs).
     megatron_optimizer_step: the step runs Megatron's own optimizer ``step()`` (the main job's
         ``training.optimizer_step=megatron``), which reads values back to the host.
+    linear_cross_entropy: the loss asked for ("chunked" | "off"; None: the default rule);
+        logit_transforms: what changes the logits between the output layer and the loss, named.
     distributed_optimizer / overlap_grad_reduce / overlap_param_gather / bucket_size: Megatron's
         data-parallel optimizer as the main job resolved its ``parallel`` settings
         (``train/parallel.py``).
@@ -206,6 +213,8 @@ class RunFacts:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_size: Optional[int] = None
+    linear_cross_entropy: Optional[str] = None
+    logit_transforms: tuple = ()
 
 
 # The attention backends that run context parallelism with the packed cache (what
@@ -534,6 +543,36 @@ def _data_parallel_in_full_iteration(f: RunFacts) -> Optional[str]:
     return None
 
 
+# linear_cross_entropy=null: chunked from this many elements of one rank's logits [T/CP, V/TP] on: 4 chunks,
+# half Megatron's peak (benchmarks/results/linear_cross_entropy.json; docs/benchmarks.md: no gain <= 2**27)
+LINEAR_CROSS_ENTROPY_MIN_LOGITS = 2**28
+
+
+def default_linear_cross_entropy(tokens: int, vocab_per_rank: int) -> str:
+    """The default loss of one rank's ``tokens`` x ``vocab_per_rank`` logits: "chunked" or "off"."""
+    return "chunked" if tokens * vocab_per_rank >= LINEAR_CROSS_ENTROPY_MIN_LOGITS else "off"
+
+
+def linear_cross_entropy_choice(asked: Optional[str], transforms: tuple, tokens: Optional[int],
+                                vocab_per_rank: Optional[int]) -> Optional[str]:
+    """``asked`` when set; else "off" where something transforms the logits before the loss,
+    else :func:`default_linear_cross_entropy` (None: the sizes are not known yet)."""
+    if asked is not None or transforms:
+        return asked or "off"
+    return None if not (tokens and vocab_per_rank) else default_linear_cross_entropy(tokens, vocab_per_rank)
+
+
+def _linear_cross_entropy(f: RunFacts) -> Optional[str]:
+    # The chunked loss replaces the output layer's forward and what follows it before the loss:
+    # MuP's _scale_logits (0.19.2 language_module.py:320-337), 0.16.1's multi-token prediction
+    # from the logits (gpt_model.py:611-660), Gemma's soft-capping hook (gemma.py).
+    if f.linear_cross_entropy == "chunked" and f.logit_transforms:
+        return (f"the chunked linear cross-entropy with {' and '.join(f.logit_transforms)}: it "
+                "computes the loss from the output weight directly and would skip what changes "
+                f"the logits before the loss; set {f.names.linear_cross_entropy} (null picks it here)")
+    return None
+
+
 RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _context_parallel,
     _full_iteration_graphs,
@@ -552,6 +591,7 @@ RULES: tuple[Callable[[RunFacts], Optional[str]], ...] = (
     _full_iteration_megatron_step,
     _data_parallel_optimizer,
     _data_parallel_in_full_iteration,
+    _linear_cross_entropy,
 )
 
 

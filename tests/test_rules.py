@@ -36,6 +36,7 @@ BREAKS = {
     "_data_parallel_optimizer": dict(on_cpu=True, distributed_optimizer=True),
     "_data_parallel_in_full_iteration": dict(full_iteration=True, distributed_optimizer=True,
                                              overlap_grad_reduce=True),
+    "_linear_cross_entropy": dict(linear_cross_entropy="chunked", logit_transforms=("MuP's logit scaling (use_mup)",)),
 }
 # a phrase of each rule's message: the test below finds it in rules.py only
 PHRASES = {
@@ -56,6 +57,7 @@ PHRASES = {
     "_full_iteration_megatron_step": "captures the optimizer step as a graph",
     "_data_parallel_optimizer": "the CPU step runs its own loop with torch AdamW",
     "_data_parallel_in_full_iteration": "skips its gradient-reduce and parameter-gather hooks",
+    "_linear_cross_entropy": "would skip what changes the logits before the loss",
 }
 
 
@@ -136,6 +138,9 @@ LORA = core.PeftFacts("LoRA", True, ("linear_qkv",))
     # the main job's GPU path: test_main_job_refuses_narrow_flex_heads_on_a_gpu_only
     ("_flex_head_dim", None,
      (dict(model=dict(kv_channels=8)), core.HookRequest(attention_backend="flex"))),
+    # the main job's logit transform is Gemma's soft-capping: test_linear_cross_entropy_refusals
+    ("_linear_cross_entropy", None,
+     (dict(model=dict(use_mup=True)), core.HookRequest(linear_cross_entropy="chunked"))),
 ])
 def test_main_job_and_hooks_refuse_with_the_rules_message(rule, main_overrides, hook):
     facts_kw, request = hook
@@ -327,3 +332,60 @@ def test_fp8_attention_recipes_te_and_megatron_run(recipe, capability, refused):
     assert bool(reasons) == refused, reasons
     if refused:
         assert "the precision plugin's fp8_recipe=" in reasons[0], reasons
+
+
+def test_linear_cross_entropy_default_rule_by_the_threshold():
+    """fastpath.linear_cross_entropy=null: chunked from LINEAR_CROSS_ENTROPY_MIN_LOGITS elements
+    of one rank's logits (data.max_tokens / CP x model.vocab_size / TP) on, off below; a value
+    set is kept either side; the hooks choose by the same rule from the config's vocabulary
+    (None, chosen at the first forward, when the config has none)."""
+    from tests.support.hydra_compose import compose_job
+    from megatron_fastpath.train.config import parse_job_config
+
+    limit = rules.LINEAR_CROSS_ENTROPY_MIN_LOGITS
+    assert rules.default_linear_cross_entropy(limit // 1024, 1024) == "chunked"
+    assert rules.default_linear_cross_entropy(limit // 1024 - 1, 1024) == "off"
+
+    def chosen(vocab, value="null"):
+        return parse_job_config(compose_job([
+            "data.max_tokens=1024", f"model.vocab_size={vocab}", "training.skip_memory_check=true",
+            f"fastpath.linear_cross_entropy={value}"])).linear_cross_entropy
+
+    assert (chosen(limit // 1024), chosen(limit // 1024 - 1)) == ("chunked", "off")
+    assert (chosen(limit // 1024, "off"), chosen(64, "chunked")) == ("off", "chunked")
+    hook = dict(packed_size=1024, model=dict(tensor_model_parallel_size=2))
+    for vocab, want in ((2 * limit // 1024, "chunked"), (2 * limit // 1024 - 2, "off"), (None, None)):
+        plan = core.plan(_hook_facts(**dict(hook, model=dict(hook["model"], vocab_size=vocab))),
+                         core.HookRequest())
+        assert plan.settings["linear_cross_entropy"] == want, vocab
+
+
+def test_linear_cross_entropy_refusals(tmp_path):
+    """The chunked loss with what changes the logits before the loss is refused before any
+    device work, naming it; null picks off there: the main job with a Gemma 2 checkpoint
+    (final-logit soft-capping), the hooks with MuP's scaling; a bad value, and chunked without
+    the hooks' forward step (packed_cache=False), are refused too."""
+    from tests.hf.hf_reference import make_checkpoint
+    from tests.support.hydra_compose import compose_job
+    from megatron_fastpath.train.config import parse_job_config
+
+    make_checkpoint("gemma2", str(tmp_path))
+    gemma = ["model=hf", f"model.path={tmp_path}"]
+    assert _main_job_error(gemma + ["fastpath.linear_cross_entropy=chunked"]) == (
+        "the chunked linear cross-entropy with Gemma's final-logit soft-capping (2.0): it computes "
+        "the loss from the output weight directly and would skip what changes the logits before "
+        "the loss; set fastpath.linear_cross_entropy=off (null picks it here)")
+    job = parse_job_config(compose_job(gemma + ["data.max_tokens=1024", "training.skip_memory_check=true"]))
+    assert job.linear_cross_entropy == "off"
+    assert _main_job_error(["fastpath.linear_cross_entropy=fused"]) == (
+        "fastpath.linear_cross_entropy must be chunked, off or null; got 'fused'")
+    mup = _hook_facts(model=dict(use_mup=True, vocab_size=2 * rules.LINEAR_CROSS_ENTROPY_MIN_LOGITS))
+    assert core.plan(mup, core.HookRequest()).settings["linear_cross_entropy"] == "off"
+    assert "with MuP's logit scaling (use_mup)" in " ".join(
+        core.refusals(mup, core.HookRequest(linear_cross_entropy="chunked")))
+    plain = _hook_facts()
+    assert core.refusals(plain, core.HookRequest(linear_cross_entropy="fused")) == [
+        "linear_cross_entropy must be 'chunked', 'off' or None; got 'fused'"]
+    assert any("with packed_cache=False: the chunked loss runs in the hook's forward step" in r
+               for r in core.refusals(plain, core.HookRequest(linear_cross_entropy="chunked",
+                                                               packed_cache=False)))

@@ -20,6 +20,8 @@ below (:func:`_require_checked_mcore`); ``tests/test_layering.py`` fails when a 
 * :mod:`.optim` -- Megatron optimizer internals for the sync-free step
 * :mod:`.dist_optim_ckpt` -- the DistributedOptimizer's checkpoint format, and its load with torch's Adam
 * :mod:`.spec` -- the dense-MLP entry of a TransformerLayer spec (ModuleSpec / 0.19's builder)
+* :mod:`.gpt_output` -- GPTModel.forward with an output processor (0.19's ``output_processor=``;
+  the same steps run on 0.16.x): the chunked linear cross-entropy in place of the logits
 
 The torch release is read here too (:data:`TORCH_RELEASE`): code that depends on a behaviour
 that differs between torch releases -- the package's own, or a test stand-in's -- branches on

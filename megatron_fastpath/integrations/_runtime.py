@@ -73,6 +73,9 @@ class FastpathSettings:
     moe_expert_backend: "grouped_mm" or "te_grouped_linear" (FP8 experts); MoE models only.
     rope: apply RoPE from the cache (RoPE read from the model config when it is built).
     packed_cache: False = keep Megatron's attention, only swap the MoE layer.
+    linear_cross_entropy: the forward step's loss: "chunked" (the chunked linear cross-entropy,
+        no [T, V] logits), "off" (Megatron's), None (``rules.default_linear_cross_entropy`` on
+        the first batch's tokens and the output weight's rows).
     llama3_*: Llama 3.1 frequency scaling the framework applies outside the config's Megatron
         fields (NeMo ``Llama31Config``, Bridge ``Llama31ModelProvider``: ``scale_factor``,
         ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``), carried into the
@@ -90,6 +93,7 @@ class FastpathSettings:
     moe_expert_backend: str = "grouped_mm"
     rope: bool = True
     packed_cache: bool = True
+    linear_cross_entropy: Optional[str] = None
     llama3_scaling_factor: Optional[float] = None
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
@@ -118,10 +122,18 @@ class FastpathSettings:
             raise ValueError(
                 f"moe_expert_backend must be one of {EXPERT_BACKENDS}; got {self.moe_expert_backend!r}"
             )
+        if self.linear_cross_entropy not in (None, "chunked", "off"):
+            raise ValueError("linear_cross_entropy must be 'chunked', 'off' or None; got "
+                             f"{self.linear_cross_entropy!r}")
         try:
             self.llama3_rope  # the llama3_* fields make a valid Llama3RopeScaling
         except ValueError as exc:
             raise ValueError(f"FastpathSettings.llama3_* (Llama 3.1 RoPE scaling): {exc}") from None
+
+    @property
+    def chunked_loss(self) -> Optional[bool]:
+        """``linear_cross_entropy`` as the packed runtime's ``forward`` takes it."""
+        return None if self.linear_cross_entropy is None else self.linear_cross_entropy == "chunked"
 
     @property
     def llama3_rope(self) -> Optional[Llama3RopeScaling]:

@@ -105,7 +105,8 @@ class FastpathForwardStep:
         def dev(key):
             return batch[key].to(cache.device, non_blocking=True)
 
-        output = forward(model, pb, dev("tokens") if first else None, dev("labels") if last else None)
+        output = forward(model, pb, dev("tokens") if first else None, dev("labels") if last else None,
+                         linear_cross_entropy=self.settings.chunked_loss)
         loss_mask = dev("loss_mask") if last else None
         rerun = state.cfg.rerun_state_machine
         return output, partial(
@@ -123,7 +124,7 @@ def apply_fastpath_to_config(cfg, **options):
     ``options`` are the keyword arguments of
     :func:`megatron_fastpath.integrations.nemo.apply_fastpath` (the fields of
     :class:`~megatron_fastpath.integrations.core.HookRequest`: attention_backend, max_seqs,
-    cuda_graphs, fp8, fp8_recipe, lora, moe_expert_backend) except ``packed_cache``: the cache
+    cuda_graphs, fp8, fp8_recipe, lora, moe_expert_backend, linear_cross_entropy) except ``packed_cache``: the cache
     is always used, Bridge's own forward step cannot feed it. The rules are
     :mod:`megatron_fastpath.integrations.core`'s, shared with the NeMo hook.
 

@@ -60,6 +60,7 @@ class HookRequest:
     fp8_recipe: Optional[str] = None
     lora: Optional[Sequence[str]] = None
     moe_expert_backend: Optional[str] = None
+    linear_cross_entropy: Optional[str] = None  # "chunked" | "off" | None (the default rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +217,28 @@ def run_facts(facts: ModelFacts, request: HookRequest) -> rules.RunFacts:
         head_dim=_head_dim(facts),
         # "auto" resolves at build (by the dtype): unknown here
         attention_backend=None if request.attention_backend == "auto" else request.attention_backend,
+        linear_cross_entropy=request.linear_cross_entropy,
+        logit_transforms=_logit_transforms(facts),
         **_fp8_gemm_facts(facts, request),
     )
+
+
+def _logit_transforms(facts: ModelFacts) -> tuple:
+    """What the model config changes the logits by between the output layer and the loss (what
+    the chunked linear cross-entropy would skip: ``rules._linear_cross_entropy``)."""
+    return tuple(what for what, on in (
+        (f"multi-token prediction (mtp_num_layers={facts.get('mtp_num_layers')})", facts.get("mtp_num_layers")),
+        ("MuP's logit scaling (use_mup)", facts.get("use_mup", False))) if on)
+
+
+def _linear_cross_entropy(facts: ModelFacts, request: HookRequest) -> Optional[str]:
+    """The forward step's loss (``rules.linear_cross_entropy_choice``): one rank's logits are
+    the packed tokens over CP by the vocabulary over TP (None when the config has no vocabulary
+    size yet: chosen at the first forward)."""
+    tp, vocab = int(facts.get("tensor_model_parallel_size") or 1), facts.get("vocab_size")
+    tokens = facts.packed_size // facts.context_parallel_size if facts.packed else None
+    return rules.linear_cross_entropy_choice(request.linear_cross_entropy, _logit_transforms(facts),
+                                             tokens, -(-int(vocab) // tp) if vocab else None)
 
 
 def _model_dtype(facts: ModelFacts):
@@ -395,6 +416,12 @@ def _feature_reasons(facts: ModelFacts, request: HookRequest) -> list[str]:
             check_backend_dtype(request.attention_backend, torch.device("cuda"), run_facts(facts, request).dtype)
         except ValueError as exc:
             reasons.append(str(exc))
+    if request.linear_cross_entropy not in (None, "chunked", "off"):
+        reasons.append(f"linear_cross_entropy must be 'chunked', 'off' or None; got {request.linear_cross_entropy!r}")
+    elif request.linear_cross_entropy == "chunked" and not request.packed_cache:
+        reasons.append("linear_cross_entropy='chunked' with packed_cache=False: the chunked loss runs "
+                       "in the hook's forward step, which only the packed cache installs; use "
+                       "packed_cache=True or linear_cross_entropy='off'")
     if request.moe_expert_backend not in (None,) + EXPERT_BACKENDS:
         reasons.append(
             f"moe_expert_backend must be 'grouped_mm' or 'te_grouped_linear'; got {request.moe_expert_backend!r}"
@@ -451,6 +478,7 @@ def plan(facts: ModelFacts, request: HookRequest) -> HookPlan:
         moe_expert_backend=_expert_backend(facts, request),
         rope=rope_in_cache,
         packed_cache=request.packed_cache,
+        linear_cross_entropy=_linear_cross_entropy(facts, request) if request.packed_cache else "off",
     )
     if rope_in_cache:
         settings.update(FastpathSettings.llama3_fields(facts.llama31_rope))

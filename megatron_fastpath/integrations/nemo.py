@@ -124,14 +124,17 @@ class FastpathDataStep:
 @dataclasses.dataclass(frozen=True)
 class FastpathForwardStep:
     """NeMo ``GPTConfig.forward_step_fn``: the model call of ``gpt_forward_step`` with the
-    cache's static ``PackedSeqParams`` (no ``get_packed_seq_params``, no mask). A (field-less)
-    dataclass rather than a function so NeMo-Run's YAML form of the recipe loads back."""
+    cache's static ``PackedSeqParams`` (no ``get_packed_seq_params``, no mask). A dataclass
+    rather than a function so NeMo-Run's YAML form of the recipe loads back;
+    ``linear_cross_entropy``: ``FastpathSettings.linear_cross_entropy``."""
+
+    linear_cross_entropy: Optional[str] = None
 
     def __call__(self, model, batch: dict):
-        return fastpath_forward_step(model, batch)
+        return fastpath_forward_step(model, batch, self.linear_cross_entropy)
 
 
-def fastpath_forward_step(model, batch: dict):
+def fastpath_forward_step(model, batch: dict, linear_cross_entropy: Optional[str] = None):
     """The forward step as a plain function (see :class:`FastpathForwardStep`): the package's
     one packed forward (:func:`megatron_fastpath.packed_seq.runtime.forward`) on the module NeMo's
     ``GPTModel.forward`` calls. NeMo's ``GPTModel.forward`` (llm/gpt/model/base.py) has no
@@ -146,7 +149,9 @@ def fastpath_forward_step(model, batch: dict):
             "the batch has no 'packed_batch': FastpathForwardStep runs on batches made by "
             "FastpathDataStep (set both with megatron_fastpath.integrations.nemo.apply_fastpath)"
         )
-    return forward(getattr(model, "module", model), pb, batch["tokens"], batch["labels"])
+    chunked = None if linear_cross_entropy is None else linear_cross_entropy == "chunked"
+    return forward(getattr(model, "module", model), pb, batch["tokens"], batch["labels"],
+                   linear_cross_entropy=chunked)
 
 
 def _pack_metadata(path, key: str) -> list:
@@ -187,6 +192,7 @@ def apply_fastpath(
     fp8_recipe: Optional[str] = None,
     lora: Optional[Sequence[str]] = None,
     moe_expert_backend: Optional[str] = None,
+    linear_cross_entropy: Optional[str] = None,
 ):
     """Apply megatron_fastpath to a NeMo-Run recipe (``run.Partial(llm.finetune, ...)``) in place
     and return it.
@@ -211,6 +217,9 @@ def apply_fastpath(
         lora: LoRA target modules (subset of linear_qkv, linear_proj, linear_fc1, linear_fc2)
             for the recipe's LoRA/DoRA; None keeps the recipe's.
         moe_expert_backend: "grouped_mm" / "te_grouped_linear"; default per FP8.
+        linear_cross_entropy: the loss: "chunked" (output layer and cross-entropy fused over
+            token chunks: no [T, V] logits), "off" (Megatron's), None (the default rule:
+            ``rules.linear_cross_entropy_choice``).
 
     The rules are :mod:`megatron_fastpath.integrations.core`'s (shared with the Bridge hook);
     this function reads the recipe into its facts and writes the plan back.
@@ -225,7 +234,7 @@ def apply_fastpath(
     request = core.HookRequest(
         attention_backend=attention_backend, packed_cache=packed_cache, max_seqs=max_seqs,
         max_seqlen=max_seqlen, cuda_graphs=cuda_graphs, fp8=fp8, fp8_recipe=fp8_recipe, lora=lora,
-        moe_expert_backend=moe_expert_backend,
+        moe_expert_backend=moe_expert_backend, linear_cross_entropy=linear_cross_entropy,
     )
     model_cfg = _gpt_model_config(recipe)
     plan = core.decide(_recipe_facts(recipe, model_cfg), request, RecipeNotSupportedError)
@@ -304,7 +313,8 @@ def _write_plan(recipe, model_cfg, settings, plan: core.HookPlan, request: core.
     model_cfg.transformer_layer_spec = run.Config(FastpathLayerSpec, settings=settings)
     if request.packed_cache:
         model_cfg.data_step_fn = run.Config(FastpathDataStep, settings=settings)
-        model_cfg.forward_step_fn = run.Config(FastpathForwardStep)
+        model_cfg.forward_step_fn = run.Config(
+            FastpathForwardStep, linear_cross_entropy=plan.settings["linear_cross_entropy"])
         recipe.data.packed_sequence_specs.pad_cu_seqlens = False
         recipe.data.dataset_kwargs = {
             **(recipe.data.__arguments__.get("dataset_kwargs") or {}), "pad_to_max_length": True}

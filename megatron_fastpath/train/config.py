@@ -136,6 +136,9 @@ class FastpathConfig:
     fp8: bool = setting(False, "Transformer Engine FP8 (group fp8)")
     moe_capacity_factor: Optional[float] = setting(
         None, "MoE dispatch: null = dropless; a number = capacity mode (static shapes)")
+    linear_cross_entropy: Optional[str] = setting(
+        None, "the loss: chunked (output layer and cross-entropy fused over token chunks, no [T, V] "
+        "logits) | off (Megatron's) | null (chunked from rules.LINEAR_CROSS_ENTROPY_MIN_LOGITS logits per rank)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,8 @@ class JobConfig:
 
     lora / offload / cuda_graphs / fp8: the feature's settings, None when its switch is off.
     device, attention_backend, linear_impl: resolved from the ``auto`` choices (the attention
-    backend once: a ``ResolvedBackend`` the layer spec and the layers take as it is).
+    backend once: a ``ResolvedBackend`` the layer spec and the layers take as it is);
+    linear_cross_entropy: the loss, "chunked" or "off" (``fastpath.linear_cross_entropy`` resolved).
     plan: the CUDA-graph / FP8 plan (TransformerConfig fields, environment, capture or audit).
     facts: the run as the rules read it (the preflight adds the GPU's capability); not a
     setting: left out of the config's repr, comparisons and the metrics' run config.
@@ -172,6 +176,7 @@ class JobConfig:
     metrics: Optional[MetricsConfig] = None  # None when the tree has no metrics group
     checkpoint: Optional[CheckpointConfig] = None  # checkpoint.dir None: off
     export: Optional[ExportConfig] = None  # what the run writes at the end (its model provider)
+    linear_cross_entropy: str = "off"
     facts: Optional[rules.RunFacts] = dataclasses.field(
         default=None, repr=False, compare=False, metadata={"setting": False})
 
@@ -375,7 +380,7 @@ def _check_parallel(par: ParallelConfig, fast: FastpathConfig, is_moe: bool, dev
 
 def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: FastpathConfig,
                par: ParallelConfig, features: dict, device, backend: str,
-               linear_impl: str) -> rules.RunFacts:
+               linear_impl: str, gemma=None) -> rules.RunFacts:
     """Every fact of the job the rules read, gathered once (the GPU's capability is asked by
     the preflight, once the plan's environment is set: reading it initialises CUDA)."""
     graphs, fp8 = features["cuda_graphs"], features["fp8"]
@@ -415,6 +420,9 @@ def _run_facts(model: ModelConfig, data: Any, train: TrainingConfig, fast: Fastp
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
         bucket_size=par.bucket_size,
+        linear_cross_entropy=fast.linear_cross_entropy,
+        logit_transforms=(f"Gemma's final-logit soft-capping ({gemma.final_logit_softcap})",)
+        if getattr(gemma, "final_logit_softcap", None) else (),
         **fp8_facts,
     )
 
@@ -505,8 +513,12 @@ def parse_job_config(cfg: Any) -> JobConfig:
     backend = _attention_backend(fast, par, device, data.max_tokens, train.dtype)
     linear_impl = fast.linear_impl if fast.linear_impl != "auto" else (
         "te" if backend == "te" else "local")
-    facts = _run_facts(model, data, train, fast, par, features, device, backend, linear_impl)
+    if fast.linear_cross_entropy not in (None, "chunked", "off"):
+        raise ValueError(f"fastpath.linear_cross_entropy must be chunked, off or null; got {fast.linear_cross_entropy!r}")
+    facts = _run_facts(model, data, train, fast, par, features, device, backend, linear_impl, source.gemma)
     refuse(rules.refusals(facts))  # the rules shared with the hooks, called once
+    lce = rules.linear_cross_entropy_choice(fast.linear_cross_entropy, facts.logit_transforms, data.max_tokens
+                                            // par.context_parallel_size, -(-model.vocab_size // par.tensor_model_parallel_size))
     _check_parallel(par, fast, is_moe, device)
     from megatron_fastpath.attention.backend import check_backend
 
@@ -531,7 +543,7 @@ def parse_job_config(cfg: Any) -> JobConfig:
                     linear_impl=linear_impl, plan=plan, model_source=source,
                     data_provider=data_key, metrics=metrics,
                     checkpoint=_checkpoint_section(cfg, fast, data), export=export, facts=facts,
-                    **features)
+                    linear_cross_entropy=lce, **features)
     _refuse_export_overlap(export, {**model_prov.input_dirs(source), "checkpoint.dir": job.checkpoint.dir,
                                     "checkpoint.base_dir": job.checkpoint.base_dir})
     return job

@@ -42,7 +42,7 @@ def dry_run(cfg: JobConfig, log=print) -> dict:
         f"{p.pipeline_model_parallel_size}, ep {p.expert_model_parallel_size}, cp "
         f"{p.context_parallel_size}{', sequence parallel' if p.sequence_parallel else ''}")
     log(f"  features: {', '.join(cfg.features) or 'none'}; attention {cfg.attention_backend}, "
-        f"linears {cfg.linear_impl}")
+        f"linears {cfg.linear_impl}, loss {cfg.linear_cross_entropy} (fastpath.linear_cross_entropy)")
     log(f"  data: {records if records is not None else '?'} records -> {data.num_microbatches} packed "
         f"microbatches of <= {cfg.data.max_tokens} tokens; {steps} steps x {data.per_step} "
         f"microbatches (at most {plan['max_tokens']:,} tokens)"

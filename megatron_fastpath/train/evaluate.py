@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from megatron_fastpath.packed_seq.runtime import vocab_parallel_argmax
+
 __all__ = ["Evaluator", "EvalResult", "EvalSample", "perplexity", "greedy_complete"]
 
 
@@ -51,23 +53,6 @@ class EvalResult:
     @property
     def perplexity(self) -> float:
         return perplexity(self.loss)
-
-
-def vocab_parallel_argmax(logits_1TV: torch.Tensor) -> torch.Tensor:
-    """Global argmax over a vocabulary split across the tensor-parallel group (each rank holds
-    V / TP consecutive ids); ties go to the lowest id, as ``torch.argmax``."""
-    from megatron.core import parallel_state as ps
-
-    best_1T, idx_1T = logits_1TV.float().max(-1)
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
-        return idx_1T
-    group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    idx_1T = idx_1T + ps.get_tensor_model_parallel_rank() * logits_1TV.shape[-1]
-    bests, idxs = [torch.empty_like(best_1T) for _ in range(tp)], [torch.empty_like(idx_1T) for _ in range(tp)]
-    torch.distributed.all_gather(bests, best_1T, group=group)
-    torch.distributed.all_gather(idxs, idx_1T, group=group)
-    winner_1T = torch.stack(bests).argmax(0, keepdim=True)  # first rank holding the max
-    return torch.stack(idxs).gather(0, winner_1T)[0]
 
 
 def _context_parallel_gather(pred_1T: torch.Tensor, pb, max_tokens: int) -> torch.Tensor:
@@ -127,13 +112,17 @@ class Evaluator:
     """Held-out loss, perplexity and token accuracy: sums over all ranks' bins of masked
     per-token losses and of correct greedy predictions, over the loss tokens (token-weighted,
     the same packing and cache as training; no gradients). The loss is Megatron's own
-    ``compute_language_model_loss`` of the logits, as in training. Reads the result to the host:
-    run between steps, never inside one."""
+    ``compute_language_model_loss`` of the logits, as in training; with
+    ``linear_cross_entropy`` (``fastpath.linear_cross_entropy=chunked``) the packed runtime's
+    :func:`~megatron_fastpath.packed_seq.runtime.forward_eval` forms the logits a chunk of
+    tokens at a time for the same loss and predictions. Reads the result to the host: run
+    between steps, never inside one."""
 
-    def __init__(self, model, cache, bins: tuple, device, prompts=None):
+    def __init__(self, model, cache, bins: tuple, device, prompts=None, linear_cross_entropy: bool = False):
         from megatron_fastpath.packed_seq.staging import PinnedStaging
 
         self.model, self.cache, self.bins, self.device = model, cache, bins, device
+        self.linear_cross_entropy = linear_cross_entropy
         self.prompts = prompts  # providers.EvalPrompts (data.eval_samples); None: no samples
         self.staging = PinnedStaging(cache.config.max_tokens, device)
 
@@ -141,7 +130,7 @@ class Evaluator:
     def __call__(self) -> EvalResult:
         from megatron.core import parallel_state as ps
 
-        from megatron_fastpath.packed_seq.runtime import cp_local, forward, masked_loss_sum
+        from megatron_fastpath.packed_seq.runtime import cp_local, forward, forward_eval, masked_loss_sum
 
         was_training = self.model.training
         self.model.eval()
@@ -152,7 +141,10 @@ class Evaluator:
                 with self.cache.batch(mb.lengths) as pb:
                     tokens_1T, labels_1T, mask_1T = (
                         cp_local(pb, x) for x in self.staging.to_device(mb))
-                    if logits:
+                    if logits and self.linear_cross_entropy:  # no [T, V / TP] logits
+                        per_tok_1T, pred_1T = forward_eval(self.model, pb, tokens_1T, labels_1T)
+                        sums[1] += ((pred_1T == labels_1T) * mask_1T.bool()).sum().double()
+                    elif logits:
                         logits_1TV = forward(self.model, pb, tokens_1T)
                         per_tok_1T = self.model.compute_language_model_loss(
                             labels_1T, logits_1TV.transpose(0, 1).contiguous())

@@ -76,7 +76,8 @@ class FullIterationStep:
 
     eager_steps = 1
 
-    def __init__(self, model, tcfg, train_cfg: TrainingConfig, cache, parallel=None):
+    def __init__(self, model, tcfg, train_cfg: TrainingConfig, cache, parallel=None,
+                 linear_cross_entropy: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -95,6 +96,7 @@ class FullIterationStep:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError("cuda_graphs.scope=full_iteration runs without pipeline parallelism")
         self.cache, self.n, self.device = cache, n, cache.device
+        self.linear_cross_entropy = linear_cross_entropy  # the chunked loss in the captured forward
         # as gpu_train_step: Megatron's DDP averages gradients over DP x CP and its schedule
         # multiplies the loss by the CP size; the loss is summed over DP x CP for the log
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -217,7 +219,7 @@ class FullIterationStep:
         ids_2T, scale_0 = mb["ids_2T"], mb["scale_0"]
         tokens_1T, labels_1T, mask_1T = (  # this CP rank's share (the inputs themselves at CP 1)
             cp_local(pb, x) for x in (ids_2T[0:1], ids_2T[1:2], mb["mask_T"].view(1, -1)))
-        output = forward(module, pb, tokens_1T, labels_1T)
+        output = forward(module, pb, tokens_1T, labels_1T, linear_cross_entropy=self.linear_cross_entropy)
 
         def loss_func(per_token_1T):
             loss = masked_loss_sum(per_token_1T, mask_1T)
@@ -247,12 +249,13 @@ class FullIterationStep:
         self.last_grad_norm = grad_norm_1
 
 
-def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None):
+def full_iteration_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None,
+                              linear_cross_entropy: bool = False):
     """:class:`~megatron_fastpath.train.step.StepParts` of the full-iteration GPU step
     (``parallel``: the distributed optimizer or not; its overlaps are refused with full-iteration
-    graphs, ``rules._data_parallel_in_full_iteration``)."""
+    graphs, ``rules._data_parallel_in_full_iteration``; ``linear_cross_entropy``: the chunked loss)."""
     from megatron_fastpath.train.step import StepParts
 
-    step = FullIterationStep(model, tcfg, train_cfg, cache, parallel)
+    step = FullIterationStep(model, tcfg, train_cfg, cache, parallel, linear_cross_entropy)
     return StepParts(step.forward_backward, step.optimizer, step.scheduler,
                      grad_norm=step.grad_norm, in_flight=step.in_flight, graphs=step)

@@ -240,7 +240,8 @@ def build_job(cfg: JobConfig) -> Job:
     if parts.evaluate:  # held-out bins: evaluated every data.eval_every steps
         from megatron_fastpath.train.evaluate import Evaluator
 
-        evaluator = Evaluator(model, cache, parts.eval_bins, cfg.device, parts.eval_prompts)
+        evaluator = Evaluator(model, cache, parts.eval_bins, cfg.device, parts.eval_prompts,
+                              linear_cross_entropy=cfg.linear_cross_entropy == "chunked")
     metrics = None
     if cfg.metrics is not None:
         from megatron_fastpath.train.metrics import MetricsWriter, jsonable
@@ -251,7 +252,8 @@ def build_job(cfg: JobConfig) -> Job:
         from megatron_fastpath.train.full_iteration import full_iteration_train_step
 
         path = full_iteration_train_step
-    step = path(model, tcfg, cfg.training, cache, parallel=cfg.parallel)
+    step = path(model, tcfg, cfg.training, cache, parallel=cfg.parallel,
+                linear_cross_entropy=cfg.linear_cross_entropy == "chunked")
     audit = _build_audit(cfg, model)  # after the step path
     return Job(
         cfg=cfg, tcfg=tcfg, cache=cache, model=model, step=step, data=parts.train, offload=offload,

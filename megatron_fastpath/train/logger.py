@@ -248,6 +248,7 @@ class StepLogger:
             f"{j.data.num_microbatches} packed microbatches (sequences <= "
             f"{j.cache.config.max_seqlen_bound} tokens){batch}, attention {c.attention_backend}{layout}, "
             f"features: {', '.join(c.features) or 'none'}"
+            + (", chunked loss (no [T, V] logits)" if c.linear_cross_entropy == "chunked" else "")
         )
         if p.distributed_optimizer or p.overlap_grad_reduce:
             from megatron_fastpath.train.parallel import data_parallel_size

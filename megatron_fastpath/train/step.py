@@ -226,9 +226,11 @@ def _cpu_optimizer(params, train_cfg: TrainingConfig):
     )
 
 
-def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None) -> StepParts:
+def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None,
+                   linear_cross_entropy: bool = False) -> StepParts:
     """Our own microbatch loop + fused torch AdamW (Megatron's optimizer and DDP need CUDA;
-    ``parallel``'s data-parallel optimizer settings are refused on a CPU by the rules)."""
+    ``parallel``'s data-parallel optimizer settings are refused on a CPU by the rules;
+    ``linear_cross_entropy``: the chunked loss, :func:`~megatron_fastpath.packed_seq.runtime.forward`)."""
     from megatron.core import parallel_state as ps
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -252,7 +254,8 @@ def cpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None)
                 with cache.batch(mb.lengths) as pb:
                     tokens_1T, labels_1T, mask_1T = (
                         cp_local(pb, x) for x in (mb.tokens_1T, mb.labels_1T, mb.loss_mask_1T))
-                    loss = masked_loss_sum(forward(model, pb, tokens_1T, labels_1T), mask_1T)
+                    loss = masked_loss_sum(forward(model, pb, tokens_1T, labels_1T,
+                                                   linear_cross_entropy=linear_cross_entropy), mask_1T)
                     (loss / global_loss_tokens).backward()
                 loss_sum += loss.detach()
         all_reduce_grads(model)
@@ -364,10 +367,12 @@ def _optimizer_step(optimizer, mode: str):
         return optimizer
 
 
-def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None) -> StepParts:
+def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None,
+                   linear_cross_entropy: bool = False) -> StepParts:
     """Megatron's schedule (PP 1F1B included), DDP, gradient finalisation and optimizer. Each
     microbatch holds a cache slot from its forward until its backward has run on this stage
-    (:class:`~megatron_fastpath.packed_seq.inflight.InFlightBatches`)."""
+    (:class:`~megatron_fastpath.packed_seq.inflight.InFlightBatches`); ``linear_cross_entropy``:
+    the last stage's loss chunked (:func:`~megatron_fastpath.packed_seq.runtime.forward`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -399,7 +404,8 @@ def gpu_train_step(model, tcfg, train_cfg: TrainingConfig, cache, parallel=None)
             # First stage reads tokens, last stage labels; middle stages get hidden states.
             tokens_1T, labels_1T, mask_1T = (  # pinned: no stream sync; then this CP rank's share
                 cp_local(pb, x) for x in staging.to_device(mb))
-            output = in_flight.mark(forward(module, pb, tokens_1T, labels_1T), pb)
+            output = in_flight.mark(forward(module, pb, tokens_1T, labels_1T,
+                                            linear_cross_entropy=linear_cross_entropy), pb)
 
             def loss_func(per_token_1T):  # last pipeline stage only
                 loss = masked_loss_sum(per_token_1T, mask_1T)

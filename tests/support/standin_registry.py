@@ -640,6 +640,8 @@ COMPAT_MODULES = {
                     "dist_checkpointing on a CPU (mock.patch.object on the module: no call)",
     "dist_optim_ckpt.py": "DistributedOptimizer checkpoint formats and its torch-Adam state "
                           "repairs; no GPU call",
+    "gpt_output.py": "GPTModel.forward with an output processor (0.19's output_processor=, the "
+                     "0.16.x steps run in its place); no GPU call",
     "graphs.py": "CudaGraphManager argument rules and the 0.16.x input-buffer shim; no direct "
                  "GPU call (Megatron's graph calls: fake_cuda_graph.MEGATRON_SITES)",
     "moe.py": "MoELayer / TopKRouter state without their CUDA-only constructors; no GPU call",

@@ -50,6 +50,7 @@ def test_matrix_reaches_every_rule_and_every_fact():
         "packed_tokens": "data.max_tokens is one size (SIZES)",
         "megatron_optimizer_step": "training.optimizer_step is left auto",
         "pad_multiple": "data.pad_multiple is left at its default (tests/train/test_packing_across_cp.py)",
+        "logit_transforms": "the tiny models transform no logits (Gemma 2's soft-capping: tests/test_rules.py)",
     }
     # the parallel group's data-parallel optimizer settings are left null and the matrix parses
     # at a world of 1 (DP 1: they resolve off); tests/train/test_distributed_optimizer_torchrun.py
@@ -66,7 +67,9 @@ def test_matrix_reaches_every_rule_and_every_fact():
                    "_data_parallel_in_full_iteration": "the parallel group's optimizer settings are "
                                                        "left null (test_parallel_optimizer_settings.py)",
                    "_pad_multiple": "data.pad_multiple is left at its default, which covers the "
-                                    "matrix's CP 2 (tests/test_rules.py refuses the others)"}
+                                    "matrix's CP 2 (tests/test_rules.py refuses the others)",
+                   "_linear_cross_entropy": "the tiny models transform no logits (tests/test_rules.py "
+                                            "refuses the chunked loss with a Gemma 2 checkpoint)"}
     verdicts = classified().values()
     fired = {v.rule for v in verdicts if v.rule}
     assert fired == {r.__name__ for r in rules.RULES} - set(unreachable)

@@ -130,6 +130,11 @@ def axes() -> tuple:
              lambda c: moe(c) and _graphs(c)),
         Axis("graph_warmup", (warmup, 0), "`cuda_graph_warmup_steps` (Megatron's default, 0)",
              lambda c: c["peft"] == "LoRA" and c["cuda_graphs"] is None and c["graphs_on"]),
+        # the loss reads the model's shape, the layout, PEFT and dtype: crossed with the first
+        # attention / graphs / FP8 values only (its refusal without the cache: ONE_AWAY)
+        Axis("linear_cross_entropy", (None, "chunked", "off"), "`HookRequest.linear_cross_entropy`",
+             lambda c: c["packed_cache"] and c["attention"] == "auto" and c["cuda_graphs"] is None
+             and not c["graphs_on"] and c["fp8"] is None and not c["fp8_on"]),
     )
 
 
@@ -165,6 +170,8 @@ class Combo(Combination):
                          + ("/no-precision" if c["has_precision"] is False else ""))
         if c["layout"] != "1":
             parts.append(_layout_label(c["layout"]))
+        if c["linear_cross_entropy"] not in (NA, None):
+            parts.append(f"lce={c['linear_cross_entropy']}")
         return " ".join(parts)
 
 
@@ -250,7 +257,8 @@ def facts_and_request(combo: Combo, names=None):
     request = core.HookRequest(
         attention_backend=c["attention"] if c["attention"] is not NA else "auto",
         packed_cache=c["packed_cache"], cuda_graphs=c["cuda_graphs"], fp8=c["fp8"],
-        lora=c["lora"], moe_expert_backend=None if c["experts"] is NA else c["experts"])
+        lora=c["lora"], moe_expert_backend=None if c["experts"] is NA else c["experts"],
+        linear_cross_entropy=None if c["linear_cross_entropy"] is NA else c["linear_cross_entropy"])
     return facts, request
 
 
@@ -494,7 +502,7 @@ def verdict_of(combo: Combo) -> Verdict:
 # test_every_request_field_is_an_axis_or_said_why until it is an axis or listed here).
 REQUEST_AXES = {"attention_backend": "attention", "packed_cache": "packed_cache",
                 "cuda_graphs": "cuda_graphs", "fp8": "fp8", "lora": "lora",
-                "moe_expert_backend": "experts"}
+                "moe_expert_backend": "experts", "linear_cross_entropy": "linear_cross_entropy"}
 
 NOT_CROSSED = {
     "fp8_recipe": "passed through to the framework's precision config; read by the FP8 GEMM-shape "
@@ -526,6 +534,9 @@ ONE_AWAY = {
     "MoE bias": dict(moe=True, model=dict(add_bias_linear=True)),
     "MoE overlap": dict(moe=True, model=dict(overlap_moe_expert_parallel_comm=True)),
     "MoE load balancing": dict(moe=True, model=dict(moe_router_load_balancing_type="seq_aux_loss")),
+    "linear_cross_entropy name": dict(request=dict(linear_cross_entropy="fused")),
+    "chunked loss without the cache": dict(moe=True, request=dict(linear_cross_entropy="chunked",
+                                                                   packed_cache=False)),
 }
 
 # MoEDispatchConfig's checks of the MoE fields' own values (top-k, groups, capacity, policies),
@@ -554,6 +565,9 @@ UNREACHABLE_RULES: dict = {
     "_data_parallel_in_full_iteration": "the hooks never set RunFacts.full_iteration",
     "_pad_multiple": "the main job's data.pad_multiple; the hooks' frameworks pack their own "
                      "data (RunFacts.pad_multiple stays None)",
+    "_linear_cross_entropy": "the matrix's model has no MuP scaling and no multi-token prediction "
+                             "(which the hooks refuse whatever the loss); tests/test_rules.py "
+                             "checks the rule from the hooks",
 }
 
 # RunFacts fields the hooks leave at their defaults (the main job's layout / backend facts)
@@ -576,6 +590,8 @@ NOT_SET_BY_HOOKS = {
 
 # RunFacts fields the hooks set from the model's shape, which the matrix keeps fixed
 FIXED_BY_THE_MODEL = {
+    "logit_transforms": "the matrix's model transforms no logits (no MTP, no MuP): "
+                        "tests/test_rules.py checks the rule with MuP",
     "head_dim": "one model shape (head_dim 8): tests/test_rules.py checks the FP8-attention rule "
                 "per head_dim and GPU; flex with it is refused (rules._flex_head_dim), flex with "
                 "16-wide heads trains in the main job's feature matrix",
@@ -687,7 +703,7 @@ def run_combination(combo: Combo) -> str:
     labels[0, :n] = torch.randint(1, vocab, (n,), generator=gen)
     if settings.packed_cache:
         pb = cache_for(settings)[1].acquire(lengths)
-        loss_1T = forward(model, pb, tokens, labels)
+        loss_1T = forward(model, pb, tokens, labels, linear_cross_entropy=settings.chunked_loss)
     else:  # Megatron's own attention on the framework's unpacked batch
         loss_1T = model(tokens, torch.arange(T)[None], None, labels=labels)
     loss = (loss_1T[0, :n].float()).mean()
@@ -779,7 +795,7 @@ def run_pipelined(combo: Combo, config, spec, settings, pe: str, dtype, fp8, use
         calls.append(n)
         if settings.packed_cache:  # the hooks' data step: a slot per microbatch, held in call order
             pb = in_flight.acquire(lengths)
-            output = forward(module, pb, tokens, labels)
+            output = forward(module, pb, tokens, labels, linear_cross_entropy=settings.chunked_loss)
         else:  # Megatron's own attention on the framework's unpacked batch
             output = module(tokens, torch.arange(T)[None], None, labels=labels)
 

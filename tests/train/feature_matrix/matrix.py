@@ -206,6 +206,12 @@ def axes() -> tuple:
         # sequence parallelism shards over the TP group: it needs TP > 1
         _bool_axis("sequence_parallel", "parallel.sequence_parallel",
                    lambda c: c["layout"].startswith("tensor_model_parallel_size")),
+        # the loss reads the model, the layout, LoRA, the dtype and the step (graphs): crossed
+        # with the first attention / FP8 / offload values, without TE (its world's verdicts, the
+        # committed JSON, stay as they are)
+        Axis("loss", ("off", "chunked"), "`fastpath.linear_cross_entropy` (its null resolves to one of these)",
+             lambda v: [f"fastpath.linear_cross_entropy={v}"],
+             lambda c: not te(c) and c["attention"] == "auto" and c["fp8"] == "off" and not c["offload"]),
     )
 
 
@@ -254,6 +260,8 @@ class Combo(Combination):
         if c["offload"]:
             parts.append("offload")
         parts.append(layout_label(c["layout"]) + ("+SP" if c["sequence_parallel"] is True else ""))
+        if c["loss"] == "chunked":
+            parts.append("chunked-loss")
         return " ".join(parts)
 
 
