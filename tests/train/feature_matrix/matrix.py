@@ -124,6 +124,7 @@ def _is_moe(model: str) -> bool:
     return _base_tree(model)["model"]["num_experts"] is not None
 
 
+@functools.lru_cache(maxsize=None)
 def built_expert_backend() -> str:
     """The expert backend the main job builds (it has no setting for it)."""
     from megatron_fastpath.moe.spec import get_moe_mlp_spec
@@ -131,6 +132,7 @@ def built_expert_backend() -> str:
     return inspect.signature(get_moe_mlp_spec).parameters["expert_backend"].default
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of the backend; classify asks it per combination
 def _expert_overrides(backend: str) -> Optional[list]:
     from megatron_fastpath.train.config import FastpathConfig
 
@@ -303,16 +305,6 @@ def config_tree(combo: Combo) -> dict:
     return tree
 
 
-class _CachedTyping:
-    """``typing`` for ``settings.check_values`` with ``get_type_hints`` cached per class: a
-    class's hints do not change, and evaluating them is most of a parse's time (speed only)."""
-
-    get_type_hints = staticmethod(functools.lru_cache(maxsize=None)(typing.get_type_hints))
-
-    def __getattr__(self, name):
-        return getattr(typing, name)
-
-
 def classify(combo: Combo) -> Verdict:
     """Parse the combination as the main job does, then run the preflight's device checks
     (the rules again with the GPU's capability where one reads it; the memory check) -- not
@@ -398,10 +390,8 @@ def te_present() -> bool:
 def classify_world(te: bool) -> dict:
     """{Combo: Verdict} of the combinations of one ``transformer_engine`` world, classified in
     this process, which must be that world (a few ms a combination)."""
-    from megatron_fastpath import settings
-
     assert te_present() == te, "classify the TE world in a process with the fake TE (te_env)"
-    with parsing(), mock.patch.object(settings, "typing", _CachedTyping()):
+    with parsing():
         return share_jobs({c: classify(c) for c in combinations() if (world_of(c) == "te") == te})
 
 
