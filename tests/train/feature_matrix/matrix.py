@@ -478,7 +478,9 @@ WORLDS = ("absent", "te")  # the transformer_engine axis: without TE, with the f
 
 W1_SHARDS = {"absent": 1, "te": 1}  # world-1 tests per world; its CI jobs dealt round-robin
 
-W2_PARTS = {"absent": 1, "te": 1}  # torchrun launches per layout of 2; its CI jobs dealt round-robin
+# torchrun launches per world of the world-2 CI jobs of every layout (each layout's jobs together:
+# the job re-initialises Megatron's model-parallel state when the layout changes)
+W2_PARTS = {"absent": 1, "te": 1}
 
 
 def world_of(combo: Combo) -> str:
@@ -517,8 +519,8 @@ def world1_id(world: str, index: int) -> str:
     return f"test_world_of_one_runs[{'te-' if world == 'te' else ''}{index}]"
 
 
-def world2_id(world: str, layout: str, part: int) -> str:
-    return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{layout_label(layout)}-{part}]"
+def world2_id(world: str, part: int) -> str:
+    return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{part}]"
 
 
 @functools.lru_cache(maxsize=None)
@@ -542,16 +544,16 @@ def distinct_jobs(combos: list) -> list:
 def shards() -> dict:
     """{integration test id: the combinations it runs}: of every run group (:func:`run_groups`)
     the jobs of its pairwise cover (:func:`ci_cover`), the world-1 ones dealt round-robin to
-    their world's W1_SHARDS tests, each layout's world-2 ones to W2_PARTS launches. A job runs
+    their world's W1_SHARDS tests, the world-2 ones of every layout, layout after layout, cut
+    into W2_PARTS launches (one launch pays its processes' start and imports once). A job runs
     once (:func:`distinct_jobs`): combinations with one job share it."""
     out = {}
     for world in WORLDS:
         jobs = distinct_jobs(ci_cover(world, "1"))
         out.update({world1_id(world, i): jobs[i::W1_SHARDS[world]] for i in range(W1_SHARDS[world])})
-        for layout in world2_layouts():
-            jobs = distinct_jobs(ci_cover(world, layout))
-            out.update({world2_id(world, layout, p): jobs[p::W2_PARTS[world]]
-                        for p in range(W2_PARTS[world])})
+        jobs = [c for layout in world2_layouts() for c in distinct_jobs(ci_cover(world, layout))]
+        n = W2_PARTS[world]
+        out.update({world2_id(world, p): jobs[p * len(jobs) // n:(p + 1) * len(jobs) // n] for p in range(n)})
     return out
 
 
@@ -658,7 +660,7 @@ def _moe_graphs_combo() -> Combo:
     return next(c for c in runnable() if c["experts"] is not NA and c["graphs"] and known_bug(c) is None)
 
 
-TIMEOUT = 1800  # s, one launch (~15-35 combinations, ~2-3 s each on an idle machine)
+TIMEOUT = 2400  # s, one launch (~15-110 combinations, ~2-4 s each on an idle machine)
 
 
 def _start(combos: list, d: Path, nproc: int):
