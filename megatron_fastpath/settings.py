@@ -19,6 +19,7 @@ are :mod:`megatron_fastpath.rules`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from typing import Any, Callable, Optional, Union
@@ -71,23 +72,33 @@ def _fits(value: Any, kind: type) -> bool:
     return True
 
 
-def check_values(group: str, cls: type, data: dict) -> None:
-    """Raise ValueError naming ``<group>.<field>`` for the first value of ``data`` that does not
-    fit the field of ``cls`` it sets (type, then bound). Fields typed otherwise (Any, tuples,
-    nested configs) are left to the dataclass."""
+@functools.lru_cache(maxsize=256)
+def _typed_fields(cls: type) -> tuple:
+    """((field, kind, optional, bound), ...) of the fields of ``cls`` typed ``int``, ``float``, ``bool``,
+    ``str`` or ``Optional`` of one of them, in field order: a class's fields and type hints are
+    fixed, and reading them is most of a parse's time, so once per class."""
     hints = typing.get_type_hints(cls)
+    out = []
     for f in dataclasses.fields(cls):
-        if f.name not in data:
-            continue
-        value, kind, optional = data[f.name], hints.get(f.name), False
+        kind, optional = hints.get(f.name), False
         if typing.get_origin(kind) is Union:
             args = typing.get_args(kind)
             optional = type(None) in args
             rest = [a for a in args if a is not type(None)]
             kind = rest[0] if len(rest) == 1 else None
-        if kind not in _KIND:
+        if kind in _KIND:
+            out.append((f, kind, optional, f.metadata.get("bound")))
+    return tuple(out)
+
+
+def check_values(group: str, cls: type, data: dict) -> None:
+    """Raise ValueError naming ``<group>.<field>`` for the first value of ``data`` that does not
+    fit the field of ``cls`` it sets (type, then bound). Fields typed otherwise (Any, tuples,
+    nested configs) are left to the dataclass."""
+    for f, kind, optional, bound in _typed_fields(cls):
+        if f.name not in data:
             continue
-        key = f"{group}.{f.name}"
+        value, key = data[f.name], f"{group}.{f.name}"
         if value is None:
             if optional:
                 continue
@@ -95,7 +106,6 @@ def check_values(group: str, cls: type, data: dict) -> None:
         if not _fits(value, kind):
             raise ValueError(f"{key}={value!r}: must be {_KIND[kind]}"
                              + (" or null" if optional else "") + f" (the default is {f.default!r})")
-        bound = f.metadata.get("bound")
         if bound is not None and not bound.ok(value):
             raise ValueError(f"{key}={value!r}: must be {bound.text} (the default is {f.default!r})")
 

@@ -16,6 +16,7 @@ the switch is on (``None`` when off).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -231,18 +232,25 @@ def group_types() -> dict:
             "export": ExportConfig, "checkpoint": CheckpointConfig}
 
 
+@functools.lru_cache(maxsize=32)
+def _yaml_file(path: str, mtime_ns: int) -> dict:
+    """A YAML file as a plain dict, read once per version (its modification time): a group's
+    defaults, which every parse with the group's switch off compares against."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
 def _refuse_settings_while_off(cfg: Any, fast: FastpathConfig, types: dict) -> None:
     """A feature group's keys set away from its default option (``configs/<group>/default.yaml``)
     while its ``fastpath`` switch is off: refused (:func:`megatron_fastpath.settings.settings_while_off`)."""
-    from omegaconf import OmegaConf
-
     for group, switch in key_rules.FEATURE_SWITCHES.items():
         if getattr(fast, switch.split(".")[1]) or cfg is None or group not in cfg:
             continue
         cls, fixed = types[group]
         default = os.path.join(config_dir(), group, "default.yaml")
-        defaults = parse_group(group, cls, {k: v for k, v in OmegaConf.to_container(
-            OmegaConf.load(default)).items() if not (f"{group}.{k}" in dict(_MOVED_KEYS))}, fixed)
+        defaults = parse_group(group, cls, {k: v for k, v in _yaml_file(
+            default, os.stat(default).st_mtime_ns).items() if not (f"{group}.{k}" in dict(_MOVED_KEYS))}, fixed)
         changed = key_rules.changed_settings(group, section(cfg, group, cls, fixed), defaults,
                                           tuple(fixed or ()))
         refuse([r for r in (key_rules.settings_while_off(group, changed),) if r])

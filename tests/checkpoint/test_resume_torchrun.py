@@ -1,7 +1,7 @@
 """Checkpoints under torchrun (2 processes, gloo, CPU).
 
-* Exact resume at DP=2 and EP=2 (TP=2: the feature matrix's world-2 runs): straight vs
-  stop_at_step + rerun, bit-identical records. (At
+* Exact resume at DP=2 and EP=2 (TP=2: the feature matrix's world-2 runs): the straight run's
+  step-3 checkpoint resumed, bit-identical records and final state. (At
   EP=2 every rank clips with the global gradient norm, ``train.step.global_grad_norm``
   (tests/optim/test_global_grad_norm.py): with each rank's own norm the replicated dense
   parameters would drift apart, and the checkpoint, which keeps one replica, would hand rank 1
@@ -43,8 +43,10 @@ def runs(main_job_runs):
 
 
 def straight(runs, layout):
-    """The uninterrupted two-process run at ``layout`` with 1 microbatch per rank, saving."""
-    return runs(f"straight-{layout}", LAYOUTS[layout] + ["training.micro_batches=1",
+    """The uninterrupted two-process run at ``layout`` with 1 microbatch per rank, saving at
+    step STOP (``checkpoint.interval``; the async save is written while the next step trains)
+    and at the end."""
+    return runs(f"straight-{layout}", LAYOUTS[layout] + ["training.micro_batches=1", f"checkpoint.interval={STOP}",
                                                           f"checkpoint.dir={{root}}/straight-{layout}/ckpt"], 2)
 
 
@@ -75,12 +77,17 @@ def _close(a_records, b_records):
 # resumed and compared bit for bit (tests/support/matrix_runs.py straight_vs_resumed)
 @pytest.mark.parametrize("layout", ["dp2", pytest.param("ep2", marks=pytest.mark.every_line)])
 def test_exact_resume_two_processes(runs, layout):
-    par = LAYOUTS[layout] + ["training.micro_batches=1", f"checkpoint.dir={{root}}/exact-{layout}"]
+    """The straight run's step-STOP checkpoint, copied alone into a fresh directory, resumed:
+    the records (the restored ones and the resumed steps') and the final parameters and
+    optimizer state equal the straight run's bit for bit. (A run stopped by
+    ``training.stop_at_step`` and resumed under torchrun: test_context_parallel_torchrun.py
+    test_resume_at_cp2_is_exact_and_cp2_reshards_to_cp1; here the world-1 runs stop so.)"""
     ref = straight(runs, layout).summary
-    first = runs(f"first-{layout}", par + [f"training.stop_at_step={STOP}"], 2).summary
-    assert first["stopped"] == "stop_at_step" and len(first["records"]) == STOP
-    resumed = runs(f"resumed-{layout}", par, 2)
-    ckpt = runs.root / f"exact-{layout}"
+    assert [s["step"] for s in ref["checkpoint_saves"]] == [STOP, STEPS], ref["checkpoint_saves"]
+    ckpt, step_dir = runs.root / f"exact-{layout}", f"step_{STOP:08d}"
+    if not ckpt.exists():
+        shutil.copytree(runs.root / f"straight-{layout}" / "ckpt" / step_dir, ckpt / step_dir)
+    resumed = runs(f"resumed-{layout}", LAYOUTS[layout] + ["training.micro_batches=1", f"checkpoint.dir={ckpt}"], 2)
     assert _first_line(resumed.stdout).startswith(f"resuming from {ckpt}/step_{STOP:08d}")
     assert resumed.summary["world_size"] == 2
     assert _records(resumed.summary) == _records(ref)

@@ -111,27 +111,54 @@ def test_dp2_matches_one_process_including_eval(tmp_path):
         assert abs(a - b) <= 1e-5 * a
 
 
-@pytest.mark.parametrize("family, lora", [("qwen3", False), ("llama", True), ("gemma2", True),
-                                           ("gemma3", True)],
-                         ids=["qwen3_full_finetune", "llama_lora", "gemma2_lora", "gemma3_lora"])
-def test_tp2_trains_as_one_process(tmp_path, family, lora):
+FAMILIES = {"qwen3_full_finetune": ("qwen3", False), "llama_lora": ("llama", True),
+            "gemma2_lora": ("gemma2", True), "gemma3_lora": ("gemma3", True)}
+
+
+@pytest.fixture(scope="module")
+def tp_records(tmp_path_factory):
+    """{(family id, TP size): the step records}: every family's TP = 1 run in one process and
+    its TP = 2 run in one torchrun launch (tests/workers/main_jobs_worker.py: the runs one after
+    the other, each as the main job trains it; one start and one import of torch, Megatron and
+    transformers per launch instead of per run). The main job's own command line under torchrun
+    at TP = 2 is test_tp2_load_train_export's."""
+    import json
+    import subprocess
+
+    from tests.hf.hf_reference import make_checkpoint
+    from tests.support.main_job import job_env, main_job_cmd
+
+    root = tmp_path_factory.mktemp("tp")
+    runs = {}
+    for name, (family, lora) in FAMILIES.items():
+        ckpt = str(root / family)
+        make_checkpoint(family, ckpt)
+        lora_settings = ["lora.dropout=0.0", "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]
+        common = ["model=hf", f"model.path={ckpt}", f"fastpath.lora={str(lora).lower()}",
+                  *(lora_settings if lora else []),
+                  "training.lr=1e-2", "training.steps=4", "training.micro_batches=1",
+                  "data.num_samples=128", "data.max_tokens=128", "data.max_len=48",
+                  "metrics.tensorboard=false", "metrics.wandb=off", "metrics.plot=false"]
+        for tp in (1, 2):
+            runs[name, tp] = common + [f"parallel.tensor_model_parallel_size={tp}",
+                                       f"training.summary_json={root / f'{name}-tp{tp}.json'}"]
+    for tp in (1, 2):
+        spec = root / f"tp{tp}.json"
+        spec.write_text(json.dumps([o for (_, t), o in runs.items() if t == tp]))
+        proc = subprocess.run(main_job_cmd([str(spec)], nproc=tp, entry=["-m", "tests.workers.main_jobs_worker"]),
+                              cwd=root, env=job_env(), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {key: json.loads((root / f"{key[0]}-tp{key[1]}.json").read_text())["records"] for key in runs}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tp2_trains_as_one_process(tp_records, name):
     """TP = 2 on the CPU path takes the same steps as one process, with gradient clipping on
     (every step's norm > clip_grad = 1): the clip uses Megatron's TP-aware norm, which needs
     the TP marks of the sharded weights (the loaded base: Megatron sets them only when it
     initialises; the LoRA adapters) and the qk layernorm gradients summed over TP (Qwen3);
     Gemma 2 through the main job: its layer (post norms, soft-capping, windows) built there."""
-    from tests.hf.hf_reference import make_checkpoint
-
-    ckpt = str(tmp_path / family)
-    make_checkpoint(family, ckpt)
-    lora_settings = ["lora.dropout=0.0", "lora.targets=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]
-    common = ["model=hf", f"model.path={ckpt}", f"fastpath.lora={str(lora).lower()}",
-              *(lora_settings if lora else []),
-              "training.lr=1e-2", "training.steps=4", "training.micro_batches=1",
-              "data.num_samples=128", "data.max_tokens=128", "data.max_len=48"]
-    records = {tp: _main_job(tmp_path, tp, common + [f"parallel.tensor_model_parallel_size={tp}",
-                                                      f"hydra.run.dir={tmp_path / f'run{tp}'}"],
-                             tmp_path / f"tp{tp}.json")["records"] for tp in (1, 2)}
+    records = {tp: tp_records[name, tp] for tp in (1, 2)}
     assert len(records[1]) == len(records[2]) == 4
     for a, b in zip(records[1], records[2]):
         assert a["grad_norm"] > 1.0  # clipped

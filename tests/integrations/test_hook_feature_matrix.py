@@ -14,7 +14,7 @@ from tests.support.matrix import NA, value_pairs
 from tests.integrations.hook_feature_matrix.matrix import (
     BUILD, Combo, DOC, FIXED_BY_THE_MODEL, FULL_ENV, LAUNCHES, NOT_CROSSED, NOT_SET_BY_HOOKS, ONE_AWAY,
     REFUSED, REQUEST_AXES, RUN, RUN2_TE, RUN_STATUSES, RUN_TE, STATUSES, T, UNREACHABLE_MESSAGES,
-    UNREACHABLE_RULES, WORLD2, _CAPABILITY, _gpu, _launch_id, _of_layout, _resolved, _swap,
+    UNREACHABLE_RULES, WORLD2, _CAPABILITY, _gpu, _of_layout, _resolved, _swap,
     _without_recipe_rules, axes, child_launches, ci_runs, classified, classify, combinations,
     facts_and_request, first_runnable, hook_messages, lone_reasons, message_kind, model_config,
     one_away, run_combination, runnable, runs, selected,
@@ -227,23 +227,26 @@ def test_hook_feature_matrix_runs(mcore_parallel, capsys):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("status,layout", [pytest.param(s, lay, id=_launch_id(s, lay)) for s, lay in LAUNCHES])
-def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
+@pytest.mark.parametrize("status", [pytest.param(s, id=RUN_STATUSES[s]) for s in dict.fromkeys(s for s, _ in LAUNCHES)])
+def test_hook_feature_matrix_child_runs(status, tmp_path, capsys):
     """Integration tier: the runnable combinations this process cannot run -- those that build
     Transformer Engine modules beyond its attention (the fake TE 2.10 is imported in a child
     only) and those of 2 processes (torchrun) -- the CI's pairwise cover of each launch's, or
     every distinct build in the full tier -- run as :func:`test_hook_feature_matrix_runs` runs
-    the others, in a child process. The child
-    classifies each combination it is handed itself: the status must be this process's."""
+    the others, in a child process: one per status, its layouts one after the other (one
+    start and one import per status, not per layout). The child classifies each combination
+    it is handed itself: the status must be this process's."""
     import json
     import subprocess
 
     from tests.support.fake_te.activate import te_env
     from tests.support.main_job import job_env, main_job_cmd
 
-    assert (status, layout) in child_launches(), "a launch with nothing to run"
-    want = runs(status, layout)
-    nproc = 2 if layout != "1" else 1
+    layouts = [layout for s, layout in child_launches() if s == status]
+    assert layouts, "a launch with nothing to run"
+    assert layouts == ["1"] or "1" not in layouts, "a launch is of world 1 or of world 2"
+    want = [c for layout in layouts for c in runs(status, layout)]
+    nproc = 2 if layouts != ["1"] else 1
     out, spec = tmp_path / "runs", tmp_path / "labels.json"
     spec.write_text(json.dumps([c.label for c in want]))
     cmd = main_job_cmd(["run", RUN_STATUSES[status], str(spec), str(out)], nproc=nproc,
@@ -260,5 +263,5 @@ def test_hook_feature_matrix_child_runs(status, layout, tmp_path, capsys):
             lines = [f"  {'run ' if r['ok'] else 'FAIL'} {r['label']}  {r.get('what', r.get('error'))}"
                      for r in got["runs"]]
     with capsys.disabled():
-        print(f"\nhook feature matrix runs ({status}, {layout}):", *lines, sep="\n")
+        print(f"\nhook feature matrix runs ({status}, {', '.join(layouts)}):", *lines, sep="\n")
     assert failures == []

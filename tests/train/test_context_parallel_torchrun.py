@@ -74,17 +74,21 @@ def test_cp2_equals_cp1(main_job_runs, tag, features, nproc):
     assert f"world {2 * nproc}" in two.output
 
 
-def test_cp_refuses_what_is_not_served_before_any_work(main_job_runs):
+def test_cp_refuses_what_is_not_served_before_any_work():
+    """The parse (before any device work) refuses CP 2 with offload with the rules' reason, in
+    this process: the ValueError the main job prints as its one error line before exiting 2
+    (the command line's path for a parse refusal: tests/train/test_config_values.py
+    test_main_job_prints_the_message_without_a_traceback)."""
     from megatron_fastpath import rules
-    from tests.support.main_job import run_main_job
+    from megatron_fastpath.train import parse_job_config
+    from tests.support.hydra_compose import compose_job
 
-    root = main_job_runs.root / "refused"
-    root.mkdir()
-    run = run_main_job([*MAIN_JOB_COMMON, "parallel.context_parallel_size=2",
-                        "fastpath.offload=true"], root, nproc=1, check=False)
     want = rules.refusals(rules.RunFacts(names=rules.NAMES["main"], context_parallel_size=2,
                                          offload=True))[0]
-    assert run.returncode != 0 and want in run.output
+    with pytest.raises(ValueError) as refused:
+        parse_job_config(compose_job([*MAIN_JOB_COMMON, "parallel.context_parallel_size=2",
+                                      "fastpath.offload=true"]))
+    assert want in str(refused.value)
 
 
 def _resumed_steps_match(resumed, straight, done=2):

@@ -1102,33 +1102,34 @@ def runs(status: str, layout: str) -> list:
     return _of_layout(status, layout) if full_tier() else ci_runs(status, layout)
 
 
-def _launch_id(status: str, layout: str) -> str:
-    return RUN_STATUSES[status] + ("" if layout == "1" else "-" + layout.split("_")[0])
-
-
 def _run_child(key: str, spec: str, out: str) -> None:
     """A child of :func:`test_hook_feature_matrix_child_runs`: run the combinations ``spec``
-    (a JSON list of labels, of one layout) names, each of which must have status ``key`` (a
-    :data:`RUN_STATUSES` value) here too; write the results to ``out.rank{rank}.json``."""
+    (a JSON list of labels, layout after layout) names, each of which must have status ``key``
+    (a :data:`RUN_STATUSES` value) here too, each layout started as a fresh process would
+    (``init_distributed`` re-initialises Megatron's model-parallel state when the layout
+    changes; ``fresh_process_state``); write the results to ``out.rank{rank}.json``."""
     import json
 
     from megatron_fastpath.distributed import init_distributed
     from megatron_fastpath.integrations import clear_caches
     from tests.support.graph_safe_standins import gpu_standins
+    from tests.support.main_job import fresh_process_state
 
     status = next(s for s, k in RUN_STATUSES.items() if k == key)
     by_label = {c.label: c for c in combinations()}
     combos = [by_label[label] for label in json.loads(Path(spec).read_text())]
-    layouts = {c["layout"] for c in combos}
-    assert len(layouts) == 1, layouts
-    layout = layouts.pop()
-    sizes = {} if layout == "1" else {"tensor_model_parallel_size=2": dict(tensor_model_parallel_size=2),
-                                      "expert_parallel_size=2": dict(expert_model_parallel_size=2),
-                                      "pipeline_size=2": dict(pipeline_model_parallel_size=2),
-                                      "context_parallel_size=2": dict(context_parallel_size=2)}[layout]
-    init_distributed(backend="gloo", **sizes)
-    runs = []
+    sizes = {"1": {}, "tensor_model_parallel_size=2": dict(tensor_model_parallel_size=2),
+             "expert_parallel_size=2": dict(expert_model_parallel_size=2),
+             "pipeline_size=2": dict(pipeline_model_parallel_size=2),
+             "context_parallel_size=2": dict(context_parallel_size=2)}
+    runs, layout = [], None
     for combo in combos:
+        if combo["layout"] != layout:  # each layout starts as a fresh process would
+            layout = combo["layout"]
+            init_distributed(backend="gloo", **sizes[layout])
+            # Megatron's MoE aux-loss scale is a class attribute: a CPU step's lazy 0-dim one
+            # and a pipeline schedule's [1] one cannot share it
+            fresh_process_state()
         try:
             verdict = verdict_of(combo)
             assert verdict.status == status, f"{verdict.status} here ({verdict.why})"

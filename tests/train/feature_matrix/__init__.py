@@ -42,8 +42,8 @@ features the config accepts, parsed the way the main job parses it and, where ac
   processes that train their combinations one after the other (tests/workers/matrix_worker.py)
   -- the world-1 ones dealt round-robin to ``W1_SHARDS`` tests, each running
   its half-shards in 2 processes at once (:func:`test_world_of_one_runs`); the world-2 ones
-  per layout in ``W2_PARTS`` ``torchrun`` launches of 2
-  processes (:func:`test_world_of_two_runs`). A job runs once: combinations whose parsed jobs
+  of every layout, layout after layout, in ``W2_PARTS`` ``torchrun`` launches of 2 processes
+  per world (:func:`test_world_of_two_runs`). A job runs once: combinations whose parsed jobs
   are equal (:func:`job_key`; ``auto`` and the backend it resolves to) share one run
   (:func:`distinct_jobs`). The **full
   tier** (:func:`test_full_tier`, by hand: ``FASTPATH_FULL_MATRIX=<dir>``) trains the

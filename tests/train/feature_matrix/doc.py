@@ -117,9 +117,9 @@ def render() -> str:
         "together in one that runs; `test_ci_runs_cover_every_pair` checks it): the world-1 ones",
         f"in {W1_SHARDS['absent']} test without TE (`test_world_of_one_runs[0]`) and "
         f"{W1_SHARDS['te']} with it",
-        "(`test_world_of_one_runs[te-0]`), 2 worker processes at once; the world-2 ones per",
-        f"layout in {W2_PARTS['absent']} `torchrun` launch per world",
-        "(`test_world_of_two_runs[<layout>-0]`, `[te-<layout>-0]`). The **full tier** trains the",
+        "(`test_world_of_one_runs[te-0]`), 2 worker processes at once; the world-2 ones of every",
+        f"layout, layout after layout, in {W2_PARTS['absent']} `torchrun` launch per world",
+        "(`test_world_of_two_runs[0]`, `[te-0]`). The **full tier** trains the",
         "jobs of the rest, by hand, not in CI",
         f"(`{FULL_ENV}=<a directory> pytest tests/train/test_feature_matrix.py -k test_full_tier`:",
         f"per world {FULL_W1_PARTS['absent']} / {FULL_W1_PARTS['te']} world-1 tests and "

@@ -124,6 +124,7 @@ def _is_moe(model: str) -> bool:
     return _base_tree(model)["model"]["num_experts"] is not None
 
 
+@functools.lru_cache(maxsize=None)
 def built_expert_backend() -> str:
     """The expert backend the main job builds (it has no setting for it)."""
     from megatron_fastpath.moe.spec import get_moe_mlp_spec
@@ -131,6 +132,7 @@ def built_expert_backend() -> str:
     return inspect.signature(get_moe_mlp_spec).parameters["expert_backend"].default
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of the backend; classify asks it per combination
 def _expert_overrides(backend: str) -> Optional[list]:
     from megatron_fastpath.train.config import FastpathConfig
 
@@ -311,16 +313,6 @@ def config_tree(combo: Combo) -> dict:
     return tree
 
 
-class _CachedTyping:
-    """``typing`` for ``settings.check_values`` with ``get_type_hints`` cached per class: a
-    class's hints do not change, and evaluating them is most of a parse's time (speed only)."""
-
-    get_type_hints = staticmethod(functools.lru_cache(maxsize=None)(typing.get_type_hints))
-
-    def __getattr__(self, name):
-        return getattr(typing, name)
-
-
 def classify(combo: Combo) -> Verdict:
     """Parse the combination as the main job does, then run the preflight's device checks
     (the rules again with the GPU's capability where one reads it; the memory check) -- not
@@ -406,10 +398,8 @@ def te_present() -> bool:
 def classify_world(te: bool) -> dict:
     """{Combo: Verdict} of the combinations of one ``transformer_engine`` world, classified in
     this process, which must be that world (a few ms a combination)."""
-    from megatron_fastpath import settings
-
     assert te_present() == te, "classify the TE world in a process with the fake TE (te_env)"
-    with parsing(), mock.patch.object(settings, "typing", _CachedTyping()):
+    with parsing():
         return share_jobs({c: classify(c) for c in combinations() if (world_of(c) == "te") == te})
 
 
@@ -496,7 +486,9 @@ WORLDS = ("absent", "te")  # the transformer_engine axis: without TE, with the f
 
 W1_SHARDS = {"absent": 1, "te": 1}  # world-1 tests per world; its CI jobs dealt round-robin
 
-W2_PARTS = {"absent": 1, "te": 1}  # torchrun launches per layout of 2; its CI jobs dealt round-robin
+# torchrun launches per world of the world-2 CI jobs of every layout (each layout's jobs together:
+# the job re-initialises Megatron's model-parallel state when the layout changes)
+W2_PARTS = {"absent": 1, "te": 1}
 
 
 def world_of(combo: Combo) -> str:
@@ -535,8 +527,8 @@ def world1_id(world: str, index: int) -> str:
     return f"test_world_of_one_runs[{'te-' if world == 'te' else ''}{index}]"
 
 
-def world2_id(world: str, layout: str, part: int) -> str:
-    return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{layout_label(layout)}-{part}]"
+def world2_id(world: str, part: int) -> str:
+    return f"test_world_of_two_runs[{'te-' if world == 'te' else ''}{part}]"
 
 
 @functools.lru_cache(maxsize=None)
@@ -560,16 +552,16 @@ def distinct_jobs(combos: list) -> list:
 def shards() -> dict:
     """{integration test id: the combinations it runs}: of every run group (:func:`run_groups`)
     the jobs of its pairwise cover (:func:`ci_cover`), the world-1 ones dealt round-robin to
-    their world's W1_SHARDS tests, each layout's world-2 ones to W2_PARTS launches. A job runs
+    their world's W1_SHARDS tests, the world-2 ones of every layout, layout after layout, cut
+    into W2_PARTS launches (one launch pays its processes' start and imports once). A job runs
     once (:func:`distinct_jobs`): combinations with one job share it."""
     out = {}
     for world in WORLDS:
         jobs = distinct_jobs(ci_cover(world, "1"))
         out.update({world1_id(world, i): jobs[i::W1_SHARDS[world]] for i in range(W1_SHARDS[world])})
-        for layout in world2_layouts():
-            jobs = distinct_jobs(ci_cover(world, layout))
-            out.update({world2_id(world, layout, p): jobs[p::W2_PARTS[world]]
-                        for p in range(W2_PARTS[world])})
+        jobs = [c for layout in world2_layouts() for c in distinct_jobs(ci_cover(world, layout))]
+        n = W2_PARTS[world]
+        out.update({world2_id(world, p): jobs[p * len(jobs) // n:(p + 1) * len(jobs) // n] for p in range(n)})
     return out
 
 
@@ -676,7 +668,7 @@ def _moe_graphs_combo() -> Combo:
     return next(c for c in runnable() if c["experts"] is not NA and c["graphs"] and known_bug(c) is None)
 
 
-TIMEOUT = 1800  # s, one launch (~15-35 combinations, ~2-3 s each on an idle machine)
+TIMEOUT = 2400  # s, one launch (~15-110 combinations, ~2-4 s each on an idle machine)
 
 
 def _start(combos: list, d: Path, nproc: int):
