@@ -46,6 +46,7 @@ Columns, per K and model:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -197,7 +198,7 @@ def step(side, batch, count=False):
     model, cache, opt = side["model"], side["cache"], side["opt"]
     kw = {"adapters": adapters} if cache.config.num_adapters is not None else {}
     with cache.batch(lengths, **kw) as pb:  # the host's packing: outside the count
-        with SyncSentinel(name="multi-lora step") if count else _null() as s:
+        with SyncSentinel(name="multi-lora step") if count else contextlib.nullcontext() as s:
             per_token = model(tokens, pb.position_ids_1T, None, labels=labels,
                               packed_seq_params=pb.packed_seq_params)
             losses = (per_token.float() * weights).sum(1)
@@ -205,14 +206,6 @@ def step(side, batch, count=False):
             opt.step()
             opt.zero_grad()
     return losses.detach(), (s.aten_ops if count else None)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def profiled_peak(fn) -> int:
@@ -231,7 +224,8 @@ def profiled_peak(fn) -> int:
     return peak
 
 
-def measure(model_name: str, K: int, tokens_per_adapter: int, reps: int = 3, warmup: int = 1) -> dict:
+def measure(model_name: str, K: int, tokens_per_adapter: int, reps: int = 4,
+            warmup: int = 0) -> dict:
     shape = shape_of(model_name)
     per_adapter = adapter_sequences(K, tokens_per_adapter)
     joint, singles = build_sides(shape, K, per_adapter, tokens_per_adapter)
@@ -312,14 +306,15 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--tokens-per-adapter", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="tiny model, K 1 and 3, 64 tokens, 1 rep")
+    p.add_argument("--tokens-per-adapter", type=int, default=64)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed rounds (the counted and the profiled rounds run first anyway)")
+    p.add_argument("--quick", action="store_true", help="tiny model, K 1 and 3, 32 tokens per adapter, 1 rep")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .txt beside)")
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.adapters, args.tokens_per_adapter = ["tiny"], [1, 3], 64
+        args.models, args.adapters, args.tokens_per_adapter = ["tiny"], [1, 3], 32
         args.reps, args.warmup = 1, 0
     if args.tokens_per_adapter < 8:
         p.error(f"--tokens-per-adapter {args.tokens_per_adapter}: at least 8 (one sequence)")
