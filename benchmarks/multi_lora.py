@@ -32,9 +32,10 @@ Columns, per K and model:
   sum of the K steps), the MINIMUM time over ``--reps`` rounds after ``--warmup``, the two sides
   alternating within each round (load from other processes hits both alike);
 * aten ops / step: ``SyncSentinel``'s count (a ``TorchDispatchMode``: every aten op, the proxy
-  for a kernel launch each on a GPU) over forward + backward + optimizer step + zero_grad, the
-  host's packing (``cache.batch``) and the loss weights built before it; sequential: the sum
-  over the K steps (``seq_ops_per_adapter`` holds each);
+  for a kernel launch each on a GPU) over forward + backward + optimizer step + zero_grad of
+  the second step (AdamW creates its state in the first: 3 ops per parameter), the host's
+  packing (``cache.batch``) and the loss weights built before it; sequential: the sum over the
+  K steps (``seq_ops_per_adapter`` holds each);
 * graph launches: NOT measured (the per-layer graphs on the CPU stand-in are not wired here).
   Without graphs the aten ops are the launch proxy: each is at most one kernel launch (views
   and allocations launch none);
@@ -247,8 +248,11 @@ def measure(model_name: str, K: int, tokens_per_adapter: int, reps: int = 4,
         ref = torch.cat(sl)
         diffs.append(float(((jl - ref).abs() / ref.abs()).max()))
 
-    # round 0: the counted steps (joint on both mixes), then the profiled ones; every step
+    # round 0 creates AdamW's state (3 ops per parameter, first step only); round 1 is
+    # counted, round 2 counts the joint step on the other mix, round 3 is profiled; every step
     # trains both sides alike, so their losses are compared after every round
+    jl, _ = step(joint, jbatch)
+    compare(jl, [step(s, b)[0] for s, b in zip(singles, sbatches)])
     jl, jops = step(joint, jbatch, count=True)
     counted = [step(s, b, count=True) for s, b in zip(singles, sbatches)]
     compare(jl, [l for l, _ in counted])

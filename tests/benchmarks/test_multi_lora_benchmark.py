@@ -25,8 +25,8 @@ def test_joint_losses_equal_the_sequential_ones(quick):
     rows = doc["results"]
     assert [r["adapters"] for r in rows] == [1, 3]
     for r in rows:
-        # 3 counted / profiled rounds + 1 timed: every adapter's loss of every step compared
-        assert r["loss_checks"] == 4 * r["adapters"]
+        # 4 untimed rounds (AdamW state, counted, other mix, profiled) + 1 timed, each compared
+        assert r["loss_checks"] == 5 * r["adapters"]
         # float32, the two sides attend over different packings (summation order only)
         assert r["loss_max_rel_diff"] <= 1e-5, r
 
