@@ -231,7 +231,7 @@ def profiled_peak(fn) -> int:
     return peak
 
 
-def measure(model_name: str, K: int, tokens_per_adapter: int, reps: int = 4,
+def measure(model_name: str, K: int, tokens_per_adapter: int, reps: int = 8,
             warmup: int = 0) -> dict:
     shape = shape_of(model_name)
     per_adapter = adapter_sequences(K, tokens_per_adapter)
@@ -318,10 +318,11 @@ def main(argv=None) -> dict:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--tokens-per-adapter", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--reps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed rounds (the counted and the profiled rounds run first anyway)")
-    p.add_argument("--quick", action="store_true", help="tiny model, K 1 and 3, 32 tokens per adapter, 1 rep")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, K 1 and 3, 32 tokens per adapter, 1 rep")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .txt beside)")
     args = p.parse_args(argv)
     if args.quick:
