@@ -299,11 +299,28 @@ def linear_cross_entropy(d) -> str:
     return "\n".join(out)
 
 
+def multi_lora(d) -> str:
+    """K adapters in one joint step vs K sequential single-adapter steps: each figure joint, then
+    sequential, then joint / sequential (tokens/s: > 1 = joint faster; ops, peak: < 1 = fewer)."""
+    out = ["| model | K | tokens / step | tokens/s joint, seq | joint / seq (tokens/s) "
+           "| aten ops / step joint, seq | joint / seq (ops) | peak MiB joint, seq "
+           "| joint / seq (peak) | max rel diff of a loss |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["results"]:
+        out.append(f"| {r['model']} ({r['layers']} x {r['hidden']}) | {r['adapters']} | "
+                   f"{r['tokens_per_step']} | {r['joint_tokens_per_s']:.0f}, "
+                   f"{r['seq_tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.2f} | "
+                   f"{r['joint_aten_ops']}, {r['seq_aten_ops']} | {r['aten_ops_ratio']:.3f} | "
+                   f"{r['joint_peak_bytes'] / 2**20:.2f}, {r['seq_peak_bytes'] / 2**20:.2f} | "
+                   f"{r['peak_ratio']:.2f} | {r['loss_max_rel_diff']:.1e} |")
+    return "\n".join(out)
+
+
 TABLES = (("packed_seq", packed_seq), ("moe_dispatch", moe_dispatch), ("offload", offload),
           ("sync_check", sync_check), ("end_to_end", end_to_end), ("graph_launches", graph_launches),
           ("data_stream", data_stream), ("moe_layer", moe_layer), ("dp_optimizer", dp_optimizer),
           ("linear_cross_entropy", linear_cross_entropy),
-          ("linear_cross_entropy_frozen", linear_cross_entropy))
+          ("linear_cross_entropy_frozen", linear_cross_entropy), ("multi_lora", multi_lora))
 
 
 MOE_LABELS = {"c_megatron_sequential_mlp": "(c) Megatron `permute`/`unpermute` + `SequentialMLP`",
