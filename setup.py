@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="megatron_fastpath",
-    version="0.11.0",
+    version="0.12.0",
     description=(
         "Packed-sequence params cache, TE-aware double-buffered activation offload and a "
         "sort/count MoE token dispatcher for Megatron-Core, free of CPU-GPU syncs."
