@@ -70,6 +70,8 @@ def _chunked(model, labels_1T: torch.Tensor, choice: Optional[bool]) -> bool:
     from megatron_fastpath.rules import default_linear_cross_entropy
 
     gpt = unwrap_gpt_model(model)
+    if not gpt.post_process:  # a pipeline stage before the last: no output layer, no loss here
+        return False
     weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
               else gpt.output_layer.weight)
     return default_linear_cross_entropy(labels_1T.numel(), weight.shape[0]) == "chunked"

@@ -137,3 +137,23 @@ def test_default_rule_at_the_forward(mcore_parallel):
             forward(model, pb, tokens, labels, linear_cross_entropy=None)
         assert proc.call_count == calls, threshold
 
+
+
+def test_default_rule_on_a_stage_before_the_last(mcore_parallel):
+    """A pipeline stage before the last (``post_process=False``: no output layer) returns its
+    hidden states whatever ``linear_cross_entropy`` is: the default rule is not asked (it reads
+    the output layer's rows), even where the labels reach every stage (the hooks' PP runs)."""
+    from megatron_fastpath import rules
+    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
+    from megatron_fastpath.model import build_gpt_model, build_transformer_config, rope_config_for
+    from megatron_fastpath.packed_seq import PackedSeqCache, PackedSeqConfig
+
+    cache = PackedSeqCache(PackedSeqConfig(max_tokens=T, max_seqs=8, rope=rope_config_for(SHAPE)))
+    torch.manual_seed(0)
+    model = build_gpt_model(build_transformer_config(SHAPE), get_fastpath_layer_spec(cache, backend="sdpa"),
+                            SHAPE.vocab_size, T, post_process=False)
+    assert not hasattr(model, "output_layer")
+    tokens, labels, _ = batch()
+    with mock.patch.object(rules, "LINEAR_CROSS_ENTROPY_MIN_LOGITS", 1), cache.batch(LENGTHS) as pb:
+        hidden = forward(model, pb, tokens, labels, linear_cross_entropy=None)
+    assert hidden.shape == (T, 1, SHAPE.hidden_size)
