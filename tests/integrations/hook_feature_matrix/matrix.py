@@ -1137,6 +1137,11 @@ def _run_child(key: str, spec: str, out: str) -> None:
                 runs.append({"label": combo.label, "ok": True, "what": run_combination(combo)})
         except Exception as exc:  # noqa: BLE001 -- reported; the parent test fails
             runs.append({"label": combo.label, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:600]}"})
+            if torch.distributed.get_world_size() > 1:
+                # one rank's failure leaves the other inside a collective: going on would pair
+                # mismatched collectives or wait for gloo's 30-minute timeout; stop both now
+                # (torchrun ends the other rank, the parent shows this traceback)
+                raise RuntimeError(f"{combo.label} failed on rank {torch.distributed.get_rank()}") from exc
         finally:
             clear_caches()
     rank = torch.distributed.get_rank()
