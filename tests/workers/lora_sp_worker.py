@@ -31,7 +31,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def build(sequence_parallel: bool, cache, seed=0):
+def build(sequence_parallel: bool, cache, seed=0, adapters=None):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from megatron_fastpath.layer_spec import get_fastpath_layer_spec
@@ -41,7 +41,7 @@ def build(sequence_parallel: bool, cache, seed=0):
     shape = dataclasses.replace(SHAPE, vocab_size=98)  # divisible by TP
     lora = LoRAConfig(rank=4, alpha=8, dropout=0.0,
                       targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
-    spec = with_lora(get_fastpath_layer_spec(cache, backend="sdpa"), lora)
+    spec = with_lora(get_fastpath_layer_spec(cache, backend="sdpa"), lora, adapters=adapters)
     subs = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelRMSNorm,
                                pre_mlp_layernorm=SequenceParallelRMSNorm)
     spec = dataclasses.replace(spec, submodules=subs)

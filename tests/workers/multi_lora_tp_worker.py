@@ -14,38 +14,22 @@ Megatron's own ``_allreduce_non_tensor_model_parallel_grads``.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
 
 from tests.support.cuda_as_cpu import cuda_as_cpu
 from tests.support.tiny_gpt import LENGTHS, SHAPE, T, batch
-from tests.workers.lora_sp_worker import SequenceParallelRMSNorm
+from tests.workers.lora_sp_worker import build as lora_sp_build
 
 ADAPTERS = [1, 0, 1, 0]  # LENGTHS' four sequences
 
 
 def build(sequence_parallel: bool, cache, adapters=None, seed=0):
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    """``lora_sp_worker``'s TP 2 model (``adapters`` LoRA adapters, None: one), base frozen."""
+    from megatron_fastpath.lora import freeze_base_parameters
 
-    from megatron_fastpath.layer_spec import get_fastpath_layer_spec
-    from megatron_fastpath.lora import LoRAConfig, freeze_base_parameters, with_lora
-    from megatron_fastpath.model import build_gpt_model, build_transformer_config
-
-    shape = dataclasses.replace(SHAPE, vocab_size=98)  # divisible by TP
-    lora = LoRAConfig(rank=4, alpha=8, dropout=0.0,
-                      targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
-    spec = with_lora(get_fastpath_layer_spec(cache, backend="sdpa"), lora, adapters=adapters)
-    subs = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelRMSNorm,
-                               pre_mlp_layernorm=SequenceParallelRMSNorm)
-    spec = dataclasses.replace(spec, submodules=subs)
-    block = TransformerBlockSubmodules(layer_specs=[spec] * shape.num_layers,
-                                       layer_norm=SequenceParallelRMSNorm)
-    config = build_transformer_config(shape, tensor_model_parallel_size=2,
-                                      sequence_parallel=sequence_parallel)
-    torch.manual_seed(seed)
-    model = build_gpt_model(config, block, shape.vocab_size, T)
+    model = lora_sp_build(sequence_parallel, cache, seed=seed, adapters=adapters)
     freeze_base_parameters(model)
     return model
 
