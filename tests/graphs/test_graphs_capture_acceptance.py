@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps
+from tests.support.megatron_graphs import graph_runners, graph_session, megatron_graph_state, run_steps_releasing
 
 # the integration tier: runs the main job, a benchmark script or several processes
 pytestmark = pytest.mark.integration
@@ -113,15 +113,7 @@ def _run(model, cache, steps):
 
         return out, loss_func
 
-    losses, grads = [], []
-    for mbs in steps:
-        l, g = run_steps(model, [mbs], forward_step, seq_length=T, micro_batch_size=1)
-        for pb in handles:
-            cache.release(pb)
-        handles.clear()
-        losses += l
-        grads += g
-    return losses, grads
+    return run_steps_releasing(model, cache, handles, steps, forward_step, seq_length=T)
 
 
 def _assert_graphed_equals_eager(kind, backend="sdpa", dtype=torch.float32, device="cpu",

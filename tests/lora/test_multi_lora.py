@@ -149,9 +149,9 @@ GRAPH_BATCHES = (([5, 9, 12], [0, 2, 1]), ([5, 9, 12], [1, 1, 0]), ([3, 3, 3, 3,
 
 
 def _graph_run(model, cache, steps):
-    from tests.support.megatron_graphs import run_steps
+    from tests.support.megatron_graphs import run_steps_releasing
 
-    handles, losses, grads = [], [], []
+    handles = []
 
     def forward_step(mb, module):
         (lengths, adapters), (tokens, labels, mask) = mb
@@ -166,14 +166,7 @@ def _graph_run(model, cache, steps):
 
         return out, loss_func
 
-    for mbs in steps:
-        l, g = run_steps(model, [mbs], forward_step, seq_length=T, micro_batch_size=1)
-        for pb in handles:
-            cache.release(pb)
-        handles.clear()
-        losses += l
-        grads += g
-    return losses, grads
+    return run_steps_releasing(model, cache, handles, steps, forward_step, seq_length=T)
 
 
 def test_per_layer_graphs_replay_equal_to_eager_across_adapter_mixes(mcore_parallel):

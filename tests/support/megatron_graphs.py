@@ -68,6 +68,21 @@ def run_steps(model, steps: Sequence[Sequence], forward_step: Callable, seq_leng
     return losses, grads
 
 
+def run_steps_releasing(model, cache, handles: list, steps: Sequence[Sequence],
+                        forward_step: Callable, seq_length: int):
+    """:func:`run_steps` one step at a time, releasing after each step the cache slots that
+    ``forward_step`` took and appended to ``handles`` (held until the step's backward)."""
+    losses, grads = [], []
+    for mbs in steps:
+        step_losses, step_grads = run_steps(model, [mbs], forward_step, seq_length=seq_length)
+        for pb in handles:
+            cache.release(pb)
+        handles.clear()
+        losses += step_losses
+        grads += step_grads
+    return losses, grads
+
+
 def _main_grads(model) -> None:
     """What Megatron's DDP gives each trained parameter, for a model not wrapped in it: a
     ``main_grad`` buffer, and a hook moving each accumulated ``grad`` into it
